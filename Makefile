@@ -1,0 +1,52 @@
+# The two commands the README promises: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+SYS_STAMP := .sysdeps-installed
+SYSTEM_PACKAGES := swaks postfix strace default-jre-headless
+
+.PHONY: run test lint typecheck pytest sysdeps crashtest bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(DEV_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@ $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/mta serve
+
+# System packages the tests use as real peers: swaks (client), Postfix's
+# smtp-source/smtp-sink, strace, and a Java runtime for Spark.
+sysdeps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages:$$missing"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		echo "postfix postfix/main_mailer_type select No configuration" | $$SUDO debconf-set-selections; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check spool mta fault_injection tests tools
+
+typecheck: $(DEV_STAMP)
+	$(BIN)/mypy
+
+pytest: $(DEV_STAMP) sysdeps
+	$(BIN)/pytest -q
+
+test: sysdeps $(DEV_STAMP) lint typecheck pytest
+
+crashtest: $(DEV_STAMP)
+	$(BIN)/python -m fault_injection powercut --max-states 5000
+	$(BIN)/python -m fault_injection kill9 --cycles 500
+
+bench: $(DEV_STAMP)
+	$(BIN)/python tools/bench/spool_bench.py

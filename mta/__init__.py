@@ -1,0 +1,1 @@
+"""The SMTP relay built on the spool."""

@@ -1,0 +1,377 @@
+"""Records: the framing of every entry in the log, and the payload of each type.
+
+Theory of operation. The log is a sequence of frames. Each frame is a 16-byte
+header and a payload::
+
+    offset size field
+    0      4    crc      CRC-32C (Castagnoli), little-endian, see below
+    4      4    length   payload length in bytes, little-endian
+    8      1    type     record type (RecordType)
+    9      1    flags    bit 0: garbage; other bits reserved, written 0
+    10     1    klass    runner class of an ENVELOPE (255: held); 0 otherwise
+    11     1    reserved written 0, checked 0
+    12     4    time     seconds since the Unix epoch when the record was appended
+    16     n    payload  CBOR map with small integer keys (DATA: raw bytes)
+
+The checksum covers, in this order, the segment id as 8 little-endian bytes
+(a salt: a stale frame left over from an earlier life of a reused file cannot
+pass), header bytes 4..8 and 10..15, and the payload. It does *not* cover the
+flags byte, so the garbage mark can be set in place by a one-byte write with no
+fsync: a lost mark is inferred again by recovery.
+
+``klass`` and ``time`` sit in the header so that runners decide "is this due
+for me?" without decoding CBOR: a runner decodes only the live envelopes of its
+own class that it has to start.
+
+A record's address is its *position*: ``segment_id << 32 | offset``. Positions
+are monotonic over the whole life of a spool. docs/format.md is the same
+description with worked examples; tests assert those examples byte for byte.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any, Final
+
+import attrs
+import cbor2
+from crc32c import crc32c
+
+from spool.errors import CorruptRecord
+
+HEADER = struct.Struct("<IIBBBBI")
+HEADER_SIZE: Final = HEADER.size  # 16
+FLAGS_OFFSET: Final = 9
+GARBAGE: Final = 0x01
+HELD_CLASS: Final = 255
+MAX_PAYLOAD: Final = 16 * 1024 * 1024
+_SALT = struct.Struct("<Q")
+
+
+class RecordType(enum.IntEnum):
+    ENVELOPE = 1
+    START = 2
+    DELIVERY = 3
+    FINISH = 4
+    DATA = 5
+
+
+class Status(enum.IntEnum):
+    """Per-recipient outcome in a DELIVERY record. Only DEFERRED is not final."""
+
+    DELIVERED = 0
+    DEFERRED = 1
+    BOUNCED = 2
+    EXPIRED = 3
+    DELETED = 4
+
+    @property
+    def final(self) -> bool:
+        return self is not Status.DEFERRED
+
+
+class StartKind(enum.IntEnum):
+    DELIVERY = 0
+    ADMIN = 1
+    RECOVERY = 2
+    CARRY = 3  # the oldest runner carrying a held message forward
+
+
+# -- positions ---------------------------------------------------------------
+
+
+def make_pos(segment_id: int, offset: int) -> int:
+    return (segment_id << 32) | offset
+
+
+def pos_segment(pos: int) -> int:
+    return pos >> 32
+
+
+def pos_offset(pos: int) -> int:
+    return pos & 0xFFFFFFFF
+
+
+def format_pos(pos: int) -> str:
+    """Human form ``segment:offset``, as spoolctl prints and accepts it."""
+    return f"{pos_segment(pos)}:{pos_offset(pos)}"
+
+
+def parse_pos(text: str) -> int:
+    """Accept ``segment:offset`` or a plain integer position."""
+    try:
+        if ":" in text:
+            seg, off = text.split(":", 1)
+            return make_pos(int(seg), int(off))
+        return int(text, 0)
+    except ValueError:
+        raise ValueError(f"not a position: {text!r} (want SEGMENT:OFFSET)") from None
+
+
+def format_id(message_id: int) -> str:
+    """Queue ids are the position of the message's first envelope, in hex."""
+    return f"{message_id:X}"
+
+
+def parse_id(text: str) -> int:
+    try:
+        return int(text, 16)
+    except ValueError:
+        raise ValueError(f"not a queue id: {text!r}") from None
+
+
+# -- framing -----------------------------------------------------------------
+
+
+def checksum(segment_id: int, header: bytes | memoryview, payload: bytes | memoryview) -> int:
+    crc = crc32c(_SALT.pack(segment_id))
+    crc = crc32c(header[4:9], crc)
+    crc = crc32c(header[10:16], crc)
+    return crc32c(payload, crc)
+
+
+def encode_frame(
+    segment_id: int, rtype: int, payload: bytes, *, klass: int = 0, time: int = 0, flags: int = 0
+) -> bytes:
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    head = HEADER.pack(0, len(payload), rtype, 0, klass, 0, time)
+    crc = checksum(segment_id, head, payload)
+    return HEADER.pack(crc, len(payload), rtype, flags, klass, 0, time) + payload
+
+
+@attrs.frozen
+class Frame:
+    """A decoded frame: header fields plus the raw payload."""
+
+    pos: int
+    rtype: int
+    flags: int
+    klass: int
+    time: int
+    payload: bytes
+
+    @property
+    def garbage(self) -> bool:
+        return bool(self.flags & GARBAGE)
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + len(self.payload)
+
+
+def decode_frame(segment_id: int, buf: bytes | memoryview, offset: int = 0) -> Frame:
+    """Decode the frame at ``offset`` of ``buf``; ``buf`` starts at segment offset 0
+    is not assumed: the frame's position uses ``offset`` as the segment offset.
+
+    Raises CorruptRecord for a short header, a length past the buffer, a
+    checksum mismatch, nonzero reserved bits or an unknown type.
+    """
+    if len(buf) - offset < HEADER_SIZE:
+        raise CorruptRecord("truncated header", offset=offset)
+    crc, length, rtype, flags, klass, reserved, time = HEADER.unpack_from(buf, offset)
+    end = offset + HEADER_SIZE + length
+    if length > MAX_PAYLOAD or end > len(buf):
+        raise CorruptRecord(f"length {length} runs past the end of the data", offset=offset)
+    view = memoryview(buf)
+    head = view[offset : offset + HEADER_SIZE]
+    payload = view[offset + HEADER_SIZE : end]
+    if checksum(segment_id, head, payload) != crc:
+        raise CorruptRecord("checksum mismatch", offset=offset)
+    if reserved or flags & ~GARBAGE:
+        raise CorruptRecord("reserved bits set", offset=offset)
+    if rtype not in _TYPES:
+        raise CorruptRecord(f"unknown record type {rtype}", offset=offset)
+    return Frame(make_pos(segment_id, offset), rtype, flags, klass, time, bytes(payload))
+
+
+_TYPES = frozenset(int(t) for t in RecordType)
+
+
+# -- payloads ----------------------------------------------------------------
+
+
+def _opt(d: dict[int, Any], key: int, default: Any) -> Any:
+    return d[key] if key in d else default
+
+
+@attrs.frozen
+class Envelope:
+    """A message waiting in the queue: who from, who to, where its body lies.
+
+    ``message_id`` stays the same across replacements (it is the position of the
+    first envelope). ``recipients`` are those still to be tried. ``extra`` is the
+    relay's own metadata (ESMTP parameters, client address, last error); the
+    spool stores it and never interprets it.
+    """
+
+    message_id: int
+    sender: str
+    recipients: tuple[str, ...]
+    body: tuple[int, ...]
+    body_size: int
+    arrival_ms: int
+    attempts: int = 0
+    replaces: int | None = None
+    held: bool = False
+    in_doubt: tuple[str, ...] = ()
+    extra: dict[str, Any] = attrs.field(factory=dict, hash=False)
+
+    def to_payload(self) -> bytes:
+        d: dict[int, Any] = {
+            0: self.message_id,
+            1: self.sender,
+            2: list(self.recipients),
+            3: list(self.body),
+            4: self.body_size,
+            5: self.arrival_ms,
+            6: self.attempts,
+        }
+        if self.replaces is not None:
+            d[7] = self.replaces
+        if self.held:
+            d[8] = True
+        if self.in_doubt:
+            d[9] = list(self.in_doubt)
+        if self.extra:
+            d[10] = self.extra
+        return cbor2.dumps(d)
+
+    @classmethod
+    def from_map(cls, d: dict[int, Any]) -> Envelope:
+        return cls(
+            message_id=d[0],
+            sender=d[1],
+            recipients=tuple(d[2]),
+            body=tuple(d[3]),
+            body_size=d[4],
+            arrival_ms=d[5],
+            attempts=_opt(d, 6, 0),
+            replaces=_opt(d, 7, None),
+            held=bool(_opt(d, 8, False)),
+            in_doubt=tuple(_opt(d, 9, ())),
+            extra=dict(_opt(d, 10, {})),
+        )
+
+
+@attrs.frozen
+class Start:
+    """A claim on an envelope: a delivery attempt (or an admin change) began."""
+
+    envelope: int
+    time_ms: int
+    kind: StartKind = StartKind.DELIVERY
+
+    def to_payload(self) -> bytes:
+        d: dict[int, Any] = {0: self.envelope, 1: self.time_ms}
+        if self.kind is not StartKind.DELIVERY:
+            d[2] = int(self.kind)
+        return cbor2.dumps(d)
+
+    @classmethod
+    def from_map(cls, d: dict[int, Any]) -> Start:
+        return cls(d[0], d[1], StartKind(_opt(d, 2, 0)))
+
+
+@attrs.frozen
+class Outcome:
+    """What happened to one recipient in one attempt."""
+
+    recipient: str
+    status: Status
+    code: int = 0
+    enhanced: str = ""
+    reply: str = ""
+    next_hop: str = ""
+
+    def to_list(self) -> list[Any]:
+        return [self.recipient, int(self.status), self.code, self.enhanced, self.reply, self.next_hop]
+
+    @classmethod
+    def from_list(cls, v: list[Any]) -> Outcome:
+        return cls(v[0], Status(v[1]), v[2], v[3], v[4], v[5])
+
+
+@attrs.frozen
+class Delivery:
+    """A delta: outcomes for some recipients of the attempt begun by ``start``."""
+
+    start: int
+    time_ms: int
+    outcomes: tuple[Outcome, ...]
+    duration_ms: int = 0
+
+    def to_payload(self) -> bytes:
+        d: dict[int, Any] = {0: self.start, 1: self.time_ms, 2: [o.to_list() for o in self.outcomes]}
+        if self.duration_ms:
+            d[3] = self.duration_ms
+        return cbor2.dumps(d)
+
+    @classmethod
+    def from_map(cls, d: dict[int, Any]) -> Delivery:
+        return cls(d[0], d[1], tuple(Outcome.from_list(v) for v in d[2]), _opt(d, 3, 0))
+
+
+@attrs.frozen
+class Finish:
+    """The attempt begun by ``start`` is over; ``replacement`` names the envelope
+    that carries the message on, if any."""
+
+    start: int
+    time_ms: int
+    replacement: int | None = None
+
+    def to_payload(self) -> bytes:
+        d: dict[int, Any] = {0: self.start, 1: self.time_ms}
+        if self.replacement is not None:
+            d[2] = self.replacement
+        return cbor2.dumps(d)
+
+    @classmethod
+    def from_map(cls, d: dict[int, Any]) -> Finish:
+        return cls(d[0], d[1], _opt(d, 2, None))
+
+
+Payload = Envelope | Start | Delivery | Finish | bytes
+
+_DECODERS: dict[int, Any] = {
+    RecordType.ENVELOPE: Envelope.from_map,
+    RecordType.START: Start.from_map,
+    RecordType.DELIVERY: Delivery.from_map,
+    RecordType.FINISH: Finish.from_map,
+}
+
+
+def decode_payload(rtype: int, payload: bytes, *, path: str = "", offset: int = -1) -> Payload:
+    """Decode a payload whose frame checksum already passed.
+
+    A payload that passes its checksum but does not match its schema is still
+    corrupt (written by a bug, or by a newer version): CorruptRecord.
+    """
+    if rtype == RecordType.DATA:
+        return payload
+    try:
+        d = cbor2.loads(payload)
+        if not isinstance(d, dict):
+            raise TypeError("payload is not a map")
+        result: Payload = _DECODERS[rtype](d)
+        return result
+    except (cbor2.CBORDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CorruptRecord(f"bad {RecordType(rtype).name} payload: {exc}", path, offset) from None
+
+
+def payload_type(p: Payload) -> RecordType:
+    if isinstance(p, Envelope):
+        return RecordType.ENVELOPE
+    if isinstance(p, Start):
+        return RecordType.START
+    if isinstance(p, Delivery):
+        return RecordType.DELIVERY
+    if isinstance(p, Finish):
+        return RecordType.FINISH
+    return RecordType.DATA
+
+
+def payload_bytes(p: Payload) -> bytes:
+    return p if isinstance(p, bytes) else p.to_payload()
