@@ -1,0 +1,443 @@
+"""What the SMTP server and client cores share: replies, errors, limits, parsing.
+
+Nothing here does I/O. ``Reply`` is the one value both directions exchange; the
+server formats it, the client parses it back with ``ReplyParser``. The address
+and parameter parsers turn the argument of ``MAIL FROM:`` / ``RCPT TO:`` into
+plain values or raise ``RemoteProtocolError`` carrying the reply to send, so
+the server state machine never has to know why an argument was bad.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+from typing import Final
+
+import attrs
+
+# Limits (RFC 5321 §4.5.3.1). The command line limit includes the CRLF.
+MAX_COMMAND_LINE: Final = 512
+MAX_TEXT_LINE: Final = 1000
+MAX_REPLY_LINE: Final = 4096
+MAX_REPLY_LINES: Final = 200
+MAX_LOCAL_PART: Final = 64
+MAX_DOMAIN: Final = 255
+MAX_PATH: Final = 256
+DEFAULT_MAX_MESSAGE_SIZE: Final = 10_240_000
+DEFAULT_MAX_RECIPIENTS: Final = 1000
+DEFAULT_MAX_ERRORS: Final = 10
+# DataChunk events never carry more than this, so the shell writes in bounded pieces.
+DATA_CHUNK_SIZE: Final = 65536
+
+# Timeouts in seconds (RFC 5321 §4.5.3.2). Enforcing them is the shell's job.
+TIMEOUT_INITIAL: Final = 300.0
+TIMEOUT_MAIL: Final = 300.0
+TIMEOUT_RCPT: Final = 300.0
+TIMEOUT_DATA_INIT: Final = 120.0
+TIMEOUT_DATA_BLOCK: Final = 180.0
+TIMEOUT_DATA_TERMINATION: Final = 600.0
+TIMEOUT_SERVER: Final = 300.0
+
+_ENHANCED_RE: Final = re.compile(r"^([245])\.(\d{1,3})\.(\d{1,3})$")
+_ENHANCED_PREFIX_RE: Final = re.compile(r"^([245]\.\d{1,3}\.\d{1,3})(?: |$)")
+
+
+def _check_enhanced(instance: object, attribute: object, value: str | None) -> None:
+    if value is None:
+        return
+    m = _ENHANCED_RE.match(value)
+    if m is None:
+        raise ValueError(f"bad enhanced status code {value!r}")
+
+
+def _check_code(instance: object, attribute: object, value: int) -> None:
+    if not 200 <= value <= 599:
+        raise ValueError(f"reply code {value} out of range")
+
+
+def _check_text(instance: object, attribute: object, value: str) -> None:
+    if "\r" in value or "\x00" in value:
+        raise ValueError("reply text may not hold CR or NUL; separate lines with LF")
+
+
+@attrs.frozen
+class Reply:
+    """An SMTP reply: code, RFC 3463 enhanced status, text (lines split on LF).
+
+    ``enhanced`` is None only where RFC 2034 forbids it (the greeting, replies to
+    HELO/EHLO, 3xx intermediate replies) or when a peer did not send one.
+    """
+
+    code: int = attrs.field(validator=_check_code)
+    enhanced: str | None = attrs.field(default=None, validator=_check_enhanced)
+    text: str = attrs.field(default="", validator=_check_text)
+
+    def __attrs_post_init__(self) -> None:
+        if self.enhanced is not None and self.enhanced[0] != str(self.code)[0]:
+            raise ValueError(f"enhanced code {self.enhanced} does not match class of {self.code}")
+
+    @property
+    def lines(self) -> list[str]:
+        return self.text.split("\n")
+
+    @property
+    def is_positive(self) -> bool:
+        return self.code < 400
+
+    @property
+    def is_transient(self) -> bool:
+        return 400 <= self.code < 500
+
+    @property
+    def is_permanent(self) -> bool:
+        return self.code >= 500
+
+    def to_bytes(self) -> bytes:
+        """Wire form; every line carries the enhanced code, as RFC 2034 asks."""
+        lines = self.lines
+        prefix = f"{self.enhanced} " if self.enhanced else ""
+        out = []
+        for i, line in enumerate(lines):
+            sep = " " if i == len(lines) - 1 else "-"
+            out.append(f"{self.code}{sep}{prefix}{line}".rstrip(" ") + "\r\n")
+        return "".join(out).encode("utf-8")
+
+    def __str__(self) -> str:
+        prefix = f"{self.enhanced} " if self.enhanced else ""
+        return f"{self.code} {prefix}{self.text}"
+
+
+class SmtpProtocolError(Exception):
+    """Root of the errors the SMTP cores raise on purpose.
+
+    ``reply`` is the hint: what a server should answer because of it.
+    """
+
+    def __init__(self, message: str, reply: Reply | None = None) -> None:
+        super().__init__(message)
+        self.reply = reply if reply is not None else Reply(500, "5.5.2", message)
+
+
+class LocalProtocolError(SmtpProtocolError, RuntimeError):
+    """The code driving the core (our shell) broke the rules of its API."""
+
+
+class RemoteProtocolError(SmtpProtocolError, ValueError):
+    """The peer sent something that breaks the protocol."""
+
+
+# ---------------------------------------------------------------- reply parsing
+
+
+class ReplyParser:
+    """Incremental parser of server replies, bounded in memory.
+
+    Accepts a bare LF as line end (we are liberal in what a server sends us);
+    an over-long line or reply raises ``RemoteProtocolError``.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._lines: list[tuple[int, str]] = []
+
+    def feed(self, data: bytes) -> list[Reply]:
+        self._buf += data
+        replies: list[Reply] = []
+        while True:
+            i = self._buf.find(b"\n")
+            if i < 0:
+                if len(self._buf) > MAX_REPLY_LINE:
+                    raise RemoteProtocolError("reply line too long")
+                return replies
+            raw = bytes(self._buf[:i]).rstrip(b"\r")
+            del self._buf[: i + 1]
+            reply = self._line(raw)
+            if reply is not None:
+                replies.append(reply)
+
+    @property
+    def pending(self) -> bool:
+        """True while a reply has started but not ended (EOF now would truncate it)."""
+        return bool(self._buf) or bool(self._lines)
+
+    def _line(self, raw: bytes) -> Reply | None:
+        if len(raw) > MAX_REPLY_LINE:
+            raise RemoteProtocolError("reply line too long")
+        text = raw.decode("utf-8", "replace")
+        if len(text) < 3 or not text[:3].isdigit() or (len(text) > 3 and text[3] not in " -"):
+            raise RemoteProtocolError(f"malformed reply line {text[:40]!r}")
+        code = int(text[:3])
+        if not 200 <= code <= 599:
+            raise RemoteProtocolError(f"reply code {code} out of range")
+        if self._lines and self._lines[0][0] != code:
+            raise RemoteProtocolError("reply code changed inside a multiline reply")
+        self._lines.append((code, text[4:]))
+        if len(self._lines) > MAX_REPLY_LINES:
+            raise RemoteProtocolError("reply has too many lines")
+        if len(text) > 3 and text[3] == "-":
+            return None
+        lines, self._lines = self._lines, []
+        return _build_reply(code, [t for _, t in lines])
+
+
+def _build_reply(code: int, texts: list[str]) -> Reply:
+    enhanced: str | None = None
+    out = []
+    for i, t in enumerate(texts):
+        m = _ENHANCED_PREFIX_RE.match(t)
+        if m is not None and m.group(1)[0] == str(code)[0]:
+            if i == 0:
+                enhanced = m.group(1)
+            t = t[m.end() :]
+        out.append(t.replace("\r", ""))
+    return Reply(code, enhanced, "\n".join(out))
+
+
+# ---------------------------------------------------------------- DATA content
+
+R_TOO_BIG: Final = Reply(552, "5.3.4", "Message size exceeds fixed limit")
+R_DATA_BARE_NEWLINE: Final = Reply(550, "5.6.11", "Bare CR or LF in message content; use CRLF")
+R_DATA_LONG_LINE: Final = Reply(550, "5.5.2", "Message has a line longer than allowed")
+
+
+class ContentDecoder:
+    """Server side of DATA: finds the end, undoes dot-stuffing, polices the content.
+
+    Only CRLF.CRLF ends the message (SMTP smuggling). A bare CR or LF sets
+    ``refusal`` (550 5.6.11), or with ``normalize`` becomes CRLF; either way the
+    line after it is never a terminator and is not unstuffed. Over-size and
+    over-long lines also set ``refusal``; from then on content is only counted,
+    not returned, so a doomed message costs no disk.
+    """
+
+    def __init__(self, max_size: int, max_line: int, normalize: bool) -> None:
+        self.max_size = max_size
+        self.max_line = max_line
+        self.normalize = normalize
+        self.size = 0
+        self.refusal: Reply | None = None
+        self._line_start = True  # the CRLF of the DATA command counts as a line end
+        self._real_line_start = True
+        self._line_len = 0
+        self._out = bytearray()
+
+    def decode(self, buf: bytearray, pos: int, limit: int) -> tuple[int, bytes, bool]:
+        """Consume from ``buf[pos:]``; return (new pos, content of at most ``limit`` bytes, ended)."""
+        done = False
+        while len(self._out) < limit:
+            pos, step = self._step(buf, pos, limit - len(self._out))
+            if step is None:
+                break
+            if step:
+                done = True
+                break
+        out = bytes(self._out)
+        self._out.clear()
+        return pos, out, done
+
+    def _content(self, data: bytes | bytearray) -> None:
+        self.size += len(data)
+        if self.size > self.max_size and self.refusal is None:
+            self.refusal = R_TOO_BIG
+        if self.refusal is None:
+            self._out += data
+
+    def _line_end(self, real: bool) -> None:
+        if self._line_len + 2 > self.max_line and self.refusal is None:
+            self.refusal = R_DATA_LONG_LINE
+        self._content(b"\r\n")
+        self._line_len = 0
+        self._line_start = True
+        self._real_line_start = real
+
+    def _step(self, buf: bytearray, pos: int, room: int) -> tuple[int, bool | None]:
+        """One piece: (new pos, True at the end / False after progress / None if input is needed)."""
+        n = len(buf)
+        end = min(n, pos + max(room, 1))
+        if pos >= n:
+            return pos, None
+        if self._line_start:
+            if self._real_line_start and buf[pos] == 0x2E:  # "."
+                head = bytes(buf[pos : pos + 3])
+                if head == b".\r\n":
+                    return pos + 3, True
+                if len(head) < 3 and b".\r\n".startswith(head):
+                    return pos, None
+                pos += 1  # dot-stuffing: drop the first dot of the line
+            self._line_start = False
+            if pos >= n:
+                return pos, False
+        cr = buf.find(b"\r", pos, end)
+        lf = buf.find(b"\n", pos, end)
+        i = min(x for x in (cr, lf, end) if x >= 0)
+        if i > pos:
+            self._line_len += i - pos
+            self._content(buf[pos:i])
+        if i == end:
+            return i, False
+        if buf[i] == 0x0D:
+            if i + 1 == n:
+                return i, None  # a CR at the end: wait to see what follows it
+            if buf[i + 1] == 0x0A:
+                self._line_end(real=True)
+                return i + 2, False
+        if not self.normalize and self.refusal is None:
+            self.refusal = R_DATA_BARE_NEWLINE
+        self._line_end(real=False)
+        return i + 1, False
+
+
+# ---------------------------------------------------------------- addresses
+
+_ATEXT: Final = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~\-\u0080-\U0010ffff]"
+_DOT_STRING_RE: Final = re.compile(rf"^{_ATEXT}+(?:\.{_ATEXT}+)*$")
+_QUOTED_RE: Final = re.compile(r'^"(?:[\x20\x21\x23-\x5b\x5d-\x7e\u0080-\U0010ffff]|\\[\x20-\x7e])*"$')
+_LABEL: Final = r"[A-Za-z0-9\u0080-\U0010ffff](?:[A-Za-z0-9\-\u0080-\U0010ffff]*[A-Za-z0-9\u0080-\U0010ffff])?"
+_DOMAIN_RE: Final = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*$")
+_LITERAL_RE: Final = re.compile(r"^\[[\x21-\x5a\x5e-\x7e]+\]$")
+_PARAM_KEY_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9\-]*$")
+_PARAM_VALUE_RE: Final = re.compile(r"^[\x21-\x3c\x3e-\x7e\u0080-\U0010ffff]+$")
+_SOURCE_ROUTE_RE: Final = re.compile(r"^@[^:,]+(?:,@[^:,]+)*:")
+
+Params = dict[str, str | None]
+
+
+def is_ascii(s: str) -> bool:
+    return s.isascii()
+
+
+def _split_path(arg: str, what: str, status: str) -> tuple[str, str]:
+    """Split ``<path> params`` honouring quoted strings; return (inside, rest)."""
+    arg = arg.lstrip(" ")
+    if not arg.startswith("<"):
+        raise RemoteProtocolError(f"{what} must be in angle brackets", Reply(501, status, f"Syntax: {what} <address>"))
+    quoted = escaped = False
+    for i in range(1, len(arg)):
+        c = arg[i]
+        if escaped:
+            escaped = False
+        elif c == "\\" and quoted:
+            escaped = True
+        elif c == '"':
+            quoted = not quoted
+        elif c == ">" and not quoted:
+            return arg[1:i], arg[i + 1 :]
+    raise RemoteProtocolError("unterminated path", Reply(501, status, f"Syntax: {what} <address>"))
+
+
+def parse_mailbox(box: str) -> bool:
+    """True if ``box`` is an RFC 5321 Mailbox (RFC 6531 allows UTF-8 in it)."""
+    at = box.rfind("@")
+    if at <= 0:
+        return False
+    local, domain = box[:at], box[at + 1 :]
+    if len(local.encode()) > MAX_LOCAL_PART or len(domain.encode()) > MAX_DOMAIN:
+        return False
+    if not (_DOT_STRING_RE.match(local) or _QUOTED_RE.match(local)):
+        return False
+    return bool(_DOMAIN_RE.match(domain) or _LITERAL_RE.match(domain))
+
+
+def _parse_path(arg: str, what: str, status: str, allow_null: bool) -> tuple[str, str]:
+    inside, rest = _split_path(arg, what, status)
+    if rest and not rest.startswith(" "):
+        raise RemoteProtocolError("junk after path", Reply(501, status, f"Syntax: {what} <address>"))
+    if len(inside.encode()) + 2 > MAX_PATH:
+        raise RemoteProtocolError("path too long", Reply(501, status, "Address too long"))
+    if inside == "" and allow_null:
+        return "", rest
+    m = _SOURCE_ROUTE_RE.match(inside)
+    if m is not None:  # RFC 5321 §4.1.1.3: source routes are accepted and ignored.
+        inside = inside[m.end() :]
+    if not allow_null and inside.lower() == "postmaster":
+        return inside, rest
+    if not parse_mailbox(inside):
+        raise RemoteProtocolError("bad mailbox", Reply(501, status, f"Bad address syntax: <{inside[:64]}>"))
+    return inside, rest
+
+
+def parse_params(text: str) -> Params:
+    """``KEY=VALUE KEY ...`` → dict with upper-case keys (RFC 5321 §4.1.2 esmtp-param)."""
+    params: Params = {}
+    for word in text.split(" "):
+        if not word:
+            continue
+        key, eq, value = word.partition("=")
+        if not _PARAM_KEY_RE.match(key) or (eq and not _PARAM_VALUE_RE.match(value)):
+            raise RemoteProtocolError("bad parameter", Reply(501, "5.5.4", f"Bad parameter syntax: {word[:40]}"))
+        key = key.upper()
+        if key in params:
+            raise RemoteProtocolError("duplicate parameter", Reply(501, "5.5.4", f"Duplicate parameter {key}"))
+        params[key] = value if eq else None
+    return params
+
+
+def parse_mail_from(arg: str) -> tuple[str, Params]:
+    """Argument of MAIL after the verb (``FROM:<a@b> SIZE=1``) → (address, params).
+
+    The null reverse path ``<>`` is returned as ``""``.
+    """
+    if arg[:5].upper() != "FROM:":
+        raise RemoteProtocolError("MAIL without FROM:", Reply(501, "5.5.4", "Syntax: MAIL FROM:<address>"))
+    address, rest = _parse_path(arg[5:], "MAIL FROM:", "5.1.7", allow_null=True)
+    return address, parse_params(rest)
+
+
+def parse_rcpt_to(arg: str) -> tuple[str, Params]:
+    """Argument of RCPT after the verb (``TO:<a@b>``) → (address, params)."""
+    if arg[:3].upper() != "TO:":
+        raise RemoteProtocolError("RCPT without TO:", Reply(501, "5.5.4", "Syntax: RCPT TO:<address>"))
+    address, rest = _parse_path(arg[3:], "RCPT TO:", "5.1.3", allow_null=False)
+    return address, parse_params(rest)
+
+
+def format_params(params: Params | None) -> str:
+    if not params:
+        return ""
+    return "".join(f" {k}" if v is None else f" {k}={v}" for k, v in params.items())
+
+
+# ---------------------------------------------------------------- Received:
+
+_UNSAFE_RE: Final = re.compile(r"[\x00-\x1f\x7f()\\]")
+
+
+def _clean(s: str, limit: int = 255) -> str:
+    """Peer-supplied text goes into a header: no control chars, no comment breakers."""
+    return _UNSAFE_RE.sub("?", s)[:limit]
+
+
+def received_protocol(*, esmtp: bool, tls: bool, smtputf8: bool) -> str:
+    """The ``with`` keyword (RFC 3848, RFC 6531 §3.7.3)."""
+    if smtputf8:
+        return "UTF8SMTPS" if tls else "UTF8SMTP"
+    if not esmtp:
+        return "SMTP"
+    return "ESMTPS" if tls else "ESMTP"
+
+
+def received_header(
+    *,
+    helo: str,
+    client_ip: str,
+    by: str,
+    protocol: str,
+    queue_id: str | None = None,
+    recipient: str | None = None,
+    client_host: str | None = None,
+    when: _dt.datetime | None = None,
+) -> bytes:
+    """A folded ``Received:`` trace header (RFC 5321 §4.4), CRLF-terminated.
+
+    Peer-supplied text is sanitised, so a hostile HELO cannot inject headers.
+    """
+    when = when or _dt.datetime.now(_dt.UTC)
+    host = _clean(client_host) if client_host else "unknown"
+    parts = [f"Received: from {_clean(helo)} ({host} [{_clean(client_ip, 64)}])", f"\tby {_clean(by)} with {protocol}"]
+    if queue_id:
+        parts[-1] += f" id {_clean(queue_id, 64)}"
+    if recipient:
+        parts.append(f"\tfor <{_clean(recipient)}>")
+    parts[-1] += ";"
+    parts.append("\t" + when.strftime("%a, %d %b %Y %H:%M:%S %z"))
+    return ("\r\n".join(parts) + "\r\n").encode("utf-8")
