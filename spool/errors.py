@@ -20,6 +20,7 @@ class CorruptRecord(SpoolError, ValueError):
     def __init__(self, message: str, path: str = "", offset: int = -1) -> None:
         self.path = path
         self.offset = offset
+        self.reason = message
         where = f"{path} at offset {offset}: " if path else (f"offset {offset}: " if offset >= 0 else "")
         super().__init__(where + message)
 

@@ -1,0 +1,105 @@
+"""The checkpoint: restart positions, written atomically after what they cover is durable.
+
+File ``DIR/checkpoint``::
+
+    offset size field
+    0      8    magic    b"LSPOOLCP"
+    8      2    version  FORMAT_VERSION, little-endian
+    10     2    reserved zero
+    12     4    length   of the CBOR payload, little-endian
+    16     4    crc      CRC-32C of the payload
+    20     n    payload  CBOR map, integer keys (below)
+
+Payload keys: 0 head (position: everything before it was durable when the
+checkpoint was taken), 1 working-suffix start (recovery scans from here),
+2 garbage-prefix end (every segment wholly before it may be deleted),
+3 runner positions (array, index = runner class), 4 time (ms), 5 sequence.
+
+Written as temp file, fsync, rename, fsync of the directory: a crash leaves
+either the old checkpoint or the new one, never a mix. A stale checkpoint only
+costs more scanning; that is why positions may lag but never lead.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any
+
+import attrs
+import cbor2
+from crc32c import crc32c
+
+from spool.errors import CorruptRecord, FormatVersionError
+from spool.fileio import FileIO, read_exact, write_all
+from spool.segment import FORMAT_VERSION
+
+MAGIC = b"LSPOOLCP"
+_HEAD = struct.Struct("<8sHHII")
+NAME = "checkpoint"
+
+
+class CorruptCheckpoint(CorruptRecord):
+    """The checkpoint file is damaged. Removing it makes the next start scan the whole log."""
+
+
+@attrs.frozen
+class Checkpoint:
+    head: int
+    working_start: int
+    garbage_end: int
+    runners: tuple[int, ...]
+    time_ms: int
+    sequence: int
+
+    def to_bytes(self) -> bytes:
+        payload = cbor2.dumps({0: self.head, 1: self.working_start, 2: self.garbage_end,
+                               3: list(self.runners), 4: self.time_ms, 5: self.sequence})
+        return _HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(payload), crc32c(payload)) + payload
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: str) -> Checkpoint:
+        if len(data) < _HEAD.size:
+            raise CorruptCheckpoint("checkpoint is truncated", path, 0)
+        magic, version, reserved, length, crc = _HEAD.unpack_from(data)
+        if magic != MAGIC:
+            raise CorruptCheckpoint("not a logspool checkpoint (bad magic)", path, 0)
+        if version != FORMAT_VERSION:
+            raise FormatVersionError(f"{path}: checkpoint format version {version}, this logspool reads "
+                                     f"{FORMAT_VERSION}")
+        payload = data[_HEAD.size:]
+        if reserved or len(payload) != length:
+            raise CorruptCheckpoint(f"checkpoint length {length} does not match the file", path, 12)
+        if crc32c(payload) != crc:
+            raise CorruptCheckpoint("checkpoint checksum mismatch", path, 16)
+        try:
+            d: Any = cbor2.loads(payload)
+            return cls(int(d[0]), int(d[1]), int(d[2]), tuple(int(x) for x in d[3]), int(d[4]), int(d[5]))
+        except (cbor2.CBORDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CorruptCheckpoint(f"checkpoint payload is malformed: {exc}", path, _HEAD.size) from None
+
+
+def load(io: FileIO, spool_dir: str) -> Checkpoint | None:
+    path = os.path.join(spool_dir, NAME)
+    if not io.exists(path):
+        return None
+    fd = io.open_read(path)
+    try:
+        data = read_exact(io, fd, io.size(fd), 0)
+    finally:
+        io.close(fd)
+    return Checkpoint.from_bytes(data, path)
+
+
+def store(io: FileIO, spool_dir: str, cp: Checkpoint) -> None:
+    """Atomically replace the checkpoint; durable when this returns."""
+    path = os.path.join(spool_dir, NAME)
+    tmp = path + ".tmp"
+    fd = io.open(tmp, create=True, truncate=True)
+    try:
+        write_all(io, fd, cp.to_bytes(), 0)
+        io.fsync(fd)
+    finally:
+        io.close(fd)
+    io.rename(tmp, path)
+    io.fsync_dir(spool_dir)

@@ -1,0 +1,67 @@
+"""The engine's tunables, with the defaults an operator would expect."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import attrs
+
+from spool.record import HELD_CLASS
+
+MIB = 1024 * 1024
+
+
+def _intervals(value: tuple[float, ...]) -> tuple[float, ...]:
+    value = tuple(float(v) for v in value)
+    if not value:
+        raise ValueError("retry_intervals needs at least one deferred class")
+    if len(value) >= HELD_CLASS:
+        raise ValueError(f"at most {HELD_CLASS - 1} deferred classes")
+    if any(v <= 0 for v in value):
+        raise ValueError("retry intervals must be positive")
+    if any(b < a for a, b in itertools.pairwise(value)):
+        raise ValueError("retry intervals must not decrease: the last class sweeps the log")
+    return value
+
+
+@attrs.frozen
+class SpoolConfig:
+    """Engine settings.
+
+    ``retry_intervals`` are the deferred runner classes 1..N (class 0 is new
+    mail, due at once). A runner of class k trails the head of the log by its
+    interval; the last class is also the sweeper that carries held messages
+    forward so that the log behind it can be reclaimed.
+    """
+
+    segment_size: int = 64 * MIB
+    retry_intervals: tuple[float, ...] = attrs.field(default=(60.0, 300.0, 900.0, 1800.0, 3600.0),
+                                                     converter=_intervals)
+    max_queue_lifetime: float = 5 * 86400.0
+    active_limit: int = 10_000
+    archive_dir: str | None = None
+    body_chunk: int = 256 * 1024
+    flush_threshold: int = 4 * MIB
+    checkpoint_interval: float = 2.0
+    clock: Callable[[], float] = time.time
+
+    def __attrs_post_init__(self) -> None:
+        if self.segment_size < 4096:
+            raise ValueError("segment_size must be at least 4 KiB")
+        if self.active_limit < 1:
+            raise ValueError("active_limit must be at least 1")
+        if self.max_queue_lifetime <= 0:
+            raise ValueError("max_queue_lifetime must be positive")
+
+    @property
+    def classes(self) -> int:
+        """Number of runner classes, new mail included."""
+        return 1 + len(self.retry_intervals)
+
+    def interval(self, klass: int) -> float:
+        return 0.0 if klass == 0 else self.retry_intervals[klass - 1]
+
+    def next_class(self, klass: int) -> int:
+        return min(klass + 1, self.classes - 1)

@@ -1,0 +1,283 @@
+"""The append side of the log: positions, buffering, rotation, write and sync.
+
+Theory of operation. ``append`` encodes a frame into an in-memory batch and
+returns the record's position at once: positions are assigned by the event
+loop's thread, in order. ``take_batch`` hands the pending bytes to whoever will
+do the I/O (the trio committer, in a worker thread; or the synchronous core
+directly), and ``write_batch`` writes them with one write per segment, applies
+garbage marks that were waiting for this sync, and fdatasyncs. Appends may go
+on while a batch is being written: that is group commit.
+
+Rotation: when a record does not fit, the next segment begins in the same
+batch. The writer fdatasyncs a full segment before it creates the next, and
+fsyncs the directory after creating it, so only the last segment can ever have
+a torn tail.
+
+A failed fsync poisons the writer: PostgreSQL's fsyncgate showed that a retried
+fsync can report success for pages the kernel already dropped, so the only safe
+course is to crash and recover from what is really on disk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import attrs
+
+from spool.errors import CorruptRecord, SpoolError, SyncFailed
+from spool.fileio import FileIO, read_exact, write_all
+from spool.record import (
+    FLAGS_OFFSET,
+    GARBAGE,
+    HEADER,
+    HEADER_SIZE,
+    Frame,
+    decode_frame,
+    encode_frame,
+    make_pos,
+    pos_offset,
+    pos_segment,
+)
+from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, segment_path
+
+_MAX_OPEN = 16
+
+
+@attrs.define
+class Batch:
+    """Bytes to write: ``chunks`` are (segment id, offset, data), in log order."""
+
+    chunks: list[tuple[int, int, bytearray]]
+    end: int
+    marks: list[int]
+    sync: bool = True
+
+
+class LogWriter:
+    """Owns the files of the log. Not thread-safe by itself: ``append`` and
+    ``take_batch`` run on one thread; ``write_batch`` and ``mark_now`` on another,
+    serialised by ``io_lock``."""
+
+    def __init__(self, io: FileIO, log_dir: str, segment_size: int, segment_id: int, end_offset: int,
+                 now: int) -> None:
+        self.io = io
+        self.log_dir = log_dir
+        self.segment_size = segment_size
+        self.io_lock = threading.Lock()
+        self._seg = segment_id
+        self._off = end_offset
+        self._chunks: list[tuple[int, int, bytearray]] = []
+        self._marks: list[int] = []
+        self._last_time = now
+        self.durable_end = make_pos(segment_id, end_offset)
+        self.written_end = self.durable_end
+        self.appended_bytes = 0
+        self.fsyncs = 0
+        self.commits = 0
+        self.records = 0
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._rfds: OrderedDict[int, int] = OrderedDict()
+        self._dirty: set[int] = set()
+        self._dir_dirty = False
+        self.poisoned: BaseException | None = None
+        self.closed_sizes: dict[int, int] = {}
+
+    # -- append side (event loop thread) -------------------------------------
+
+    @property
+    def head(self) -> int:
+        """Position the next record will get."""
+        return make_pos(self._seg, self._off)
+
+    @property
+    def segment_id(self) -> int:
+        return self._seg
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(len(c[2]) for c in self._chunks)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._chunks) or bool(self._marks)
+
+    def append(self, rtype: int, payload: bytes, *, klass: int = 0, now: float) -> int:
+        """Buffer one record; return its position."""
+        if self.poisoned is not None:
+            raise SpoolError("the log is unusable after an I/O failure; restart to recover") from self.poisoned
+        t = max(int(now), self._last_time)
+        self._last_time = t
+        size = HEADER_SIZE + len(payload)
+        if self._off + size > self.segment_size and self._off > SEGMENT_HEADER_SIZE:
+            self.closed_sizes[self._seg] = self._off
+            self._seg += 1
+            self._off = 0
+            self._chunks.append((self._seg, 0, bytearray(encode_segment_header(self._seg, t))))
+            self._off = SEGMENT_HEADER_SIZE
+        pos = make_pos(self._seg, self._off)
+        frame = encode_frame(self._seg, rtype, payload, klass=klass, time=t)
+        if self._chunks and self._chunks[-1][0] == self._seg:
+            self._chunks[-1][2].extend(frame)
+        else:
+            self._chunks.append((self._seg, self._off, bytearray(frame)))
+        self._off += size
+        self.appended_bytes += size
+        self.records += 1
+        return pos
+
+    def mark_after_sync(self, pos: int) -> None:
+        """Set the garbage mark of ``pos`` once everything appended so far is durable."""
+        self._marks.append(pos)
+
+    def take_batch(self, *, sync: bool = True) -> Batch:
+        batch = Batch(self._chunks, self.head, self._marks if sync else [], sync)
+        self._chunks = []
+        if sync:
+            self._marks = []
+        return batch
+
+    # -- I/O side (one thread at a time) --------------------------------------
+
+    def _fd(self, seg: int, *, create: bool = False) -> int:
+        fd = self._fds.get(seg)
+        if fd is not None:
+            self._fds.move_to_end(seg)
+            return fd
+        path = segment_path(self.log_dir, seg)
+        fd = self.io.open(path, create=create)
+        self._fds[seg] = fd
+        while len(self._fds) > _MAX_OPEN:
+            old, ofd = self._fds.popitem(last=False)
+            if old in self._dirty:
+                self._sync_fd(ofd)
+                self._dirty.discard(old)
+            self.io.close(ofd)
+        return fd
+
+    def _sync_fd(self, fd: int) -> None:
+        try:
+            self.io.fdatasync(fd)
+            self.fsyncs += 1
+        except OSError as exc:
+            self.poisoned = exc
+            raise SyncFailed(f"fdatasync failed: {exc}; the process must restart and recover") from exc
+
+    def write_batch(self, batch: Batch) -> None:
+        """Write, sync (if asked), then apply the marks that waited for that sync."""
+        with self.io_lock:
+            if self.poisoned is not None:
+                raise SpoolError("the log is unusable after an I/O failure") from self.poisoned
+            try:
+                for i, (seg, off, data) in enumerate(batch.chunks):
+                    fd = self._fd(seg, create=off == 0)
+                    if off == 0:
+                        self._dir_dirty = True
+                    write_all(self.io, fd, data, off)
+                    self._dirty.add(seg)
+                    rotated = i + 1 < len(batch.chunks) and batch.chunks[i + 1][0] != seg
+                    if rotated:
+                        self._sync_fd(fd)
+                        self._dirty.discard(seg)
+                        self._sync_dir()
+            except SyncFailed:
+                raise
+            except OSError as exc:
+                self.poisoned = exc
+                raise
+            if batch.chunks:
+                self.written_end = batch.end
+            if not batch.sync:
+                return
+            if batch.chunks:
+                # Earlier segments of the batch were synced when it rotated past them.
+                last = batch.chunks[-1][0]
+                self._sync_fd(self._fd(last))
+                self._dirty.discard(last)
+            self._sync_dir()
+            self.durable_end = self.written_end
+            self.commits += 1
+            for pos in batch.marks:
+                self._mark(pos)
+
+    def _sync_dir(self) -> None:
+        if self._dir_dirty:
+            try:
+                self.io.fsync_dir(self.log_dir)
+                self.fsyncs += 1
+            except OSError as exc:
+                self.poisoned = exc
+                raise SyncFailed(f"directory fsync failed: {exc}") from exc
+            self._dir_dirty = False
+
+    def _mark(self, pos: int) -> None:
+        fd = self._fd(pos_segment(pos))
+        write_all(self.io, fd, bytes([GARBAGE]), pos_offset(pos) + FLAGS_OFFSET)
+        self._dirty.add(pos_segment(pos))
+
+    def mark_now(self, pos: int) -> None:
+        """Set a mark on a record already known durable (recovery, admin)."""
+        with self.io_lock:
+            self._mark(pos)
+
+    def sync_all(self) -> None:
+        """fdatasync every segment with marks or data not yet synced (checkpoint)."""
+        with self.io_lock:
+            for seg in sorted(self._dirty):
+                self._sync_fd(self._fd(seg))
+            self._dirty.clear()
+            self._sync_dir()
+
+    def forget(self, seg: int) -> None:
+        """Close the descriptor of a segment about to be deleted."""
+        with self.io_lock:
+            for fds in (self._fds, self._rfds):
+                fd = fds.pop(seg, None)
+                if fd is not None:
+                    self.io.close(fd)
+            self._dirty.discard(seg)
+            self.closed_sizes.pop(seg, None)
+
+    # -- reading single records -----------------------------------------------
+
+    def _rfd(self, seg: int) -> int:
+        """Descriptors for reading, apart from the writer's: reads must not wait on a running fsync."""
+        fd = self._rfds.get(seg)
+        if fd is not None:
+            self._rfds.move_to_end(seg)
+            return fd
+        fd = self.io.open_read(segment_path(self.log_dir, seg))
+        self._rfds[seg] = fd
+        while len(self._rfds) > _MAX_OPEN:
+            self.io.close(self._rfds.popitem(last=False)[1])
+        return fd
+
+    def read_frame(self, pos: int) -> Frame:
+        """Read and verify the record at ``pos`` (it must already be written)."""
+        seg, off = pos_segment(pos), pos_offset(pos)
+        fd = self._rfd(seg)
+        head = read_exact(self.io, fd, HEADER_SIZE, off)
+        length = HEADER.unpack_from(head)[1] if len(head) == HEADER_SIZE else 0
+        data = head + read_exact(self.io, fd, length, off + HEADER_SIZE)
+        try:
+            frame = decode_frame(seg, data, 0)
+        except CorruptRecord as exc:
+            raise CorruptRecord(exc.reason, segment_path(self.log_dir, seg), off) from None
+        return Frame(pos, frame.rtype, frame.flags, frame.klass, frame.time, frame.payload)
+
+    def segment_end(self, seg: int) -> int:
+        """End offset of valid data in ``seg`` as far as readers may go (durable)."""
+        if seg == pos_segment(self.durable_end):
+            return pos_offset(self.durable_end)
+        if seg in self.closed_sizes:
+            return self.closed_sizes[seg]
+        size = self.io.size(self._rfd(seg))
+        self.closed_sizes[seg] = size
+        return size
+
+    def close(self) -> None:
+        with self.io_lock:
+            for fds in (self._fds, self._rfds):
+                for fd in fds.values():
+                    self.io.close(fd)
+                fds.clear()

@@ -1,0 +1,572 @@
+"""The synchronous spool: open (= recover), enqueue, runners' attempts, checkpoint.
+
+This is the core without an event loop, used directly by the CLI, tests and
+benchmarks, and wrapped by ``spool.commit.AsyncSpool`` for the relay. Nothing
+here is durable until ``commit()`` (or the async layer's group commit) returns.
+
+Durability rules (DESIGN §2, Finch):
+- a new message's envelope and body are durable before the caller says 250
+  (``enqueue`` then ``commit``);
+- a DELIVERY record is durable before the message's next step (the caller
+  commits after ``record_delivery``);
+- START, FINISH, replacement envelopes and garbage marks carry no sync of their
+  own: recovery rebuilds them. A START's garbage mark on its envelope is only
+  written once the START itself is durable, so a surviving mark always has a
+  surviving START to explain it.
+
+Space: a segment is deleted (or archived) when it lies more than BODY_SLACK
+segments behind the garbage-prefix end of a durable checkpoint. Message bodies
+sit in DATA records just before their envelope; a body whose chunks began more
+than one segment before the envelope is copied forward, and a replacement
+envelope always gets a fresh copy of the body, so the slack is enough.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import attrs
+
+from spool import checkpoint as ckpt
+from spool import recovery
+from spool.config import SpoolConfig
+from spool.errors import CorruptRecord, MessageBusy, SpoolError, SpoolLocked
+from spool.fileio import FileIO, OsFileIO, write_all
+from spool.log import LogWriter
+from spool.record import (
+    HELD_CLASS,
+    Delivery,
+    Envelope,
+    Finish,
+    Outcome,
+    RecordType,
+    Start,
+    StartKind,
+    Status,
+    decode_payload,
+    make_pos,
+    pos_segment,
+)
+from spool.runner import Candidate, Runner
+from spool.segment import (
+    SEGMENT_HEADER_SIZE,
+    encode_segment_header,
+    list_segments,
+    read_segment_header,
+    segment_path,
+)
+
+log = logging.getLogger("spool")
+BODY_SLACK = 2
+LOG_DIR = "log"
+
+
+@attrs.define(eq=False)
+class Attempt:
+    """A message claimed by a START: being delivered, or changed by an admin."""
+
+    start_pos: int
+    envelope_pos: int
+    envelope: Envelope
+    klass: int
+    kind: StartKind
+    expired: bool = False
+    outcomes: dict[str, Outcome] = attrs.field(factory=dict)
+
+    @property
+    def message_id(self) -> int:
+        return self.envelope.message_id
+
+    @property
+    def remaining(self) -> list[str]:
+        """Recipients with no final outcome yet."""
+        return [r for r in self.envelope.recipients
+                if r not in self.outcomes or not self.outcomes[r].status.final]
+
+
+class BodyWriter:
+    """Streams a message body into DATA records as it arrives.
+
+    Why: a 50 MB message must pass through in bounded memory. Chunks are
+    appended (not synced) as they fill; the enqueue's commit makes them durable
+    together with the envelope.
+    """
+
+    def __init__(self, spool: Spool) -> None:
+        self._spool = spool
+        self._buf = bytearray()
+        self.chunks: list[int] = []
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.closed:
+            raise SpoolError("body already closed")
+        self._buf += data
+        self.size += len(data)
+        limit = self._spool.config.body_chunk
+        while len(self._buf) >= limit:
+            self._emit(bytes(self._buf[:limit]))
+            del self._buf[:limit]
+
+    def _emit(self, chunk: bytes) -> None:
+        pos = self._spool._append(RecordType.DATA, chunk)
+        if not self.chunks:
+            self._spool._open_bodies[id(self)] = pos
+        self.chunks.append(pos)
+        self._spool._maybe_flush()
+
+    def close(self) -> tuple[int, ...]:
+        if not self.closed:
+            if self._buf or not self.chunks:
+                self._emit(bytes(self._buf))
+                self._buf.clear()
+            self.closed = True
+        return tuple(self.chunks)
+
+    def abort(self) -> None:
+        """Forget the body: its DATA records become garbage with their segment."""
+        self.closed = True
+        self._spool._open_bodies.pop(id(self), None)
+
+
+@attrs.frozen
+class CheckpointPlan:
+    head: int
+    checkpoint: ckpt.Checkpoint
+
+
+class Spool:
+    """One spool directory, opened for writing by one process."""
+
+    def __init__(self, path: str, config: SpoolConfig, io: FileIO) -> None:
+        self.path = path
+        self.log_dir = os.path.join(path, LOG_DIR)
+        self.config = config
+        self.io = io
+        self.attempts: dict[int, Attempt] = {}
+        self.by_envelope: dict[int, Attempt] = {}
+        self._open_bodies: dict[int, int] = {}
+        self._rr = 0
+        self._lock_fd = -1
+        self._checkpoint: ckpt.Checkpoint | None = None
+        self.recovery_stats = recovery.RecoveryStats()
+        self.writer: LogWriter
+        self.runners: list[Runner] = []
+        self.flush_hook: Any = None
+
+    # -- open = recover -----------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str, config: SpoolConfig | None = None, io: FileIO | None = None,
+             *, lock: bool = True) -> Spool:
+        """Open (creating if needed) and recover. Raises SpoolLocked, CorruptSegment, ..."""
+        sp = cls(path, config or SpoolConfig(), io or OsFileIO())
+        sp.io.makedirs(sp.log_dir)
+        if lock:
+            sp._take_lock()
+        try:
+            sp._recover()
+        except BaseException:
+            sp.close()
+            raise
+        return sp
+
+    def _take_lock(self) -> None:
+        fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SpoolLocked(f"{self.path}: another process has this spool open") from None
+        self._lock_fd = fd
+
+    def _now(self) -> float:
+        return self.config.clock()
+
+    def _now_ms(self) -> int:
+        return int(self._now() * 1000)
+
+    def _recover(self) -> None:
+        t0 = self._now()
+        stats = self.recovery_stats
+        cp = ckpt.load(self.io, self.path)
+        self._checkpoint = cp
+        ids = list_segments(self.io, self.log_dir)
+        if cp is not None:
+            self._delete_segments_before(pos_segment(cp.garbage_end) - BODY_SLACK, ids)
+            ids = [s for s in ids if s >= pos_segment(cp.garbage_end) - BODY_SLACK]
+        if not ids:
+            if cp is not None:
+                raise SpoolError(f"{self.path}: the checkpoint names segments but none exist")
+            self._create_first_segment()
+            ids = [1]
+        recovery.validate_segments(self.io, self.log_dir, ids)
+        first, last = ids[0], ids[-1]
+        start = cp.working_start if cp is not None else make_pos(first, SEGMENT_HEADER_SIZE)
+        if pos_segment(start) < first:
+            start = make_pos(first, SEGMENT_HEADER_SIZE)
+        last = self._drop_empty_last_segment(ids)
+        read_segment_header(self.io, segment_path(self.log_dir, last), last)
+        tail_from = start if pos_segment(start) == last else make_pos(last, SEGMENT_HEADER_SIZE)
+        end_off = recovery.find_log_end(self.io, self.log_dir, last, int(tail_from & 0xFFFFFFFF),
+                                        cp.head if cp else None, stats)
+        end = make_pos(last, end_off)
+        recovery.sync_suffix(self.io, self.log_dir, pos_segment(start), last)
+        self.writer = LogWriter(self.io, self.log_dir, self.config.segment_size, last, end_off, int(t0))
+        found = recovery.scan_suffix(self.io, self.log_dir, start, end, stats)
+        for pos in found.to_mark:
+            self._mark_if_present(pos)
+            stats.marks += 1
+        self._runners_from(cp, first)
+        for open_attempt in sorted(found.unfinished.values(), key=lambda a: a.start_pos):
+            self._close_recovered(open_attempt, found.replaced)
+        self.commit()
+        stats.seconds = self._now() - t0
+        log.info("recovered %s: %s; read %d records, %d bytes; %d in flight, %d in doubt",
+                 self.path, recovery.describe(cp), stats.records_read, stats.bytes_read, stats.in_flight,
+                 stats.in_doubt)
+        self.checkpoint()
+
+    def _drop_empty_last_segment(self, ids: list[int]) -> int:
+        """A crash while creating a segment can leave it without a valid header: it held nothing."""
+        last = ids[-1]
+        path = segment_path(self.log_dir, last)
+        fd = self.io.open_read(path)
+        try:
+            size = self.io.size(fd)
+            head = self.io.read(fd, SEGMENT_HEADER_SIZE, 0)
+        finally:
+            self.io.close(fd)
+        if len(ids) > 1 and (size < SEGMENT_HEADER_SIZE or head.count(0) == len(head)):
+            log.warning("removing segment %s left half-created by a crash", path)
+            self.io.unlink(path)
+            self.io.fsync_dir(self.log_dir)
+            ids.pop()
+            return ids[-1]
+        return last
+
+    def _create_first_segment(self) -> None:
+        path = segment_path(self.log_dir, 1)
+        fd = self.io.open(path, create=True, truncate=True)
+        try:
+            write_all(self.io, fd, encode_segment_header(1, int(self._now())), 0)
+            self.io.fsync(fd)
+        finally:
+            self.io.close(fd)
+        self.io.fsync_dir(self.log_dir)
+
+    def _runners_from(self, cp: ckpt.Checkpoint | None, first: int) -> None:
+        origin = make_pos(first, SEGMENT_HEADER_SIZE)
+        n = self.config.classes
+        for k in range(n):
+            pos = cp.runners[k] if cp is not None and k < len(cp.runners) else (
+                min(cp.runners) if cp is not None and cp.runners else origin)
+            pos = max(pos, origin)
+            self.runners.append(Runner(self.io, self.log_dir, k, self.config.interval(k), pos,
+                                       sweeper=k == n - 1))
+
+    def _mark_if_present(self, pos: int) -> None:
+        try:
+            self.writer.mark_now(pos)
+        except FileNotFoundError:
+            pass  # its segment was already reclaimed: nothing left to mark
+
+    def _close_recovered(self, attempt: recovery.OpenAttempt, replaced: dict[int, int]) -> None:
+        stats = self.recovery_stats
+        stats.in_flight += 1
+        env_pos = attempt.start.envelope
+        env = self._read_envelope(env_pos)
+        if env_pos in replaced:
+            self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replaced[env_pos]))
+            return
+        doubt = recovery.in_doubt_recipients(env, attempt)
+        remaining = recovery.remaining_recipients(env, attempt)
+        if doubt:
+            recovery.report_in_doubt(env, doubt)
+            stats.in_doubt += len(doubt)
+        replacement = None
+        if remaining:
+            klass = self._read_class(env_pos)
+            replacement = self._write_replacement(env, env_pos, klass, remaining, attempts=env.attempts,
+                                                  in_doubt=tuple(dict.fromkeys(env.in_doubt + tuple(doubt))))
+            stats.replacements += 1
+        self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+
+    # -- reading --------------------------------------------------------------
+
+    def _read_envelope(self, pos: int) -> Envelope:
+        frame = self.writer.read_frame(pos)
+        if frame.rtype != RecordType.ENVELOPE:
+            raise CorruptRecord(f"expected an envelope at position {pos}", segment_path(
+                self.log_dir, pos_segment(pos)), pos & 0xFFFFFFFF)
+        env = decode_payload(frame.rtype, frame.payload)
+        assert isinstance(env, Envelope)
+        return env
+
+    def _read_class(self, pos: int) -> int:
+        return self.writer.read_frame(pos).klass
+
+    def read_body(self, envelope: Envelope) -> Iterator[bytes]:
+        """The message data, chunk by chunk, each checked against its checksum."""
+        for pos in envelope.body:
+            frame = self.writer.read_frame(pos)
+            if frame.rtype != RecordType.DATA:
+                raise CorruptRecord(f"expected message data at position {pos}")
+            yield frame.payload
+
+    # -- appending --------------------------------------------------------------
+
+    def _append(self, rtype: RecordType, payload: Any, klass: int = 0) -> int:
+        data = payload if isinstance(payload, bytes) else payload.to_payload()
+        return self.writer.append(rtype, data, klass=klass, now=self._now())
+
+    def _maybe_flush(self) -> None:
+        """Write (without sync) once enough is buffered, so big bodies do not pile up in memory."""
+        if self.writer.pending_bytes >= self.config.flush_threshold:
+            if self.flush_hook is not None:
+                self.flush_hook()
+            else:
+                self.writer.write_batch(self.writer.take_batch(sync=False))
+
+    def begin_body(self) -> BodyWriter:
+        return BodyWriter(self)
+
+    def _body_chunks(self, body: bytes | BodyWriter | Iterable[bytes]) -> tuple[tuple[int, ...], int]:
+        if isinstance(body, BodyWriter):
+            chunks = body.close()
+            self._open_bodies.pop(id(body), None)
+            return self._localise(chunks), body.size
+        writer = self.begin_body()
+        if isinstance(body, bytes | bytearray | memoryview):
+            writer.write(body)
+        else:
+            for part in body:
+                writer.write(part)
+        chunks = writer.close()
+        self._open_bodies.pop(id(writer), None)
+        return chunks, writer.size
+
+    def _localise(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
+        """Copy forward chunks that began too far behind the head (see BODY_SLACK)."""
+        head_seg = self.writer.segment_id
+        if all(pos_segment(p) >= head_seg - 1 for p in chunks):
+            return chunks
+        # Chunks two segments back were written when the log rotated past them.
+        return tuple(self._append(RecordType.DATA, self.writer.read_frame(p).payload) for p in chunks)
+
+    def enqueue(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
+                extra: dict[str, Any] | None = None, arrival_ms: int | None = None) -> int:
+        """Append a new message (body then envelope); returns its queue id. Not durable until commit."""
+        rcpts = tuple(recipients)
+        if not rcpts:
+            raise ValueError("a message needs at least one recipient")
+        chunks, size = self._body_chunks(body)
+        # The head before the append: unique and monotonic, and the envelope's own
+        # position unless the append rotates to a new segment.
+        mid = self.writer.head
+        env = Envelope(mid, sender, rcpts, chunks, size, arrival_ms if arrival_ms is not None else self._now_ms(),
+                       extra=extra or {})
+        self._append(RecordType.ENVELOPE, env, 0)
+        return mid
+
+    def enqueue_many(self, messages: Iterable[tuple[str, Iterable[str], bytes]]) -> list[int]:
+        """The batch API: many messages, one commit (like Nerve's SendPack)."""
+        ids = [self.enqueue(s, r, b) for s, r, b in messages]
+        self.commit()
+        return ids
+
+    def commit(self) -> None:
+        """Make everything appended so far durable (one fdatasync)."""
+        if self.writer.has_pending:
+            self.writer.write_batch(self.writer.take_batch())
+
+    # -- runners ------------------------------------------------------------
+
+    def poll_due(self, now: float | None = None, limit: int | None = None) -> list[Attempt]:
+        """Claim due messages, new and deferred taken alternately; respects the active limit."""
+        now = self._now() if now is None else now
+        room = self.config.active_limit - len(self.attempts)
+        if limit is not None:
+            room = min(room, limit)
+        out: list[Attempt] = []
+        if room <= 0:
+            return out
+        self._take(0, (room + 1) // 2, now, out)
+        deferred = list(range(1, len(self.runners)))
+        if deferred:
+            rot = self._rr % len(deferred)
+            self._rr += 1
+            for k in deferred[rot:] + deferred[:rot]:
+                self._take(k, room - len(out), now, out)
+        self._take(0, room - len(out), now, out)
+        return out
+
+    def _take(self, klass: int, count: int, now: float, out: list[Attempt]) -> None:
+        if count <= 0:
+            return
+        runner = self.runners[klass]
+        for cand in runner.scan(self.writer, now, count, self.by_envelope):
+            if cand.klass == HELD_CLASS:
+                self._carry_held(cand)
+                continue
+            out.append(self._claim(cand, now))
+
+    def _claim(self, cand: Candidate, now: float, kind: StartKind = StartKind.DELIVERY) -> Attempt:
+        env = decode_payload(RecordType.ENVELOPE, cand.payload)
+        assert isinstance(env, Envelope)
+        start = self._append(RecordType.START, Start(cand.pos, int(now * 1000), kind))
+        self.writer.mark_after_sync(cand.pos)
+        expired = (kind is StartKind.DELIVERY
+                   and now * 1000 - env.arrival_ms >= self.config.max_queue_lifetime * 1000)
+        attempt = Attempt(start, cand.pos, env, cand.klass, kind, expired)
+        self.attempts[start] = attempt
+        self.by_envelope[cand.pos] = attempt
+        return attempt
+
+    def _carry_held(self, cand: Candidate) -> None:
+        attempt = self._claim(cand, self._now(), StartKind.CARRY)
+        self._end(attempt, self._write_replacement(attempt.envelope, attempt.envelope_pos, HELD_CLASS,
+                                                   attempt.remaining,
+                                                   attempts=attempt.envelope.attempts, held=True))
+
+    def next_wake(self) -> float | None:
+        """Earliest time a runner may find something new (None: only new appends wake them)."""
+        times = [r.wake_at for r in self.runners if r.wake_at is not None]
+        return min(times) if times else None
+
+    def record_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0) -> int:
+        """Append a DELIVERY delta. The caller must commit before the message's next step."""
+        outs = tuple(outcomes)
+        for o in outs:
+            if o.recipient not in attempt.envelope.recipients:
+                raise ValueError(f"{o.recipient!r} is not a recipient of this attempt")
+            attempt.outcomes[o.recipient] = o
+        return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), outs, duration_ms))
+
+    def finish(self, attempt: Attempt, *, next_class: int | None = None,
+               extra: dict[str, Any] | None = None) -> int | None:
+        """End an attempt: recipients without a final outcome go on in a replacement envelope.
+
+        Returns the replacement's position, or None when the message is done.
+        """
+        if attempt.start_pos not in self.attempts:
+            raise SpoolError("attempt already finished")
+        remaining = attempt.remaining
+        replacement = None
+        if remaining:
+            klass = self.config.next_class(attempt.klass) if next_class is None else next_class
+            merged = {**attempt.envelope.extra, **(extra or {})}
+            replacement = self._write_replacement(attempt.envelope, attempt.envelope_pos, klass, remaining,
+                                                  attempts=attempt.envelope.attempts + 1, extra=merged)
+        self._end(attempt, replacement)
+        return replacement
+
+    def _end(self, attempt: Attempt, replacement: int | None) -> None:
+        self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        del self.attempts[attempt.start_pos]
+        del self.by_envelope[attempt.envelope_pos]
+
+    def _write_replacement(self, env: Envelope, env_pos: int, klass: int, recipients: list[str], *, attempts: int,
+                           held: bool = False, in_doubt: tuple[str, ...] | None = None,
+                           extra: dict[str, Any] | None = None) -> int:
+        # The old body is durable (its envelope was), so it can be read while a batch is in flight.
+        body = tuple(self._append(RecordType.DATA, chunk) for chunk in list(self.read_body(env)))
+        keep = set(recipients)
+        new = attrs.evolve(
+            env, recipients=tuple(recipients), body=body, attempts=attempts,
+            replaces=env_pos, held=held,
+            in_doubt=tuple(r for r in (env.in_doubt if in_doubt is None else in_doubt) if r in keep),
+            extra=env.extra if extra is None else extra)
+        return self._append(RecordType.ENVELOPE, new, klass)
+
+    # -- admin changes (the listing side lives in spool.admin) -----------------
+
+    def claim_for_admin(self, pos: int) -> Attempt:
+        """Claim a live envelope for an admin change. Raises MessageBusy while it is being delivered."""
+        if pos in self.by_envelope:
+            raise MessageBusy("the message is being delivered right now; try again when the attempt ends")
+        frame = self.writer.read_frame(pos)
+        if frame.garbage or frame.rtype != RecordType.ENVELOPE:
+            raise MessageBusy("the message changed while we looked; list it again")
+        return self._claim(Candidate(pos, frame.klass, frame.time, frame.payload), self._now(), StartKind.ADMIN)
+
+    def admin_replace(self, attempt: Attempt, *, klass: int, held: bool) -> int:
+        new = self._write_replacement(attempt.envelope, attempt.envelope_pos, klass,
+                                      list(attempt.envelope.recipients),
+                                      attempts=attempt.envelope.attempts, held=held)
+        self._end(attempt, new)
+        return new
+
+    def admin_delete(self, attempt: Attempt, reason: str = "deleted by the administrator") -> None:
+        outs = [Outcome(r, Status.DELETED, 0, "", reason, "") for r in attempt.remaining]
+        self.record_delivery(attempt, outs)
+        self._end(attempt, None)
+
+    # -- checkpoint and reclaiming space --------------------------------------
+
+    def checkpoint_plan(self) -> CheckpointPlan:
+        """Snapshot restart positions. Valid once everything appended so far is durable."""
+        head = self.writer.head
+        starts = [a.start_pos for a in self.attempts.values()]
+        envs = [a.envelope_pos for a in self.attempts.values()]
+        runners = tuple(r.pos for r in self.runners)
+        working = min([head, *starts])
+        garbage = min([working, *runners, *envs, *self._open_bodies.values()])
+        seq = (self._checkpoint.sequence + 1) if self._checkpoint else 1
+        return CheckpointPlan(head, ckpt.Checkpoint(head, working, garbage, runners, self._now_ms(), seq))
+
+    def checkpoint_write(self, plan: CheckpointPlan) -> list[int]:
+        """Sync marks, store the checkpoint, then reclaim segments. Needs durable_end >= plan.head.
+
+        Returns the segment ids deleted or archived.
+        """
+        if self.writer.durable_end < plan.head:
+            raise SpoolError("checkpoint before its head is durable")
+        self.writer.sync_all()
+        ckpt.store(self.io, self.path, plan.checkpoint)
+        self._checkpoint = plan.checkpoint
+        ids = list_segments(self.io, self.log_dir)
+        return self._delete_segments_before(pos_segment(plan.checkpoint.garbage_end) - BODY_SLACK, ids)
+
+    def checkpoint(self) -> list[int]:
+        plan = self.checkpoint_plan()
+        self.commit()
+        return self.checkpoint_write(plan)
+
+    def _delete_segments_before(self, limit_seg: int, ids: list[int]) -> list[int]:
+        gone = [s for s in ids if s < limit_seg]
+        if not gone:
+            return []
+        archive = self.config.archive_dir
+        if archive:
+            self.io.makedirs(archive)
+        for seg in gone:
+            self.writer.forget(seg) if hasattr(self, "writer") else None
+            path = segment_path(self.log_dir, seg)
+            if archive:
+                self.io.rename(path, os.path.join(archive, os.path.basename(path)))
+            else:
+                self.io.unlink(path)
+        if archive:
+            self.io.fsync_dir(archive)
+        self.io.fsync_dir(self.log_dir)
+        return gone
+
+    @property
+    def checkpoint_state(self) -> ckpt.Checkpoint | None:
+        return self._checkpoint
+
+    def close(self) -> None:
+        """Release descriptors and the lock. Not a shutdown path: nothing is flushed here."""
+        for r in self.runners:
+            r.close()
+        if hasattr(self, "writer"):
+            self.writer.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
