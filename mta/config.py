@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import ipaddress
 import math
 import os
@@ -701,7 +702,9 @@ def _readable_file(base_dir: str | None) -> Callable[[Any], str]:
     return convert
 
 
+@functools.cache
 def _default_hostname() -> str:
+    """Cached: getfqdn() may wait on DNS, and the answer does not change while we run."""
     name = socket.getfqdn()
     return name if name and _HOSTNAME_RE.fullmatch(name) else "localhost"
 
