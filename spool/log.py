@@ -130,6 +130,10 @@ class LogWriter:
         """Set the garbage mark of ``pos`` once everything appended so far is durable."""
         self._marks.append(pos)
 
+    def mark_pending(self, pos: int) -> bool:
+        """Is a mark on ``pos`` still waiting for its START to be durable?"""
+        return pos in self._marks
+
     def take_batch(self, *, sync: bool = True) -> Batch:
         batch = Batch(self._chunks, self.head, self._marks if sync else [], sync)
         self._chunks = []

@@ -486,9 +486,19 @@ class Spool:
 
     # -- admin changes (the listing side lives in spool.admin) -----------------
 
+    def source(self) -> LogWriter:
+        return self.writer
+
+    def live_start(self) -> int:
+        """Every live envelope lies at or after this position (see spool.admin)."""
+        return min([r.pos for r in self.runners] + list(self.by_envelope))
+
+    def active(self) -> dict[int, Attempt]:
+        return self.by_envelope
+
     def claim_for_admin(self, pos: int) -> Attempt:
         """Claim a live envelope for an admin change. Raises MessageBusy while it is being delivered."""
-        if pos in self.by_envelope:
+        if pos in self.by_envelope or self.writer.mark_pending(pos):
             raise MessageBusy("the message is being delivered right now; try again when the attempt ends")
         frame = self.writer.read_frame(pos)
         if frame.garbage or frame.rtype != RecordType.ENVELOPE:
@@ -506,6 +516,29 @@ class Spool:
         outs = [Outcome(r, Status.DELETED, 0, "", reason, "") for r in attempt.remaining]
         self.record_delivery(attempt, outs)
         self._end(attempt, None)
+
+    def change(self, message_id: int, action: str) -> bool:
+        """Offline admin change by queue id: hold, release, delete or flush. Durable on return.
+
+        Returns False when there was nothing to do (already held, not deferred, ...).
+        """
+        from spool import admin
+
+        msg = admin.find(self, message_id)
+        if (action == "hold" and msg.held) or (action == "release" and not msg.held) \
+                or (action == "flush" and (msg.held or msg.klass == 0)):
+            return False
+        attempt = self.claim_for_admin(msg.pos)
+        if action == "delete":
+            self.admin_delete(attempt)
+        elif action == "hold":
+            self.admin_replace(attempt, klass=HELD_CLASS, held=True)
+        elif action in ("release", "flush"):
+            self.admin_replace(attempt, klass=0, held=False)
+        else:
+            raise ValueError(f"unknown action {action!r}")
+        self.commit()
+        return True
 
     # -- checkpoint and reclaiming space --------------------------------------
 

@@ -1,0 +1,326 @@
+"""Admin reads over the log in constant memory: list with filters and cursor, count, show, shape.
+
+These are the ``page_read`` / ``size`` / ``match`` operations of the EMQX
+retained-message design, applied to a log: every live message has exactly one
+live envelope, and every live envelope lies between the garbage-prefix end and
+the head. A listing walks that stretch once, decoding only live envelopes, and
+keeps nothing but the page it returns. A message being delivered has its
+envelope marked garbage; the (bounded) set of attempts in flight says which of
+those are active.
+
+Two sources: the writable ``Spool`` (inside the relay, or offline), and
+``SpoolView``, a read-only look at a spool another process may be writing
+(the CLI's ``spoolctl``), which never takes the lock and never repairs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+import attrs
+
+from spool import checkpoint as ckpt
+from spool.errors import CorruptRecord, NotFound
+from spool.fileio import FileIO, OsFileIO
+from spool.record import (
+    HELD_CLASS,
+    Envelope,
+    Frame,
+    RecordType,
+    Start,
+    decode_payload,
+    format_id,
+    make_pos,
+    pos_offset,
+    pos_segment,
+)
+from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, list_segments, segment_path
+
+
+class LogSource(Protocol):
+    io: FileIO
+    log_dir: str
+
+    @property
+    def durable_end(self) -> int: ...
+
+    def segment_end(self, seg: int) -> int: ...
+
+    def read_frame(self, pos: int) -> Frame: ...
+
+
+@attrs.frozen
+class LiveMessage:
+    pos: int
+    klass: int
+    envelope: Envelope
+    state: str  # "queued", "held" or "active"
+    appended: int  # seconds since the epoch when this envelope was written
+
+    @property
+    def message_id(self) -> int:
+        return self.envelope.message_id
+
+    @property
+    def queue_id(self) -> str:
+        return format_id(self.envelope.message_id)
+
+    @property
+    def held(self) -> bool:
+        return self.klass == HELD_CLASS or self.envelope.held
+
+    def age(self, now: float) -> float:
+        return max(0.0, now - self.envelope.arrival_ms / 1000)
+
+
+@attrs.frozen
+class Filter:
+    sender: str | None = None
+    recipient: str | None = None
+    domain: str | None = None
+    min_age: float | None = None
+    max_age: float | None = None
+    held: bool | None = None
+    in_doubt: bool = False
+
+    def match(self, m: LiveMessage, now: float) -> bool:
+        env = m.envelope
+        if self.sender is not None and env.sender.lower() != self.sender.lower():
+            return False
+        if self.recipient is not None and self.recipient.lower() not in (r.lower() for r in env.recipients):
+            return False
+        if self.domain is not None:
+            d = self.domain.lower().lstrip("@")
+            if not any(r.rpartition("@")[2].lower() == d for r in env.recipients):
+                return False
+        age = m.age(now)
+        if self.min_age is not None and age < self.min_age:
+            return False
+        if self.max_age is not None and age > self.max_age:
+            return False
+        if self.held is not None and m.held != self.held:
+            return False
+        return not (self.in_doubt and not env.in_doubt)
+
+
+class Listable(Protocol):
+    """What a listing needs: where to read, where live data begins, what is in flight."""
+
+    def source(self) -> LogSource: ...
+
+    def live_start(self) -> int: ...
+
+    def active(self) -> Mapping[int, object]: ...
+
+
+def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = None,
+              now: float | None = None) -> Iterator[LiveMessage]:
+    """Live messages in log order from ``cursor`` (a position) on."""
+    flt = flt or Filter()
+    now = time.time() if now is None else now
+    src = spool.source()
+    active = spool.active()
+    start = max(spool.live_start(), cursor or 0)
+    end = src.durable_end
+    seg = pos_segment(start)
+    while seg <= pos_segment(end):
+        path = segment_path(src.log_dir, seg)
+        try:
+            seg_end = src.segment_end(seg)
+        except FileNotFoundError:
+            seg += 1  # reclaimed while we walked: it held nothing live
+            start = make_pos(seg, SEGMENT_HEADER_SIZE)
+            continue
+        off = max(pos_offset(start) if seg == pos_segment(start) else SEGMENT_HEADER_SIZE, SEGMENT_HEADER_SIZE)
+        reader = FrameReader(src.io, path, seg, off, seg_end)
+        try:
+            for frame in reader.frames(verify=False):
+                if frame.rtype != RecordType.ENVELOPE:
+                    continue
+                if frame.garbage and frame.pos not in active:
+                    continue
+                msg = _message(frame, active, path)
+                if flt.match(msg, now):
+                    yield msg
+        finally:
+            reader.close()
+        seg += 1
+
+
+def _message(frame: Frame, active: Mapping[int, object], path: str) -> LiveMessage:
+    try:
+        env = decode_payload(RecordType.ENVELOPE, frame.payload)
+    except CorruptRecord as exc:
+        raise CorruptRecord(exc.reason, path, pos_offset(frame.pos)) from None
+    assert isinstance(env, Envelope)
+    if frame.pos in active:
+        state = "active"
+    elif frame.klass == HELD_CLASS or env.held:
+        state = "held"
+    else:
+        state = "queued"
+    return LiveMessage(frame.pos, frame.klass, env, state, frame.time)
+
+
+def page(spool: Listable, flt: Filter | None = None, cursor: int | None = None, limit: int = 100,
+         now: float | None = None) -> tuple[list[LiveMessage], int | None]:
+    """One page and the cursor of the next (None at the end)."""
+    out: list[LiveMessage] = []
+    for msg in iter_live(spool, flt, cursor, now):
+        if len(out) == limit:
+            return out, msg.pos
+        out.append(msg)
+    return out, None
+
+
+def count(spool: Listable, flt: Filter | None = None, now: float | None = None) -> int:
+    return sum(1 for _ in iter_live(spool, flt, None, now))
+
+
+def find(spool: Listable, message_id: int) -> LiveMessage:
+    """The live message with that queue id. Raises NotFound."""
+    for msg in iter_live(spool):
+        if msg.message_id == message_id:
+            return msg
+    raise NotFound(f"no queued message with id {format_id(message_id)}")
+
+
+AGE_BUCKETS = (300, 600, 1200, 2400, 4800, 9600, 19200, 38400, 76800, float("inf"))
+
+
+def shape(spool: Listable, now: float | None = None, top: int = 20) -> list[tuple[str, int, list[int]]]:
+    """Queued messages by recipient domain and age bucket (minutes), as Postfix's qshape.
+
+    Memory grows with the number of distinct domains, not messages.
+    """
+    now = time.time() if now is None else now
+    table: dict[str, list[int]] = {}
+    for msg in iter_live(spool, None, None, now):
+        age = msg.age(now)
+        bucket = next(i for i, b in enumerate(AGE_BUCKETS) if age < b)
+        for domain in {r.rpartition("@")[2].lower() for r in msg.envelope.recipients}:
+            table.setdefault(domain, [0] * len(AGE_BUCKETS))[bucket] += 1
+    rows = sorted(table.items(), key=lambda kv: -sum(kv[1]))
+    head = rows[:top]
+    result = [(d, sum(c), c) for d, c in head]
+    if len(rows) > top:
+        rest = [sum(c[i] for _, c in rows[top:]) for i in range(len(AGE_BUCKETS))]
+        result.append(("(others)", sum(rest), rest))
+    return result
+
+
+# -- a read-only view for processes that do not own the spool ----------------
+
+
+class SpoolView:
+    """Read a spool without its lock: no recovery, no repair, no writes.
+
+    The end of the log is where the first record fails to decode in the last
+    segment (a writer may be appending right now); in-flight attempts are the
+    STARTs without a FINISH in the working suffix.
+    """
+
+    def __init__(self, path: str, io: FileIO | None = None) -> None:
+        self.path = path
+        self.io = io or OsFileIO()
+        self.log_dir = os.path.join(path, "log")
+        if not os.path.isdir(self.log_dir):
+            raise NotFound(f"{path}: not a spool directory (no log/ inside)")
+        self.checkpoint = ckpt.load(self.io, path)
+        self.segments = list_segments(self.io, self.log_dir)
+        if not self.segments:
+            raise NotFound(f"{path}: the spool has no segments")
+        self._sizes: dict[int, int] = {}
+        last = self.segments[-1]
+        self._end_off = self._valid_end(last)
+        self.durable_end = make_pos(last, self._end_off)
+        self._active: dict[int, Start] = self._scan_active()
+
+    def _valid_end(self, seg: int) -> int:
+        start = SEGMENT_HEADER_SIZE
+        if self.checkpoint and pos_segment(self.checkpoint.head) == seg:
+            start = pos_offset(self.checkpoint.head)
+        path = segment_path(self.log_dir, seg)
+        size = os.path.getsize(path)
+        reader = FrameReader(self.io, path, seg, start, size)
+        end = start
+        try:
+            for frame in reader.frames(verify=True):
+                end = pos_offset(frame.pos) + frame.size
+        except CorruptRecord:
+            pass  # a writer's unfinished tail, or damage that `spoolctl verify` reports
+        finally:
+            reader.close()
+        return end
+
+    def _scan_active(self) -> dict[int, Start]:
+        starts: dict[int, Start] = {}
+        begin = self.checkpoint.working_start if self.checkpoint else make_pos(self.segments[0],
+                                                                                SEGMENT_HEADER_SIZE)
+        begin = max(begin, make_pos(self.segments[0], SEGMENT_HEADER_SIZE))
+        for frame in self.frames(begin, self.durable_end):
+            if frame.rtype == RecordType.START:
+                s = decode_payload(frame.rtype, frame.payload)
+                assert isinstance(s, Start)
+                starts[frame.pos] = s
+            elif frame.rtype == RecordType.FINISH:
+                f = decode_payload(frame.rtype, frame.payload)
+                starts.pop(getattr(f, "start", -1), None)
+        return {s.envelope: s for s in starts.values()}
+
+    def frames(self, start: int, end: int, *, verify: bool = True) -> Iterator[Frame]:
+        seg = pos_segment(start)
+        while seg <= pos_segment(end):
+            path = segment_path(self.log_dir, seg)
+            off = pos_offset(start) if seg == pos_segment(start) else SEGMENT_HEADER_SIZE
+            try:
+                seg_end = self.segment_end(seg)
+            except FileNotFoundError:
+                seg += 1
+                continue
+            reader = FrameReader(self.io, path, seg, off, seg_end)
+            try:
+                yield from reader.frames(verify=verify)
+            finally:
+                reader.close()
+            seg += 1
+
+    def segment_end(self, seg: int) -> int:
+        if seg == pos_segment(self.durable_end):
+            return self._end_off
+        if seg not in self._sizes:
+            self._sizes[seg] = os.path.getsize(segment_path(self.log_dir, seg))
+        return self._sizes[seg]
+
+    def read_frame(self, pos: int) -> Frame:
+        from spool.fileio import read_exact
+        from spool.record import HEADER, HEADER_SIZE, decode_frame
+
+        seg, off = pos_segment(pos), pos_offset(pos)
+        fd = self.io.open_read(segment_path(self.log_dir, seg))
+        try:
+            head = read_exact(self.io, fd, HEADER_SIZE, off)
+            length = HEADER.unpack_from(head)[1] if len(head) == HEADER_SIZE else 0
+            data = head + read_exact(self.io, fd, length, off + HEADER_SIZE)
+        finally:
+            self.io.close(fd)
+        frame = decode_frame(seg, data, 0)
+        return Frame(pos, frame.rtype, frame.flags, frame.klass, frame.time, frame.payload)
+
+    def read_body(self, envelope: Envelope) -> Iterator[bytes]:
+        for pos in envelope.body:
+            yield self.read_frame(pos).payload
+
+    # Listable
+    def source(self) -> LogSource:
+        return self
+
+    def live_start(self) -> int:
+        first = make_pos(self.segments[0], SEGMENT_HEADER_SIZE)
+        return max(first, self.checkpoint.garbage_end) if self.checkpoint else first
+
+    def active(self) -> Mapping[int, object]:
+        return self._active
