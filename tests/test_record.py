@@ -1,0 +1,294 @@
+"""Property tests of the record codec (spool/record.py) and of reading frames back from files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import spool.segment
+from spool.errors import CorruptRecord, CorruptSegment
+from spool.fileio import OsFileIO
+from spool.record import (
+    FLAGS_OFFSET,
+    GARBAGE,
+    HEADER_SIZE,
+    Delivery,
+    Envelope,
+    Finish,
+    Frame,
+    Outcome,
+    Payload,
+    RecordType,
+    Start,
+    StartKind,
+    Status,
+    decode_frame,
+    decode_payload,
+    encode_frame,
+    make_pos,
+    payload_bytes,
+    payload_type,
+    pos_offset,
+    pos_segment,
+)
+from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, encode_segment_header, segment_name
+
+FAST = settings(max_examples=30, deadline=None)
+
+# -- strategies ----------------------------------------------------------------
+
+segment_ids = st.integers(0, 2**64 - 1)
+offsets = st.integers(0, 2**32 - 1)
+positions = st.builds(make_pos, segment_ids, offsets)
+uints = st.integers(0, 2**64 - 1)
+times_ms = st.integers(0, 2**48)
+texts = st.text(max_size=20)
+addresses = st.text(max_size=12).map(lambda s: s + "@example.org")
+
+json_leaves = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8)
+json_values = st.recursive(
+    json_leaves,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+envelopes = st.builds(
+    Envelope,
+    message_id=positions,
+    sender=st.just("") | addresses,
+    recipients=st.lists(addresses, min_size=1, max_size=4).map(tuple),
+    body=st.lists(positions, max_size=4).map(tuple),
+    body_size=uints,
+    arrival_ms=times_ms,
+    attempts=st.integers(0, 1000),
+    replaces=st.none() | positions,
+    held=st.booleans(),
+    in_doubt=st.lists(addresses, max_size=3).map(tuple),
+    extra=st.dictionaries(st.text(max_size=8), json_values, max_size=4),
+)
+starts = st.builds(Start, envelope=positions, time_ms=times_ms, kind=st.sampled_from(StartKind))
+outcomes = st.builds(
+    Outcome,
+    recipient=addresses,
+    status=st.sampled_from(Status),
+    code=st.integers(0, 599),
+    enhanced=texts,
+    reply=texts,
+    next_hop=texts,
+)
+deliveries = st.builds(
+    Delivery,
+    start=positions,
+    time_ms=times_ms,
+    outcomes=st.lists(outcomes, min_size=1, max_size=4).map(tuple),
+    duration_ms=st.integers(0, 2**32),
+)
+finishes = st.builds(Finish, start=positions, time_ms=times_ms, replacement=st.none() | positions)
+data_chunks = st.binary(max_size=300)
+records: st.SearchStrategy[Payload] = st.one_of(envelopes, starts, deliveries, finishes, data_chunks)
+
+frame_args = st.fixed_dictionaries(
+    {"klass": st.integers(0, 255), "time": st.integers(0, 2**32 - 1), "flags": st.sampled_from([0, GARBAGE])}
+)
+
+
+def frame_of(seg: int, rec: Payload, **kw: Any) -> bytes:
+    return encode_frame(seg, payload_type(rec), payload_bytes(rec), **kw)
+
+
+# -- codec round trip ------------------------------------------------------------
+
+
+@FAST
+@given(seg=segment_ids, rec=records, kw=frame_args, junk=st.binary(max_size=40), trailer=st.binary(max_size=40))
+def test_round_trip_through_frame_and_payload(seg: int, rec: Payload, kw: dict[str, int], junk: bytes,
+                                              trailer: bytes) -> None:
+    frame_bytes = frame_of(seg, rec, **kw)
+    buf = junk + frame_bytes + trailer  # the frame is found by offset; neighbours do not matter
+    frame = decode_frame(seg, buf, len(junk))
+    assert frame == Frame(make_pos(seg, len(junk)), payload_type(rec), kw["flags"], kw["klass"], kw["time"],
+                          payload_bytes(rec))
+    assert frame.size == len(frame_bytes)
+    assert frame.garbage == bool(kw["flags"])
+    assert decode_payload(frame.rtype, frame.payload) == rec
+
+
+@FAST
+@given(seg=segment_ids, off=offsets)
+def test_position_splits_back_into_segment_and_offset(seg: int, off: int) -> None:
+    pos = make_pos(seg, off)
+    assert (pos_segment(pos), pos_offset(pos)) == (seg, off)
+    assert make_pos(seg, off) < make_pos(seg, off + 1) < make_pos(seg + 1, 0)
+
+
+def test_envelope_defaults_leave_optional_keys_out() -> None:
+    """Optional keys at their default are not written, and read back as the default."""
+    import cbor2
+
+    env = Envelope(5, "a@b", ("c@d",), (), 0, 0)
+    assert sorted(cbor2.loads(env.to_payload())) == [0, 1, 2, 3, 4, 5, 6]
+    assert decode_payload(RecordType.ENVELOPE, cbor2.dumps({0: 5, 1: "a@b", 2: ["c@d"], 3: [], 4: 0, 5: 0})) == env
+    assert sorted(cbor2.loads(Start(1, 2).to_payload())) == [0, 1]
+    assert sorted(cbor2.loads(Finish(1, 2).to_payload())) == [0, 1]
+    assert sorted(cbor2.loads(Delivery(1, 2, ()).to_payload())) == [0, 1, 2]
+
+
+# -- decoder fuzz ----------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(seg=segment_ids, buf=st.binary(max_size=80), off=st.integers(0, 90))
+def test_decode_frame_of_arbitrary_bytes_returns_frame_or_corrupt_record(seg: int, buf: bytes, off: int) -> None:
+    try:
+        frame = decode_frame(seg, buf, off)
+    except CorruptRecord as exc:
+        assert exc.offset == off
+    else:
+        assert encode_frame(seg, frame.rtype, frame.payload, klass=frame.klass, time=frame.time,
+                            flags=frame.flags) == buf[off : off + frame.size]
+
+
+@settings(max_examples=80, deadline=None)
+@given(seg=segment_ids, rec=records, kw=frame_args, data=st.data())
+def test_decode_frame_of_damaged_frames_returns_frame_or_corrupt_record(seg: int, rec: Payload,
+                                                                       kw: dict[str, int], data: st.DataObject) -> None:
+    """Random overwrites of a real frame (header fields included): only Frame or CorruptRecord."""
+    buf = bytearray(frame_of(seg, rec, **kw))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(buf)))
+    try:
+        frame = decode_frame(seg, bytes(buf[:cut]))
+    except CorruptRecord:
+        return
+    # Anything accepted must be self-consistent: it re-encodes to the very bytes it came from.
+    assert encode_frame(seg, frame.rtype, frame.payload, klass=frame.klass, time=frame.time,
+                        flags=frame.flags) == bytes(buf[: frame.size])
+
+
+@FAST
+@given(seg=segment_ids, rec=records, kw=frame_args)
+def test_no_proper_prefix_of_a_frame_decodes(seg: int, rec: Payload, kw: dict[str, int]) -> None:
+    """Fed a byte at a time, the decoder answers only once the whole frame is there."""
+    whole = frame_of(seg, rec, **kw)
+    for n in range(len(whole)):
+        with pytest.raises(CorruptRecord):
+            decode_frame(seg, whole[:n])
+    assert decode_frame(seg, whole).payload == payload_bytes(rec)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rtype=st.sampled_from([t for t in RecordType if t is not RecordType.DATA]), payload=st.binary(max_size=80))
+def test_decode_payload_of_arbitrary_bytes_returns_record_or_corrupt_record(rtype: RecordType,
+                                                                            payload: bytes) -> None:
+    try:
+        rec = decode_payload(rtype, payload, path="x.seg", offset=32)
+    except CorruptRecord as exc:
+        assert (exc.path, exc.offset) == ("x.seg", 32)
+    else:
+        assert payload_type(rec) is rtype
+
+
+# -- mutation: every bit outside the flags byte is covered -------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(seg=segment_ids, rec=st.one_of(envelopes, starts, deliveries, finishes, st.binary(max_size=64)),
+       kw=frame_args)
+def test_every_bit_flip_outside_the_flags_byte_is_detected(seg: int, rec: Payload, kw: dict[str, int]) -> None:
+    good = frame_of(seg, rec, **kw)
+    for i in range(len(good)):
+        for bit in range(8):
+            bad = bytearray(good)
+            bad[i] ^= 1 << bit
+            if i == FLAGS_OFFSET and bit == 0:
+                # The garbage mark: outside the checksum on purpose, flips freely.
+                assert decode_frame(seg, bytes(bad)).garbage != bool(kw["flags"])
+                continue
+            with pytest.raises(CorruptRecord):
+                decode_frame(seg, bytes(bad))
+
+
+def test_reserved_flag_bits_are_corruption() -> None:
+    good = encode_frame(1, RecordType.START, Start(2, 3).to_payload())
+    for bit in range(1, 8):
+        bad = bytearray(good)
+        bad[FLAGS_OFFSET] |= 1 << bit
+        with pytest.raises(CorruptRecord, match="reserved"):
+            decode_frame(1, bytes(bad))
+
+
+# -- the salt ------------------------------------------------------------------------
+
+
+@FAST
+@given(seg=segment_ids, other=segment_ids, rec=records, kw=frame_args)
+@example(seg=1, other=2, rec=Start(1, 2), kw={"klass": 0, "time": 0, "flags": 0})
+def test_frame_from_one_segment_fails_in_another(seg: int, other: int, rec: Payload, kw: dict[str, int]) -> None:
+    frame = frame_of(seg, rec, **kw)
+    if other == seg:
+        assert decode_frame(other, frame).payload == payload_bytes(rec)
+        return
+    with pytest.raises(CorruptRecord, match="checksum mismatch"):
+        decode_frame(other, frame)
+
+
+# -- whole buffer versus FrameReader over a file -----------------------------------------
+
+
+def decode_all(seg: int, data: bytes, start: int) -> list[Frame]:
+    frames = []
+    off = start
+    while off < len(data):
+        frame = decode_frame(seg, data, off)
+        frames.append(frame)
+        off += frame.size
+    return frames
+
+
+def read_with_reader(path: Path, seg: int, end: int, *, verify: bool) -> list[Frame]:
+    reader = FrameReader(OsFileIO(), str(path), seg, SEGMENT_HEADER_SIZE, end)
+    try:
+        return list(reader.frames(verify=verify))
+    finally:
+        reader.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seg=st.integers(0, 2**64 - 1),
+    recs=st.lists(st.tuples(records, frame_args), max_size=12),
+    chunk=st.sampled_from([1, 16, 17, 100, 1 << 20]),
+)
+def test_frame_reader_over_a_file_equals_decoding_the_whole_buffer(
+    tmp_path: Path, seg: int, recs: list[tuple[Payload, dict[str, int]]], chunk: int
+) -> None:
+    data = encode_segment_header(seg, 0) + b"".join(frame_of(seg, r, **kw) for r, kw in recs)
+    path = tmp_path / segment_name(seg)
+    path.write_bytes(data)
+    expected = decode_all(seg, data, SEGMENT_HEADER_SIZE)
+    assert [decode_payload(f.rtype, f.payload) for f in expected] == [r for r, _ in recs]
+    # A small window makes frames straddle the reader's buffer boundaries.
+    with mock.patch.object(spool.segment, "READ_CHUNK", chunk):
+        assert read_with_reader(path, seg, len(data), verify=True) == expected
+        assert read_with_reader(path, seg, len(data), verify=False) == expected
+
+
+def test_frame_reader_reports_a_bad_frame_with_path_and_offset(tmp_path: Path) -> None:
+    seg = 7
+    frames = [frame_of(seg, Start(i, i)) for i in range(3)]
+    data = bytearray(encode_segment_header(seg, 0) + b"".join(frames))
+    bad_off = SEGMENT_HEADER_SIZE + len(frames[0])
+    data[bad_off + HEADER_SIZE] ^= 0x40  # a payload bit of the second frame
+    path = tmp_path / segment_name(seg)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptSegment) as info:
+        read_with_reader(path, seg, len(data), verify=True)
+    assert (info.value.path, info.value.offset) == (str(path), bad_off)
+    assert str(path) in str(info.value)
