@@ -1,0 +1,213 @@
+"""Local delivery into Maildirs, crash-safe in the order the Maildir spec requires.
+
+Theory of operation
+-------------------
+A ``maildir:PATH`` route delivers each recipient to its own Maildir,
+``PATH/<localpart>/`` (lower-cased local part, no extension handling:
+``Bob+x@host`` goes to ``PATH/bob+x/``). The Maildir and its ``cur/ new/
+tmp/`` are created (mode 0700) on first delivery.
+
+A delivery is durable when ``deliver`` returns, and only then may the relay
+write its delivery record:
+
+1. write ``tmp/<unique>`` (created with O_EXCL, mode 0600), streaming the
+   chunks, with ``Return-Path:`` and ``Delivered-To:`` lines in front;
+2. fsync the file;
+3. rename it to ``new/<unique>,S=<size>`` (the size lets IMAP servers skip a stat);
+4. fsync ``new/``, so the rename itself survives a power cut.
+
+A crash before step 4 leaves at most a file in ``tmp/`` (mail readers sweep
+stale ones) or an un-fsynced rename: the spool has no delivery record, so the
+message is delivered again, never lost. Freshly made directories are fsynced
+into their parents for the same reason.
+
+The unique name follows the Maildir convention, ``<sec>.M<usec>P<pid>Q<seq>.<host>``,
+with ``/`` and ``:`` in the host name escaped as the spec asks.
+
+Synchronous on purpose: the relay calls it through ``trio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+import unicodedata
+from collections.abc import Iterable, Iterator
+
+import attrs
+
+__all__ = ["InvalidMailbox", "MaildirDelivery", "MaildirError", "deliver", "mailbox_name"]
+
+_MAX_MAILBOX_BYTES = 200
+_sequence = itertools.count(1)
+
+
+class MaildirError(Exception):
+    """Root of the errors this module raises on purpose. Disk errors stay ``OSError`` (temporary: retry)."""
+
+
+class InvalidMailbox(MaildirError, ValueError):
+    """The recipient's local part cannot name a Maildir safely: a permanent failure (550 5.1.1)."""
+
+    code = 550
+    status = "5.1.1"
+
+
+@attrs.frozen
+class MaildirDelivery:
+    """Where a message landed and how many bytes were written (headers we added included)."""
+
+    path: str
+    size: int
+
+
+def mailbox_name(recipient: str) -> str:
+    """The directory name for a recipient: its local part, lower-cased, refused if it could escape ``PATH``.
+
+    Raises:
+        InvalidMailbox: empty, ``.``/``..``, a leading dot, ``/``, ``\\``, NUL or
+            another control character, or too long for a file name.
+    """
+    local, at, _domain = recipient.rpartition("@")
+    if not at:
+        local = recipient
+    if len(local) >= 2 and local[0] == local[-1] == '"':
+        local = local[1:-1]  # a quoted local part names the same mailbox as its contents
+    name = unicodedata.normalize("NFC", local).lower()
+    if not name:
+        raise InvalidMailbox(f"empty local part in {recipient!r}")
+    if name.startswith("."):
+        raise InvalidMailbox(f"local part of {recipient!r} starts with a dot")
+    bad = [c for c in name if c in "/\\" or unicodedata.category(c) == "Cc"]
+    if bad:
+        raise InvalidMailbox(f"local part of {recipient!r} contains {bad[0]!r}")
+    try:
+        encoded = os.fsencode(name)
+    except UnicodeEncodeError:
+        raise InvalidMailbox(f"local part of {recipient!r} cannot be a file name") from None
+    if len(encoded) > _MAX_MAILBOX_BYTES:
+        raise InvalidMailbox(f"local part of {recipient!r} is too long for a mailbox name")
+    return name
+
+
+def deliver(
+    root: str,
+    recipient: str,
+    return_path: str,
+    chunks: Iterable[bytes],
+    *,
+    hostname: str | None = None,
+) -> MaildirDelivery:
+    """Deliver one message to ``root/<localpart>/new/`` and return only once it is durable.
+
+    ``chunks`` is the message as stored (header, blank line, body), consumed
+    once, never joined. The added header lines use the message's own line
+    ending (CRLF unless its first line ends in a bare LF). ``return_path`` is
+    the envelope sender; ``""`` (a bounce) is written as ``<>``.
+
+    Raises:
+        InvalidMailbox: the local part is unsafe (permanent failure).
+        OSError: the disk failed (temporary failure); no file is left in ``new/``.
+
+    Resource handling: the tmp file is closed, and removed on any failure.
+    """
+    maildir = os.path.join(os.path.abspath(root), mailbox_name(recipient))
+    _ensure_maildir(maildir)
+    host = hostname if hostname is not None else socket.gethostname()
+    unique = _unique_name(host)
+    tmp_path = os.path.join(maildir, "tmp", unique)
+    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            size = _write_message(fd, recipient, return_path, chunks)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        new_path = os.path.join(maildir, "new", f"{unique},S={size}")
+        os.rename(tmp_path, new_path)
+    except BaseException:
+        try:
+            os.unlink(tmp_path)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(os.path.join(maildir, "new"))
+    return MaildirDelivery(new_path, size)
+
+
+def _unique_name(host: str) -> str:
+    now = time.time()
+    safe_host = host.replace("/", "\\057").replace(":", "\\072") or "localhost"
+    return f"{int(now)}.M{int(now % 1 * 1_000_000)}P{os.getpid()}Q{next(_sequence)}.{safe_host}"
+
+
+def _write_message(fd: int, recipient: str, return_path: str, chunks: Iterable[bytes]) -> int:
+    stream = iter(chunks)
+    head, newline = _sniff_newline(stream)
+    prefix = b"Return-Path: <%s>%sDelivered-To: %s%s" % (
+        _header_safe(return_path),
+        newline,
+        _header_safe(recipient),
+        newline,
+    )
+    size = 0
+    for chunk in itertools.chain((prefix, head), stream):
+        view = memoryview(chunk)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+            size += written
+    return size
+
+
+def _sniff_newline(stream: Iterator[bytes], limit: int = 64 * 1024) -> tuple[bytes, bytes]:
+    """Read chunks until the first line ending is seen (or ``limit`` bytes); return them and the ending."""
+    head = bytearray()
+    for chunk in stream:
+        head += chunk
+        end = head.find(b"\n")
+        if end >= 0:
+            return bytes(head), b"\r\n" if end > 0 and head[end - 1] == 0x0D else b"\n"
+        if len(head) >= limit:
+            break
+    return bytes(head), b"\r\n"
+
+
+def _header_safe(text: str) -> bytes:
+    """An address as header bytes: no line breaks, so a crafted address cannot add headers."""
+    flat = "".join(" " if c in "\r\n\0" else c for c in text)
+    try:
+        return flat.encode("utf-8", "surrogateescape")  # undecodable bytes from the wire go back as they came
+    except UnicodeEncodeError:
+        return flat.encode("utf-8", "replace")
+
+
+def _ensure_maildir(maildir: str) -> None:
+    """Make ``maildir`` and its ``cur new tmp`` (0700) if missing, each durable in its parent."""
+    if os.path.isdir(os.path.join(maildir, "new")) and os.path.isdir(os.path.join(maildir, "tmp")):
+        return
+    _make_dir(os.path.dirname(maildir))
+    _make_dir(maildir)
+    for sub in ("cur", "new", "tmp"):
+        _make_dir(os.path.join(maildir, sub))
+
+
+def _make_dir(path: str) -> None:
+    if os.path.isdir(path):
+        return
+    _make_dir(os.path.dirname(path))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass  # another delivery thread made it, but may not have fsynced the parent yet
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
