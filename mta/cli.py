@@ -1,10 +1,295 @@
-"""The ``mta`` command (placeholder until the relay lands)."""
+"""The ``mta`` command: run the relay and administer its queue.
+
+Every command takes ``--config FILE`` (default ``$LOGSPOOL_CONFIG``, then
+``./logspool.toml``, then the embedded defaults). Errors are one line on
+stderr and a non-zero exit, never a traceback.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+
 import click
+import trio
+
+from mta.config import Config, ConfigError, load_config
+from mta.control import socket_path
+from mta.queue_ops import RequestError, change_op, read_op
+from spool import admin
+from spool.errors import SpoolError, SpoolLocked
+from spool.record import parse_id
+
+EXIT_USAGE = 2
+EXIT_ERROR = 1
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    click.echo(f"mta: {message}", err=True)
+    sys.exit(code)
+
+
+def _load(path: str | None) -> Config:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except OSError as exc:
+        fail(f"cannot read config: {exc}", EXIT_USAGE)
+
+
+config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                             help="TOML config file (default: $LOGSPOOL_CONFIG, ./logspool.toml, built-ins)")
 
 
 @click.group()
 def main() -> None:
-    """logspool mail relay."""
+    """logspool: a log-structured mail relay."""
+
+
+@main.command()
+@config_option
+def serve(config_path: str | None) -> None:
+    """Run the relay (crash-only: stop it with any signal; the next start recovers)."""
+    from mta.app import serve as run
+
+    config = _load(config_path)
+    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        run(config)
+    except SpoolLocked as exc:
+        fail(f"{exc} (is another relay running on it?)")
+    except (SpoolError, OSError) as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+# -- queue administration ------------------------------------------------------
+
+
+def _via_socket(path: str, req: dict[str, Any]) -> dict[str, Any] | None:
+    """Ask the running relay; None when no relay listens on ``path``."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(120)
+            s.connect(path)
+            s.sendall(json.dumps(req).encode() + b"\n")
+            buf = bytearray()
+            while not buf.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+    except OSError as exc:
+        fail(f"control socket {path}: {exc}")
+    answer: dict[str, Any] = json.loads(buf)
+    return answer
+
+
+def _offline(config: Config, req: dict[str, Any]) -> dict[str, Any]:
+    """No relay runs: open the spool ourselves (this takes the lock and recovers)."""
+    from mta.app import spool_config
+    from spool.spool import Spool
+
+    try:
+        sp = Spool.open(config.spool.dir, spool_config(config))
+    except SpoolLocked:
+        fail(f"the relay holds {config.spool.dir} but its control socket {socket_path(config)} does not answer")
+    try:
+        if req["op"] in ("hold", "release", "delete", "flush"):
+            async def apply(op: str, mid: int) -> bool:
+                return sp.change(mid, op)
+
+            async def deferred() -> AsyncIterator[int]:
+                cursor: int | None = None
+                while True:
+                    msgs, cursor = admin.page(sp, None, cursor, 1000)
+                    for m in msgs:
+                        if m.state == "queued" and m.klass > 0:
+                            yield m.message_id
+                    if cursor is None:
+                        return
+
+            return trio.run(change_op, req, apply, deferred)
+        return read_op(sp, req, sp.read_body)
+    finally:
+        sp.close()
+
+
+def _request(config: Config, req: dict[str, Any]) -> dict[str, Any]:
+    answer = _via_socket(socket_path(config), req)
+    if answer is None:
+        try:
+            return _offline(config, req)
+        except (RequestError, SpoolError, ValueError) as exc:
+            fail(str(exc))
+    if not answer.get("ok"):
+        fail(str(answer.get("error", "request failed")))
+    return answer
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _emit(as_json: bool, data: Any, human: Callable[[], None]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=None, sort_keys=True))
+    else:
+        human()
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+
+
+@main.group()
+def queue() -> None:
+    """Inspect and change the queue (works while the relay runs)."""
+
+
+@queue.command("list")
+@config_option
+@click.option("--domain")
+@click.option("--sender")
+@click.option("--recipient")
+@click.option("--held", is_flag=True, help="only held messages")
+@click.option("--in-doubt", is_flag=True, help="only messages with recipients possibly delivered before a crash")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option("--cursor", type=int, default=None, help="continue where the previous page ended")
+@json_option
+def queue_list(config_path: str | None, domain: str | None, sender: str | None, recipient: str | None,
+               held: bool, in_doubt: bool, limit: int, cursor: int | None, as_json: bool) -> None:
+    """List queued messages, oldest first, one page at a time."""
+    config = _load(config_path)
+    req = {"op": "list", "domain": domain, "sender": sender, "recipient": recipient, "held": held,
+           "in_doubt": in_doubt, "limit": limit, "cursor": cursor}
+    answer = _request(config, req)
+
+    def human() -> None:
+        for m in answer["messages"]:
+            doubt = f"  in doubt: {', '.join(m['in_doubt'])}" if m["in_doubt"] else ""
+            click.echo(f"{m['id']:>16} {m['state']:<7} {_age(m['age']):>6} {m['size']:>9}  "
+                       f"<{m['sender']}> -> {', '.join(m['recipients'])}{doubt}")
+            if m["last_error"]:
+                click.echo(f"{'':>16} ({m['last_error']})")
+        if answer["next"] is not None:
+            click.echo(f"-- more: --cursor {answer['next']}")
+
+    _emit(as_json, answer, human)
+
+
+@queue.command("count")
+@config_option
+@click.option("--domain")
+@click.option("--held", is_flag=True)
+@json_option
+def queue_count(config_path: str | None, domain: str | None, held: bool, as_json: bool) -> None:
+    """Count queued messages."""
+    answer = _request(_load(config_path), {"op": "count", "domain": domain, "held": held})
+    _emit(as_json, answer, lambda: click.echo(answer["count"]))
+
+
+def _check_ids(ids: tuple[str, ...]) -> list[str]:
+    for i in ids:
+        try:
+            parse_id(i)
+        except ValueError as exc:
+            fail(str(exc), EXIT_USAGE)
+    return list(ids)
+
+
+@queue.command("show")
+@config_option
+@click.argument("queue_id")
+@click.option("--body", is_flag=True, help="include the message data")
+@json_option
+def queue_show(config_path: str | None, queue_id: str, body: bool, as_json: bool) -> None:
+    """Show one message."""
+    _check_ids((queue_id,))
+    answer = _request(_load(config_path), {"op": "show", "id": queue_id, "body": body})
+
+    def human() -> None:
+        for key in ("id", "state", "class", "sender", "recipients", "size", "age", "attempts", "in_doubt",
+                    "last_error"):
+            value = answer[key]
+            if key == "age":
+                value = _age(value)
+            if isinstance(value, list):
+                value = ", ".join(value)
+            click.echo(f"{key:>11}: {value}")
+        click.echo(f"{'arrival':>11}: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(answer['arrival']))}")
+        if body:
+            click.echo("")
+            click.echo(answer.get("body", ""), nl=False)
+
+    _emit(as_json, answer, human)
+
+
+def _change(op: str) -> Callable[..., None]:
+    @config_option
+    @click.argument("queue_ids", nargs=-1, required=op != "flush")
+    @json_option
+    def command(config_path: str | None, queue_ids: tuple[str, ...], as_json: bool) -> None:
+        answer = _request(_load(config_path), {"op": op, "ids": _check_ids(queue_ids)})
+
+        def human() -> None:
+            done = answer["done"]
+            click.echo(f"{op}: {done if isinstance(done, int) else len(done)} done")
+            for i in answer["skipped"]:
+                click.echo(f"{i}: nothing to do")
+            for i, err in answer["errors"].items():
+                click.echo(f"{i}: {err}", err=True)
+
+        _emit(as_json, answer, human)
+        if answer["errors"]:
+            sys.exit(EXIT_ERROR)
+
+    command.__doc__ = {"hold": "Hold messages: no delivery until released.",
+                       "release": "Release held messages (due at once).",
+                       "delete": "Delete messages without a bounce.",
+                       "flush": "Make deferred messages due now (all of them with no id)."}[op]
+    return command
+
+
+for _op in ("hold", "release", "delete", "flush"):
+    queue.command(_op)(_change(_op))
+
+
+@queue.command("shape")
+@config_option
+@click.option("--top", type=click.IntRange(1, 1000), default=20, show_default=True)
+@json_option
+def queue_shape(config_path: str | None, top: int, as_json: bool) -> None:
+    """Queued messages by destination domain and age bucket (minutes), as Postfix's qshape."""
+    answer = _request(_load(config_path), {"op": "shape", "top": top})
+
+    def human() -> None:
+        heads = [f"{int(b // 60)}" if b is not None else "more" for b in answer["buckets"]]
+        click.echo(f"{'domain':<32}{'T':>7}" + "".join(f"{h:>7}" for h in heads))
+        for row in answer["rows"]:
+            click.echo(f"{row['domain'][:31]:<32}{row['total']:>7}" + "".join(f"{c:>7}" for c in row["counts"]))
+
+    _emit(as_json, answer, human)
+
+
+def _register_report() -> None:
+    try:
+        from mta.report_cli import report
+    except ImportError:  # the Spark extra is not installed
+        return
+    main.add_command(report)
+
+
+_register_report()

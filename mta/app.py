@@ -1,0 +1,89 @@
+"""The relay process: open (= recover) the spool, then serve SMTP, deliver, and answer the admin socket.
+
+Crash-only: there is no shutdown code. SIGTERM, SIGINT and kill -9 all end the
+process where it stands; the next start recovers from the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from collections.abc import Mapping
+
+import trio
+
+from mta.config import Config
+from mta.control import ControlServer
+from mta.local_transports import DiscardTransport, MaildirTransport
+from mta.metrics import Metrics
+from mta.scheduler import Scheduler
+from mta.server import SmtpServer
+from mta.transport import Transport
+from spool.commit import AsyncSpool
+from spool.config import SpoolConfig
+
+log = logging.getLogger("mta")
+
+
+def spool_config(config: Config) -> SpoolConfig:
+    s = config.spool
+    return SpoolConfig(segment_size=s.segment_size, retry_intervals=s.retry_intervals,
+                       max_queue_lifetime=s.max_queue_lifetime, active_limit=s.active_limit,
+                       archive_dir=s.archive_dir or None)
+
+
+def ssl_context(config: Config) -> ssl.SSLContext | None:
+    s = config.server
+    if not s.tls_cert or not s.tls_key:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(s.tls_cert, s.tls_key)
+    return ctx
+
+
+def transports(config: Config) -> Mapping[str, Transport]:
+    from mta.smtp_transport import SmtpTransport
+
+    smtp = SmtpTransport(config)
+    return {"maildir": MaildirTransport(config.server.hostname), "discard": DiscardTransport(),
+            "smtp": smtp, "mx": smtp}
+
+
+class Relay:
+    """Everything one relay runs, started in order inside one nursery."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.aspool: AsyncSpool
+        self.listeners: list[trio.SocketListener] = []
+
+    async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
+        self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg))
+        self.metrics.watch_spool(self.aspool)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.aspool.run)
+            server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg))
+            self.listeners = await nursery.start(server.serve)
+            control = ControlServer(self.aspool, cfg)
+            await nursery.start(control.serve)
+            scheduler = Scheduler(self.aspool, cfg, transports(cfg), self.metrics)
+            await nursery.start(scheduler.run)
+            if cfg.server.metrics_listen is not None:
+                self.metrics.serve(cfg.server.metrics_listen.host, cfg.server.metrics_listen.port)
+            addrs = ", ".join(f"{lst.socket.getsockname()[0]}:{lst.socket.getsockname()[1]}"
+                              for lst in self.listeners)
+            log.info("logspool relay %s listening on %s, spool %s", cfg.server.hostname, addrs, cfg.spool.dir)
+            task_status.started(self)
+
+    @property
+    def ports(self) -> list[int]:
+        return [int(lst.socket.getsockname()[1]) for lst in self.listeners]
+
+
+def serve(config: Config) -> None:
+    trio.run(Relay(config).run)

@@ -1,0 +1,279 @@
+"""The delivery scheduler: one subscriber to the spool's runners, a bounded pool of workers.
+
+Theory of operation. A feeder task takes due messages from the spool (new and
+deferred alternately, the spool's own fairness) only while fewer than
+``max_pending`` jobs wait, so memory is bounded by the pool, not the queue.
+Each message's recipients are grouped by destination (transport + next hop);
+each group is a *job* in that destination's queue. Workers (``concurrency``
+of them, never one per message) pick the destination whose oldest job is
+oldest among those below their per-destination limit, and take up to
+``max_messages_per_connection`` jobs for it at once, so one SMTP connection
+carries several messages.
+
+Outcomes. For each job the worker appends its outcomes as a DELIVERY record
+and waits for the commit: the outcome is durable before the message's next
+step. A bounce (DSN) is enqueued in the same commit as the DELIVERY that
+reports it, so a crash can lose neither without the other. When every job of
+a message is done, ``finish`` writes the replacement envelope (remaining
+recipients, next class) with no fsync of its own.
+
+Dead destinations. When every recipient of a batch failed to even connect,
+the destination is backed off (doubling from 2 s up to 5 min); while it is,
+its jobs are deferred at once without a connection attempt, as Postfix's
+qmgr does with a dead site.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import logging
+import math
+import time
+from collections.abc import Mapping
+
+import attrs
+import trio
+
+from mta import dsn as dsnmod
+from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute
+from mta.metrics import Metrics
+from mta.transport import Destination, Job, Transport
+from spool.commit import AsyncSpool
+from spool.record import Outcome, Status, format_id
+from spool.spool import Attempt
+
+log = logging.getLogger("mta.delivery")
+
+BACKOFF_MIN = 2.0
+BACKOFF_MAX = 300.0
+
+
+@attrs.define(eq=False)
+class Tracker:
+    """One claimed message: how many of its jobs are still out."""
+
+    attempt: Attempt
+    outstanding: int = 0
+    last_error: str = ""
+
+
+@attrs.define(eq=False)
+class DestState:
+    queue: collections.deque[tuple[Job, Tracker]] = attrs.field(factory=collections.deque)
+    active: int = 0
+    failures: int = 0
+    backoff_until: float = 0.0
+    last_error: str = ""
+
+
+def destination_for(config: Config, recipient: str) -> Destination | NoRoute:
+    domain = recipient.rpartition("@")[2].lower()
+    route = config.route_for(domain)
+    if isinstance(route, NoRoute):
+        return route
+    if isinstance(route, SmtpRoute):
+        return Destination("smtp", f"{route.host}:{route.port}", route.tls.value)
+    if isinstance(route, MxRoute):
+        return Destination("mx", domain)
+    if isinstance(route, MaildirRoute):
+        return Destination("maildir", route.path)
+    if isinstance(route, DiscardRoute):
+        return Destination("discard", "")
+    raise TypeError(f"unknown route {route!r}")
+
+
+class Scheduler:
+    def __init__(self, aspool: AsyncSpool, config: Config, transports: Mapping[str, Transport],
+                 metrics: Metrics, clock: trio.abc.Clock | None = None) -> None:
+        self.aspool = aspool
+        self.config = config
+        self.transports = transports
+        self.metrics = metrics
+        self.dests: dict[Destination, DestState] = {}
+        self.pending = 0
+        d = config.delivery
+        self.concurrency = d.concurrency
+        self.per_destination = d.per_destination
+        self.batch = max(1, d.max_messages_per_connection)
+        self.max_pending = max(4 * self.concurrency, 64)
+        self._work = trio.Event()
+        self._room = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for _ in range(self.concurrency):
+                nursery.start_soon(self._worker)
+            nursery.start_soon(self._feeder)
+            task_status.started()
+
+    # -- feeding ------------------------------------------------------------
+
+    async def _feeder(self) -> None:
+        while True:
+            room = self.max_pending - self.pending
+            if room <= 0:
+                await self._room.wait()
+                continue
+            for attempt in await self.aspool.next_due(limit=min(room, 256)):
+                self._dispatch(attempt)
+
+    def _dispatch(self, attempt: Attempt) -> None:
+        assert self._nursery is not None
+        tracker = Tracker(attempt)
+        env = attempt.envelope
+        if attempt.expired:
+            self._nursery.start_soon(self._expire, tracker)
+            return
+        groups: dict[Destination, list[str]] = {}
+        unroutable: list[str] = []
+        for rcpt in attempt.remaining:
+            dest = destination_for(self.config, rcpt)
+            if isinstance(dest, NoRoute):
+                unroutable.append(rcpt)
+            else:
+                groups.setdefault(dest, []).append(rcpt)
+        tracker.outstanding = len(groups) + (1 if unroutable else 0)
+        qid = format_id(env.message_id)
+        if unroutable:
+            outs = [Outcome(r, Status.BOUNCED, 550, "5.1.2", "no route to this domain", "") for r in unroutable]
+            self._nursery.start_soon(self._complete, tracker, Job(qid, env.sender, tuple(unroutable), (), 0), outs)
+        if not groups and not unroutable:
+            self._nursery.start_soon(self._finish_only, tracker)
+        for dest, rcpts in groups.items():
+            job = Job(qid, env.sender, tuple(rcpts), (), env.body_size, dict(env.extra))
+            state = self.dests.setdefault(dest, DestState())
+            state.queue.append((job, tracker))
+            self.pending += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        event, self._work = self._work, trio.Event()
+        event.set()
+
+    def _make_room(self) -> None:
+        event, self._room = self._room, trio.Event()
+        event.set()
+
+    async def _finish_only(self, tracker: Tracker) -> None:
+        self.aspool.finish(tracker.attempt)
+
+    async def _expire(self, tracker: Tracker) -> None:
+        env = tracker.attempt.envelope
+        rcpts = tuple(tracker.attempt.remaining)
+        lifetime = self.config.spool.max_queue_lifetime
+        text = f"message expired after {lifetime / 86400:g} days in the queue"
+        if tracker.attempt.envelope.extra.get("last_error"):
+            text += f"; last error: {tracker.attempt.envelope.extra['last_error']}"
+        outs = [Outcome(r, Status.EXPIRED, 0, "4.4.7", text, "") for r in rcpts]
+        tracker.outstanding = 1
+        await self._complete(tracker, Job(format_id(env.message_id), env.sender, rcpts, (), 0), outs)
+
+    # -- delivering -----------------------------------------------------------
+
+    def _pick(self, now: float) -> tuple[Destination, DestState] | None:
+        best: tuple[Destination, DestState] | None = None
+        for dest, state in self.dests.items():
+            if not state.queue or state.active >= self.per_destination:
+                continue
+            if best is None or state.queue[0][1].attempt.envelope.arrival_ms < \
+                    best[1].queue[0][1].attempt.envelope.arrival_ms:
+                best = (dest, state)
+        return best
+
+    async def _worker(self) -> None:
+        while True:
+            picked = self._pick(time.time())
+            if picked is None:
+                await self._work.wait()
+                continue
+            dest, state = picked
+            batch = [state.queue.popleft() for _ in range(min(self.batch, len(state.queue)))]
+            self.pending -= len(batch)
+            self._make_room()
+            state.active += 1
+            try:
+                await self._deliver(dest, state, batch)
+            finally:
+                state.active -= 1
+                if not state.queue and not state.active:
+                    self.dests.pop(dest, None)
+                self._wake()
+
+    async def _deliver(self, dest: Destination, state: DestState, batch: list[tuple[Job, Tracker]]) -> None:
+        now = time.time()
+        if now < state.backoff_until:
+            reply = f"destination {dest} not reachable, retry postponed: {state.last_error}"
+            for job, tracker in batch:
+                outs = [Outcome(r, Status.DEFERRED, 0, "4.4.1", reply, str(dest)) for r in job.recipients]
+                await self._complete(tracker, job, outs)
+            return
+        jobs = []
+        for job, tracker in batch:
+            job.body = await self.aspool.read_body(tracker.attempt)
+            jobs.append(job)
+        started = time.monotonic()
+        transport = self.transports[dest.kind]
+        try:
+            results = await transport.deliver(dest, jobs)
+        except Exception as exc:  # a transport bug must not lose the attempt: defer it
+            log.exception("transport %s failed", dest.kind)
+            results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", f"local error: {exc}", str(dest))
+                        for r in job.recipients] for job in jobs]
+        duration = time.monotonic() - started
+        unreachable = all(o.code == 0 and o.status is Status.DEFERRED for outs in results for o in outs)
+        if unreachable:
+            state.failures += 1
+            state.backoff_until = time.time() + min(BACKOFF_MAX, BACKOFF_MIN * 2 ** (state.failures - 1))
+            state.last_error = results[0][0].reply if results and results[0] else ""
+        else:
+            state.failures = 0
+            state.backoff_until = 0.0
+        for (job, tracker), outs in zip(batch, results, strict=True):
+            job.body = ()
+            await self._complete(tracker, job, outs, duration)
+
+    async def _complete(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float = 0.0) -> None:
+        """Make the outcomes durable (with any DSN), log them, and finish the message when all its jobs are in."""
+        attempt = tracker.attempt
+        env = attempt.envelope
+        failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
+        if failed and dsnmod.should_bounce(env.sender) and not env.extra.get("dsn"):
+            self._enqueue_dsn(attempt, failed)
+        await self.aspool.record_delivery(attempt, outcomes, int(duration * 1000))
+        now = time.time()
+        for o in outcomes:
+            self._log(job.queue_id, env, o, now, duration)
+            if o.status is Status.DEFERRED:
+                tracker.last_error = o.reply
+        tracker.outstanding -= 1
+        if tracker.outstanding <= 0:
+            extra = {"last_error": tracker.last_error} if tracker.last_error else None
+            self.aspool.finish(attempt, extra=extra)
+
+    def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome]) -> None:
+        env = attempt.envelope
+        headers = dsnmod.extract_headers(self.aspool.core.read_body(env))
+        failures = [dsnmod.RecipientFailure(
+            recipient=o.recipient, status=o.enhanced or ("5.0.0" if o.status is Status.BOUNCED else "4.4.7"),
+            action="failed", diagnostic=f"smtp; {o.code} {o.enhanced} {o.reply}".replace("  ", " ") if o.code
+            else f"x-logspool; {o.reply}", remote_mta=o.next_hop) for o in failed]
+        message = dsnmod.build_dsn(
+            reporting_mta=self.config.server.hostname, original_sender=env.sender,
+            original_envelope_id=None, arrival_time=dt.datetime.fromtimestamp(env.arrival_ms / 1000, dt.UTC),
+            failed=failures,
+            original_headers=headers, from_address=self.config.delivery.bounce_sender)
+        self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": format_id(env.message_id)})
+        self.metrics.bounced_dsn.inc()
+
+    def _log(self, qid: str, env: object, o: Outcome, now: float, duration: float) -> None:
+        arrival = getattr(env, "arrival_ms", 0) / 1000
+        delay = max(0.0, now - arrival)
+        status = {Status.DELIVERED: "sent", Status.DEFERRED: "deferred", Status.BOUNCED: "bounced",
+                  Status.EXPIRED: "expired", Status.DELETED: "deleted"}[o.status]
+        log.info("%s: to=<%s>, relay=%s, delay=%.2f, dsn=%s, status=%s (%s%s)", qid, o.recipient,
+                 o.next_hop or "none", delay, o.enhanced or "-", status,
+                 f"{o.code} " if o.code else "", o.reply)
+        self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0)

@@ -1,0 +1,254 @@
+"""The SMTP server shell: sockets, timeouts and policy around the sans-IO core.
+
+The core (``mta.smtp_server``) owns the protocol; this module owns what needs
+the outside world: the relay decision (``Config.may_relay``), routes, free
+disk space, the spool, TLS, time limits and session limits. The ``250`` after
+DATA is sent only once ``AsyncSpool.enqueue`` has returned, which is after
+the group commit's fdatasync covered the message.
+
+Failures: a client that misbehaves gets a reply and, at worst, a closed
+connection. A spool failure (a failed fsync above all) is not caught: it ends
+the relay, crash-only, and the next start recovers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from mta.config import Config, NoRoute
+from mta.metrics import Metrics
+from mta.smtp_common import Reply, received_header, received_protocol
+from mta.smtp_server import (
+    ConnectionClosed,
+    DataAborted,
+    DataChunk,
+    DataStart,
+    Ehlo,
+    EndOfData,
+    Helo,
+    MailFrom,
+    NeedData,
+    Quit,
+    RcptTo,
+    Rset,
+    ServerConnection,
+    StartTls,
+)
+from spool.commit import AsyncSpool
+from spool.record import format_id
+from spool.spool import BodyWriter
+
+log = logging.getLogger("mta.smtpd")
+
+R_RELAY_DENIED = Reply(554, "5.7.1", "Relay access denied")
+R_NO_ROUTE = Reply(550, "5.1.2", "No route to this domain")
+R_DISK_FULL = Reply(452, "4.3.1", "Insufficient system storage, try again later")
+R_TOO_MANY_SESSIONS = Reply(421, "4.7.0", "Too many connections, try again later")
+R_TIMEOUT = Reply(421, "4.4.2", "Timeout, closing connection")
+R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
+R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
+READ_SIZE = 65536
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class SmtpServer:
+    def __init__(self, config: Config, aspool: AsyncSpool, metrics: Metrics,
+                 ssl_context: ssl.SSLContext | None = None,
+                 free_space: Callable[[str], int] = free_bytes) -> None:
+        self.config = config
+        self.aspool = aspool
+        self.metrics = metrics
+        self.ssl_context = ssl_context
+        self.free_space = free_space
+        self.sessions = 0
+        self.per_client: dict[str, int] = {}
+
+    async def serve(self, *, task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        listeners: list[trio.SocketListener] = []
+        for addr in self.config.server.listen:
+            listeners += await trio.open_tcp_listeners(addr.port, host=addr.host)
+        async with trio.open_nursery() as nursery:
+            task_status.started(listeners)
+            for listener in listeners:
+                nursery.start_soon(trio.serve_listeners, self.handle, [listener])
+
+    def _disk_ok(self) -> bool:
+        return self.free_space(self.aspool.core.path) >= self.config.spool.queue_minfree
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        try:
+            peer: Any = stream.socket.getpeername()
+            client_ip = str(peer[0])
+        except OSError:
+            return
+        s = self.config.server
+        if self.sessions >= s.max_sessions or self.per_client.get(client_ip, 0) >= s.max_sessions_per_client:
+            with trio.move_on_after(5):
+                await stream.send_all(R_TOO_MANY_SESSIONS.to_bytes())
+            await trio.aclose_forcefully(stream)
+            return
+        self.sessions += 1
+        self.per_client[client_ip] = self.per_client.get(client_ip, 0) + 1
+        self.metrics.sessions.inc()
+        session = _Session(self, stream, client_ip)
+        try:
+            await session.run()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, ConnectionError):
+            pass
+        finally:
+            session.abort_body()
+            self.sessions -= 1
+            left = self.per_client[client_ip] - 1
+            if left:
+                self.per_client[client_ip] = left
+            else:
+                del self.per_client[client_ip]
+            await trio.aclose_forcefully(session.stream)
+
+
+class _Session:
+    def __init__(self, server: SmtpServer, stream: trio.SocketStream, client_ip: str) -> None:
+        self.server = server
+        self.config = server.config
+        self.stream: trio.abc.Stream = stream
+        self.client_ip = client_ip
+        s = self.config.server
+        self.conn = ServerConnection(
+            s.hostname, max_message_size=s.max_message_size, max_line_length=s.line_length_limit,
+            max_recipients=s.max_recipients, max_errors=s.max_errors, normalize_bare_lf=s.normalize_bare_lf,
+            tls_available=server.ssl_context is not None)
+        self.sender = ""
+        self.recipients: list[str] = []
+        self.body: BodyWriter | None = None
+        self.mail_params: dict[str, Any] = {}
+
+    def abort_body(self) -> None:
+        if self.body is not None:
+            self.body.abort()
+            self.body = None
+
+    async def _flush(self) -> None:
+        out = self.conn.data_to_send()
+        if out:
+            await self.stream.send_all(out)
+
+    async def run(self) -> None:
+        timeout = self.config.server.command_timeout
+        while True:
+            await self._flush()
+            ev = self.conn.next_event()
+            if isinstance(ev, NeedData):
+                limit = self.config.server.data_timeout if self.body is not None else timeout
+                with trio.move_on_after(limit) as scope:
+                    data = await self.stream.receive_some(READ_SIZE)
+                if scope.cancelled_caught:
+                    await self.stream.send_all(R_TIMEOUT.to_bytes())
+                    return
+                self.conn.receive_data(data)
+            elif isinstance(ev, MailFrom):
+                self._mail(ev)
+            elif isinstance(ev, RcptTo):
+                self._rcpt(ev)
+            elif isinstance(ev, DataStart):
+                self._data_start()
+            elif isinstance(ev, DataChunk):
+                assert self.body is not None
+                self.body.write(ev.data)
+            elif isinstance(ev, EndOfData):
+                await self._end_of_data()
+            elif isinstance(ev, DataAborted):
+                self.abort_body()
+                self.server.metrics.rejected.labels("content").inc()
+            elif isinstance(ev, StartTls):
+                if not await self._starttls():
+                    return
+            elif isinstance(ev, (Rset, Ehlo, Helo)):
+                self._reset()
+            elif isinstance(ev, (Quit, ConnectionClosed)):
+                await self._flush()
+                return
+
+    def _reset(self) -> None:
+        self.abort_body()
+        self.sender = ""
+        self.recipients = []
+        self.mail_params = {}
+
+    def _mail(self, ev: MailFrom) -> None:
+        self._reset()
+        if not self.server._disk_ok():
+            self.server.metrics.rejected.labels("disk").inc()
+            self.conn.reject(R_DISK_FULL)
+            return
+        size = ev.params.get("SIZE")
+        if isinstance(size, str) and size.isdigit() and int(size) > self.config.server.max_message_size:
+            self.conn.reject(R_TOO_BIG)
+            return
+        self.sender = ev.address
+        self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
+        self.conn.accept()
+
+    def _rcpt(self, ev: RcptTo) -> None:
+        domain = ev.address.rpartition("@")[2].lower()
+        if not domain or not self.config.may_relay(self.client_ip, domain):
+            self.server.metrics.rejected.labels("relay").inc()
+            self.conn.reject(R_RELAY_DENIED)
+            return
+        if isinstance(self.config.route_for(domain), NoRoute):
+            self.conn.reject(R_NO_ROUTE)
+            return
+        self.recipients.append(ev.address)
+        self.conn.accept()
+
+    def _data_start(self) -> None:
+        self.body = self.server.aspool.begin_body()
+        tls = isinstance(self.stream, trio.SSLStream)
+        proto = received_protocol(esmtp=self.conn.esmtp, tls=tls, smtputf8="SMTPUTF8" in self.mail_params)
+        self.body.write(received_header(helo=self.conn.helo_name or "unknown", client_ip=self.client_ip,
+                                        by=self.config.server.hostname, protocol=proto,
+                                        recipient=self.recipients[0] if len(self.recipients) == 1 else None))
+
+    async def _end_of_data(self) -> None:
+        body, self.body = self.body, None
+        assert body is not None
+        if not self.server._disk_ok():
+            body.abort()
+            self.conn.reject(R_DISK_FULL)
+            return
+        extra: dict[str, Any] = {"client": self.client_ip}
+        if self.mail_params:
+            extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
+        mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
+        self.server.metrics.accepted.inc()
+        log.info("%s: from=<%s>, size=%d, nrcpt=%d, client=%s", format_id(mid), self.sender, body.size,
+                 len(self.recipients), self.client_ip)
+        self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {format_id(mid)}"))
+        self.recipients = []
+
+    async def _starttls(self) -> bool:
+        ctx = self.server.ssl_context
+        if ctx is None or isinstance(self.stream, trio.SSLStream):
+            self.conn.reject(R_NO_TLS)
+            return True
+        self.conn.accept()
+        await self._flush()
+        tls = trio.SSLStream(self.stream, ctx, server_side=True)
+        with trio.move_on_after(self.config.server.command_timeout) as scope:
+            await tls.do_handshake()
+        if scope.cancelled_caught:
+            return False
+        self.stream = tls
+        self.conn.tls_started()
+        self._reset()
+        return True

@@ -1,0 +1,56 @@
+"""What a transport is: a way to hand a batch of messages to one destination.
+
+The scheduler groups the recipients of due messages by *destination* (the
+transport and its next hop) and gives a transport a batch of jobs for one
+destination at a time, so an SMTP transport can send several messages over one
+connection. A transport reports one outcome per recipient; it never touches
+the spool (the scheduler records outcomes and makes them durable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from spool.record import Outcome, Status
+
+
+@attrs.frozen
+class Destination:
+    """Where recipients go: ``kind`` is smtp, mx, maildir or discard; ``target`` its next hop."""
+
+    kind: str
+    target: str
+    tls: str = "opportunistic"
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.target}" if self.target else self.kind
+
+
+@attrs.define(eq=False)
+class Job:
+    """Some recipients of one message, all bound for the same destination."""
+
+    queue_id: str
+    sender: str
+    recipients: tuple[str, ...]
+    body: Sequence[bytes]
+    size: int
+    extra: dict[str, object] = attrs.field(factory=dict)
+
+
+class Transport(Protocol):
+    async def deliver(self, destination: Destination, jobs: Sequence[Job]) -> list[list[Outcome]]:
+        """Deliver ``jobs``; return, per job, one Outcome per recipient (in order).
+
+        A failure to reach the destination at all is reported as DEFERRED
+        outcomes with the reason, not raised: the scheduler backs off the
+        destination when every outcome of a batch is a connection failure.
+        """
+        ...
+
+
+def failed_all(job: Job, status: Status, code: int, enhanced: str, reply: str, next_hop: str) -> list[Outcome]:
+    return [Outcome(r, status, code, enhanced, reply, next_hop) for r in job.recipients]
