@@ -240,7 +240,7 @@ class ClientConnection:
 
     # -------------------------------------------------------------- I/O side
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         """Bytes from the server; ``b""`` means EOF."""
         if not data:
             self._eof = True

@@ -140,7 +140,7 @@ class ReplyParser:
         self._buf = bytearray()
         self._lines: list[tuple[int, str]] = []
 
-    def feed(self, data: bytes) -> list[Reply]:
+    def feed(self, data: bytes | bytearray) -> list[Reply]:
         self._buf += data
         replies: list[Reply] = []
         while True:

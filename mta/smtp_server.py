@@ -276,7 +276,7 @@ class ServerConnection:
 
     # -------------------------------------------------------------- I/O side
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         """Bytes from the peer; ``b""`` means EOF. Ignored once closed or in STARTTLS."""
         if self.state in (State.CLOSED, State.TLS):
             return
