@@ -100,6 +100,8 @@ def _offline(config: Config, req: dict[str, Any]) -> dict[str, Any]:
     from mta.app import spool_config
     from spool.spool import Spool
 
+    # Recovery's per-recipient in-doubt warnings belong in the relay's log, not on an admin's terminal.
+    logging.getLogger("spool").setLevel(logging.ERROR)
     try:
         sp = Spool.open(config.spool.dir, spool_config(config))
     except SpoolLocked:

@@ -1,0 +1,213 @@
+"""The SMTP transport: the trio shell around the sans-IO client core.
+
+One ``deliver`` call takes a batch of messages for one destination and sends
+them over as few connections as it can: hops are tried in order (MX
+preference, or the fixed next hop), and a connection carries every message of
+the batch unless it breaks, in which case the rest go to the next hop.
+
+Outcomes map from replies: 2xx delivered, 4xx deferred, 5xx bounced. Failing
+to connect, a timeout or a broken connection is a deferral with code 0, which
+the scheduler reads as "destination unreachable" for its backoff. The TLS
+outcome (none, opportunistic, verified) is part of each outcome's next-hop
+text, so the delivery log records it.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Sequence
+
+import trio
+
+from mta import mx
+from mta.config import Config
+from mta.smtp_client import (
+    ClientConnection,
+    CommandReply,
+    DataReply,
+    EhloReply,
+    Greeting,
+    MessageReply,
+    NeedData,
+)
+from mta.smtp_client import ConnectionClosed as ServerClosed
+from mta.smtp_client import Event as ClientEvent
+from mta.smtp_common import LocalProtocolError, RemoteProtocolError, Reply
+from mta.transport import Destination, Job
+from spool.record import Outcome, Status
+
+
+class HopFailed(Exception):
+    """This hop cannot take the mail now; ``reply`` is what it said, if anything."""
+
+    def __init__(self, message: str, reply: Reply | None = None) -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+def outcome_for(rcpt: str, reply: Reply, hop: str) -> Outcome:
+    if reply.is_positive:
+        status = Status.DELIVERED
+    elif reply.is_transient:
+        status = Status.DEFERRED
+    else:
+        status = Status.BOUNCED
+    text = " ".join(line.strip() for line in reply.lines)
+    return Outcome(rcpt, status, reply.code, reply.enhanced or "", text, hop)
+
+
+class _Session:
+    """One client connection: greeting, EHLO, maybe STARTTLS, then transactions."""
+
+    def __init__(self, stream: trio.abc.Stream, host: str, config: Config) -> None:
+        self.stream = stream
+        self.host = host
+        self.config = config
+        self.conn = ClientConnection()
+        self.tls = "none"
+
+    async def _event(self, timeout: float) -> ClientEvent:
+        while True:
+            ev = self.conn.next_event()
+            if not isinstance(ev, NeedData):
+                return ev
+            out = self.conn.data_to_send()
+            with trio.fail_after(timeout):
+                if out:
+                    await self.stream.send_all(out)
+                data = await self.stream.receive_some(65536)
+            self.conn.receive_data(data)
+
+    async def open(self, tls_mode: str, server_name: str) -> None:
+        t = self.config.delivery.command_timeout
+        ev = await self._event(t)
+        if not isinstance(ev, Greeting) or not ev.reply.is_positive:
+            raise HopFailed(f"{self.host} greeting", getattr(ev, "reply", None))
+        await self._hello(t)
+        caps = self.conn.capabilities
+        if tls_mode == "none":
+            return
+        if caps is None or not caps.starttls:
+            if tls_mode in ("require", "verify"):
+                raise HopFailed(f"{self.host} does not offer STARTTLS and the route requires TLS")
+            return
+        self.conn.starttls()
+        ev = await self._event(t)
+        if not isinstance(ev, CommandReply) or not ev.reply.is_positive:
+            if tls_mode in ("require", "verify"):
+                raise HopFailed(f"{self.host} refused STARTTLS", getattr(ev, "reply", None))
+            return
+        await self.stream.send_all(self.conn.data_to_send())
+        ctx = ssl.create_default_context()
+        if tls_mode != "verify":
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        tls_stream = trio.SSLStream(self.stream, ctx, server_hostname=server_name)
+        try:
+            with trio.fail_after(t):
+                await tls_stream.do_handshake()
+        except ssl.SSLError as exc:
+            raise HopFailed(f"TLS handshake with {self.host} failed: {exc}") from None
+        self.stream = tls_stream
+        self.conn.tls_started()
+        self.tls = "verified" if tls_mode == "verify" else "encrypted"
+        await self._hello(t)
+
+    async def _hello(self, timeout: float) -> None:
+        self.conn.ehlo(self.config.server.hostname)
+        ev = await self._event(timeout)
+        if isinstance(ev, EhloReply) and ev.reply.is_positive:
+            return
+        self.conn.helo(self.config.server.hostname)
+        ev = await self._event(timeout)
+        if not isinstance(ev, EhloReply) or not ev.reply.is_positive:
+            raise HopFailed(f"{self.host} refused HELO", getattr(ev, "reply", None))
+
+    async def send(self, job: Job, hop: str) -> list[Outcome]:
+        t = self.config.delivery.command_timeout
+        caps = self.conn.capabilities
+        params: dict[str, str | None] = {}
+        if caps is not None and caps.size is not None:
+            params["SIZE"] = str(job.size)
+        body_param = (job.extra.get("params") or {}) if isinstance(job.extra.get("params"), dict) else {}
+        if isinstance(body_param, dict) and body_param.get("SMTPUTF8") and caps is not None and caps.smtputf8:
+            params["SMTPUTF8"] = None
+        if isinstance(body_param, dict) and str(body_param.get("BODY", "")).upper() == "8BITMIME" \
+                and caps is not None and caps.eightbitmime:
+            params["BODY"] = "8BITMIME"
+        self.conn.mail(job.sender, params)
+        for rcpt in job.recipients:
+            self.conn.rcpt(rcpt)
+        self.conn.data()
+        while True:
+            ev = await self._event(t)
+            if isinstance(ev, DataReply) and ev.go_ahead:
+                with trio.fail_after(self.config.delivery.data_timeout):
+                    for chunk in job.body:
+                        self.conn.send_body(chunk)
+                        await self.stream.send_all(self.conn.data_to_send())
+                    self.conn.end_data()
+            elif isinstance(ev, MessageReply):
+                return [outcome_for(o.address, o.reply, hop) for o in ev.outcomes]
+            elif isinstance(ev, ServerClosed):
+                raise HopFailed(f"{self.host} closed the connection")
+            elif not isinstance(ev, CommandReply | DataReply) and hasattr(ev, "reply") and \
+                    ev.reply.code == 421:
+                raise HopFailed(f"{self.host} is closing", ev.reply)
+
+    async def close(self) -> None:
+        try:
+            with trio.move_on_after(5):
+                self.conn.quit()
+                await self.stream.send_all(self.conn.data_to_send())
+        except (trio.BrokenResourceError, trio.ClosedResourceError, LocalProtocolError, ssl.SSLError, OSError):
+            pass
+        await trio.aclose_forcefully(self.stream)
+
+
+class SmtpTransport:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        r = config.delivery.resolver
+        self.resolver = mx.make_resolver(r.host if r else None, r.port if r else 53)
+
+    async def _hops(self, dest: Destination) -> list[mx.Hop]:
+        if dest.kind == "smtp":
+            host, _, port = dest.target.rpartition(":")
+            return [mx.Hop(host, host, int(port))]
+        return await mx.lookup(self.resolver, dest.target)
+
+    async def deliver(self, destination: Destination, jobs: Sequence[Job]) -> list[list[Outcome]]:
+        results: list[list[Outcome] | None] = [None] * len(jobs)
+        try:
+            hops = await self._hops(destination)
+        except mx.LookupError_ as exc:
+            status, code, enh = (Status.BOUNCED, 550, "5.1.2") if exc.permanent else (Status.DEFERRED, 0, "4.4.3")
+            return [[Outcome(r, status, code, enh, str(exc), str(destination)) for r in job.recipients]
+                    for job in jobs]
+        last_error = "no hop tried"
+        for hop in hops:
+            todo = [i for i, r in enumerate(results) if r is None]
+            if not todo:
+                break
+            label = f"{hop.host}[{hop.address}]:{hop.port}"
+            session: _Session | None = None
+            try:
+                with trio.fail_after(self.config.delivery.connect_timeout):
+                    stream = await trio.open_tcp_stream(hop.address, hop.port)
+                session = _Session(stream, hop.host, self.config)
+                await session.open(destination.tls, hop.host)
+                for i in todo:
+                    results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
+            except HopFailed as exc:
+                last_error = f"{exc}" + (f": {exc.reply}" if exc.reply else "")
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    RemoteProtocolError, LocalProtocolError, ssl.SSLError) as exc:
+                last_error = f"{label}: {type(exc).__name__}: {exc}".rstrip(": ")
+            finally:
+                if session is not None:
+                    await session.close()
+        return [r if r is not None else
+                [Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", f"delivery failed: {last_error}", str(destination))
+                 for rcpt in job.recipients]
+                for r, job in zip(results, jobs, strict=True)]
