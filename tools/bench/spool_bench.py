@@ -1,0 +1,588 @@
+"""Spool engine benchmarks: batched appends, group commit, runner scan, recovery.
+
+    .venv/bin/python tools/bench/spool_bench.py [--quick] [--runs N] [--profile]
+
+What it measures (DESIGN §6: benchmarks, never timed tests), each as the median
+of several runs:
+
+1. Envelope records appended durably in batches of 1,000 through the engine's
+   append path (Envelope -> CBOR -> frame -> LogWriter, one fdatasync per
+   batch), next to a bare loop that does only CBOR + framing + pwrite +
+   fdatasync; plus ``Spool.enqueue_many`` (body + envelope) for reference.
+2. One-at-a-time durable enqueue through ``AsyncSpool`` (trio group commit) at
+   concurrency 1, 10 and 100: messages/s and fsyncs per message.
+3. A runner pass over a garbage-heavy log (bodies, garbage envelopes, START,
+   DELIVERY, FINISH; 2% of the units hold a live deferred envelope).
+4. Recovery: a queue of N deferred messages is built in a child process, then
+   ``Spool.open`` is timed in fresh child processes, with their peak RSS.
+
+The last line printed is one JSON object (see ``main``). Temp dirs live on the
+real disk ($BENCH_DIR, else the temp dir unless it is tmpfs) and are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import math
+import os
+import pstats
+import subprocess
+import sys
+import time
+from typing import Any
+
+import cbor2
+import common
+import trio
+from common import fmt, median, say
+from crc32c import crc32c
+
+from spool.commit import AsyncSpool
+from spool.config import SpoolConfig
+from spool.record import (
+    HEADER,
+    Delivery,
+    Envelope,
+    Finish,
+    Outcome,
+    RecordType,
+    Start,
+    Status,
+    make_pos,
+)
+from spool.runner import Runner
+from spool.segment import SEGMENT_HEADER_SIZE
+from spool.spool import Spool
+
+SENDER = "alice@example.org"
+RCPTS = ("bob@example.net",)
+BATCH = 1000
+NO_CHECKPOINTS = SpoolConfig(checkpoint_interval=math.inf)
+DEFERRED = Outcome(RCPTS[0], Status.DEFERRED, 451, "4.3.0", "451 4.3.0 try again later", "mx.example.net")
+
+
+# -- 1. batched durable appends -------------------------------------------------
+
+
+def bare_append(path: str, n: int) -> tuple[float, float]:
+    """CBOR + framing + pwrite + fdatasync per 1,000 records, no engine: the floor.
+
+    Returns (records/s, seconds spent in fdatasync, records per CPU-second)."""
+    fd = os.open(os.path.join(path, "bare.log"), os.O_RDWR | os.O_CREAT, 0o600)
+    pack = HEADER.pack
+    off = 0
+    now = int(time.time())
+    ms = now * 1000
+    t_sync = 0.0
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    for _ in range(n // BATCH):
+        buf = bytearray()
+        for _ in range(BATCH):
+            payload = cbor2.dumps({0: off, 1: SENDER, 2: list(RCPTS), 3: [off], 4: 1024, 5: ms, 6: 0})
+            head = pack(0, len(payload), 1, 0, 0, 0, now)
+            crc = crc32c(payload, crc32c(head[10:], crc32c(head[4:9])))
+            buf += pack(crc, len(payload), 1, 0, 0, 0, now)
+            buf += payload
+        os.pwrite(fd, buf, off)
+        off += len(buf)
+        ts = time.perf_counter()
+        os.fdatasync(fd)
+        t_sync += time.perf_counter() - ts
+    dt = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    os.close(fd)
+    return n / dt, t_sync, n / cpu
+
+
+def engine_append(path: str, n: int) -> tuple[float, float]:
+    """Envelope records through the engine: Envelope.to_payload, LogWriter.append, Spool.commit.
+
+    Returns (records/s, seconds spent in commit: pwrite + fdatasync, records per CPU-second)."""
+    sp = Spool.open(path, NO_CHECKPOINTS)
+    try:
+        w = sp.writer
+        ms = int(time.time() * 1000)
+        clock = time.time
+        t_sync = 0.0
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        for _ in range(n // BATCH):
+            for _ in range(BATCH):
+                head = w.head
+                env = Envelope(head, SENDER, RCPTS, (head,), 1024, ms)
+                w.append(RecordType.ENVELOPE, env.to_payload(), klass=0, now=clock())
+            ts = time.perf_counter()
+            sp.commit()
+            t_sync += time.perf_counter() - ts
+        dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+        assert w.commits >= n // BATCH
+        return n / dt, t_sync, n / cpu
+    finally:
+        sp.close()
+
+
+def engine_enqueue_many(path: str, n: int, body: bytes = b"x" * 100) -> float:
+    """``Spool.enqueue_many`` of 1,000 messages per commit (a DATA and an ENVELOPE record each)."""
+    sp = Spool.open(path, NO_CHECKPOINTS)
+    try:
+        msgs = [(SENDER, RCPTS, body)] * BATCH
+        t0 = time.perf_counter()
+        for _ in range(n // BATCH):
+            sp.enqueue_many(msgs)
+        return n / (time.perf_counter() - t0)
+    finally:
+        sp.close()
+
+
+def bench_append(n: int, runs: int) -> dict[str, Any]:
+    bare: list[float] = []
+    eng: list[float] = []
+    many: list[float] = []
+    ratios: list[float] = []
+    bare_cpu: list[float] = []
+    eng_cpu: list[float] = []
+    syncs: list[float] = []
+    bare_pcpu: list[float] = []
+    eng_pcpu: list[float] = []
+    for r in range(runs):
+        # Interleaved, so that load from elsewhere hits the variants alike.
+        with common.temp_dir("bare") as d:
+            b, b_sync, b_cpu = bare_append(d, n)
+        with common.temp_dir("append") as d:
+            e, e_sync, e_cpu = engine_append(d, n)
+        with common.temp_dir("many") as d:
+            m = engine_enqueue_many(d, n)
+        bare.append(b)
+        eng.append(e)
+        many.append(m)
+        ratios.append(e / b)
+        # The same figures without the time spent waiting for the disk (fdatasync, or commit = pwrite + fdatasync).
+        bare_cpu.append(n / (n / b - b_sync))
+        eng_cpu.append(n / (n / e - e_sync))
+        bare_pcpu.append(b_cpu)
+        eng_pcpu.append(e_cpu)
+        syncs += [b_sync / (n // BATCH) * 1000, e_sync / (n // BATCH) * 1000]
+        say(f"  run {r + 1}: bare {fmt(b)}/s  engine {fmt(e)}/s  enqueue_many {fmt(m)} msg/s; "
+            f"without sync time: bare {fmt(bare_cpu[-1])}/s engine {fmt(eng_cpu[-1])}/s; "
+            f"per CPU-second: bare {fmt(b_cpu)} engine {fmt(e_cpu)}; "
+            f"sync per batch {syncs[-2]:.1f} / {syncs[-1]:.1f} ms (load {common.load_average()})")
+    return {"bare_rps": median(bare), "engine_rps": median(eng), "enqueue_many_mps": median(many),
+            "ratio": median(ratios), "bare_best": max(bare), "engine_best": max(eng),
+            "bare_rps_nosync": median(bare_cpu), "engine_rps_nosync": median(eng_cpu),
+            "ratio_nosync": median([e / b for e, b in zip(eng_cpu, bare_cpu)]), "sync_ms": median(syncs),
+            "bare_rps_cpu": median(bare_pcpu), "engine_rps_cpu": median(eng_pcpu),
+            "ratio_cpu": median([e / b for e, b in zip(eng_pcpu, bare_pcpu)])}
+
+
+# -- 2. group commit: one-at-a-time enqueue at concurrency c --------------------------
+
+
+async def _concurrent(path: str, concurrency: int, duration: float, body: bytes) -> dict[str, float]:
+    asp = await AsyncSpool.open(path, SpoolConfig())
+    try:
+        async with trio.open_nursery() as outer:
+            await outer.start(asp.run)
+            await asp.enqueue(SENDER, RCPTS, body)  # warm up
+            w = asp.core.writer
+            f0, c0 = w.fsyncs, w.commits
+            count = 0
+            lat: list[float] = []
+            deadline = time.perf_counter() + duration
+
+            async def client() -> None:
+                nonlocal count
+                while time.perf_counter() < deadline:
+                    t = time.perf_counter()
+                    await asp.enqueue(SENDER, RCPTS, body)
+                    lat.append(time.perf_counter() - t)
+                    count += 1
+
+            cpu0 = time.process_time()
+            t0 = time.perf_counter()
+            async with trio.open_nursery() as clients:
+                for _ in range(concurrency):
+                    clients.start_soon(client)
+            dt = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
+            fsyncs, commits = w.fsyncs - f0, w.commits - c0
+            outer.cancel_scope.cancel()
+    finally:
+        asp.core.close()
+    return {"mps": count / dt, "fsync_per_msg": fsyncs / count, "msgs_per_commit": count / max(commits, 1),
+            "messages": count, "p50_ms": median(lat) * 1000, "cpu_us_per_msg": cpu / count * 1e6}
+
+
+def bench_concurrency(levels: list[int], duration: float, runs: int, body: bytes) -> dict[int, dict[str, float]]:
+    res: dict[int, list[dict[str, float]]] = {c: [] for c in levels}
+    for r in range(runs):
+        for c in levels:
+            with common.temp_dir(f"c{c}") as d:
+                out = trio.run(_concurrent, d, c, duration, body)
+            res[c].append(out)
+            say(f"  run {r + 1} c={c}: {fmt(out['mps'])} msg/s, {out['fsync_per_msg']:.3f} fsync/msg, "
+                f"{out['msgs_per_commit']:.1f} msg/commit, p50 latency {out['p50_ms']:.1f} ms, "
+                f"{out['cpu_us_per_msg']:.0f} CPU-us/msg")
+    return {c: {k: median([o[k] for o in outs]) for k in outs[0]} for c, outs in res.items()}
+
+
+# -- 3. runner scan over a garbage-heavy log -------------------------------------------
+
+
+def build_scan_log(sp: Spool, units: int, body: bytes) -> tuple[int, int]:
+    """Message units: DATA, ENVELOPE (garbage), START, DELIVERY, FINISH; every 50th unit
+    is DATA + a live ENVELOPE of class 2 instead. Returns (records, live envelopes)."""
+    w = sp.writer
+    now = time.time()
+    ms = int(now * 1000)
+    env = Envelope(make_pos(1, 64), SENDER, RCPTS, (make_pos(1, 32),), len(body), ms).to_payload()
+    start = Start(make_pos(1, 64), ms).to_payload()
+    delivery = Delivery(make_pos(1, 96), ms, (DEFERRED,)).to_payload()
+    finish = Finish(make_pos(1, 96), ms, make_pos(1, 128)).to_payload()
+    records = live = 0
+    for u in range(units):
+        w.append(RecordType.DATA, body, now=now)
+        if u % 50 == 0:
+            w.append(RecordType.ENVELOPE, env, klass=2, now=now)
+            records += 2
+            live += 1
+        else:
+            w.mark_after_sync(w.append(RecordType.ENVELOPE, env, klass=1, now=now))
+            w.append(RecordType.START, start, now=now)
+            w.append(RecordType.DELIVERY, delivery, now=now)
+            w.append(RecordType.FINISH, finish, now=now)
+            records += 5
+        if u % 20000 == 19999:
+            sp.commit()
+    sp.commit()
+    w.sync_all()
+    return records, live
+
+
+def scan_once(sp: Spool, klass: int) -> tuple[float, int, int]:
+    origin = make_pos(1, SEGMENT_HEADER_SIZE)
+    r = Runner(sp.io, sp.log_dir, klass, 0.0, origin)
+    try:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        found = r.scan(sp.writer, 1e12, 10**9, ())
+        dt = time.perf_counter() - t0
+        scan_once.cpu = time.process_time() - c0  # type: ignore[attr-defined]
+        return dt, r.records_scanned, len(found)
+    finally:
+        r.close()
+
+
+def bench_scan(units: int, runs: int) -> dict[str, Any]:
+    with common.temp_dir("scan") as d:
+        sp = Spool.open(d, NO_CHECKPOINTS)
+        try:
+            t_build, (records, live) = common.timed(lambda: build_scan_log(sp, units, b"b" * 200))
+            size = sum(os.path.getsize(os.path.join(sp.log_dir, f)) for f in os.listdir(sp.log_dir))
+            say(f"  built {fmt(records)} records ({live} live envelopes, {size / 2**20:.0f} MiB) in {t_build:.1f}s")
+            gar: list[float] = []
+            dfr: list[float] = []
+            dfr_cpu: list[float] = []
+            for r in range(runs):
+                dt0, n0, f0 = scan_once(sp, 0)  # nothing of its class: passes everything
+                dt2, _n2, f2 = scan_once(sp, 2)  # decodes the 2% live deferred envelopes
+                dfr_cpu.append(records / scan_once.cpu)  # type: ignore[attr-defined]
+                assert f0 == 0 and f2 == live and n0 <= records, (n0, records, f0, f2, live)
+                gar.append(records / dt0)
+                dfr.append(records / dt2)
+                say(f"  run {r + 1}: pass with nothing due {fmt(records / dt0)} rec/s; "
+                    f"pass returning {f2} due envelopes {fmt(records / dt2)} rec/s "
+                    f"({fmt(dfr_cpu[-1])} per CPU-second)")
+        finally:
+            sp.close()
+    return {"records": records, "live": live, "bytes": size, "scan_rps": median(dfr), "scan_rps_nothing_due":
+            median(gar), "scan_rps_cpu": median(dfr_cpu)}
+
+
+# -- 4. recovery time and RSS vs. queue size ---------------------------------------------
+
+
+def child_build_direct(path: str, n: int) -> dict[str, Any]:
+    """The record stream ``child_build`` makes, appended straight through the LogWriter.
+
+    Why: on a loaded 2-core machine the engine's per-message Python work makes a
+    1M-message build take most of an hour. Per 10,000-message chunk this writes
+    what the engine writes, in its order and with its commits: DATA + ENVELOPE
+    (class 0) per message; START per message (its envelope marked garbage after
+    the sync) and DELIVERY (DEFERRED); then DATA (the body copied forward) +
+    replacement ENVELOPE (class 1) + FINISH. Then the new-mail runner is put at
+    the head (it has passed everything) and a checkpoint is taken.
+    """
+    sp = Spool.open(path, SpoolConfig(checkpoint_interval=math.inf))
+    w = sp.writer
+    body = b"m" * 100
+    dumps = cbor2.dumps
+    t0 = time.perf_counter()
+    done = 0
+    while done < n:
+        k = min(10_000, n - done)
+        now = time.time()
+        ms = int(now * 1000)
+        envs = []
+        for _ in range(k):
+            data = w.append(RecordType.DATA, body, now=now)
+            mid = w.head
+            envs.append((mid, data))
+            w.append(RecordType.ENVELOPE, dumps({0: mid, 1: SENDER, 2: list(RCPTS), 3: [data], 4: 100, 5: ms, 6: 0}),
+                     klass=0, now=now)
+        sp.commit()
+        starts = []
+        for mid, _data in envs:
+            st = w.append(RecordType.START, dumps({0: mid, 1: ms}), now=now)
+            w.mark_after_sync(mid)
+            starts.append(st)
+            w.append(RecordType.DELIVERY, dumps({0: st, 1: ms, 2: [DEFERRED.to_list()]}), now=now)
+        sp.commit()
+        for (mid, _data), st in zip(envs, starts):
+            data = w.append(RecordType.DATA, body, now=now)
+            rep = w.append(RecordType.ENVELOPE, dumps({0: mid, 1: SENDER, 2: list(RCPTS), 3: [data], 4: 100,
+                                                       5: ms, 6: 1, 7: mid, 10: {}}), klass=1, now=now)
+            w.append(RecordType.FINISH, dumps({0: st, 1: ms, 2: rep}), now=now)
+        sp.commit()
+        done += k
+    sp.runners[0].pos = w.head
+    sp.checkpoint()
+    dt = time.perf_counter() - t0
+    sp.close()
+    log_dir = os.path.join(path, "log")
+    size = sum(os.path.getsize(os.path.join(log_dir, f)) for f in os.listdir(log_dir))
+    return {"build_s": dt, "bytes": size, "segments": len(os.listdir(log_dir))}
+
+
+def child_build(path: str, n: int) -> dict[str, Any]:
+    """N messages, each enqueued, attempted, DEFERRED and finished (a class-1 replacement)."""
+    cfg = SpoolConfig(checkpoint_interval=math.inf)
+    sp = Spool.open(path, cfg)
+    body = b"m" * 100
+    chunk = min(cfg.active_limit, 10_000)
+    t0 = time.perf_counter()
+    done = 0
+    while done < n:
+        k = min(chunk, n - done)
+        sp.enqueue_many([(SENDER, RCPTS, body)] * k)
+        attempts = []
+        while len(attempts) < k:
+            got = sp.poll_due(limit=k - len(attempts))
+            if not got:
+                raise RuntimeError("runner found fewer new messages than were enqueued")
+            attempts += got
+        for a in attempts:
+            sp.record_delivery(a, (DEFERRED,))
+        sp.commit()
+        for a in attempts:
+            sp.finish(a)
+        sp.commit()
+        done += k
+    sp.checkpoint()
+    dt = time.perf_counter() - t0
+    sp.close()
+    size = sum(os.path.getsize(os.path.join(path, "log", f)) for f in os.listdir(os.path.join(path, "log")))
+    return {"build_s": dt, "bytes": size, "segments": len(os.listdir(os.path.join(path, "log")))}
+
+
+def child_open(path: str) -> dict[str, Any]:
+    base = common.peak_rss_mb()
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    sp = Spool.open(path, SpoolConfig())
+    dt = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    st = sp.recovery_stats
+    out = {"open_s": dt, "cpu_s": cpu, "rss_mb": common.peak_rss_mb(), "rss_base_mb": base,
+           "records_read": st.records_read, "bytes_read": st.bytes_read, "in_flight": st.in_flight}
+    sp.close()
+    return out
+
+
+def _child(*args: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def bench_recovery(sizes: list[int], runs: int, engine_build: bool) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for n in sizes:
+        with common.temp_dir(f"rec{n}") as d:
+            built = _child("--child-build" if engine_build else "--child-build-direct", d, str(n))
+            say(f"  queue of {fmt(n)} deferred: built in {built['build_s']:.1f}s, "
+                f"{built['bytes'] / 2**20:.0f} MiB in {built['segments']} segments")
+            opens = []
+            for r in range(runs):
+                o = _child("--child-open", d)
+                opens.append(o)
+                say(f"    open {r + 1}: {o['open_s'] * 1000:.1f} ms ({o['cpu_s'] * 1000:.1f} ms CPU), "
+                    f"peak RSS {o['rss_mb']:.1f} MB "
+                    f"(after imports {o['rss_base_mb']:.1f}), read {o['records_read']} records")
+            out[n] = {"recovery_s": median([o["open_s"] for o in opens]),
+                      "recovery_cpu_s": median([o["cpu_s"] for o in opens]),
+                      "rss_mb": median([o["rss_mb"] for o in opens]),
+                      "rss_base_mb": median([o["rss_base_mb"] for o in opens]),
+                      "records_read": median([o["records_read"] for o in opens]),
+                      "bytes_read": median([o["bytes_read"] for o in opens]),
+                      "build_s": built["build_s"], "bytes": built["bytes"]}
+    return out
+
+
+# -- profiling -------------------------------------------------------------------------------
+
+
+def profile(label: str, fn: Any) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    say(f"\n--- cProfile: {label} (by own time) ---")
+    say("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+
+
+def run_profiles(n: int, units: int) -> None:
+    with common.temp_dir("prof") as d:
+        profile(f"engine_append {n} records", lambda: engine_append(d, n))
+    with common.temp_dir("prof") as d:
+        profile("AsyncSpool enqueue, concurrency 100, 3 s",
+                lambda: trio.run(_concurrent, d, 100, 3.0, b"x" * 1024))
+    with common.temp_dir("prof") as d:
+        sp = Spool.open(d, NO_CHECKPOINTS)
+        build_scan_log(sp, units, b"b" * 200)
+        profile("runner pass, class 2", lambda: scan_once(sp, 2))
+        sp.close()
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
+    ap.add_argument("--runs", type=int, default=0, help="runs per figure (default 5, quick 3)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the hot paths instead of benchmarking")
+    ap.add_argument("--child-build", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-build-direct", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-open", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-build", action="store_true",
+                    help="build the recovery queues through the engine's API (slow) instead of its record stream")
+    args = ap.parse_args()
+    if args.child_build:
+        common.emit_json(child_build(args.child_build[0], int(args.child_build[1])))
+        return
+    if args.child_build_direct:
+        common.emit_json(child_build_direct(args.child_build_direct[0], int(args.child_build_direct[1])))
+        return
+    if args.child_open:
+        common.emit_json(child_open(args.child_open))
+        return
+
+    quick = args.quick
+    runs = args.runs or 3
+    n_append = 50_000 if quick else 100_000
+    levels = [1, 10, 100]
+    duration = 1.5 if quick else 3.0
+    scan_units = 60_000 if quick else 200_000
+    sizes = [10_000, 50_000] if quick else [10_000, 100_000, 1_000_000]
+    if args.profile:
+        run_profiles(n_append, scan_units)
+        return
+
+    t_start = time.perf_counter()
+    mach = common.machine()
+    say(f"spool_bench {'--quick' if quick else '(full)'}: {runs} runs per figure; machine {mach}")
+
+    say(f"\n[1] durable appends in batches of {BATCH} ({fmt(n_append)} records per run)")
+    app = bench_append(n_append, runs)
+
+    say(f"\n[2] one-at-a-time durable enqueue via AsyncSpool, 1 KiB body, {duration:.0f}s per run")
+    conc = bench_concurrency(levels, duration, runs, b"x" * 1024)
+
+    say(f"\n[3] runner pass over a garbage-heavy log ({fmt(scan_units)} message units)")
+    scan = bench_scan(scan_units, runs)
+
+    say(f"\n[4] recovery (Spool.open in a fresh process) vs. deferred queue size {sizes}, "
+        f"built {'through the engine API' if args.engine_build else 'as its record stream'}")
+    rec = bench_recovery(sizes, runs, args.engine_build)
+
+    biggest = sizes[-1]
+    rec_times = [rec[n]["recovery_s"] for n in sizes]
+    spread = max(rec_times) / min(rec_times)
+    targets = {
+        "batched_append_200k": app["engine_rps"] >= 200_000,
+        "fsync_per_msg_c100_le_0.1": conc[100]["fsync_per_msg"] <= 0.1,
+        "scan_1M": scan["scan_rps"] >= 1_000_000,
+        "recovery_lt_1s": max(rec_times) < 1.0,
+        "recovery_within_2x": spread <= 2.0,
+        "rss_lt_150MB_at_largest": rec[biggest]["rss_mb"] < 150,
+    }
+
+    say("\nSummary (medians)")
+    say(common.table(["figure", "value", "target", "met"], [
+        ["bare CBOR+fdatasync loop, records/s", fmt(app["bare_rps"]), "(reference)", ""],
+        ["engine envelope appends, records/s", fmt(app["engine_rps"]), ">= 200,000",
+         targets["batched_append_200k"]],
+        ["engine / bare (median of paired runs)", f"{app['ratio']:.2f}", "", ""],
+        ["same without time in sync: bare, engine, ratio",
+         f"{fmt(app['bare_rps_nosync'])}, {fmt(app['engine_rps_nosync'])}, {app['ratio_nosync']:.2f}", "", ""],
+        ["same per CPU-second: bare, engine, ratio",
+         f"{fmt(app['bare_rps_cpu'])}, {fmt(app['engine_rps_cpu'])}, {app['ratio_cpu']:.2f}", "", ""],
+        ["commit (pwrite+fdatasync) per 1,000-record batch, ms", f"{app['sync_ms']:.1f}", "", ""],
+        ["enqueue_many (body+envelope), msg/s", fmt(app["enqueue_many_mps"]), "", ""],
+        *[[f"AsyncSpool c={c}: msg/s, fsync/msg, msg/commit, p50 ms",
+           f"{fmt(conc[c]['mps'])}, {conc[c]['fsync_per_msg']:.3f}, {conc[c]['msgs_per_commit']:.1f}, "
+           f"{conc[c]['p50_ms']:.1f}",
+           "<= 0.1 fsync/msg" if c == 100 else "", targets["fsync_per_msg_c100_le_0.1"] if c == 100 else ""]
+          for c in levels],
+        ["runner pass returning due envelopes, records/s", fmt(scan["scan_rps"]), ">= 1,000,000",
+         targets["scan_1M"]],
+        ["runner pass with nothing due, records/s", fmt(scan["scan_rps_nothing_due"]), "", ""],
+        ["runner pass returning due envelopes, records per CPU-second", fmt(scan["scan_rps_cpu"]), "", ""],
+        *[[f"recovery with {fmt(n)} deferred: ms, CPU ms, peak RSS MB, records read",
+           f"{rec[n]['recovery_s'] * 1000:.1f}, {rec[n]['recovery_cpu_s'] * 1000:.1f}, {rec[n]['rss_mb']:.1f}, "
+           f"{fmt(rec[n]['records_read'])}",
+           "< 1 s, < 150 MB" if n == biggest else "< 1 s", ""] for n in sizes],
+        ["recovery spread max/min", f"{spread:.2f}", "<= 2", targets["recovery_within_2x"]],
+    ]))
+    say(f"elapsed {time.perf_counter() - t_start:.0f}s, load average now {common.load_average()}")
+    common.emit_json({
+        "quick": quick, "runs": runs, "machine": mach,
+        "batched_append_rps": round(app["engine_rps"]),
+        "bare_append_rps": round(app["bare_rps"]),
+        "append_ratio": round(app["ratio"], 3),
+        "batched_append_rps_nosync": round(app["engine_rps_nosync"]),
+        "bare_append_rps_nosync": round(app["bare_rps_nosync"]),
+        "append_ratio_nosync": round(app["ratio_nosync"], 3),
+        "commit_ms_per_batch": round(app["sync_ms"], 2),
+        "batched_append_rps_cpu": round(app["engine_rps_cpu"]),
+        "bare_append_rps_cpu": round(app["bare_rps_cpu"]),
+        "append_ratio_cpu": round(app["ratio_cpu"], 3),
+        "enqueue_many_mps": round(app["enqueue_many_mps"]),
+        **{f"enqueue_mps_c{c}": round(conc[c]["mps"], 1) for c in levels},
+        **{f"fsync_per_msg_c{c}": round(conc[c]["fsync_per_msg"], 4) for c in levels},
+        **{f"enqueue_p50_ms_c{c}": round(conc[c]["p50_ms"], 2) for c in levels},
+        **{f"enqueue_cpu_us_per_msg_c{c}": round(conc[c]["cpu_us_per_msg"], 1) for c in levels},
+        "scan_rps": round(scan["scan_rps"]),
+        "scan_rps_nothing_due": round(scan["scan_rps_nothing_due"]),
+        "scan_rps_cpu": round(scan["scan_rps_cpu"]),
+        "recovery": {str(n): {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec[n].items()}
+                     for n in sizes},
+        "recovery_s": round(rec[biggest]["recovery_s"], 4),
+        "recovery_spread": round(spread, 2),
+        "rss_mb": round(rec[biggest]["rss_mb"], 1),
+        "queue_size": biggest,
+        "targets_met": targets,
+    })
+
+
+if __name__ == "__main__":
+    main()
