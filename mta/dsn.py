@@ -1,0 +1,268 @@
+"""Delivery status notifications (RFC 3464) for failed and delayed recipients.
+
+Theory of operation
+-------------------
+When a recipient fails permanently, or the message outlives
+``spool.max_queue_lifetime``, or (optionally) it has been delayed for
+``delivery.delay_warning``, the relay sends the envelope sender one message
+built by ``build_dsn``::
+
+    multipart/report; report-type=delivery-status
+      text/plain              what happened, for a person
+      message/delivery-status per-message fields, then one block per recipient
+      text/rfc822-headers     the original header block (never the body)
+
+The DSN itself goes out with the null envelope sender, so it can never bounce
+back and loop; ``should_bounce`` refuses to make one for a message that
+already had a null sender. It is marked ``Auto-Submitted: auto-replied``
+(RFC 3834) so vacation responders stay quiet. All lines end in CRLF.
+
+Text that comes from outside (remote replies, addresses) is flattened to one
+line and length-capped, so a hostile server cannot inject header fields into
+the report. Non-ASCII addresses use the ``utf-8`` address type of RFC 6533.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+import secrets
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import attrs
+
+__all__ = ["HEADER_LIMIT", "RecipientFailure", "build_dsn", "extract_headers", "should_bounce"]
+
+HEADER_LIMIT = 64 * 1024
+_MAX_FIELD = 900  # well under RFC 5322's 998-octet line limit, with room for the field name
+_FOLD_AT = 78
+
+Action = Literal["failed", "delayed", "delivered", "relayed", "expanded"]
+
+
+def _status(_instance: object, _attribute: object, value: str) -> None:
+    parts = value.split(".")
+    if len(parts) != 3 or parts[0] not in ("2", "4", "5") or not all(p.isascii() and p.isdigit() for p in parts):
+        raise ValueError(f"not an enhanced status code (RFC 3463): {value!r}")
+
+
+@attrs.frozen
+class RecipientFailure:
+    """One recipient's block in the report.
+
+    ``diagnostic`` is ``"smtp; 550 5.1.1 user unknown"`` (type; text), ``remote_mta``
+    the host that answered (empty if none did), ``last_attempt`` when we last tried
+    (the report's time if unset), ``original_recipient`` the ORCPT if the client
+    gave one, ``will_retry_until`` for ``delayed`` reports.
+    """
+
+    recipient: str
+    status: str = attrs.field(validator=_status)
+    action: Action = "failed"
+    diagnostic: str = ""
+    remote_mta: str = ""
+    last_attempt: dt.datetime | None = None
+    original_recipient: str = ""
+    will_retry_until: dt.datetime | None = None
+
+
+def should_bounce(sender: str) -> bool:
+    """Whether a failure may be reported to ``sender``: never to the null sender (RFC 5321 §4.5.5)."""
+    return sender.strip() not in ("", "<>")
+
+
+def extract_headers(chunks: Iterable[bytes], limit: int = HEADER_LIMIT) -> bytes:
+    """The message's header block (without the blank line after it), at most ``limit`` bytes.
+
+    Stops reading at the blank line, so a big body is never touched. A header
+    block over ``limit`` is cut after its last complete line within the limit.
+    """
+    buffer = bytearray()
+    for chunk in chunks:
+        start = max(0, len(buffer) - 3)
+        buffer += chunk
+        end = _blank_line(buffer, start)
+        if end >= 0:
+            del buffer[end:]
+            break
+        if len(buffer) > limit:
+            break
+    if len(buffer) > limit:
+        cut = buffer.rfind(b"\n", 0, limit)
+        del buffer[cut + 1 :]
+    return bytes(buffer)
+
+
+def _blank_line(buffer: bytearray, start: int) -> int:
+    """Offset just past the last header line's newline, or -1 if the header block has not ended yet."""
+    if buffer.startswith(b"\r\n") or buffer.startswith(b"\n"):
+        return 0
+    hits = [i + 1 for i in (buffer.find(b"\n\r\n", start), buffer.find(b"\n\n", start)) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def build_dsn(
+    reporting_mta: str,
+    original_sender: str,
+    original_envelope_id: str | None,
+    arrival_time: dt.datetime,
+    failed: Sequence[RecipientFailure],
+    original_headers: bytes,
+    boundary: str | None = None,
+    now: dt.datetime | None = None,
+    *,
+    from_address: str = "",
+) -> bytes:
+    """The complete DSN message (headers and body, CRLF), addressed to ``original_sender``.
+
+    ``from_address`` defaults to ``MAILER-DAEMON@<reporting_mta>``. Naive
+    datetimes are taken as UTC.
+
+    Raises:
+        ValueError: no recipients, a null ``original_sender`` (see ``should_bounce``),
+            or a ``boundary`` that occurs in the content.
+    """
+    if not failed:
+        raise ValueError("a DSN needs at least one recipient")
+    if not should_bounce(original_sender):
+        raise ValueError("never send a DSN to the null sender")
+    now = _aware(now or dt.datetime.now(dt.UTC))
+    boundary = boundary or f"=_{secrets.token_hex(16)}"
+    from_address = from_address or f"MAILER-DAEMON@{reporting_mta}"
+    delayed_only = all(f.action == "delayed" for f in failed)
+    subject = "Delayed Mail (still being retried)" if delayed_only else "Undelivered Mail Returned to Sender"
+
+    headers_part = _crlf(original_headers).rstrip(b"\r\n") + b"\r\n"
+    status_part = _delivery_status(reporting_mta, original_envelope_id, arrival_time, failed, now)
+    text_part = _human_text(reporting_mta, failed, delayed_only)
+    parts = [
+        (_content_type("text/plain; charset=utf-8", text_part), text_part),
+        (_content_type(_status_type(failed), status_part), status_part),
+        (_content_type("text/rfc822-headers", headers_part), headers_part),
+    ]
+    needle = b"--" + boundary.encode("ascii")
+    if any(needle in body for _, body in parts):
+        raise ValueError(f"boundary {boundary!r} occurs in the report")
+
+    top = [
+        ("From", f"Mail Delivery System <{_flat(from_address)}>"),
+        ("To", f"<{_flat(original_sender.removeprefix('<').removesuffix('>'))}>"),
+        ("Subject", subject),
+        ("Date", email.utils.format_datetime(now)),
+        ("Message-ID", f"<{secrets.token_hex(12)}.dsn@{_flat(reporting_mta)}>"),
+        ("Auto-Submitted", "auto-replied"),
+        ("MIME-Version", "1.0"),
+        ("Content-Type", f'multipart/report; report-type=delivery-status;\r\n\tboundary="{boundary}"'),
+    ]
+    out = [f"{name}: {value}\r\n".encode() for name, value in top]
+    out.append(b"\r\nThis is a MIME-encapsulated message.\r\n")
+    for part_headers, body in parts:
+        out += [b"\r\n", needle, b"\r\n", part_headers, b"\r\n", body]
+    out += [b"\r\n", needle, b"--\r\n"]
+    return b"".join(out)
+
+
+def _content_type(content_type: str, body: bytes) -> bytes:
+    encoding = "7bit" if body.isascii() else "8bit"
+    return f"Content-Type: {content_type}\r\nContent-Transfer-Encoding: {encoding}\r\n".encode()
+
+
+def _status_type(failed: Sequence[RecipientFailure]) -> str:
+    if any(not (f.recipient + f.original_recipient).isascii() for f in failed):
+        return "message/global-delivery-status"  # RFC 6533
+    return "message/delivery-status"
+
+
+def _delivery_status(
+    reporting_mta: str,
+    envelope_id: str | None,
+    arrival_time: dt.datetime,
+    failed: Sequence[RecipientFailure],
+    now: dt.datetime,
+) -> bytes:
+    lines = [_field("Reporting-MTA", f"dns; {reporting_mta}")]
+    if envelope_id:
+        lines.append(_field("Original-Envelope-Id", envelope_id))
+    lines.append(_field("Arrival-Date", email.utils.format_datetime(_aware(arrival_time))))
+    for f in failed:
+        lines.append("")
+        if f.original_recipient:
+            lines.append(_field("Original-Recipient", _address_field(f.original_recipient)))
+        lines.append(_field("Final-Recipient", _address_field(f.recipient)))
+        lines.append(_field("Action", f.action))
+        lines.append(_field("Status", f.status))
+        if f.remote_mta:
+            lines.append(_field("Remote-MTA", f"dns; {f.remote_mta}"))
+        if f.diagnostic:
+            lines.append(_field("Diagnostic-Code", f.diagnostic))
+        lines.append(_field("Last-Attempt-Date", email.utils.format_datetime(_aware(f.last_attempt or now))))
+        if f.will_retry_until is not None:
+            lines.append(_field("Will-Retry-Until", email.utils.format_datetime(_aware(f.will_retry_until))))
+    return ("\r\n".join(lines) + "\r\n").encode()
+
+
+def _address_field(address: str) -> str:
+    address = address.removeprefix("<").removesuffix(">")
+    return f"rfc822; {address}" if address.isascii() else f"utf-8; {address}"
+
+
+def _human_text(reporting_mta: str, failed: Sequence[RecipientFailure], delayed_only: bool) -> bytes:
+    if delayed_only:
+        intro = [
+            f"This is the mail system at host {reporting_mta}.",
+            "",
+            "Your message could not be delivered yet to the recipients below.",
+            "It is still in the queue and will be retried; you do not need to resend it.",
+        ]
+    else:
+        intro = [
+            f"This is the mail system at host {reporting_mta}.",
+            "",
+            "I'm sorry to have to inform you that your message could not",
+            "be delivered to one or more recipients. The reasons are below.",
+        ]
+    lines = [*intro, ""]
+    for f in failed:
+        reason = f.diagnostic.partition(";")[2].strip() or f"status {f.status}"
+        where = f" (from {f.remote_mta})" if f.remote_mta else ""
+        lines.append(_flat(f"<{f.recipient}>: {f.action}: {reason}{where}"))
+    return ("\r\n".join(lines) + "\r\n").encode()
+
+
+def _field(name: str, value: str) -> str:
+    """``Name: value``, flattened to one logical line, capped, and folded at spaces near 78 columns."""
+    words = _flat(value).split(" ")
+    lines: list[str] = []
+    line = f"{name}:"
+    for word in words:
+        if not word:
+            continue
+        if len(line) + 1 + len(word) > _FOLD_AT and line.strip() and not line.endswith(":"):
+            lines.append(line)
+            line = " " + word
+        else:
+            line += " " + word
+    lines.append(line)
+    return "\r\n".join(lines)
+
+
+def _flat(text: str) -> str:
+    """One line of at most ``_MAX_FIELD`` characters: control characters become spaces.
+
+    Lone surrogates (undecodable bytes smuggled through ``surrogateescape``) become U+FFFD
+    so the report always encodes.
+    """
+    flat = "".join(
+        " " if ord(c) < 0x20 or ord(c) == 0x7F else "\ufffd" if 0xD800 <= ord(c) < 0xE000 else c for c in text
+    )
+    flat = " ".join(flat.split())
+    return flat if len(flat) <= _MAX_FIELD else flat[: _MAX_FIELD - 3] + "..."
+
+
+def _crlf(data: bytes) -> bytes:
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").replace(b"\n", b"\r\n")
+
+
+def _aware(moment: dt.datetime) -> dt.datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=dt.UTC)
