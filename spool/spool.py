@@ -210,7 +210,7 @@ class Spool:
         start = cp.working_start if cp is not None else make_pos(first, SEGMENT_HEADER_SIZE)
         if pos_segment(start) < first:
             start = make_pos(first, SEGMENT_HEADER_SIZE)
-        last = self._drop_empty_last_segment(ids)
+        last = self._drop_empty_last_segment(ids, cp)
         read_segment_header(self.io, segment_path(self.log_dir, last), last)
         tail_from = start if pos_segment(start) == last else make_pos(last, SEGMENT_HEADER_SIZE)
         end_off = recovery.find_log_end(self.io, self.log_dir, last, int(tail_from & 0xFFFFFFFF),
@@ -232,23 +232,42 @@ class Spool:
                  stats.in_doubt)
         self.checkpoint()
 
-    def _drop_empty_last_segment(self, ids: list[int]) -> int:
-        """A crash while creating a segment can leave it without a valid header: it held nothing."""
+    def _drop_empty_last_segment(self, ids: list[int], cp: ckpt.Checkpoint | None) -> int:
+        """A crash while creating a segment can leave it without its header: then it held nothing.
+
+        A segment's header is written with its first records and synced before
+        anything in it is acknowledged, and a torn write keeps a prefix of what
+        was written, so a segment whose first sector is gone is empty or all
+        zeros, and nothing in it was ever promised to anyone.
+        """
         last = ids[-1]
         path = segment_path(self.log_dir, last)
         fd = self.io.open_read(path)
         try:
             size = self.io.size(fd)
             head = self.io.read(fd, SEGMENT_HEADER_SIZE, 0)
+            empty = size < SEGMENT_HEADER_SIZE or (head.count(0) == len(head) and self._all_zero(fd, size))
         finally:
             self.io.close(fd)
-        if len(ids) > 1 and (size < SEGMENT_HEADER_SIZE or head.count(0) == len(head)):
-            log.warning("removing segment %s left half-created by a crash", path)
-            self.io.unlink(path)
-            self.io.fsync_dir(self.log_dir)
-            ids.pop()
-            return ids[-1]
-        return last
+        if not empty or (len(ids) == 1 and cp is not None):
+            return last
+        log.warning("removing segment %s left half-created by a crash", path)
+        self.io.unlink(path)
+        self.io.fsync_dir(self.log_dir)
+        ids.pop()
+        if not ids:
+            self._create_first_segment()
+            ids.append(1)
+        return ids[-1]
+
+    def _all_zero(self, fd: int, size: int) -> bool:
+        off = 0
+        while off < size:
+            chunk = self.io.read(fd, min(1 << 20, size - off), off)
+            if not chunk or chunk.count(0) != len(chunk):
+                return bool(not chunk)
+            off += len(chunk)
+        return True
 
     def _create_first_segment(self) -> None:
         path = segment_path(self.log_dir, 1)

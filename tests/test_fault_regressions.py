@@ -21,8 +21,6 @@ def _config() -> SpoolConfig:
     return SpoolConfig(segment_size=4096, retry_intervals=(1.0,), checkpoint_interval=float("inf"))
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: Spool._recover raises CorruptSegment when the first start "
-                   "crashed after creating log/0000000000000001.seg but before its header was durable")
 def test_power_cut_during_the_first_start_recovers(tmp_path: Path) -> None:
     # powercut --workload enqueue-only --replay 'S=0;K=2;D0=1;D1=1': the directory
     # entries of log/ and of segment 1 survived, the header write did not.
