@@ -184,7 +184,7 @@ def _row(pos: int, rtype: int, flags: int, klass: int, time: int, p: Any) -> tup
 
 
 def _error_row(pos: int, message: str) -> tuple[Any, ...]:
-    return (pos, ERROR_TYPE, None, None, None) + _NO_ENVELOPE + _NO_REF + (message,)
+    return (pos, ERROR_TYPE, None, None, None, *_NO_ENVELOPE, *_NO_REF, message)
 
 
 def segment_rows(path: str) -> Iterator[tuple[Any, ...]]:
@@ -299,5 +299,6 @@ class LogspoolReader(DataSourceReader):  # type: ignore[misc]
     def partitions(self) -> Sequence[SegmentPartition]:
         return [SegmentPartition(f, self.relay or relay_name_for(f)) for f in self.files]
 
-    def read(self, partition: SegmentPartition) -> Iterator[Any]:
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        assert isinstance(partition, SegmentPartition)
         yield from segment_batches(partition.file, partition.relay, self.batch_rows)

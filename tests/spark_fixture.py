@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -83,7 +84,7 @@ class HandBuiltSpoolTEMPORARY:
         if self.fh is not None:
             self.fh.close()
         self.seg_id += 1
-        self.fh = open(segment_path(self.log_dir, self.seg_id), "wb")
+        self.fh = open(segment_path(self.log_dir, self.seg_id), "wb")  # noqa: SIM115 (closed on rotation)
         self.fh.write(encode_segment_header(self.seg_id, int(self.clock[0])))
         self.off = SEGMENT_HEADER_SIZE
 
@@ -188,3 +189,31 @@ def run_relay(directory: str, seed: int, messages: int = 120, hours: float = 3.0
         clock[0] += step
     sp.enqueue("admin@corp.example", ["hold@ok.example"], b"held", held=True)
     sp.close()
+
+
+# -- pytest fixtures shared by the Spark tests (import them into the test module) --
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", name="spark")
+def spark_session_fixture() -> Iterator[Any]:
+    """One local SparkSession for every Spark test (it takes seconds to start)."""
+    from mta.report import make_session
+
+    session = make_session("local[2]", app="logspool-tests",
+                           conf={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4"})
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session", name="fleet")
+def fleet_fixture(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Two relays' spools, ``mx1`` and ``mx2``, with deferrals, bounces, expiry and a queue left over."""
+    root = tmp_path_factory.mktemp("fleet")
+    dirs = {}
+    for seed, relay in enumerate(("mx1", "mx2"), start=1):
+        d = str(root / relay)
+        run_relay(d, seed)
+        dirs[relay] = d
+    return dirs

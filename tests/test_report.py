@@ -1,0 +1,98 @@
+"""The report job: every figure against a plain Python computation over the same records."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+import pytest
+import report_reference as ref
+from click.testing import CliRunner
+from spark_fixture import T0, fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
+
+from mta.report import JAVA_MISSING, Figures, ReportError, compute_figures, make_session, run_report
+from mta.report_cli import report
+
+FIELDS = [f.name for f in attrs.fields(Figures) if f.name != "errors"]
+
+
+def normal(value: Any) -> Any:
+    """Round floats so that Spark's and Python's summation orders compare equal."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if attrs.has(type(value)):
+        return normal(attrs.astuple(value, recurse=False))
+    if isinstance(value, dict):
+        return {k: normal(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return tuple(normal(v) for v in value)
+    return value
+
+
+@pytest.fixture(scope="module")
+def whole(spark: Any, fleet: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Figures, Figures, str]:
+    out = str(tmp_path_factory.mktemp("report"))
+    got = run_report(spark, list(fleet.values()), out)
+    return got, ref.figures(ref.plain_records(fleet)), out
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_figure_matches_plain_python(whole: tuple[Figures, Figures, str], field: str) -> None:
+    got, want, _out = whole
+    assert normal(getattr(got, field)) == normal(getattr(want, field))
+
+
+def test_the_fleet_exercises_every_figure(whole: tuple[Figures, Figures, str]) -> None:
+    """Guard against a fixture so tame that the comparisons above prove little."""
+    _got, want, _out = whole
+    t = want.totals
+    assert t["delivered"] and t["deferred"] and t["bounced"] and t["expired"] and t["queued"] and t["held"]
+    assert {"delivered", "bounced", "expired", "queued", "held"} <= set(want.states)
+    assert len(want.retries) >= 3 and len(want.per_hour) >= 3 and want.queue_shape
+    assert len(want.top_deferrals) >= 3 and want.top_bounces and want.errors == ()
+
+
+def test_tables_and_reports_are_written(spark: Any, whole: tuple[Figures, Figures, str]) -> None:
+    _got, want, out = whole
+    for table in ("messages", "attempts", "queue"):
+        assert os.path.exists(os.path.join(out, table, "_SUCCESS"))
+    messages = spark.read.parquet(os.path.join(out, "messages"))
+    assert messages.count() == want.totals["received"]
+    assert set(messages.columns) >= {"relay", "message_id", "sender", "rcpt_count", "size", "arrival_ms", "state",
+                                     "final_ms"}
+    attempts = spark.read.parquet(os.path.join(out, "attempts"))
+    assert set(attempts.columns) >= {"time_ms", "next_hop", "status", "code", "enhanced", "reply", "duration_ms"}
+    with open(os.path.join(out, "report.txt"), encoding="utf-8") as f:
+        text = f.read()
+    assert f"{want.totals['delivered']:>8}  delivered" in text and "greylisted" in text
+    with open(os.path.join(out, "report.html"), encoding="utf-8") as f:
+        page = f.read()
+    assert page.count("<svg") == 3 and "Deferrals by domain" in page and "down.example" in page
+
+
+def test_cli_with_since_and_until(spark: Any, fleet: dict[str, str], tmp_path: Any) -> None:
+    since, until = T0 + 1800, T0 + 2 * 3600
+    out = str(tmp_path / "out")
+    result = CliRunner().invoke(report, ["--input", fleet["mx1"], "--out", out, "--master", "local[2]",
+                                         "--since", str(since), "--until", str(until)])
+    assert result.exit_code == 0, result.output
+    assert "report: writing messages/" in result.output and "Grand totals" in result.output
+    got = compute_figures(spark, out)
+    want = ref.figures(ref.plain_records({"mx1": fleet["mx1"]}), int(since * 1000), int(until * 1000))
+    assert normal(attrs.evolve(got, errors=())) == normal(want)
+    assert want.totals["queued"] > 0 and want.first_ms is not None and want.first_ms >= since * 1000
+
+
+def test_cli_says_so_when_there_are_no_segments(tmp_path: Any) -> None:
+    result = CliRunner().invoke(report, ["--input", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"mta report: no segment files (*.seg) under: {tmp_path}"
+
+
+def test_missing_java_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ReportError) as info:
+        make_session("local[1]")
+    assert str(info.value) == JAVA_MISSING and "apt-get install default-jre-headless" in JAVA_MISSING

@@ -1,0 +1,115 @@
+"""The ``logspool`` Spark data source against the spool's own sequential reader."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from collections import Counter
+from typing import Any
+
+from report_reference import plain_records
+from spark_fixture import fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
+
+from spool.record import HEADER_SIZE, Delivery, Envelope, pos_offset
+from spool.spark_source import ERROR_TYPE, expand_paths, relay_name_for, segment_rows
+
+
+def load(spark: Any, *paths: str, **options: str) -> list[Any]:
+    reader = spark.read.format("logspool")
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    return reader.load(list(paths)).collect()
+
+
+def test_every_record_of_a_fleet_is_read_once_with_its_relay(spark: Any, fleet: dict[str, str]) -> None:
+    rows = load(spark, os.path.join(os.path.dirname(fleet["mx1"]), "*"))
+    plain = plain_records(fleet)
+    assert sorted((r.relay, r.pos, r.rtype) for r in rows) == sorted((p.relay, p.pos, p.rtype) for p in plain)
+    by_key = {(r.relay, r.pos): r for r in rows}
+    for p in plain:
+        row = by_key[(p.relay, p.pos)]
+        assert row.time == p.time
+        if isinstance(p.payload, Envelope):
+            e = p.payload
+            assert (row.message_id, row.sender, tuple(row.recipients), row.body_size, row.arrival_ms, row.attempts,
+                    row.replaces, row.held) == (e.message_id, e.sender, e.recipients, e.body_size, e.arrival_ms,
+                                                 e.attempts, e.replaces, e.held)
+        elif isinstance(p.payload, Delivery):
+            d = p.payload
+            assert (row.ref, row.time_ms, row.duration_ms) == (d.start, d.time_ms, d.duration_ms)
+            assert [tuple(o) for o in row.outcomes] == [tuple(o.to_list()) for o in d.outcomes]
+    assert all(r.error is None for r in rows)
+
+
+def test_one_partition_per_segment_file(spark: Any, fleet: dict[str, str]) -> None:
+    files = glob.glob(os.path.join(fleet["mx1"], "log", "*.seg"))
+    df = spark.read.format("logspool").load(fleet["mx1"])
+    assert len(files) > 3
+    assert df.rdd.getNumPartitions() == len(files)
+
+
+def test_relay_name_from_directory_or_option(spark: Any, fleet: dict[str, str]) -> None:
+    seg = sorted(glob.glob(os.path.join(fleet["mx2"], "log", "*.seg")))[0]
+    assert relay_name_for(seg) == "mx2"
+    rows = load(spark, seg, relay="edge-7")
+    assert rows and {r.relay for r in rows} == {"edge-7"}
+
+
+def test_paths_globs_and_archive_directories(tmp_path: Any, fleet: dict[str, str]) -> None:
+    archive = tmp_path / "relay9-archive"
+    archive.mkdir()
+    segs = sorted(glob.glob(os.path.join(fleet["mx1"], "log", "*.seg")))
+    for s in segs[:2]:
+        shutil.copy(s, archive)
+    assert [os.path.basename(f) for f in expand_paths([str(archive)])] == [os.path.basename(s) for s in segs[:2]]
+    assert relay_name_for(expand_paths([str(archive)])[0]) == "relay9-archive"
+    assert expand_paths([os.path.join(fleet["mx1"], "log", "*.seg"), fleet["mx1"]]) == sorted(segs)
+    assert expand_paths([str(tmp_path / "nothing-here*")]) == []
+
+
+def _copy_spool(src: str, dst: str) -> list[str]:
+    shutil.copytree(src, dst)
+    return sorted(glob.glob(os.path.join(dst, "log", "*.seg")))
+
+
+def test_a_corrupt_record_is_reported_and_the_rest_is_read(spark: Any, fleet: dict[str, str], tmp_path: Any) -> None:
+    segs = _copy_spool(fleet["mx1"], str(tmp_path / "mx1"))
+    victim = segs[1]
+    before = list(segment_rows(victim))
+    bad = before[3]
+    with open(victim, "r+b") as f:  # flip a payload byte of the fourth record
+        f.seek(pos_offset(bad[0]) + HEADER_SIZE + 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rows = load(spark, str(tmp_path / "mx1"))
+    errors = [r for r in rows if r.rtype == ERROR_TYPE]
+    assert [(e.file, pos_offset(e.pos)) for e in errors] == [(victim, pos_offset(bad[0]))]
+    assert "corrupt record" in errors[0].error and "checksum" in errors[0].error
+    good = Counter((r.relay, r.pos) for r in rows if r.rtype != ERROR_TYPE)
+    expected = {("mx1", p.pos) for p in plain_records({"mx1": fleet["mx1"]})} - {("mx1", bad[0])}
+    assert set(good) == expected and max(good.values()) == 1
+
+
+def test_a_torn_tail_is_reported_as_torn(spark: Any, fleet: dict[str, str], tmp_path: Any) -> None:
+    segs = _copy_spool(fleet["mx2"], str(tmp_path / "mx2"))
+    last = segs[-1]
+    rows_before = list(segment_rows(last))
+    cut = pos_offset(rows_before[-1][0]) + 7  # a write interrupted inside the last frame's header
+    os.truncate(last, cut)
+    rows = load(spark, last)
+    errors = [r for r in rows if r.rtype == ERROR_TYPE]
+    assert len(errors) == 1 and errors[0].error.startswith("torn tail") and pos_offset(errors[0].pos) == cut - 7
+    assert len(rows) - 1 == len(rows_before) - 1
+
+
+def test_an_unreadable_segment_header_gives_one_error_row(spark: Any, fleet: dict[str, str], tmp_path: Any) -> None:
+    segs = _copy_spool(fleet["mx2"], str(tmp_path / "mx2"))
+    with open(segs[0], "r+b") as f:
+        f.write(b"NOTASPOOL")
+    rows = load(spark, str(tmp_path / "mx2"))
+    errors = [r for r in rows if r.rtype == ERROR_TYPE]
+    assert len(errors) == 1 and errors[0].file == segs[0] and "bad magic" in errors[0].error
+    assert len(rows) - 1 == len([p for p in plain_records({"mx2": fleet["mx2"]})
+                                 if p.pos >> 32 != int(os.path.basename(segs[0])[:16], 16)])
