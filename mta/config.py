@@ -309,7 +309,9 @@ def _parse_smtp_route(value: str) -> SmtpRoute:
     return SmtpRoute(address.host, address.port, tls)
 
 
-_DOMAIN_RE = re.compile(r"\.?(?:[^\s.@/\\\[\]\"<>,;:]+\.)*[^\s.@/\\\[\]\"<>,;:]+")
+# "*" is refused inside a name: "*.example.com" looks like a wildcard but would
+# match nothing; ".example.com" is how subdomains are written.
+_DOMAIN_RE = re.compile(r"\.?(?:[^\s.@/\\\[\]\"<>,;:*]+\.)*[^\s.@/\\\[\]\"<>,;:*]+")
 
 
 def _normalize_domain(domain: str) -> str:

@@ -330,6 +330,7 @@ def test_config_is_frozen_and_hashable() -> None:
         ("[delivery]\nconcurency = 5", "delivery.concurency", "did you mean 'concurrency'"),
         ('[routes]\n"example.com" = "smtp://h?tls=maybe"', 'routes."example.com"', "tls must be one of"),
         ('[routes]\n"a b" = "mx"', 'routes."a b"', "not a domain"),
+        ('[routes]\n"*.example.com" = "mx"', 'routes."*.example.com"', "use '.example.com'"),
         ('[routes]\n"a.test" = "mx"\n"A.TEST" = "discard"', 'routes."A.TEST"', "same domain"),
         ('[routes]\n"a.test" = 5', 'routes."a.test"', "expected a string"),
         ('[log]\nlevel = "loud"', "log.level", "one of"),
