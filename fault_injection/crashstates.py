@@ -268,13 +268,16 @@ class Candidate:
     digest: str
 
 
-def enumerate_states(rec: Recording, *, per_point: int = 16, seed: int = 0) -> list[Candidate]:
+def enumerate_states(rec: Recording, *, per_point: int = 16, seed: int = 0,
+                     only_point: int | None = None) -> list[Candidate]:
     """Every distinct (state, acknowledgements) pair, up to ``per_point`` options per crash point."""
     rng = random.Random(seed)
     walker = Walker(rec)
     seen: set[tuple[str, int]] = set()
     out: list[Candidate] = []
     for k in walker.points():
+        if only_point is not None and k != only_point:
+            continue
         files, dirs = walker.choices()
         combos = _combos(files, dirs, per_point, rng)
         if files:

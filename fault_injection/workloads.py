@@ -65,14 +65,14 @@ def _rcpts(rng: random.Random) -> tuple[str, ...]:
     return tuple(f"u{rng.randrange(1000)}-{i}@d{rng.randrange(3)}.example" for i in range(rng.randint(1, 3)))
 
 
-def _enqueue(sp: Spool, rio: RecordingFileIO, rng: random.Random, max_body: int) -> None:
+def enqueue_logged(sp: Spool, rio: RecordingFileIO, rng: random.Random, max_body: int) -> None:
     rcpts = _rcpts(rng)
     body = rng.randbytes(rng.randint(1, max_body))
     mid = sp.enqueue("sender@example.org", rcpts, body)
     rio.event("enqueue", mid, rcpts, body)
 
 
-def _commit(sp: Spool, rio: RecordingFileIO) -> None:
+def commit_logged(sp: Spool, rio: RecordingFileIO) -> None:
     sp.commit()
     rio.event("committed")
 
@@ -84,8 +84,8 @@ def enqueue_only(root: str, seed: int, clock: FakeClock) -> Recording:
     try:
         for batch in range(14):
             for _ in range(rng.randint(1, 3)):
-                _enqueue(sp, rio, rng, 1400)
-            _commit(sp, rio)
+                enqueue_logged(sp, rio, rng, 1400)
+            commit_logged(sp, rio)
             clock.advance(0.5)
             if batch % 5 == 4:
                 sp.checkpoint()
@@ -110,7 +110,7 @@ def deliver_round(sp: Spool, rio: RecordingFileIO, rng: random.Random, clock: Fa
         sp.record_delivery(attempt, outs)
         for o in outs:
             rio.event("outcome", attempt.message_id, o.recipient, int(o.status))
-        _commit(sp, rio)
+        commit_logged(sp, rio)
         sp.finish(attempt)
 
 
@@ -121,8 +121,8 @@ def deliver(root: str, seed: int, clock: FakeClock, steps: int = 18) -> Recordin
     try:
         for step in range(steps):
             for _ in range(rng.randint(0, 2)):
-                _enqueue(sp, rio, rng, 900)
-            _commit(sp, rio)
+                enqueue_logged(sp, rio, rng, 900)
+            commit_logged(sp, rio)
             deliver_round(sp, rio, rng, clock)
             clock.advance(0.7)
             if step % 3 == 2:

@@ -1,0 +1,397 @@
+"""Disk faults: ENOSPC and EIO on write, short writes, failing fsync, through the FileIO interface.
+
+``python -m fault_injection faults [--sweep N] [--seed S] [--no-real-fs]``
+
+``FaultyFileIO`` wraps another FileIO and fails the n-th call of one kind of
+operation. Each case runs a delivery workload over
+``FaultyFileIO(RecordingFileIO(real files))`` until the fault surfaces, then:
+
+1. the fault surfaced as an exception (a short write must not: ``write_all``
+   loops over it), and an ENOSPC/EIO stayed that errno;
+2. after a failed fsync of the log the engine raised ``SyncFailed`` and is
+   poisoned: no further write or fsync reaches the disk, and a new enqueue or
+   commit raises ``SpoolError`` (PostgreSQL's fsyncgate: never retry and carry on);
+3. every crash state the recording allows at that point (the failed fsync made
+   nothing durable; the kernel may have dropped the unsynced pages) recovers,
+   and the ledger holds: nothing acknowledged is lost, nothing recorded comes back.
+
+``real_full_fs`` fills a size-limited tmpfs for real: enqueues fail with ENOSPC,
+the spool reopens, and after the filesystem grows every acknowledged message
+is there.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+
+import attrs
+
+from fault_injection import crashstates, scratch_dir
+from fault_injection.ledger import Ledger, check
+from fault_injection.powercut import check_state
+from fault_injection.recording import RecordingFileIO
+from fault_injection.workloads import FakeClock, Scenario, commit_logged, deliver_round, enqueue_logged, make_config
+from spool.config import SpoolConfig
+from spool.errors import SpoolError, SyncFailed
+from spool.fileio import FileIO, OsFileIO
+from spool.spool import Spool
+
+OPS = ("open", "write", "fdatasync", "fsync", "fsync_dir", "rename", "unlink", "truncate")
+KINDS = {"write": ("ENOSPC", "EIO", "short"), "open": ("ENOSPC",), "fdatasync": ("EIO",), "fsync": ("EIO",),
+         "fsync_dir": ("EIO",), "rename": ("EIO",), "unlink": ("EIO",), "truncate": ("EIO",)}
+SYNC_OPS = ("fdatasync", "fsync", "fsync_dir")
+
+
+@attrs.frozen
+class Fault:
+    op: str
+    nth: int
+    kind: str
+
+    def text(self) -> str:
+        return f"{self.kind} on {self.op} #{self.nth}"
+
+
+class FaultyFileIO:
+    """Fails the ``nth`` call of ``fault.op`` (counting only calls that change or sync the disk)."""
+
+    def __init__(self, inner: FileIO, fault: Fault | None = None) -> None:
+        self.inner = inner
+        self.fault = fault
+        self.counts: Counter[str] = Counter()
+        self.fired = False
+        self.failed_sync = False
+        self.after_sync_failure: list[str] = []
+
+    def _hit(self, op: str) -> bool:
+        if op in OPS:
+            self.counts[op] += 1
+            if self.failed_sync:
+                self.after_sync_failure.append(op)
+        f = self.fault
+        if f is not None and not self.fired and f.op == op and self.counts[op] == f.nth:
+            self.fired = True
+            if op in SYNC_OPS:
+                self.failed_sync = True
+            return True
+        return False
+
+    def _raise(self, path: str = "") -> None:
+        assert self.fault is not None
+        code = errno.ENOSPC if self.fault.kind == "ENOSPC" else errno.EIO
+        raise OSError(code, os.strerror(code), path or None)
+
+    def open(self, path: str, *, create: bool = False, truncate: bool = False) -> int:
+        if create and not self.inner.exists(path) and self._hit("open"):
+            self._raise(path)
+        return self.inner.open(path, create=create, truncate=truncate)
+
+    def open_read(self, path: str) -> int:
+        return self.inner.open_read(path)
+
+    def close(self, fd: int) -> None:
+        self.inner.close(fd)
+
+    def write(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
+        if self.fault is not None and self.fault.kind == "short" and len(data) < 2:
+            return self.inner.write(fd, data, offset)  # a one-byte write cannot be short
+        if self._hit("write"):
+            assert self.fault is not None
+            if self.fault.kind != "short":
+                self._raise()
+            return self.inner.write(fd, memoryview(data)[: len(data) // 2], offset)
+        return self.inner.write(fd, data, offset)
+
+    def read(self, fd: int, size: int, offset: int) -> bytes:
+        return self.inner.read(fd, size, offset)
+
+    def size(self, fd: int) -> int:
+        return self.inner.size(fd)
+
+    def fsync(self, fd: int) -> None:
+        if self._hit("fsync"):
+            self._raise()
+        self.inner.fsync(fd)
+
+    def fdatasync(self, fd: int) -> None:
+        if self._hit("fdatasync"):
+            self._raise()
+        self.inner.fdatasync(fd)
+
+    def truncate(self, fd: int, length: int) -> None:
+        if self._hit("truncate"):
+            self._raise()
+        self.inner.truncate(fd, length)
+
+    def rename(self, src: str, dst: str) -> None:
+        if self._hit("rename"):
+            self._raise(src)
+        self.inner.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        if self._hit("unlink"):
+            self._raise(path)
+        self.inner.unlink(path)
+
+    def fsync_dir(self, path: str) -> None:
+        if self._hit("fsync_dir"):
+            self._raise(path)
+        self.inner.fsync_dir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def makedirs(self, path: str) -> None:
+        self.inner.makedirs(path)
+
+
+@attrs.define
+class CaseResult:
+    fault: Fault
+    surfaced: str = ""
+    states: int = 0
+    problems: list[str] = attrs.field(factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@attrs.define
+class FaultReport:
+    cases: list[CaseResult] = attrs.field(factory=list)
+    real_fs: str = "not run"
+    real_fs_ok: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.real_fs_ok and all(c.ok for c in self.cases)
+
+    def lines(self) -> list[str]:
+        out = []
+        for c in self.cases:
+            status = "ok" if c.ok else "FAIL"
+            out.append(f"  {status} {c.fault.text()}: surfaced as {c.surfaced or 'nothing'}; "
+                       f"{c.states} crash states recovered")
+            out += [f"      {p}" for p in c.problems[:5]]
+        failed = sum(not c.ok for c in self.cases)
+        states = sum(c.states for c in self.cases)
+        out.append(f"faults: {len(self.cases)} fault cases, {len(self.cases) - failed} passed, {failed} failed; "
+                   f"{states} crash states after faults recovered")
+        out.append(f"faults: real full filesystem: {self.real_fs}")
+        return out
+
+
+def _workload(sp: Spool, rio: RecordingFileIO, rng: random.Random, clock: FakeClock) -> None:
+    for step in range(12):
+        for _ in range(rng.randint(1, 2)):
+            enqueue_logged(sp, rio, rng, 900)
+        commit_logged(sp, rio)
+        deliver_round(sp, rio, rng, clock)
+        clock.advance(0.7)
+        if step % 3 == 2:
+            sp.checkpoint()
+
+
+def dry_run_counts(seed: int = 0) -> Counter[str]:
+    """How many calls of each kind the fault-free workload (open included) makes."""
+    root = tempfile.mkdtemp(prefix="logspool-faults-dry-", dir=scratch_dir())
+    try:
+        clock = FakeClock()
+        rio = RecordingFileIO(root)
+        fio = FaultyFileIO(rio)
+        sp = Spool.open(root, make_config(clock), io=fio)
+        try:
+            _workload(sp, rio, random.Random(seed), clock)
+        finally:
+            sp.close()
+        return fio.counts
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_case(fault: Fault, seed: int = 0, per_point: int = 16) -> CaseResult:
+    res = CaseResult(fault)
+    workdir = tempfile.mkdtemp(prefix="logspool-faults-", dir=scratch_dir())
+    root = os.path.join(workdir, "spool")
+    os.makedirs(root)
+    try:
+        clock = FakeClock()
+        rio = RecordingFileIO(root)
+        fio = FaultyFileIO(rio, fault)
+        exc: BaseException | None = None
+        sp: Spool | None = None
+        try:
+            sp = Spool.open(root, make_config(clock), io=fio)
+            _workload(sp, rio, random.Random(seed), clock)
+        except Exception as e:
+            exc = e
+        _judge(res, fault, fio, exc, sp)
+        if sp is not None:
+            sp.close()
+        scn = Scenario(f"fault {fault.text()}", rio.rec, [], clock.now)
+        _recover_all(res, scn, workdir, per_point, seed)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return res
+
+
+def _judge(res: CaseResult, fault: Fault, fio: FaultyFileIO, exc: BaseException | None, sp: Spool | None) -> None:
+    res.surfaced = "nothing" if exc is None else f"{type(exc).__name__}({exc})"[:120]
+    if not fio.fired:
+        res.problems.append("the fault never fired (the workload made fewer calls)")
+        return
+    if fault.kind == "short":
+        if exc is not None:
+            res.problems.append(f"a short write surfaced as {res.surfaced}; write_all should have finished it")
+        return
+    if exc is None:
+        res.problems.append("the fault was swallowed: the workload went on as if nothing had happened")
+        return
+    want = errno.ENOSPC if fault.kind == "ENOSPC" else errno.EIO
+    cause: BaseException | None = exc
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno == want):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        res.problems.append(f"the fault surfaced as {res.surfaced}, without the original {fault.kind}")
+    if fault.op in SYNC_OPS and sp is not None and sp.writer.poisoned is not None:
+        if not isinstance(exc, SyncFailed):
+            res.problems.append(f"a failed log fsync surfaced as {type(exc).__name__}, not SyncFailed")
+        _probe_refuses(res, fio, sp)
+    elif fault.op in SYNC_OPS and sp is not None and isinstance(exc, SyncFailed):
+        res.problems.append("SyncFailed was raised but the log writer is not poisoned")
+
+
+def _probe_refuses(res: CaseResult, fio: FaultyFileIO, sp: Spool) -> None:
+    """After a failed fsync: enqueue and commit must fail, and nothing more reaches the disk."""
+    before = len(fio.after_sync_failure)
+    try:
+        sp.enqueue("probe@example.org", ["probe@example.org"], b"after the failed fsync")
+        sp.commit()
+        res.problems.append("the spool accepted and committed a message after a failed fsync")
+    except SpoolError:
+        pass
+    except Exception as e:
+        res.problems.append(f"after a failed fsync, enqueue raised {type(e).__name__}, not SpoolError")
+    try:
+        sp.checkpoint()
+        res.problems.append("the spool wrote a checkpoint after a failed fsync")
+    except SpoolError:
+        pass
+    writes = [op for op in fio.after_sync_failure[:] if op != "open"]
+    if writes:
+        res.problems.append(f"after the failed fsync the engine still called {sorted(set(writes))} "
+                            f"({len(fio.after_sync_failure) - before} during the probe): a retry")
+
+
+def _recover_all(res: CaseResult, scn: Scenario, workdir: str, per_point: int, seed: int) -> None:
+    end = len(scn.recording.ops)
+    cands = crashstates.enumerate_states(scn.recording, per_point=per_point, seed=seed, only_point=end)
+    for recipe, state, events in crashstates.materialise(scn.recording, [c.recipe for c in cands]):
+        out = check_state(scn, state, events, workdir)
+        res.states += 1
+        res.problems += [f"crash state {recipe.text()}: {v}" for v in out.violations]
+
+
+def default_faults(seed: int = 0, sweep: int = 0) -> list[Fault]:
+    """Every fault kind once (at the middle call of its kind), plus ``sweep`` sampled calls per kind."""
+    counts = dry_run_counts(seed)
+    rng = random.Random(seed)
+    out: list[Fault] = []
+    for op in OPS:
+        total = counts[op]
+        if total == 0:
+            continue
+        for kind in KINDS[op]:
+            picks = {max(1, total // 2)}
+            if sweep:
+                picks |= set(rng.sample(range(1, total + 1), min(sweep, total)))
+            out += [Fault(op, n, kind) for n in sorted(picks)]
+    return out
+
+
+def run_all(seed: int = 0, *, real_fs: bool = True, sweep: int = 0) -> FaultReport:
+    report = FaultReport()
+    for fault in default_faults(seed, sweep):
+        report.cases.append(run_case(fault, seed))
+    if real_fs:
+        report.real_fs, report.real_fs_ok = real_full_fs()
+    return report
+
+
+# -- a real, small filesystem that fills up ----------------------------------
+
+
+def _mount(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, check=False)
+
+
+def real_full_fs(size_kib: int = 1024) -> tuple[str, bool]:
+    """Fill a tmpfs of ``size_kib`` KiB with the real engine. Returns (description, passed)."""
+    mnt = tempfile.mkdtemp(prefix="logspool-fullfs-")
+    mounted = _mount(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", mnt])
+    if mounted.returncode != 0:
+        os.rmdir(mnt)
+        return f"not run: mount -t tmpfs is not permitted here ({mounted.stderr.strip()})", True
+    try:
+        return _fill_and_recover(mnt, size_kib)
+    finally:
+        _mount(["umount", mnt])
+        os.rmdir(mnt)
+
+
+def _fill_and_recover(mnt: str, size_kib: int) -> tuple[str, bool]:
+    root = os.path.join(mnt, "spool")
+    cfg = SpoolConfig(segment_size=64 * 1024, retry_intervals=(1.0,), checkpoint_interval=float("inf"))
+    led = Ledger()
+    rng = random.Random(7)
+    sp = Spool.open(root, cfg)
+    failure: BaseException | None = None
+    try:
+        for i in range(10_000):
+            rcpts = (f"r{i}@example.org",)
+            body = rng.randbytes(6000)
+            try:
+                mid = sp.enqueue("s@example.org", rcpts, body)
+                led.enqueued[mid] = (rcpts, body)
+                sp.commit()
+            except OSError as e:
+                failure = e
+                break
+            led.acked.add(mid)
+    finally:
+        sp.close()
+    if not isinstance(failure, OSError) or failure.errno != errno.ENOSPC:
+        return f"FAILED: filling the disk ended with {failure!r}, not ENOSPC", False
+    on_full = "reopened on the full disk"
+    try:
+        sp = Spool.open(root, cfg, io=OsFileIO())
+        res = check(sp, led)
+        sp.close()
+        if not res.ok:
+            return f"FAILED: on the full disk: {res.violations[:3]}", False
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            return f"FAILED: reopening on the full disk raised {e!r}", False
+        on_full = "reopening on the full disk failed cleanly with ENOSPC"
+    grown = _mount(["mount", "-o", f"remount,size={size_kib * 4}k", mnt])
+    if grown.returncode != 0:
+        return f"FAILED: could not grow the tmpfs: {grown.stderr.strip()}", False
+    sp = Spool.open(root, cfg)
+    try:
+        res = check(sp, led)
+    finally:
+        sp.close()
+    if not res.ok:
+        return f"FAILED: after growing the disk: {res.violations[:3]}", False
+    return (f"tmpfs of {size_kib} KiB filled: {len(led.acked)} messages acknowledged, then enqueue failed with "
+            f"ENOSPC; {on_full}; after growing it every acknowledged message was there"), True
