@@ -469,6 +469,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
     ap.add_argument("--runs", type=int, default=0, help="runs per figure (default 5, quick 3)")
+    ap.add_argument("--only", default="append,commit,scan,recovery",
+                    help="comma-separated sections to run (default: all)")
+    ap.add_argument("--sizes", default="", help="recovery queue sizes, comma-separated (default by mode)")
     ap.add_argument("--profile", action="store_true", help="cProfile the hot paths instead of benchmarking")
     ap.add_argument("--child-build", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--child-build-direct", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
@@ -493,96 +496,114 @@ def main() -> None:
     duration = 1.5 if quick else 3.0
     scan_units = 60_000 if quick else 200_000
     sizes = [10_000, 50_000] if quick else [10_000, 100_000, 1_000_000]
+    if args.sizes:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    only = set(args.only.split(","))
     if args.profile:
         run_profiles(n_append, scan_units)
         return
 
     t_start = time.perf_counter()
     mach = common.machine()
-    say(f"spool_bench {'--quick' if quick else '(full)'}: {runs} runs per figure; machine {mach}")
+    say(f"spool_bench {'--quick' if quick else '(full)'}: {runs} runs per figure, sections {sorted(only)}; "
+        f"machine {mach}")
+    rows: list[list[Any]] = []
+    result: dict[str, Any] = {"quick": quick, "runs": runs, "machine": mach}
+    targets: dict[str, bool] = {}
 
-    say(f"\n[1] durable appends in batches of {BATCH} ({fmt(n_append)} records per run)")
-    app = bench_append(n_append, runs)
+    if "append" in only:
+        say(f"\n[1] durable appends in batches of {BATCH} ({fmt(n_append)} records per run)")
+        app = bench_append(n_append, runs)
+        targets["batched_append_200k"] = app["engine_rps"] >= 200_000
+        rows += [
+            ["bare CBOR+fdatasync loop, records/s", fmt(app["bare_rps"]), "(reference)", ""],
+            ["engine envelope appends, records/s", fmt(app["engine_rps"]), ">= 200,000",
+             targets["batched_append_200k"]],
+            ["engine / bare (median of paired runs)", f"{app['ratio']:.2f}", "", ""],
+            ["same without time in sync: bare, engine, ratio",
+             f"{fmt(app['bare_rps_nosync'])}, {fmt(app['engine_rps_nosync'])}, {app['ratio_nosync']:.2f}", "", ""],
+            ["same per CPU-second: bare, engine, ratio",
+             f"{fmt(app['bare_rps_cpu'])}, {fmt(app['engine_rps_cpu'])}, {app['ratio_cpu']:.2f}", "", ""],
+            ["commit (pwrite+fdatasync) per 1,000-record batch, ms", f"{app['sync_ms']:.1f}", "", ""],
+            ["enqueue_many (body+envelope), msg/s", fmt(app["enqueue_many_mps"]), "", ""],
+        ]
+        result.update({
+            "batched_append_rps": round(app["engine_rps"]),
+            "bare_append_rps": round(app["bare_rps"]),
+            "append_ratio": round(app["ratio"], 3),
+            "batched_append_rps_nosync": round(app["engine_rps_nosync"]),
+            "bare_append_rps_nosync": round(app["bare_rps_nosync"]),
+            "append_ratio_nosync": round(app["ratio_nosync"], 3),
+            "commit_ms_per_batch": round(app["sync_ms"], 2),
+            "batched_append_rps_cpu": round(app["engine_rps_cpu"]),
+            "bare_append_rps_cpu": round(app["bare_rps_cpu"]),
+            "append_ratio_cpu": round(app["ratio_cpu"], 3),
+            "enqueue_many_mps": round(app["enqueue_many_mps"]),
+        })
 
-    say(f"\n[2] one-at-a-time durable enqueue via AsyncSpool, 1 KiB body, {duration:.0f}s per run")
-    conc = bench_concurrency(levels, duration, runs, b"x" * 1024)
+    if "commit" in only:
+        say(f"\n[2] one-at-a-time durable enqueue via AsyncSpool, 1 KiB body, {duration:.0f}s per run")
+        conc = bench_concurrency(levels, duration, runs, b"x" * 1024)
+        targets["fsync_per_msg_c100_le_0.1"] = conc[100]["fsync_per_msg"] <= 0.1
+        rows += [[f"AsyncSpool c={c}: msg/s, fsync/msg, msg/commit, p50 ms",
+                  f"{fmt(conc[c]['mps'])}, {conc[c]['fsync_per_msg']:.3f}, {conc[c]['msgs_per_commit']:.1f}, "
+                  f"{conc[c]['p50_ms']:.1f}",
+                  "<= 0.1 fsync/msg" if c == 100 else "", targets["fsync_per_msg_c100_le_0.1"] if c == 100 else ""]
+                 for c in levels]
+        result.update({
+            **{f"enqueue_mps_c{c}": round(conc[c]["mps"], 1) for c in levels},
+            **{f"fsync_per_msg_c{c}": round(conc[c]["fsync_per_msg"], 4) for c in levels},
+            **{f"enqueue_p50_ms_c{c}": round(conc[c]["p50_ms"], 2) for c in levels},
+            **{f"enqueue_cpu_us_per_msg_c{c}": round(conc[c]["cpu_us_per_msg"], 1) for c in levels},
+        })
 
-    say(f"\n[3] runner pass over a garbage-heavy log ({fmt(scan_units)} message units)")
-    scan = bench_scan(scan_units, runs)
+    if "scan" in only:
+        say(f"\n[3] runner pass over a garbage-heavy log ({fmt(scan_units)} message units)")
+        scan = bench_scan(scan_units, runs)
+        targets["scan_1M"] = scan["scan_rps"] >= 1_000_000
+        rows += [
+            ["runner pass returning due envelopes, records/s", fmt(scan["scan_rps"]), ">= 1,000,000",
+             targets["scan_1M"]],
+            ["runner pass with nothing due, records/s", fmt(scan["scan_rps_nothing_due"]), "", ""],
+            ["runner pass returning due envelopes, records per CPU-second", fmt(scan["scan_rps_cpu"]), "", ""],
+        ]
+        result.update({"scan_rps": round(scan["scan_rps"]), "scan_rps_nothing_due": round(scan["scan_rps_nothing_due"]),
+                       "scan_rps_cpu": round(scan["scan_rps_cpu"]), "scan_records": scan["records"]})
 
-    say(f"\n[4] recovery (Spool.open in a fresh process) vs. deferred queue size {sizes}, "
-        f"built {'through the engine API' if args.engine_build else 'as its record stream'}")
-    rec = bench_recovery(sizes, runs, args.engine_build)
-
-    biggest = sizes[-1]
-    rec_times = [rec[n]["recovery_s"] for n in sizes]
-    spread = max(rec_times) / min(rec_times)
-    targets = {
-        "batched_append_200k": app["engine_rps"] >= 200_000,
-        "fsync_per_msg_c100_le_0.1": conc[100]["fsync_per_msg"] <= 0.1,
-        "scan_1M": scan["scan_rps"] >= 1_000_000,
-        "recovery_lt_1s": max(rec_times) < 1.0,
-        "recovery_within_2x": spread <= 2.0,
-        "rss_lt_150MB_at_largest": rec[biggest]["rss_mb"] < 150,
-    }
+    if "recovery" in only:
+        say(f"\n[4] recovery (Spool.open in a fresh process) vs. deferred queue size {sizes}, "
+            f"built {'through the engine API' if args.engine_build else 'as its record stream'}")
+        rec = bench_recovery(sizes, runs, args.engine_build)
+        biggest = sizes[-1]
+        rec_times = [rec[n]["recovery_s"] for n in sizes]
+        spread = max(rec_times) / min(rec_times)
+        cpu_times = [rec[n]["recovery_cpu_s"] for n in sizes]
+        targets.update({
+            "recovery_lt_1s": max(rec_times) < 1.0,
+            "recovery_within_2x": spread <= 2.0,
+            "rss_lt_150MB_at_largest": rec[biggest]["rss_mb"] < 150,
+        })
+        rows += [*[[f"recovery with {fmt(n)} deferred: ms, CPU ms, peak RSS MB, records read",
+                    f"{rec[n]['recovery_s'] * 1000:.1f}, {rec[n]['recovery_cpu_s'] * 1000:.1f}, "
+                    f"{rec[n]['rss_mb']:.1f}, {fmt(rec[n]['records_read'])}",
+                    "< 1 s, < 150 MB" if n == biggest else "< 1 s", ""] for n in sizes],
+                 ["recovery spread max/min (wall; CPU)", f"{spread:.2f}; {max(cpu_times) / min(cpu_times):.2f}",
+                  "<= 2", targets["recovery_within_2x"]]]
+        result.update({
+            "recovery": {str(n): {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec[n].items()}
+                         for n in sizes},
+            "recovery_s": round(rec[biggest]["recovery_s"], 4),
+            "recovery_cpu_s": round(rec[biggest]["recovery_cpu_s"], 4),
+            "recovery_spread": round(spread, 2),
+            "rss_mb": round(rec[biggest]["rss_mb"], 1),
+            "queue_size": biggest,
+        })
 
     say("\nSummary (medians)")
-    say(common.table(["figure", "value", "target", "met"], [
-        ["bare CBOR+fdatasync loop, records/s", fmt(app["bare_rps"]), "(reference)", ""],
-        ["engine envelope appends, records/s", fmt(app["engine_rps"]), ">= 200,000",
-         targets["batched_append_200k"]],
-        ["engine / bare (median of paired runs)", f"{app['ratio']:.2f}", "", ""],
-        ["same without time in sync: bare, engine, ratio",
-         f"{fmt(app['bare_rps_nosync'])}, {fmt(app['engine_rps_nosync'])}, {app['ratio_nosync']:.2f}", "", ""],
-        ["same per CPU-second: bare, engine, ratio",
-         f"{fmt(app['bare_rps_cpu'])}, {fmt(app['engine_rps_cpu'])}, {app['ratio_cpu']:.2f}", "", ""],
-        ["commit (pwrite+fdatasync) per 1,000-record batch, ms", f"{app['sync_ms']:.1f}", "", ""],
-        ["enqueue_many (body+envelope), msg/s", fmt(app["enqueue_many_mps"]), "", ""],
-        *[[f"AsyncSpool c={c}: msg/s, fsync/msg, msg/commit, p50 ms",
-           f"{fmt(conc[c]['mps'])}, {conc[c]['fsync_per_msg']:.3f}, {conc[c]['msgs_per_commit']:.1f}, "
-           f"{conc[c]['p50_ms']:.1f}",
-           "<= 0.1 fsync/msg" if c == 100 else "", targets["fsync_per_msg_c100_le_0.1"] if c == 100 else ""]
-          for c in levels],
-        ["runner pass returning due envelopes, records/s", fmt(scan["scan_rps"]), ">= 1,000,000",
-         targets["scan_1M"]],
-        ["runner pass with nothing due, records/s", fmt(scan["scan_rps_nothing_due"]), "", ""],
-        ["runner pass returning due envelopes, records per CPU-second", fmt(scan["scan_rps_cpu"]), "", ""],
-        *[[f"recovery with {fmt(n)} deferred: ms, CPU ms, peak RSS MB, records read",
-           f"{rec[n]['recovery_s'] * 1000:.1f}, {rec[n]['recovery_cpu_s'] * 1000:.1f}, {rec[n]['rss_mb']:.1f}, "
-           f"{fmt(rec[n]['records_read'])}",
-           "< 1 s, < 150 MB" if n == biggest else "< 1 s", ""] for n in sizes],
-        ["recovery spread max/min", f"{spread:.2f}", "<= 2", targets["recovery_within_2x"]],
-    ]))
+    say(common.table(["figure", "value", "target", "met"], rows))
     say(f"elapsed {time.perf_counter() - t_start:.0f}s, load average now {common.load_average()}")
-    common.emit_json({
-        "quick": quick, "runs": runs, "machine": mach,
-        "batched_append_rps": round(app["engine_rps"]),
-        "bare_append_rps": round(app["bare_rps"]),
-        "append_ratio": round(app["ratio"], 3),
-        "batched_append_rps_nosync": round(app["engine_rps_nosync"]),
-        "bare_append_rps_nosync": round(app["bare_rps_nosync"]),
-        "append_ratio_nosync": round(app["ratio_nosync"], 3),
-        "commit_ms_per_batch": round(app["sync_ms"], 2),
-        "batched_append_rps_cpu": round(app["engine_rps_cpu"]),
-        "bare_append_rps_cpu": round(app["bare_rps_cpu"]),
-        "append_ratio_cpu": round(app["ratio_cpu"], 3),
-        "enqueue_many_mps": round(app["enqueue_many_mps"]),
-        **{f"enqueue_mps_c{c}": round(conc[c]["mps"], 1) for c in levels},
-        **{f"fsync_per_msg_c{c}": round(conc[c]["fsync_per_msg"], 4) for c in levels},
-        **{f"enqueue_p50_ms_c{c}": round(conc[c]["p50_ms"], 2) for c in levels},
-        **{f"enqueue_cpu_us_per_msg_c{c}": round(conc[c]["cpu_us_per_msg"], 1) for c in levels},
-        "scan_rps": round(scan["scan_rps"]),
-        "scan_rps_nothing_due": round(scan["scan_rps_nothing_due"]),
-        "scan_rps_cpu": round(scan["scan_rps_cpu"]),
-        "recovery": {str(n): {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec[n].items()}
-                     for n in sizes},
-        "recovery_s": round(rec[biggest]["recovery_s"], 4),
-        "recovery_spread": round(spread, 2),
-        "rss_mb": round(rec[biggest]["rss_mb"], 1),
-        "queue_size": biggest,
-        "targets_met": targets,
-    })
-
+    result["targets_met"] = targets
+    common.emit_json(result)
 
 if __name__ == "__main__":
     main()
