@@ -196,6 +196,53 @@ def _opt(d: dict[int, Any], key: int, default: Any) -> Any:
     return d[key] if key in d else default
 
 
+# Decoded CBOR is checked against the schema: a payload whose checksum passes
+# but whose fields have the wrong type is corrupt, not a record (TypeError here
+# becomes CorruptRecord in decode_payload).
+
+
+def _uint(v: Any) -> int:
+    if type(v) is not int or v < 0:
+        raise TypeError(f"expected an unsigned integer, got {type(v).__name__}")
+    return v
+
+
+def _opt_uint(v: Any) -> int | None:
+    return None if v is None else _uint(v)
+
+
+def _text(v: Any) -> str:
+    if type(v) is not str:
+        raise TypeError(f"expected text, got {type(v).__name__}")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise TypeError(f"expected a boolean, got {type(v).__name__}")
+    return v
+
+
+def _array(v: Any) -> list[Any]:
+    if type(v) is not list:
+        raise TypeError(f"expected an array, got {type(v).__name__}")
+    return v
+
+
+def _uints(v: Any) -> tuple[int, ...]:
+    return tuple(_uint(x) for x in _array(v))
+
+
+def _texts(v: Any) -> tuple[str, ...]:
+    return tuple(_text(x) for x in _array(v))
+
+
+def _text_map(v: Any) -> dict[str, Any]:
+    if type(v) is not dict or not all(type(k) is str for k in v):
+        raise TypeError("expected a map with text keys")
+    return v
+
+
 @attrs.frozen
 class Envelope:
     """A message waiting in the queue: who from, who to, where its body lies.
@@ -241,17 +288,17 @@ class Envelope:
     @classmethod
     def from_map(cls, d: dict[int, Any]) -> Envelope:
         return cls(
-            message_id=d[0],
-            sender=d[1],
-            recipients=tuple(d[2]),
-            body=tuple(d[3]),
-            body_size=d[4],
-            arrival_ms=d[5],
-            attempts=_opt(d, 6, 0),
-            replaces=_opt(d, 7, None),
-            held=bool(_opt(d, 8, False)),
-            in_doubt=tuple(_opt(d, 9, ())),
-            extra=dict(_opt(d, 10, {})),
+            message_id=_uint(d[0]),
+            sender=_text(d[1]),
+            recipients=_texts(d[2]),
+            body=_uints(d[3]),
+            body_size=_uint(d[4]),
+            arrival_ms=_uint(d[5]),
+            attempts=_uint(_opt(d, 6, 0)),
+            replaces=_opt_uint(_opt(d, 7, None)),
+            held=_bool(_opt(d, 8, False)),
+            in_doubt=_texts(_opt(d, 9, [])),
+            extra=dict(_text_map(_opt(d, 10, {}))),
         )
 
 
@@ -271,7 +318,7 @@ class Start:
 
     @classmethod
     def from_map(cls, d: dict[int, Any]) -> Start:
-        return cls(d[0], d[1], StartKind(_opt(d, 2, 0)))
+        return cls(_uint(d[0]), _uint(d[1]), StartKind(_uint(_opt(d, 2, 0))))
 
 
 @attrs.frozen
@@ -290,7 +337,9 @@ class Outcome:
 
     @classmethod
     def from_list(cls, v: list[Any]) -> Outcome:
-        return cls(v[0], Status(v[1]), v[2], v[3], v[4], v[5])
+        if len(_array(v)) != 6:
+            raise ValueError(f"an outcome has 6 items, not {len(v)}")
+        return cls(_text(v[0]), Status(_uint(v[1])), _uint(v[2]), _text(v[3]), _text(v[4]), _text(v[5]))
 
 
 @attrs.frozen
@@ -310,7 +359,8 @@ class Delivery:
 
     @classmethod
     def from_map(cls, d: dict[int, Any]) -> Delivery:
-        return cls(d[0], d[1], tuple(Outcome.from_list(v) for v in d[2]), _opt(d, 3, 0))
+        outcomes = tuple(Outcome.from_list(v) for v in _array(d[2]))
+        return cls(_uint(d[0]), _uint(d[1]), outcomes, _uint(_opt(d, 3, 0)))
 
 
 @attrs.frozen
@@ -330,7 +380,7 @@ class Finish:
 
     @classmethod
     def from_map(cls, d: dict[int, Any]) -> Finish:
-        return cls(d[0], d[1], _opt(d, 2, None))
+        return cls(_uint(d[0]), _uint(d[1]), _opt_uint(_opt(d, 2, None)))
 
 
 Payload = Envelope | Start | Delivery | Finish | bytes
@@ -358,7 +408,8 @@ def decode_payload(rtype: int, payload: bytes, *, path: str = "", offset: int = 
         result: Payload = _DECODERS[rtype](d)
         return result
     except (cbor2.CBORDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
-        raise CorruptRecord(f"bad {RecordType(rtype).name} payload: {exc}", path, offset) from None
+        name = RecordType(rtype).name if rtype in _TYPES else f"type {rtype}"
+        raise CorruptRecord(f"bad {name} payload: {exc}", path, offset) from None
 
 
 def payload_type(p: Payload) -> RecordType:
