@@ -292,3 +292,61 @@ def test_frame_reader_reports_a_bad_frame_with_path_and_offset(tmp_path: Path) -
         read_with_reader(path, seg, len(data), verify=True)
     assert (info.value.path, info.value.offset) == (str(path), bad_off)
     assert str(path) in str(info.value)
+
+
+# -- regression: decode_payload checks the schema, not just the CBOR ------------------------
+
+_WRONG = {
+    "uint": ["7", -1, 1.5, None, True, [1], b"\x01"],
+    "text": [7, None, b"a", ["a"], True],
+    "bool": [1, 0, "yes", None],
+    "array": ["abc", 5, {0: 1}, None, b"ab"],
+    "map": [[["k", 1]], "k", 5, {1: "non-text key"}],
+}
+_SCHEMA: dict[RecordType, dict[int, str]] = {
+    RecordType.ENVELOPE: {0: "uint", 1: "text", 2: "array", 3: "array", 4: "uint", 5: "uint", 6: "uint",
+                          7: "uint", 8: "bool", 9: "array", 10: "map"},
+    RecordType.START: {0: "uint", 1: "uint", 2: "uint"},
+    RecordType.DELIVERY: {0: "uint", 1: "uint", 2: "array", 3: "uint"},
+    RecordType.FINISH: {0: "uint", 1: "uint", 2: "uint"},
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(rec=st.one_of(envelopes, starts, deliveries, finishes), data=st.data())
+def test_decode_payload_rejects_ill_typed_fields(rec: Payload, data: st.DataObject) -> None:
+    """Once decode_payload accepted any CBOR value in any field (Envelope(message_id='x'));
+    a payload that passes its checksum but breaks the schema must be CorruptRecord."""
+    import cbor2
+
+    rtype = payload_type(rec)
+    d = cbor2.loads(payload_bytes(rec))
+    key = data.draw(st.sampled_from(sorted(_SCHEMA[rtype])), label="key")
+    d[key] = data.draw(st.sampled_from(_WRONG[_SCHEMA[rtype][key]]), label="value")
+    with pytest.raises(CorruptRecord):
+        decode_payload(rtype, cbor2.dumps(d))
+
+
+@settings(max_examples=80, deadline=None)
+@given(d=deliveries, data=st.data())
+def test_decode_payload_rejects_ill_typed_outcomes(d: Delivery, data: st.DataObject) -> None:
+    import cbor2
+
+    m = cbor2.loads(d.to_payload())
+    outcome = m[2][0]
+    i = data.draw(st.integers(0, 6), label="item")
+    if i == 6:
+        outcome.append("a seventh item")
+    else:
+        outcome[i] = data.draw(st.sampled_from(_WRONG["uint" if i in (1, 2) else "text"]), label="value")
+    with pytest.raises(CorruptRecord):
+        decode_payload(RecordType.DELIVERY, cbor2.dumps(m))
+    with pytest.raises(CorruptRecord):
+        decode_payload(RecordType.DELIVERY, cbor2.dumps({0: 1, 1: 2, 2: ["abcdef"]}))
+
+
+@pytest.mark.parametrize("rtype", [0, 6, 255])
+def test_decode_payload_of_an_unknown_type_is_corrupt_record(rtype: int) -> None:
+    """Frames read with verify=False carry unchecked types; decode_payload must still say CorruptRecord."""
+    with pytest.raises(CorruptRecord, match=f"type {rtype}"):
+        decode_payload(rtype, b"\xa0", path="x.seg", offset=48)
