@@ -128,7 +128,7 @@ def test_data_ends_exactly_at_the_first_crlf_dot_crlf(wire: bytes, normalize: bo
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.binary(max_size=30), st.sampled_from([b"250 ok\r\n", b"250-x\r\n", b"421 4.0.0 bye\r\n"]))))
+@given(st.lists(st.one_of(st.binary(max_size=30), st.sampled_from([b"250 ok\r\n", b"250-x\r\n", b"421 4.0.0 x\r\n"]))))
 def test_client_core_raises_only_protocol_errors_on_any_reply_stream(chunks: list[bytes]) -> None:
     conn = C.ClientConnection()
     conn.ehlo("c")
