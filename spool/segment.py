@@ -51,9 +51,11 @@ def parse_segment_name(name: str) -> int | None:
     if not name.endswith(SUFFIX) or len(name) != 16 + len(SUFFIX):
         return None
     try:
-        return int(name[:16], 16)
+        seg = int(name[:16], 16)
     except ValueError:
         return None
+    # int() also takes "0x", "+", "_", spaces and upper case: accept only the name we write.
+    return seg if segment_name(seg) == name else None
 
 
 def list_segments(io: FileIO, log_dir: str) -> list[int]:
