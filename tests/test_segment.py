@@ -318,3 +318,14 @@ def test_segment_names_are_16_hex_digits(tmp_path: Path) -> None:
     for name in ["0000000000000010.seg", "0000000000000002.seg", "checkpoint", "0000000000000003.seg.tmp"]:
         (tmp_path / name).write_bytes(b"")
     assert list_segments(IO, str(tmp_path)) == [2, 16]
+
+
+def test_only_canonical_segment_names_are_segments(tmp_path: Path) -> None:
+    """parse_segment_name once took anything int(_, 16) takes: "0x00000000000001.seg", "+000000000000001.seg",
+    "0000_0000_0000_1.seg", upper case; list_segments then listed an id twice, or one whose path does not exist."""
+    for odd in ["0x00000000000001.seg", "+000000000000001.seg", " 000000000000001.seg", "0000_0000_0000_1.seg",
+                "000000000000000A.seg"]:
+        assert parse_segment_name(odd) is None, odd
+        (tmp_path / odd).write_bytes(b"")
+    (tmp_path / segment_name(1)).write_bytes(b"")
+    assert list_segments(IO, str(tmp_path)) == [1]
