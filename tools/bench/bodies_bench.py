@@ -317,6 +317,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=0, help="runs per figure (default 3, quick 1)")
     ap.add_argument("--only", default="durable,scan,defer", help="comma-separated sections (default: all)")
     args = ap.parse_args()
+    common.exit_on_sigterm()
     quick = args.quick
     runs = args.runs or (1 if quick else 3)
     sizes = [4096, 100 * 1024]

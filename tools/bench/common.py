@@ -129,6 +129,16 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(out)
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the benchmark through SystemExit, so temp dirs are removed."""
+    import signal
+
+    def _exit(_sig: int, _frame: Any) -> None:
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def say(*args: Any) -> None:
     print(*args, flush=True)
 
