@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mta import smtp_client as C
@@ -181,6 +181,7 @@ def test_body_encoder(chunks: list[bytes], wire: bytes) -> None:
     assert b"".join(enc.encode(c) for c in chunks) + enc.end() == wire
 
 
+@settings(deadline=None)  # timing varies on a shared machine; correctness is what is checked
 @given(st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"x", b".").replace(b"y", b"\r")), max_size=8))
 def test_encoded_body_always_decodes_to_its_crlf_normalised_self(chunks: list[bytes]) -> None:
     enc = C.BodyEncoder()
