@@ -2,7 +2,8 @@
 
 Theory of operation. The driver expands the paths it is given (segment files,
 ``log/`` directories, spool directories, archive directories, globs of any of
-these) into a sorted list of segment files and makes **one partition per
+these; a spool directory gives both its ``log/`` and its ``archive/``) into a
+sorted list of segment files and makes **one partition per
 file**. A worker reads its file whole, walks the frames with the spool's own
 codec (:func:`spool.record.decode_frame`, :func:`spool.record.decode_payload`;
 there is no second implementation of the format here) and yields Arrow record
@@ -17,8 +18,8 @@ Damage does not stop the job. When a frame fails, the worker emits an *error
 row* (``rtype`` 0, ``pos`` at the bad frame, ``error`` saying what and whether
 it is a torn tail) and carries on at the next frame whose checksum passes, if
 any. A segment whose header is unreadable gives one error row. The relay name
-is the ``relay`` option, or else taken from the directory: ``NAME/log/*.seg``
-and ``NAME/*.seg`` both give ``NAME``.
+is the ``relay`` option, or else taken from the directory: ``NAME/log/*.seg``,
+``NAME/archive/*.seg`` and ``NAME/*.seg`` all give ``NAME``.
 
 Options: ``path`` / ``paths`` (as ``load()`` passes them), ``relay``,
 ``batchRows`` (rows per Arrow batch, default 65536).
@@ -116,20 +117,25 @@ def _arrow_schema() -> Any:
 # -- finding segment files ---------------------------------------------------
 
 
+SPOOL_SUBDIRS: Final = ("log", "archive")
+
+
 def relay_name_for(file: str) -> str:
-    """``NAME/log/0000….seg`` and ``NAME/0000….seg`` belong to relay ``NAME``."""
+    """``NAME/log/0000….seg``, ``NAME/archive/0000….seg`` and ``NAME/0000….seg``
+    belong to relay ``NAME``."""
     parent = os.path.dirname(os.path.abspath(file))
-    if os.path.basename(parent) == "log":
+    if os.path.basename(parent) in SPOOL_SUBDIRS:
         parent = os.path.dirname(parent)
     return os.path.basename(parent) or "-"
 
 
 def _segments_in(directory: str) -> list[str]:
-    log_dir = os.path.join(directory, "log")
-    if os.path.isdir(log_dir):
-        directory = log_dir
-    names = sorted(n for n in os.listdir(directory) if parse_segment_name(n) is not None)
-    return [os.path.join(directory, n) for n in names]
+    """A spool directory gives its ``log/`` and ``archive/``; any other directory, itself."""
+    subdirs = [os.path.join(directory, d) for d in SPOOL_SUBDIRS if os.path.isdir(os.path.join(directory, d))]
+    out = []
+    for d in subdirs or [directory]:
+        out.extend(os.path.join(d, n) for n in os.listdir(d) if parse_segment_name(n) is not None)
+    return out
 
 
 def expand_paths(patterns: Iterable[str]) -> list[str]:

@@ -48,7 +48,7 @@ def plain_records(spool_dirs: dict[str, str]) -> list[Rec]:
     io = OsFileIO()
     out = []
     for relay, d in sorted(spool_dirs.items()):
-        for path in sorted(glob.glob(os.path.join(d, "log", "*.seg"))):
+        for path in sorted(p for sub in ("log", "archive") for p in glob.glob(os.path.join(d, sub, "*.seg"))):
             seg_id = parse_segment_name(os.path.basename(path))
             assert seg_id is not None
             reader = FrameReader(io, path, seg_id, SEGMENT_HEADER_SIZE, os.path.getsize(path))

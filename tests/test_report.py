@@ -7,12 +7,12 @@ from typing import Any
 
 import attrs
 import pytest
-import report_reference as ref
 from click.testing import CliRunner
-from spark_fixture import T0, fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
+import tests.report_reference as ref
 from mta.report import JAVA_MISSING, Figures, ReportError, compute_figures, make_session, run_report
 from mta.report_cli import report
+from tests.spark_fixture import T0, fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
 FIELDS = [f.name for f in attrs.fields(Figures) if f.name != "errors"]
 

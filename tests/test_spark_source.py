@@ -8,11 +8,10 @@ import shutil
 from collections import Counter
 from typing import Any
 
-from report_reference import plain_records
-from spark_fixture import fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
-
 from spool.record import HEADER_SIZE, Delivery, Envelope, pos_offset
 from spool.spark_source import ERROR_TYPE, expand_paths, relay_name_for, segment_rows
+from tests.report_reference import plain_records
+from tests.spark_fixture import fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
 
 def load(spark: Any, *paths: str, **options: str) -> list[Any]:
@@ -42,10 +41,15 @@ def test_every_record_of_a_fleet_is_read_once_with_its_relay(spark: Any, fleet: 
     assert all(r.error is None for r in rows)
 
 
+def all_segments(spool_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(spool_dir, "log", "*.seg")) + glob.glob(os.path.join(spool_dir, "archive",
+                                                                                              "*.seg")))
+
+
 def test_one_partition_per_segment_file(spark: Any, fleet: dict[str, str]) -> None:
-    files = glob.glob(os.path.join(fleet["mx1"], "log", "*.seg"))
+    files = all_segments(fleet["mx1"])
     df = spark.read.format("logspool").load(fleet["mx1"])
-    assert len(files) > 3
+    assert len(glob.glob(os.path.join(fleet["mx1"], "archive", "*.seg"))) > 3
     assert df.rdd.getNumPartitions() == len(files)
 
 
@@ -64,7 +68,8 @@ def test_paths_globs_and_archive_directories(tmp_path: Any, fleet: dict[str, str
         shutil.copy(s, archive)
     assert [os.path.basename(f) for f in expand_paths([str(archive)])] == [os.path.basename(s) for s in segs[:2]]
     assert relay_name_for(expand_paths([str(archive)])[0]) == "relay9-archive"
-    assert expand_paths([os.path.join(fleet["mx1"], "log", "*.seg"), fleet["mx1"]]) == sorted(segs)
+    assert expand_paths([os.path.join(fleet["mx1"], "log", "*.seg"), fleet["mx1"]]) == all_segments(fleet["mx1"])
+    assert relay_name_for(all_segments(fleet["mx1"])[0]) == "mx1"
     assert expand_paths([str(tmp_path / "nothing-here*")]) == []
 
 

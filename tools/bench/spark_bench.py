@@ -46,6 +46,12 @@ from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, encode_segment_heade
 DOMAINS = ["ok.example", "grey.example", "bad.example", "far.example"]
 
 
+def _add(buf: bytearray, seg: int, t: int, rtype: RecordType, payload: bytes, klass: int = 0) -> int:
+    pos = make_pos(seg, len(buf))
+    buf += encode_frame(seg, rtype, payload, klass=klass, time=t)
+    return pos
+
+
 def build(directory: str, records: int, segments: int) -> int:
     """Write about ``records`` non-DATA records in ``segments`` files; return the exact count."""
     log = os.path.join(directory, "log")
@@ -58,31 +64,26 @@ def build(directory: str, records: int, segments: int) -> int:
         buf = bytearray(encode_segment_header(seg, t))
         n = 0
 
-        def add(rtype: RecordType, payload: bytes, klass: int = 0, seg: int = seg, buf: bytearray = buf) -> int:
-            pos = make_pos(seg, len(buf))
-            buf += encode_frame(seg, rtype, payload, klass=klass, time=t)
-            return pos
-
         while n < per_segment:
             ms = t * 1000 + rng.randrange(1000)
             rcpts = tuple(f"user{rng.randrange(1000)}@{rng.choice(DOMAINS)}" for _ in range(rng.choice((1, 1, 2, 3))))
-            data = add(RecordType.DATA, b"x" * rng.randrange(300, 4000))
+            data = _add(buf, seg, t, RecordType.DATA, b"x" * rng.randrange(300, 4000))
             env = Envelope(make_pos(seg, len(buf)), f"sender{rng.randrange(100)}@corp.example", rcpts, (data,),
                            2000, ms, extra={"client": "192.0.2.7", "helo": "client.example"})
-            epos = add(RecordType.ENVELOPE, env.to_payload())
-            spos = add(RecordType.START, Start(epos, ms + 5).to_payload())
+            epos = _add(buf, seg, t, RecordType.ENVELOPE, env.to_payload())
+            spos = _add(buf, seg, t, RecordType.START, Start(epos, ms + 5).to_payload())
             deferred = rng.random() < 0.25
             outs = tuple(Outcome(r, Status.DEFERRED if deferred else Status.DELIVERED, 451 if deferred else 250,
                                  "4.7.1" if deferred else "2.0.0", "try later" if deferred else "OK id=4F2A1",
                                  "mx." + r.split("@")[1]) for r in rcpts)
-            add(RecordType.DELIVERY, Delivery(spos, ms + 80, outs, 75).to_payload())
+            _add(buf, seg, t, RecordType.DELIVERY, Delivery(spos, ms + 80, outs, 75).to_payload())
             repl = None
             n += 4
             if deferred:
                 new = Envelope(env.message_id, env.sender, rcpts, (data,), 2000, ms, attempts=1, replaces=epos)
-                repl = add(RecordType.ENVELOPE, new.to_payload(), klass=1)
+                repl = _add(buf, seg, t, RecordType.ENVELOPE, new.to_payload(), klass=1)
                 n += 1
-            add(RecordType.FINISH, Finish(spos, ms + 81, repl).to_payload())
+            _add(buf, seg, t, RecordType.FINISH, Finish(spos, ms + 81, repl).to_payload())
             t += 1
         with open(segment_path(log, seg), "wb") as f:
             f.write(buf)
