@@ -85,27 +85,29 @@ class CheckResult:
         return not self.violations
 
 
-def check(sp: Spool, led: Ledger, *, drain: bool = True) -> CheckResult:
-    """Check a freshly recovered spool against the ledger. Reads the log; claims (drain) without committing."""
+Found = dict[int, list[tuple[tuple[str, ...], bytes]]]
+
+
+def judge(found: Found, led: Ledger) -> CheckResult:
+    """Compare live messages (id -> [(recipients, body)] per live envelope) with the ledger."""
     res = CheckResult()
     live: dict[int, set[str]] = {}
-    for msg in admin.iter_live(sp):
-        mid = msg.envelope.message_id
-        res.live_messages += 1
-        if mid in live:
-            res.violations.append(f"message {mid:X} has two live envelopes")
-        rcpts = set(msg.envelope.recipients)
-        live.setdefault(mid, set()).update(rcpts)
+    for mid, envs in sorted(found.items()):
+        res.live_messages += len(envs)
+        if len(envs) > 1:
+            res.violations.append(f"message {mid:X} has {len(envs)} live envelopes")
         sent = led.enqueued.get(mid)
         if sent is None:
             res.violations.append(f"live message {mid:X} was never enqueued")
             continue
-        if not rcpts <= set(sent[0]):
-            res.violations.append(f"message {mid:X} has recipients it was not sent to: {sorted(rcpts - set(sent[0]))}")
-        body = b"".join(sp.read_body(msg.envelope))
-        if body != sent[1]:
-            res.violations.append(f"message {mid:X}: body differs ({len(body)} bytes, sent {len(sent[1])})")
-        for r in rcpts:
+        for rcpts, body in envs:
+            live.setdefault(mid, set()).update(rcpts)
+            extra = set(rcpts) - set(sent[0])
+            if extra:
+                res.violations.append(f"message {mid:X} has recipients it was not sent to: {sorted(extra)}")
+            if body != sent[1]:
+                res.violations.append(f"message {mid:X}: body differs ({len(body)} bytes, sent {len(sent[1])})")
+        for r in live.get(mid, set()):
             if (mid, r) in led.recorded_final:
                 res.violations.append(f"message {mid:X} recipient {r}: final outcome was recorded, live again")
             elif (mid, r) in led.remote:
@@ -114,19 +116,39 @@ def check(sp: Spool, led: Ledger, *, drain: bool = True) -> CheckResult:
         for r in led.enqueued[mid][0]:
             if r not in live.get(mid, set()) and (mid, r) not in led.appended_final:
                 res.violations.append(f"acknowledged message {mid:X} recipient {r} was lost")
-    if drain:
-        res.violations += _drain_check(sp, live)
     return res
 
 
-def _drain_check(sp: Spool, live: dict[int, set[str]]) -> list[str]:
-    """Every live message must be claimable by its runner when everything is due."""
-    claimed: set[int] = set()
+def listed(sp: Spool) -> Found:
+    """Live messages as the admin listing sees them, bodies read back with checksums."""
+    found: Found = {}
+    for msg in admin.iter_live(sp):
+        body = b"".join(sp.read_body(msg.envelope))
+        found.setdefault(msg.envelope.message_id, []).append((msg.envelope.recipients, body))
+    return found
+
+
+def claimed(sp: Spool) -> Found:
+    """Live messages as the runners deliver them: claim everything (no commit), read every body."""
+    found: Found = {}
     for _ in range(10_000):
         batch = sp.poll_due(now=FAR_FUTURE, limit=1000)
         if not batch:
             break
-        claimed.update(a.message_id for a in batch)
-    out = [f"live message {mid:X} is never claimed by a runner (stranded)" for mid in sorted(set(live) - claimed)]
-    out += [f"a runner claimed message {mid:X}, which is not listed live" for mid in sorted(claimed - set(live))]
-    return out
+        for a in batch:
+            body = b"".join(sp.read_body(a.envelope))
+            found.setdefault(a.message_id, []).append((a.envelope.recipients, body))
+    return found
+
+
+def check(sp: Spool, led: Ledger, *, drain: bool = True) -> CheckResult:
+    """Check a freshly recovered spool against the ledger; with ``drain``, also that runners find it all."""
+    found = listed(sp)
+    res = judge(found, led)
+    if drain:
+        got = claimed(sp)
+        res.violations += [f"live message {mid:X} is never claimed by a runner (stranded)"
+                           for mid in sorted(set(found) - set(got))]
+        res.violations += [f"a runner claimed message {mid:X}, which is not listed live"
+                           for mid in sorted(set(got) - set(found))]
+    return res

@@ -13,7 +13,8 @@ import pytest
 
 from spool import admin
 from spool.config import SpoolConfig
-from spool.errors import SpoolError
+from spool.errors import SpoolError, SyncFailed
+from spool.fileio import OsFileIO
 from spool.spool import Spool
 
 
@@ -48,3 +49,29 @@ def test_first_segment_that_holds_records_is_not_recreated(tmp_path: Path) -> No
     os.remove(tmp_path / "checkpoint")
     with pytest.raises(SpoolError):
         Spool.open(str(tmp_path), _config())
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: after SyncFailed from LogWriter.sync_all (the checkpoint's "
+                   "fdatasync), a later Spool.checkpoint() retries fdatasync on the same segments and stores a "
+                   "checkpoint: LogWriter.sync_all and Spool.checkpoint_write ignore writer.poisoned (fsyncgate)")
+def test_checkpoint_after_a_failed_checkpoint_fsync_is_refused(tmp_path: Path) -> None:
+    # faults --sweep 6: 'EIO on fdatasync #28' (the fdatasync inside sync_all).
+    from fault_injection.faults import Fault, FaultyFileIO
+
+    fio = FaultyFileIO(OsFileIO())
+    sp = Spool.open(str(tmp_path), _config(), io=fio)
+    try:
+        sp.enqueue("a@example.org", ["b@example.org"], b"hello")
+        sp.commit()
+        [attempt] = sp.poll_due(now=4e9)
+        sp.commit()  # the START is durable; its envelope's garbage mark is written, not yet synced
+        fio.fault = Fault("fdatasync", fio.counts["fdatasync"] + 1, "EIO")
+        with pytest.raises(SyncFailed):
+            sp.checkpoint()
+        syncs = fio.counts["fdatasync"] + fio.counts["fsync"]
+        with pytest.raises(SpoolError):
+            sp.checkpoint()
+        assert fio.counts["fdatasync"] + fio.counts["fsync"] == syncs, "a failed fsync was retried"
+        del attempt
+    finally:
+        sp.close()
