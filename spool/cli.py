@@ -13,6 +13,7 @@ locked, I/O error). Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -168,7 +169,7 @@ def segments(directory: str, as_json: bool) -> int:
         _print_json({"garbage_end": None if cp is None else format_pos(cp.garbage_end),
                      "segments": [r.as_dict() for r in rows]})
         return EXIT_PROBLEMS if damaged else 0
-    table = Table(title=f"segments of {directory}")
+    table = Table()
     for col in ("id", "size", "records", *(t.name for t in RecordType), "live", "garbage", "first", "last",
                 "deletable", "damage"):
         table.add_column(col, justify="right" if col not in ("first", "last", "damage") else "left")
@@ -179,7 +180,10 @@ def segments(directory: str, as_json: bool) -> int:
                       format_pos(r.last) if r.last is not None else "-",
                       "yes" if r.deletable else "no",
                       "; ".join(("torn tail at " if d.torn else "damaged at ") + str(d.offset) for d in r.damage))
-    _console().print(table)
+    console = _console()
+    garbage = "" if cp is None else f"; garbage ends at {format_pos(cp.garbage_end)}"
+    console.print(f"segments of {directory}{garbage}")
+    console.print(table)
     if damaged:
         _say("damaged records found; run `spoolctl verify` for details")
     return EXIT_PROBLEMS if damaged else 0
@@ -303,7 +307,7 @@ def stats(directory: str, as_json: bool) -> int:
     if as_json:
         _print_json(st.as_dict())
         return 0
-    table = Table(title=f"stats of {directory}", show_header=False)
+    table = Table(show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("live messages", str(st.live))
@@ -315,7 +319,9 @@ def stats(directory: str, as_json: bool) -> int:
                   "-" if st.oldest_age_s is None else inspect.format_duration(round(st.oldest_age_s)))
     table.add_row("segments", str(st.segments))
     table.add_row("bytes on disk", str(st.bytes_on_disk))
-    _console().print(table)
+    console = _console()
+    console.print(f"stats of {directory}")
+    console.print(table)
     return 0
 
 
@@ -330,16 +336,35 @@ def recover(directory: str, retry_intervals: tuple[float, ...], as_json: bool) -
     """Open the spool for writing (takes its lock; the relay must be stopped) and run recovery:
     cuts a torn tail, closes attempts that were in flight, writes a checkpoint."""
     files = _open(directory)
-    rs = inspect.recover(files, SpoolConfig(retry_intervals=retry_intervals))
+    # Recovery's warnings (torn tail cut, recipients in doubt) are for the operator: show them.
+    handler = _EchoHandler()
+    engine_log = logging.getLogger("spool")
+    engine_log.addHandler(handler)
+    try:
+        rs = inspect.recover(files, SpoolConfig(retry_intervals=retry_intervals))
+    finally:
+        engine_log.removeHandler(handler)
     fields = attrs.asdict(rs)
     if as_json:
         _print_json(fields)
         return 0
-    table = Table(title=f"recovered {directory}", show_header=False)
+    table = Table(show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     for name, value in fields.items():
         table.add_row(name.replace("_", " "), f"{value:.3f}" if isinstance(value, float) else str(value))
-    _console().print(table)
+    console = _console()
+    console.print(f"recovered {directory}")
+    console.print(table)
     return 0
+
+
+class _EchoHandler(logging.Handler):
+    """Engine warnings to stderr, one line each, prefixed like our errors."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"spoolctl: {record.levelname.lower()}: {record.getMessage()}", err=True)
 

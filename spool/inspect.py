@@ -191,7 +191,7 @@ def scan_segment(files: LogFiles, seg: int, start: int | None = None, *,
     path = files.seg_path(seg)
     size = files.size(seg)
     last = seg == files.last
-    header = _header_damage(files, seg, path, size, last)
+    header = _header_damage(files, seg, path, size, last=last and (head is None or pos_segment(head) < seg))
     if header is not None:
         yield header
         return
@@ -213,7 +213,7 @@ def scan_segment(files: LogFiles, seg: int, start: int | None = None, *,
         off = damage.resumes_at
 
 
-def _header_damage(files: LogFiles, seg: int, path: str, size: int, last: bool) -> Damage | None:
+def _header_damage(files: LogFiles, seg: int, path: str, size: int, *, last: bool) -> Damage | None:
     try:
         read_segment_header(files.io, path, seg)
         return None
@@ -676,6 +676,8 @@ class _Verifier:
         self.damaged: list[tuple[int, int]] = []
         self.present = set(files.segments)
         self.first = files.first
+        self.live_from = 0
+        self.active: dict[int, int] = {}
 
     def problem(self, p: Problem) -> None:
         self.report.problems_total += 1
@@ -706,13 +708,19 @@ class _Verifier:
         except CorruptRecord:
             return "no valid record starts there"
 
-    def check_ref(self, src: Frame, target: int, want: RecordType, field: str, scanned_to: int) -> None:
+    def check_ref(self, src: Frame, target: int, want: RecordType, field: str, scanned_to: int, *,
+                  needed: bool = False) -> None:
+        """``needed``: the target must still exist (the body of a live message)."""
         self.report.references += 1
         seg = pos_segment(target)
-        if seg < self.first:
-            self.report.reclaimed_references += 1
-            return
         what = f"{type_name(src.rtype)} {field} -> {format_pos(target)}"
+        if seg < self.first:
+            if needed:
+                self.problem(Problem("reference", f"{what}: a live message's data lies in segment {seg}, "
+                                                  "which was already reclaimed", src.pos))
+            else:
+                self.report.reclaimed_references += 1
+            return
         if seg not in self.present:
             self.problem(Problem("reference", f"{what}: segment {seg} does not exist", src.pos))
             return
@@ -729,6 +737,8 @@ class _Verifier:
                 self.problem(Problem("segment", f"segments {a + 1}..{b - 1} are missing between {a} and {b}",
                                      path=files.seg_path(a + 1)))
         cp = self._checkpoint()
+        self.live_from = live_start(files, cp)
+        self.active = active_envelopes(files, cp)
         for seg in files.segments:
             try:
                 self._segment(seg, cp)
@@ -751,9 +761,12 @@ class _Verifier:
     def _segment(self, seg: int, cp: ckpt.Checkpoint | None) -> None:
         report = self.report
         report.segments += 1
+        before = report.log_end
         report.log_end = make_pos(seg, SEGMENT_HEADER_SIZE)
         for item in scan_segment(self.files, seg, head=cp.head if cp else None):
             if isinstance(item, Damage):
+                if item.offset == 0:
+                    report.log_end = before  # no usable header: the log ends in the segment before
                 self.damaged.append((item.pos, item.end))
                 if item.torn:
                     report.torn_tail = item
@@ -771,8 +784,10 @@ class _Verifier:
                 self.problem(Problem("payload", exc.reason, item.pos, exc.path, exc.offset))
                 self.remember(item.pos, item.rtype)
                 continue
+            live = isinstance(payload, Envelope) and item.pos >= self.live_from and (
+                not item.garbage or item.pos in self.active)
             for target, want, field in _references(payload):
-                self.check_ref(item, target, want, field, item.pos)
+                self.check_ref(item, target, want, field, item.pos, needed=live and want is RecordType.DATA)
             self.remember(item.pos, item.rtype)
 
     def _check_positions(self, cp: ckpt.Checkpoint) -> None:

@@ -571,3 +571,53 @@ def test_console_script_entry_point(made: Made, tmp_path: Path) -> None:
     proc = subprocess.run([str(script), "stats", made.path, "--json"], capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 0 and json.loads(proc.stdout)["live"] == 5
+
+
+def rotate(m: Made) -> int:
+    """Enqueue until the log rotates; returns the new last segment."""
+    segs = segments_of(m.path)
+    while segments_of(m.path) == segs:
+        m.enqueue(1)
+    return segments_of(m.path)[-1]
+
+
+def test_half_created_last_segment_is_a_torn_tail(tmp_path: Path) -> None:
+    m = build(tmp_path)
+    m.clock.advance(5)
+    last = rotate(m)
+    m.sp.close()
+    path = segment_path(os.path.join(m.path, "log"), last)
+    with open(path, "r+b") as f:
+        f.truncate(10)  # the crash came while the new segment's header was being written
+    out = run_json("verify", m.path)
+    assert out["clean"] is True
+    assert out["torn_tail"]["file"] == path and out["torn_tail"]["offset"] == 0
+    assert parse_pos(out["log_end"]) >> 32 == last - 1
+    rec = run("recover", m.path)
+    assert rec.exit_code == 0 and "tail cut bytes" in rec.stdout and "removing segment" in rec.stderr
+    assert segments_of(m.path)[-1] == last - 1
+    assert run_json("verify", m.path)["torn_tail"] is None
+
+
+def test_verify_reports_a_live_body_in_a_reclaimed_segment(tmp_path: Path) -> None:
+    """Deleting a segment that a live envelope still needs is the loss verify must catch."""
+    clock = Clock()
+    path = str(tmp_path / "spool")
+    m = Made(path, Spool.open(path, config(clock), NoSync()), clock)
+    try:
+        m.enqueue(2, ("d@example.net",))
+        # a body that just fits in segment 1, so that its envelope rotates into segment 2
+        room = 4096 - pos_offset(m.sp.writer.head) - HEADER_SIZE - 20
+        mid = m.sp.enqueue("s@example.com", ["d@example.net"], b"y" * room)
+        m.sp.commit()
+        msg = admin.find(m.sp, mid)
+        assert pos_segment(msg.envelope.body[0]) == 1 and pos_segment(msg.pos) == 2
+    finally:
+        m.sp.close()
+    assert run_json("verify", path)["clean"] is True
+    # as if segment 1 had been reclaimed too early
+    os.rename(segment_path(os.path.join(path, "log"), 1), str(tmp_path / "gone.seg"))
+    out = run_json("verify", path, code=1)
+    msgs = [(p["position"], p["message"]) for p in out["problems"]]
+    assert msgs == [(format_pos(msg.pos), f"ENVELOPE body chunk -> {format_pos(msg.envelope.body[0])}: a live "
+                     "message's data lies in segment 1, which was already reclaimed")]
