@@ -1,0 +1,189 @@
+"""The trio layer: group commit, wake-ups without polling, durable deliveries, admin changes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from spool import admin
+from spool.commit import AsyncSpool
+from spool.config import SpoolConfig
+from spool.errors import MessageBusy, NotFound
+from spool.record import HELD_CLASS, Outcome, Status
+from spool.spool import Spool
+
+
+class Clock:
+    """The spool's clock (record times, due times); trio's clock is separate and frozen in these tests."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def config(clock: Clock) -> SpoolConfig:
+    return SpoolConfig(retry_intervals=(60.0, 600.0), checkpoint_interval=math.inf, clock=clock)
+
+
+@asynccontextmanager
+async def running(path: Path, clock: Clock) -> AsyncIterator[AsyncSpool]:
+    """An AsyncSpool with its committer running. Leaving it is a crash: nothing is flushed."""
+    aspool = await AsyncSpool.open(str(path), config(clock))
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(aspool.run)
+            yield aspool
+            nursery.cancel_scope.cancel()
+    finally:
+        aspool.core.close()
+
+
+def reopen(path: Path, clock: Clock) -> Spool:
+    return Spool.open(str(path), config(clock))
+
+
+async def test_concurrent_enqueues_share_fsyncs(tmp_path: Path) -> None:
+    clock = Clock()
+    ids: list[int] = []
+    async with running(tmp_path, clock) as aspool:
+        writer = aspool.core.writer
+        commits, fsyncs = writer.commits, writer.fsyncs
+
+        async def one(i: int) -> None:
+            ids.append(await aspool.enqueue("s@src.example", [f"r{i}@dest.example"], b"body %d" % i))
+            # durable when enqueue returns: the caller may say 250 now
+            assert writer.durable_end > ids[-1]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(one, i)
+        assert len(set(ids)) == 200
+        assert writer.commits - commits < 200 / 5, f"{writer.commits - commits} commits for 200 messages"
+        assert writer.fsyncs - fsyncs < 200 / 5
+    sp = reopen(tmp_path, clock)
+    try:
+        assert {m.message_id for m in admin.iter_live(sp)} == set(ids)
+    finally:
+        sp.close()
+
+
+async def test_next_due_wakes_for_new_mail_without_time_passing(tmp_path: Path,
+                                                                mock_clock: trio.testing.MockClock) -> None:
+    """trio's clock is frozen (no autojump): a waiter that polled on a timer would never return."""
+    clock = Clock()
+    got: list[int] = []
+    async with running(tmp_path, clock) as aspool:
+
+        async def waiter() -> None:
+            got.extend(a.message_id for a in await aspool.next_due())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []
+            t0 = trio.current_time()
+            mid = await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == [mid]
+            assert trio.current_time() == t0
+
+
+async def test_next_due_returns_at_once_when_mail_is_waiting(tmp_path: Path,
+                                                             mock_clock: trio.testing.MockClock) -> None:
+    clock = Clock()
+    async with running(tmp_path, clock) as aspool:
+        ids = await aspool.enqueue_many([("s@src.example", ["r@dest.example"], b"m%d" % i) for i in range(5)])
+        first = await aspool.next_due(limit=3)
+        rest = await aspool.next_due()
+        assert [a.message_id for a in first + rest] == ids
+        assert trio.current_time() == 0
+
+
+async def test_record_delivery_is_durable_when_it_returns(tmp_path: Path) -> None:
+    clock = Clock()
+    async with running(tmp_path, clock) as aspool:
+        done = await aspool.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"one")
+        half = await aspool.enqueue("s@src.example", ["c@x.example", "d@y.example"], b"two")
+        attempts = {a.message_id: a for a in await aspool.next_due()}
+        await aspool.record_delivery(attempts[done], [Outcome("a@x.example", Status.DELIVERED, 250),
+                                                      Outcome("b@y.example", Status.BOUNCED, 550)])
+        await aspool.record_delivery(attempts[half], [Outcome("c@x.example", Status.DELIVERED, 250)])
+        # crash now: no finish, no commit of anything else
+    sp = reopen(tmp_path, clock)
+    try:
+        live = {m.message_id: m for m in admin.iter_live(sp)}
+        assert done not in live
+        assert live[half].envelope.recipients == ("d@y.example",)
+        assert live[half].envelope.in_doubt == ("d@y.example",)
+        assert sp.recovery_stats.in_flight == 2
+        assert sp.recovery_stats.in_doubt == 1
+    finally:
+        sp.close()
+
+
+async def test_finish_is_rebuilt_after_a_crash(tmp_path: Path) -> None:
+    clock = Clock()
+    async with running(tmp_path, clock) as aspool:
+        mid = await aspool.enqueue("s@src.example", ["a@x.example"], b"body")
+        (a,) = await aspool.next_due()
+        await aspool.record_delivery(a, [Outcome("a@x.example", Status.DEFERRED, 451)])
+        assert aspool.finish(a) is not None
+        assert await aspool.read_body(a) == [b"body"]
+    sp = reopen(tmp_path, clock)
+    try:
+        (m,) = admin.iter_live(sp)
+        assert m.message_id == mid and m.envelope.recipients == ("a@x.example",)
+        assert m.envelope.in_doubt == ()
+    finally:
+        sp.close()
+
+
+async def test_admin_operations(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    clock = Clock()
+    async with running(tmp_path, clock) as aspool:
+        held, deferred, busy, doomed = await aspool.enqueue_many(
+            [("s@src.example", [f"r{i}@dest.example"], b"m%d" % i) for i in range(4)])
+        await aspool.hold(held)
+        assert (await aspool.find(held)).held
+        await aspool.delete(doomed)
+        with pytest.raises(NotFound):
+            await aspool.find(doomed)
+
+        attempts = {a.message_id: a for a in await aspool.next_due()}
+        assert set(attempts) == {deferred, busy}, "held and deleted mail is not started"
+        with pytest.raises(MessageBusy):
+            await aspool.hold(busy)
+
+        a = attempts[deferred]
+        await aspool.record_delivery(a, [Outcome("r1@dest.example", Status.DEFERRED, 451)])
+        aspool.finish(a)
+        await aspool.commit()
+        assert (await aspool.find(deferred)).klass == 1
+        # flush: due now, though its class would wait a minute (the spool's clock does not move)
+        await aspool.flush(deferred)
+        (again,) = await aspool.next_due()
+        assert again.message_id == deferred and again.klass == 0
+
+        await aspool.release(held)
+        (released,) = await aspool.next_due()
+        assert released.message_id == held and not released.envelope.held
+        assert await aspool.read_body(released) == [b"m0"]
+
+        await aspool.commit()
+        assert isinstance(await aspool.checkpoint(), list)
+        assert admin.count(aspool.core) == 3
+    sp = reopen(tmp_path, clock)
+    try:
+        ids = {m.message_id for m in admin.iter_live(sp)}
+        assert ids == {held, deferred, busy}
+        assert all(m.klass != HELD_CLASS for m in admin.iter_live(sp))
+    finally:
+        sp.close()
