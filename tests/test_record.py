@@ -141,7 +141,7 @@ def test_envelope_defaults_leave_optional_keys_out() -> None:
 # -- decoder fuzz ----------------------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(seg=segment_ids, buf=st.binary(max_size=80), off=st.integers(0, 90))
 def test_decode_frame_of_arbitrary_bytes_returns_frame_or_corrupt_record(seg: int, buf: bytes, off: int) -> None:
     try:
@@ -153,7 +153,7 @@ def test_decode_frame_of_arbitrary_bytes_returns_frame_or_corrupt_record(seg: in
                             flags=frame.flags) == buf[off : off + frame.size]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(seg=segment_ids, rec=records, kw=frame_args, data=st.data())
 def test_decode_frame_of_damaged_frames_returns_frame_or_corrupt_record(seg: int, rec: Payload,
                                                                        kw: dict[str, int], data: st.DataObject) -> None:
@@ -172,7 +172,7 @@ def test_decode_frame_of_damaged_frames_returns_frame_or_corrupt_record(seg: int
                         flags=frame.flags) == bytes(buf[: frame.size])
 
 
-@FAST
+@settings(max_examples=15, deadline=None)
 @given(seg=segment_ids, rec=records, kw=frame_args)
 def test_no_proper_prefix_of_a_frame_decodes(seg: int, rec: Payload, kw: dict[str, int]) -> None:
     """Fed a byte at a time, the decoder answers only once the whole frame is there."""
@@ -183,7 +183,7 @@ def test_no_proper_prefix_of_a_frame_decodes(seg: int, rec: Payload, kw: dict[st
     assert decode_frame(seg, whole).payload == payload_bytes(rec)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(rtype=st.sampled_from([t for t in RecordType if t is not RecordType.DATA]), payload=st.binary(max_size=80))
 def test_decode_payload_of_arbitrary_bytes_returns_record_or_corrupt_record(rtype: RecordType,
                                                                             payload: bytes) -> None:
@@ -198,7 +198,7 @@ def test_decode_payload_of_arbitrary_bytes_returns_record_or_corrupt_record(rtyp
 # -- mutation: every bit outside the flags byte is covered -------------------------
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(seg=segment_ids, rec=st.one_of(envelopes, starts, deliveries, finishes, st.binary(max_size=64)),
        kw=frame_args)
 def test_every_bit_flip_outside_the_flags_byte_is_detected(seg: int, rec: Payload, kw: dict[str, int]) -> None:
@@ -260,7 +260,7 @@ def read_with_reader(path: Path, seg: int, end: int, *, verify: bool) -> list[Fr
         reader.close()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seg=st.integers(0, 2**64 - 1),
     recs=st.lists(st.tuples(records, frame_args), max_size=12),
@@ -312,7 +312,7 @@ _SCHEMA: dict[RecordType, dict[int, str]] = {
 }
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(rec=st.one_of(envelopes, starts, deliveries, finishes), data=st.data())
 def test_decode_payload_rejects_ill_typed_fields(rec: Payload, data: st.DataObject) -> None:
     """Once decode_payload accepted any CBOR value in any field (Envelope(message_id='x'));

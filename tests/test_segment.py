@@ -87,7 +87,7 @@ def test_frame_cut_at_every_length_is_cut_off_in_the_last_segment(tmp_path: Path
             assert (info.value.path, info.value.offset) == (path, good_end)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(0, 700), min_size=1, max_size=6), data=st.data())
 def test_torn_last_frame_of_random_sizes_is_cut_off(tmp_path: Path, sizes: list[int], data: st.DataObject) -> None:
     frames = [data_frame(SEG, n, fill=1 + i) for i, n in enumerate(sizes)]
@@ -185,7 +185,7 @@ def test_bit_flip_in_a_middle_record_names_path_and_offset(tmp_path: Path, last:
             assert "valid records follow" in str(info.value)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(0, 300), min_size=2, max_size=6), data=st.data())
 def test_any_damaged_frame_followed_by_valid_ones_stops_the_open(tmp_path: Path, sizes: list[int],
                                                                  data: st.DataObject) -> None:
