@@ -298,6 +298,7 @@ def test_frame_reader_reports_a_bad_frame_with_path_and_offset(tmp_path: Path) -
 
 _WRONG = {
     "uint": ["7", -1, 1.5, None, True, [1], b"\x01"],
+    "opt_uint": ["7", -1, 1.5, True, [1], b"\x01"],  # null reads as absent
     "text": [7, None, b"a", ["a"], True],
     "bool": [1, 0, "yes", None],
     "array": ["abc", 5, {0: 1}, None, b"ab"],
@@ -305,10 +306,10 @@ _WRONG = {
 }
 _SCHEMA: dict[RecordType, dict[int, str]] = {
     RecordType.ENVELOPE: {0: "uint", 1: "text", 2: "array", 3: "array", 4: "uint", 5: "uint", 6: "uint",
-                          7: "uint", 8: "bool", 9: "array", 10: "map"},
+                          7: "opt_uint", 8: "bool", 9: "array", 10: "map"},
     RecordType.START: {0: "uint", 1: "uint", 2: "uint"},
     RecordType.DELIVERY: {0: "uint", 1: "uint", 2: "array", 3: "uint"},
-    RecordType.FINISH: {0: "uint", 1: "uint", 2: "uint"},
+    RecordType.FINISH: {0: "uint", 1: "uint", 2: "opt_uint"},
 }
 
 
