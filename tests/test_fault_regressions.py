@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from fault_injection.corrupt import Fixture, Mutation, try_mutation
 from spool import admin
 from spool.config import SpoolConfig
-from spool.errors import SpoolError, SyncFailed
+from spool.errors import CorruptSegment, SpoolError, SyncFailed
 from spool.fileio import OsFileIO
 from spool.spool import Spool
 
@@ -75,3 +76,59 @@ def test_checkpoint_after_a_failed_checkpoint_fsync_is_refused(tmp_path: Path) -
         del attempt
     finally:
         sp.close()
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: recovery.find_log_end accepts a last segment shorter than the "
+                   "working-suffix start / checkpointed head (it returns the start offset as the log end), so the "
+                   "damage is not reported and Runner.scan then loops forever reading past the end of the file")
+def test_last_segment_truncated_below_the_checkpoint_head_is_reported(tmp_path: Path) -> None:
+    # corrupt --cases 60: 'truncate log/0000000000000007.seg to 601 bytes' (head at 7:2228) hung the runners.
+    sp = Spool.open(str(tmp_path), _config())
+    for i in range(6):
+        sp.enqueue("a@example.org", [f"b{i}@example.org"], b"x" * 300)
+    sp.commit()
+    sp.close()
+    Spool.open(str(tmp_path), _config()).close()  # its checkpoint's head and working start: the end of the log
+    seg = tmp_path / "log" / "0000000000000001.seg"
+    size = seg.stat().st_size
+    with open(seg, "r+b") as fh:
+        fh.truncate(size // 2)
+    with pytest.raises(CorruptSegment) as info:
+        Spool.open(str(tmp_path), _config())
+    assert info.value.path.endswith("0000000000000001.seg")
+
+
+# -- found by `python -m fault_injection corrupt --cases 80 --seed 0` -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def damaged_spool(tmp_path_factory: pytest.TempPathFactory) -> Fixture:
+    return Fixture.build(str(tmp_path_factory.mktemp("corrupt")), seed=0)
+
+
+def _verdict(fx: Fixture, mutation: Mutation, tmp_path: Path) -> str:
+    out = try_mutation(fx, [mutation], str(tmp_path))
+    return f"{out.verdict}: {out.detail}"
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: Runner._scan_window skips headers without checking their type, "
+                   "so a zeroed range in a sealed segment reads as a run of empty type-0 records and the live "
+                   "envelopes in it vanish without an error")
+def test_zeroed_range_in_a_sealed_segment_is_reported(damaged_spool: Fixture, tmp_path: Path) -> None:
+    verdict = _verdict(damaged_spool, Mutation("log/0000000000000007.seg", "zero", 165, 266), tmp_path)
+    assert not verdict.startswith("FAIL"), verdict
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: Runner.scan loops forever when fewer than 16 bytes (a header) "
+                   "remain before the end of a sealed segment: _scan_window re-reads the same short window")
+def test_runner_does_not_spin_on_a_short_fragment_at_a_segment_end(damaged_spool: Fixture, tmp_path: Path) -> None:
+    verdict = _verdict(damaged_spool, Mutation("log/0000000000000006.seg", "zero", 3726, 149), tmp_path)
+    assert not verdict.startswith("FAIL"), verdict
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug (format gap): a sealed segment's length is recorded nowhere, so "
+                   "truncating it at a record boundary is indistinguishable from its real end and the acknowledged "
+                   "messages after the cut are silently lost")
+def test_sealed_segment_truncated_at_a_record_boundary_is_reported(damaged_spool: Fixture, tmp_path: Path) -> None:
+    verdict = _verdict(damaged_spool, Mutation("log/0000000000000005.seg", "truncate", 2512), tmp_path)
+    assert not verdict.startswith("FAIL"), verdict
