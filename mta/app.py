@@ -59,6 +59,7 @@ class Relay:
         self.metrics = Metrics()
         self.aspool: AsyncSpool
         self.listeners: list[trio.SocketListener] = []
+        self.scheduler: Scheduler
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -71,8 +72,8 @@ class Relay:
             self.listeners = await nursery.start(server.serve)
             control = ControlServer(self.aspool, cfg)
             await nursery.start(control.serve)
-            scheduler = Scheduler(self.aspool, cfg, transports(cfg), self.metrics)
-            await nursery.start(scheduler.run)
+            self.scheduler = Scheduler(self.aspool, cfg, transports(cfg), self.metrics)
+            await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:
                 self.metrics.serve(cfg.server.metrics_listen.host, cfg.server.metrics_listen.port)
             addrs = ", ".join(f"{lst.socket.getsockname()[0]}:{lst.socket.getsockname()[1]}"

@@ -30,7 +30,7 @@ import datetime as dt
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import trio
@@ -100,6 +100,9 @@ class Scheduler:
         self._work = trio.Event()
         self._room = trio.Event()
         self._nursery: trio.Nursery | None = None
+        # Called with (queue id, outcome) once an outcome is durable: the delivery
+        # log and metrics are two readers; tests wait on it instead of sleeping.
+        self.observers: list[Callable[[str, Outcome], None]] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -246,6 +249,8 @@ class Scheduler:
         now = time.time()
         for o in outcomes:
             self._log(job.queue_id, env, o, now, duration)
+            for observe in self.observers:
+                observe(job.queue_id, o)
             if o.status is Status.DEFERRED:
                 tracker.last_error = o.reply
         tracker.outstanding -= 1

@@ -149,6 +149,7 @@ class _Session:
             await self._flush()
             ev = self.conn.next_event()
             if isinstance(ev, NeedData):
+                await self._flush()  # next_event may have queued replies of its own (a 554 to DATA, say)
                 limit = self.config.server.data_timeout if self.body is not None else timeout
                 with trio.move_on_after(limit) as scope:
                     data = await self.stream.receive_some(READ_SIZE)

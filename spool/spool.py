@@ -16,9 +16,10 @@ Durability rules (DESIGN §2, Finch):
 
 Space: a segment is deleted (or archived) when it lies more than BODY_SLACK
 segments behind the garbage-prefix end of a durable checkpoint. Message bodies
-sit in DATA records just before their envelope; a body whose chunks began more
-than one segment before the envelope is copied forward, and a replacement
-envelope always gets a fresh copy of the body, so the slack is enough.
+sit in DATA records before their envelope. Whenever an envelope is written (new
+or replacement), body chunks that lie more than one segment behind the head are
+copied forward and the others are shared, so every live envelope's body is at
+most two segments before it: that is the slack.
 """
 
 from __future__ import annotations
@@ -493,8 +494,9 @@ class Spool:
     def _write_replacement(self, env: Envelope, env_pos: int, klass: int, recipients: list[str], *, attempts: int,
                            held: bool = False, in_doubt: tuple[str, ...] | None = None,
                            extra: dict[str, Any] | None = None) -> int:
-        # The old body is durable (its envelope was), so it can be read while a batch is in flight.
-        body = tuple(self._append(RecordType.DATA, chunk) for chunk in list(self.read_body(env)))
+        # A body still in the head segment or the one before is shared, not copied (see BODY_SLACK);
+        # an older one is copied forward. It is durable (its envelope was), so it can be read now.
+        body = self._localise(env.body)
         keep = set(recipients)
         new = attrs.evolve(
             env, recipients=tuple(recipients), body=body, attempts=attempts,
