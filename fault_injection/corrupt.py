@@ -45,7 +45,7 @@ from spool.segment import SEGMENT_HEADER_SIZE
 from spool.spool import Spool
 
 KINDS = ("bitflip", "zero", "truncate")
-CASE_SECONDS = 10.0
+CASE_SECONDS = 5.0
 
 
 class Hang(Exception):

@@ -192,7 +192,7 @@ class FaultReport:
 
 
 def _workload(sp: Spool, rio: RecordingFileIO, rng: random.Random, clock: FakeClock) -> None:
-    for step in range(12):
+    for step in range(18):
         for _ in range(rng.randint(1, 2)):
             enqueue_logged(sp, rio, rng, 900)
         commit_logged(sp, rio)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import attrs
 
+from fault_injection import scratch_dir
 from fault_injection.crashstates import Recipe, Walker
 from fault_injection.recording import Event, Recording, RecordingFileIO
 from spool.config import SpoolConfig
@@ -188,7 +189,7 @@ def build(name: str, seed: int, workdir: str) -> list[Scenario]:
 
 
 def build_in_temp(name: str, seed: int) -> list[Scenario]:
-    workdir = tempfile.mkdtemp(prefix=f"logspool-{name}-")
+    workdir = tempfile.mkdtemp(prefix=f"logspool-{name}-", dir=scratch_dir())
     try:
         return build(name, seed, workdir)
     finally:

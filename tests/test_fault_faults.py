@@ -1,0 +1,98 @@
+"""Disk faults through the FileIO interface, and a real filesystem that fills up."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from fault_injection import faults
+from fault_injection.ledger import Ledger, check
+from spool.config import SpoolConfig
+from spool.errors import SpoolError, SyncFailed
+from spool.fileio import OsFileIO
+from spool.spool import Spool
+
+
+@pytest.fixture(autouse=True)
+def _quiet_engine() -> None:
+    logging.getLogger("spool").setLevel(logging.ERROR)
+
+
+def _config() -> SpoolConfig:
+    return SpoolConfig(segment_size=4096, retry_intervals=(1.0,), checkpoint_interval=float("inf"))
+
+
+def _enqueue(sp: Spool, led: Ledger, i: int) -> int:
+    rcpts = (f"r{i}@example.org",)
+    body = os.urandom(200)
+    mid = sp.enqueue("s@example.org", rcpts, body)
+    led.enqueued[mid] = (rcpts, body)
+    return mid
+
+
+def test_failed_fsync_poisons_the_spool_and_reopen_keeps_what_was_acknowledged(tmp_path: Path) -> None:
+    fio = faults.FaultyFileIO(OsFileIO())
+    sp = Spool.open(str(tmp_path), _config(), io=fio)
+    led = Ledger()
+    try:
+        for i in range(5):
+            mid = _enqueue(sp, led, i)
+            sp.commit()
+            led.acked.add(mid)
+        fio.fault = faults.Fault("fdatasync", fio.counts["fdatasync"] + 1, "EIO")
+        _enqueue(sp, led, 99)
+        with pytest.raises(SyncFailed):
+            sp.commit()
+        calls = sum(fio.counts.values())
+        with pytest.raises(SpoolError):
+            _enqueue(sp, led, 100)
+        assert sum(fio.counts.values()) == calls, "the engine touched the disk after a failed fsync"
+    finally:
+        sp.close()
+    sp = Spool.open(str(tmp_path), _config())
+    try:
+        res = check(sp, led)
+        assert res.ok, res.violations
+    finally:
+        sp.close()
+
+
+def test_enospc_fails_the_enqueue_and_keeps_earlier_messages(tmp_path: Path) -> None:
+    fio = faults.FaultyFileIO(OsFileIO())
+    sp = Spool.open(str(tmp_path), _config(), io=fio)
+    led = Ledger()
+    try:
+        mid = _enqueue(sp, led, 1)
+        sp.commit()
+        led.acked.add(mid)
+        fio.fault = faults.Fault("write", fio.counts["write"] + 1, "ENOSPC")
+        _enqueue(sp, led, 2)
+        with pytest.raises(OSError) as info:
+            sp.commit()
+        assert info.value.errno == errno.ENOSPC
+    finally:
+        sp.close()
+    sp = Spool.open(str(tmp_path), _config())
+    try:
+        res = check(sp, led)
+        assert res.ok, res.violations
+    finally:
+        sp.close()
+
+
+def test_every_fault_kind_once_then_every_crash_state_recovers() -> None:
+    report = faults.run_all(seed=0, real_fs=False)
+    kinds = {(c.fault.op, c.fault.kind) for c in report.cases}
+    assert {("write", "ENOSPC"), ("write", "EIO"), ("write", "short"), ("fdatasync", "EIO"),
+            ("fsync", "EIO"), ("fsync_dir", "EIO"), ("rename", "EIO"), ("unlink", "EIO")} <= kinds
+    assert report.ok, [line for line in report.lines() if "FAIL" in line or line.startswith("      ")]
+
+
+def test_a_real_tmpfs_that_fills_up() -> None:
+    text, ok = faults.real_full_fs()
+    assert ok, text
+    assert not text.startswith("not run"), text
