@@ -15,8 +15,10 @@ rest of the damaged segment is read to find where valid records resume (at
 most one segment, ``SpoolConfig.segment_size``). ``verify`` keeps the types of
 the last ``recent`` frames it passed (an ordered map of at most ``recent``
 entries, 65,536 by default: a few MiB) and checks older references with one
-positioned read each, so its memory does not grow with the log. The problem
-list is capped at ``max_problems`` entries (the total is still counted).
+positioned read each, so its memory does not grow with the log. It also keeps
+the envelopes of the attempts in flight (bounded by the engine's active limit)
+and one range per damaged stretch; the problem list is capped at
+``max_problems`` entries (the total is still counted).
 """
 
 from __future__ import annotations
