@@ -23,10 +23,10 @@ def _powercut(args: argparse.Namespace) -> int:
             print(f"  {v}")
         return 0 if res.ok else 1
     names = powercut.workloads_for(args.workload)
-    share = max(1, args.max_states // len(names))
     failed = 0
     totals = powercut.PowercutReport()
-    for name in names:
+    for i, name in enumerate(names):
+        share = max(1, args.max_states // len(names) + (1 if i < args.max_states % len(names) else 0))
         t0 = time.monotonic()
         rep = powercut.run(name, share, args.seed, progress=print)
         print(f"powercut {name} seed={args.seed}: {rep.line()} [{time.monotonic() - t0:.0f}s]", flush=True)
