@@ -372,3 +372,33 @@ def test_streamed_body_with_default_flush_threshold_and_small_segments(tmp_path:
         assert b"".join(sp.read_body(admin.find(sp, mid).envelope)) == data
     finally:
         sp.close()
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: Runner.scan reuses its read window (_buf) while its position "
+                   "lies inside it, so a garbage mark set after the window was read (admin hold/delete/flush) is "
+                   "not seen and the replaced envelope is started again")
+@pytest.mark.parametrize("action", ["delete", "hold", "flush"])
+def test_admin_change_is_respected_by_a_runner_that_already_read_the_envelope(tmp_path: Path, action: str) -> None:
+    clock = Clock(900.0)
+    sp = Spool.open(str(tmp_path), SpoolConfig(retry_intervals=(60.0,), clock=clock))
+    try:
+        first = sp.enqueue("s@src.example", [RCPT], b"first")
+        sp.commit()
+        defer(sp, sp.poll_due())  # deferred at 900
+        clock.now = 1000.0
+        second = sp.enqueue("s@src.example", [RCPT], b"second")
+        sp.commit()
+        defer(sp, sp.poll_due(limit=1))  # deferred at 1000; with limit 1 the class-1 runner did not scan
+        # Now it does: it starts the first (due) and reads on into the second's replacement (not due).
+        (a,) = sp.poll_due()
+        assert a.message_id == first
+        deliver(sp, [a])
+        assert sp.change(second, action)
+        clock.now = 1061.0
+        started = [a.message_id for a in sp.poll_due()]
+        if action == "flush":
+            assert started == [second], "flushed mail must be started once, not twice"
+        else:
+            assert started == []
+    finally:
+        sp.close()
