@@ -58,6 +58,7 @@ from spool.record import (
 )
 from spool.recovery import RecoveryStats
 from spool.segment import (
+    READ_CHUNK,
     SEGMENT_HEADER_SIZE,
     FrameReader,
     find_end,
@@ -193,7 +194,9 @@ def scan_segment(files: LogFiles, seg: int, start: int | None = None, *,
     path = files.seg_path(seg)
     size = files.size(seg)
     last = seg == files.last
-    header = _header_damage(files, seg, path, size, last=last and (head is None or pos_segment(head) < seg))
+    lone = len(files.segments) == 1 and head is not None  # the open keeps a checkpointed spool's only segment
+    header = _header_damage(files, seg, path, size,
+                            last=last and not lone and (head is None or pos_segment(head) < seg))
     if header is not None:
         yield header
         return
@@ -221,14 +224,26 @@ def _header_damage(files: LogFiles, seg: int, path: str, size: int, *, last: boo
         return None
     except (CorruptSegment, FormatVersionError) as exc:
         reason = exc.reason if isinstance(exc, CorruptSegment) else str(exc)
-    # A crash while creating the last segment can leave it short or zeroed: the open removes it.
+    # A crash while creating the last segment can leave it short or all zeros: it held
+    # nothing, and the open removes it (Spool._drop_empty_last_segment).
+    torn = last and (size < SEGMENT_HEADER_SIZE or _all_zero(files, path, size))
+    return Damage(path, seg, 0, f"segment header: {reason}", torn, size)
+
+
+def _all_zero(files: LogFiles, path: str, size: int) -> bool:
     fd = files.io.open_read(path)
     try:
-        head = files.io.read(fd, SEGMENT_HEADER_SIZE, 0)
+        off = 0
+        while off < size:
+            chunk = files.io.read(fd, min(READ_CHUNK, size - off), off)
+            if not chunk:
+                break
+            if chunk.count(0) != len(chunk):
+                return False
+            off += len(chunk)
+        return True
     finally:
         files.io.close(fd)
-    torn = last and len(files.segments) > 1 and (size < SEGMENT_HEADER_SIZE or head.count(0) == len(head))
-    return Damage(path, seg, 0, f"segment header: {reason}", torn, size)
 
 
 def _classify(files: LogFiles, seg: int, path: str, bad: int, size: int, *, last: bool,

@@ -604,6 +604,20 @@ def test_half_created_last_segment_is_a_torn_tail(tmp_path: Path) -> None:
     assert run_json("verify", m.path)["torn_tail"] is None
 
 
+def test_zeroed_header_with_records_after_it_is_damage(tmp_path: Path) -> None:
+    m = build(tmp_path)
+    m.clock.advance(5)
+    last = rotate(m)
+    m.sp.close()
+    path = segment_path(os.path.join(m.path, "log"), last)
+    with open(path, "r+b") as f:
+        f.write(bytes(SEGMENT_HEADER_SIZE))
+    out = run_json("verify", m.path, code=1)
+    assert out["torn_tail"] is None
+    assert [(p["kind"], p["file"], p["offset"]) for p in out["problems"] if p["kind"] == "damage"] == \
+        [("damage", path, 0)]
+
+
 def test_verify_reports_a_live_body_in_a_reclaimed_segment(tmp_path: Path) -> None:
     """Deleting a segment that a live envelope still needs is the loss verify must catch."""
     clock = Clock()
