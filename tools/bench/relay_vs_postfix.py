@@ -569,6 +569,7 @@ def plan(args: argparse.Namespace) -> list[tuple[int, int, int]]:
 @contextlib.contextmanager
 def environment(args: argparse.Namespace) -> Iterator[tuple[PostfixInstance, Logspool, Sink, Sink, str]]:
     work = tempfile.mkdtemp(prefix="relaybench-", dir=args.tmpdir)
+    os.chmod(work, 0o755)  # Postfix's daemons (user postfix) must reach their queue and data dirs
     cleanups: list[Callable[[], None]] = []
     try:
         sink_pf, sink_ls = Sink(free_port()), Sink(free_port())
@@ -661,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"cpu {r['cpu_ms_per_msg']} ms/msg, rss {r['peak_rss_mb']} MB")
                         cell[name]["runs"].append(r)
                 if not args.no_strace:
-                    n = max(args.strace_messages, 2 * sessions)
+                    n = max(args.strace_messages, sessions)
                     for name, (root, sink, port) in mtas.items():
                         log(f"{size // 1024} KB x {sessions} sessions: strace run, {n} msgs, {name}")
                         cell[name]["strace"] = strace_counts(root, sink, port, size, sessions, n,
