@@ -416,9 +416,10 @@ class DeliveryConfig:
     connect_timeout ``30s``; command_timeout ``5m`` and data_timeout ``10m``
     (RFC 5321 §4.5.3.2's client timeouts); max_messages_per_connection 100
     (connection reuse); resolver none (system resolver; ``host[:port]``,
-    port 53 by default); bounce_sender ``MAILER-DAEMON@<hostname>`` (the
-    From: of DSNs, whose envelope sender is always null); delay_warning none
-    (no delay notices; else a duration after arrival).
+    port 53 by default); mx_port 25 (the port of hosts found by MX lookup;
+    for tests and unusual setups); bounce_sender ``MAILER-DAEMON@<hostname>``
+    (the From: of DSNs, whose envelope sender is always null); delay_warning
+    none (no delay notices; else a duration after arrival).
     """
 
     bounce_sender: str
@@ -429,7 +430,9 @@ class DeliveryConfig:
     data_timeout: float = 600.0
     max_messages_per_connection: int = 100
     resolver: ListenAddress | None = None
+    mx_port: int = 25
     delay_warning: float | None = None
+    tls_ca_file: str | None = None
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -718,7 +721,7 @@ def _build(data: Mapping[str, Any], source: str, base_dir: str | None) -> Config
     if not server.control_socket:
         server = attrs.evolve(server, control_socket=os.path.join(spool.dir, "control.sock"))
     relay = _build_relay(root.table("relay"))
-    delivery = _build_delivery(root.table("delivery"), server.hostname)
+    delivery = _build_delivery(root.table("delivery"), server.hostname, base_dir)
     routes = _build_routes(root, base_dir)
     log = _build_log(root.table("log"))
     root.finish()
@@ -789,7 +792,7 @@ def _build_relay(t: _Table) -> RelayConfig:
     return relay
 
 
-def _build_delivery(t: _Table, hostname: str) -> DeliveryConfig:
+def _build_delivery(t: _Table, hostname: str, base_dir: str | None) -> DeliveryConfig:
     delivery = DeliveryConfig(
         concurrency=t.get("concurrency", 100, _int(1)),
         per_destination=t.get("per_destination", 20, _int(1)),
@@ -798,8 +801,10 @@ def _build_delivery(t: _Table, hostname: str) -> DeliveryConfig:
         data_timeout=t.get("data_timeout", 600.0, _positive(parse_duration)),
         max_messages_per_connection=t.get("max_messages_per_connection", 100, _int(1)),
         resolver=t.get("resolver", None, _optional(lambda v: parse_listen_address(_str(v), default_port=53))),
+        mx_port=t.get("mx_port", 25, _int(1, 65535)),
         bounce_sender=t.get("bounce_sender", None, _optional(_address)) or f"MAILER-DAEMON@{hostname}",
         delay_warning=t.get("delay_warning", None, _optional(_positive(parse_duration))),
+        tls_ca_file=t.get("tls_ca_file", None, _optional(_readable_file(base_dir))),
     )
     t.finish()
     return delivery

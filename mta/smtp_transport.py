@@ -56,6 +56,21 @@ def outcome_for(rcpt: str, reply: Reply, hop: str) -> Outcome:
     return Outcome(rcpt, status, reply.code, reply.enhanced or "", text, hop)
 
 
+def client_ssl_context(tls_mode: str, ca_file: str | None = None) -> ssl.SSLContext:
+    """TLS 1.2 or later; the certificate is checked (chain and host name) only for ``verify``.
+
+    ``ca_file`` is trusted in addition to the system's CAs (a private smarthost's CA).
+    """
+    ctx = ssl.create_default_context()
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls_mode != "verify":
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    elif ca_file:
+        ctx.load_verify_locations(cafile=ca_file)
+    return ctx
+
+
 class _Session:
     """One client connection: greeting, EHLO, maybe STARTTLS, then transactions."""
 
@@ -98,10 +113,7 @@ class _Session:
                 raise HopFailed(f"{self.host} refused STARTTLS", getattr(ev, "reply", None))
             return
         await self.stream.send_all(self.conn.data_to_send())
-        ctx = ssl.create_default_context()
-        if tls_mode != "verify":
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
+        ctx = client_ssl_context(tls_mode, self.config.delivery.tls_ca_file)
         tls_stream = trio.SSLStream(self.stream, ctx, server_hostname=server_name)
         try:
             with trio.fail_after(t):
@@ -175,7 +187,7 @@ class SmtpTransport:
         if dest.kind == "smtp":
             host, _, port = dest.target.rpartition(":")
             return [mx.Hop(host, host, int(port))]
-        return await mx.lookup(self.resolver, dest.target)
+        return await mx.lookup(self.resolver, dest.target, port=self.config.delivery.mx_port)
 
     async def deliver(self, destination: Destination, jobs: Sequence[Job]) -> list[list[Outcome]]:
         results: list[list[Outcome] | None] = [None] * len(jobs)
