@@ -180,9 +180,6 @@ def test_zeroed_tail_after_crash_is_cut(tmp_path: Path) -> None:
         sp.close()
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: recovery.find_log_end accepts a last segment shorter than "
-                   "the checkpointed head (end = working-start offset past EOF), so durable records vanish "
-                   "silently and the writer appends past a hole")
 def test_damage_before_the_checkpointed_head_is_not_a_torn_tail(tmp_path: Path) -> None:
     """Records a checkpoint vouched for are never cut silently: open stops and names the file."""
     clock = Clock()
