@@ -611,6 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", metavar="PREFIX", help="after the runs, py-spy the relay under load: "
                     "PREFIX.collapsed, PREFIX.svg")
     ap.add_argument("--profile-messages", type=int, default=1000)
+    ap.add_argument("--idle-seconds", type=float, default=10, help="idle CPU measurement before the cells")
+    ap.add_argument("--profile-sessions", type=int, default=20)
+    ap.add_argument("--profile-size", type=int, default=4096)
+    ap.add_argument("--profile-only", action="store_true", help="skip the cells (with --profile)")
     ap.add_argument("--tmpdir", default=None, help="where temp dirs go (default $TMPDIR or /tmp; not tmpfs!)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, maillog)")
     args = ap.parse_args(argv)
@@ -624,7 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     args.sessions = args.sessions or [1, 20, 100]
     args.strace_messages = args.strace_messages or 100
     cells_plan = plan(args)
-    if args.quick and 102400 not in args.sizes:
+    if args.profile_only:
+        cells_plan = []
+    if args.quick and 102400 not in args.sizes and not args.profile_only:
         cells_plan.append((102400, 20, max(10, args.messages // 2)))
 
     missing = requirements(args)
@@ -639,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     snap0 = machine_snapshot()
     cells: list[dict[str, Any]] = []
+    idle_cpu: dict[str, float] = {}
     profile: dict[str, Any] | None = None
     try:
         with environment(args) as (pf, ls, sink_pf, sink_ls, work):
@@ -650,6 +657,13 @@ def main(argv: list[str] | None = None) -> int:
                 smtp_source(port, 2, 10, 4096, args.cell_timeout)
                 if sink.wait_for(base + 10, args.cell_timeout) is None:
                     raise RuntimeError(f"{name}: warm-up messages never reached the sink")
+            # Idle cost: CPU each MTA's tree uses with no mail moving (timers, polling, checkpoints).
+            time.sleep(3)
+            cpu0 = {name: tree_cpu_seconds(root) for name, (root, _s, _p) in mtas.items()}
+            time.sleep(args.idle_seconds)
+            idle_cpu = {name: round(100 * (tree_cpu_seconds(root) - cpu0[name]) / args.idle_seconds, 1)
+                        for name, (root, _s, _p) in mtas.items()}
+            log(f"idle CPU, % of one core: {idle_cpu}")
             for size, sessions, messages in cells_plan:
                 cell: dict[str, Any] = {"size": size, "sessions": sessions, "messages": messages,
                                         "postfix": {"runs": []}, "logspool": {"runs": []}}
@@ -671,9 +685,11 @@ def main(argv: list[str] | None = None) -> int:
                 summarize(cell)
                 cells.append(cell)
             if args.profile:
-                log(f"profiling logspool with py-spy: 4 KB x 20 sessions, {args.profile_messages} msgs")
-                profile = profile_logspool(ls, sink_ls, args.profile, 4096, 20, args.profile_messages,
-                                           args.cell_timeout)
+                log(f"profiling logspool with py-spy: {args.profile_size} bytes x {args.profile_sessions} "
+                    f"sessions, {args.profile_messages} msgs")
+                profile = profile_logspool(ls, sink_ls, args.profile, args.profile_size, args.profile_sessions,
+                                           args.profile_messages, args.cell_timeout)
+                print(json.dumps(profile["top"], indent=1), file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted; processes stopped and temp dirs removed", file=sys.stderr)
         return 130
@@ -689,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "params": {"reps": args.reps, "strace_messages": args.strace_messages, "smtp_source": "no -d: "
                    "one connection per message", "sender": SENDER, "recipient": RECIPIENT},
+        "idle_cpu_pct_of_core": idle_cpu,
         "cells": cells,
     }
     key = next((c for c in cells if c["size"] == 4096 and c["sessions"] == 20), None)
@@ -700,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.svg and cells:
         how = chart(cells, args.svg, title)
         print(f"chart ({how}): {args.svg}", file=sys.stderr)
+    if not cells:
+        return 0
     text = json.dumps(doc, indent=1)
     if args.json:
         with open(args.json, "w") as f:
