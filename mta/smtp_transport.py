@@ -118,8 +118,11 @@ class _Session:
         try:
             with trio.fail_after(t):
                 await tls_stream.do_handshake()
-        except ssl.SSLError as exc:
-            raise HopFailed(f"TLS handshake with {self.host} failed: {exc}") from None
+        except (ssl.SSLError, trio.BrokenResourceError) as exc:
+            # trio reports a failed handshake as BrokenResourceError; the reason (an
+            # unverifiable certificate, say) is its cause and belongs in the log.
+            reason = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
+            raise HopFailed(f"TLS handshake with {self.host} failed: {reason}") from None
         self.stream = tls_stream
         self.conn.tls_started()
         self.tls = "verified" if tls_mode == "verify" else "encrypted"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +85,7 @@ class Received:
     sender: str
     recipients: list[str]
     data: bytes
+    tls: bool = False
 
 
 Policy = Callable[[str, Any], Reply | None]
@@ -94,10 +96,13 @@ class NextHop:
 
     ``policy(stage, value)`` is asked at "rcpt" (the address) and "data" (a
     Received with the message); it returns a Reply to refuse, or None to accept.
+    With ``ssl_context`` it offers STARTTLS and records on each message whether
+    it came over TLS.
     """
 
-    def __init__(self, policy: Policy | None = None) -> None:
+    def __init__(self, policy: Policy | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         self.policy = policy or (lambda stage, value: None)
+        self.ssl_context = ssl_context
         self.messages: list[Received] = []
         self.connections = 0
         self.port = 0
@@ -114,10 +119,11 @@ class NextHop:
                 await self._changed.wait()
         return self.messages
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, tcp: trio.SocketStream) -> None:
         self.connections += 1
-        conn = ServerConnection("nexthop.test")
-        sender, rcpts, data = "", [], bytearray()
+        stream: trio.abc.Stream = tcp
+        conn = ServerConnection("nexthop.test", tls_available=self.ssl_context is not None)
+        sender, rcpts, data = "", list[str](), bytearray()
         try:
             while True:
                 out = conn.data_to_send()
@@ -142,7 +148,7 @@ class NextHop:
                 elif isinstance(ev, DataChunk):
                     data += ev.data
                 elif isinstance(ev, EndOfData):
-                    msg = Received(sender, rcpts, bytes(data))
+                    msg = Received(sender, rcpts, bytes(data), tls=conn.tls_active)
                     refuse = self.policy("data", msg)
                     if refuse is None:
                         self.messages.append(msg)
@@ -151,6 +157,12 @@ class NextHop:
                         conn.accept()
                     else:
                         conn.reject(refuse)
+                elif isinstance(ev, StartTls) and self.ssl_context is not None:
+                    conn.accept()
+                    await stream.send_all(conn.data_to_send())
+                    stream = trio.SSLStream(stream, self.ssl_context, server_side=True)
+                    await stream.do_handshake()
+                    conn.tls_started()
                 elif isinstance(ev, StartTls):
                     conn.reject(Reply(454, "4.7.0", "no TLS here"))
                 elif isinstance(ev, DataAborted):
@@ -160,5 +172,77 @@ class NextHop:
                     if out:
                         await stream.send_all(out)
                     return
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError):
             return
+
+
+class RawClient:
+    """An SMTP client on a bare socket that sends exactly the bytes a test gives it.
+
+    For what polite clients (smtplib, swaks) will not do: pipelining across
+    STARTTLS, bare LF, over-long lines. ``reply()`` reads one whole (possibly
+    multi-line) reply; ``closed()`` waits for the server to hang up.
+    """
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.buf = bytearray()
+
+    @classmethod
+    async def connect(cls, port: int, source: str = "127.0.0.1", timeout: float = 30) -> RawClient:
+        sock = trio.socket.socket()
+        await sock.bind((source, 0))
+        with trio.fail_after(timeout):
+            await sock.connect(("127.0.0.1", port))
+        return cls(trio.SocketStream(sock))
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def _line(self, timeout: float) -> bytes:
+        with trio.fail_after(timeout):
+            while b"\r\n" not in self.buf:
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    raise EOFError(f"connection closed; unread: {bytes(self.buf)!r}")
+                self.buf += data
+        line, _, rest = bytes(self.buf).partition(b"\r\n")
+        self.buf = bytearray(rest)
+        return line
+
+    async def reply(self, timeout: float = 30) -> list[bytes]:
+        lines = [await self._line(timeout)]
+        while lines[-1][3:4] == b"-":
+            lines.append(await self._line(timeout))
+        return lines
+
+    async def code(self, timeout: float = 30) -> int:
+        return int((await self.reply(timeout))[0][:3])
+
+    async def command(self, line: bytes, timeout: float = 30) -> list[bytes]:
+        await self.send(line + b"\r\n")
+        return await self.reply(timeout)
+
+    async def closed(self, timeout: float = 30) -> bytes:
+        """Wait for EOF; returns whatever arrived before it."""
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    data = await self.stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    data = b""
+                if not data:
+                    return bytes(self.buf)
+                self.buf += data
+
+    async def starttls(self, ctx: ssl.SSLContext, server_hostname: str = "relay.test") -> None:
+        """Wrap the stream after a 220 to STARTTLS; unread plaintext is an error (it would be injected)."""
+        if self.buf:
+            raise AssertionError(f"plaintext after the 220 to STARTTLS: {bytes(self.buf)!r}")
+        tls = trio.SSLStream(self.stream, ctx, server_hostname=server_hostname)
+        with trio.fail_after(30):
+            await tls.do_handshake()
+        self.stream = tls
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.stream)
