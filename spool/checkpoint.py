@@ -13,7 +13,9 @@ File ``DIR/checkpoint``::
 Payload keys: 0 head (position: everything before it was durable when the
 checkpoint was taken), 1 working-suffix start (recovery scans from here),
 2 garbage-prefix end (every segment wholly before it may be deleted),
-3 runner positions (array, index = runner class), 4 time (ms), 5 sequence.
+3 runner positions (array, index = runner class), 4 time (ms), 5 sequence,
+6 body span (optional, default 0): the most segments a live message's body
+has reached back behind its envelope; deletion keeps that many more segments.
 
 Written as temp file, fsync, rename, fsync of the directory: a crash leaves
 either the old checkpoint or the new one, never a mix. A stale checkpoint only
@@ -51,10 +53,11 @@ class Checkpoint:
     runners: tuple[int, ...]
     time_ms: int
     sequence: int
+    body_span: int = 0
 
     def to_bytes(self) -> bytes:
         payload = cbor2.dumps({0: self.head, 1: self.working_start, 2: self.garbage_end,
-                               3: list(self.runners), 4: self.time_ms, 5: self.sequence})
+                               3: list(self.runners), 4: self.time_ms, 5: self.sequence, 6: self.body_span})
         return _HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(payload), crc32c(payload)) + payload
 
     @classmethod
@@ -74,7 +77,8 @@ class Checkpoint:
             raise CorruptCheckpoint("checkpoint checksum mismatch", path, 16)
         try:
             d: Any = cbor2.loads(payload)
-            return cls(int(d[0]), int(d[1]), int(d[2]), tuple(int(x) for x in d[3]), int(d[4]), int(d[5]))
+            return cls(int(d[0]), int(d[1]), int(d[2]), tuple(int(x) for x in d[3]), int(d[4]), int(d[5]),
+                       int(d.get(6, 0)))
         except (cbor2.CBORDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
             raise CorruptCheckpoint(f"checkpoint payload is malformed: {exc}", path, _HEAD.size) from None
 

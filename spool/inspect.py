@@ -61,6 +61,7 @@ from spool.segment import (
     READ_CHUNK,
     SEGMENT_HEADER_SIZE,
     FrameReader,
+    check_sealed_size,
     find_end,
     list_segments,
     read_segment_header,
@@ -221,9 +222,15 @@ def scan_segment(files: LogFiles, seg: int, start: int | None = None, *,
 def _header_damage(files: LogFiles, seg: int, path: str, size: int, *, last: bool) -> Damage | None:
     try:
         read_segment_header(files.io, path, seg)
+        if not last:
+            check_sealed_size(files.io, os.path.dirname(path), seg, size)
         return None
-    except (CorruptSegment, FormatVersionError) as exc:
-        reason = exc.reason if isinstance(exc, CorruptSegment) else str(exc)
+    except CorruptSegment as exc:
+        if exc.path == path and exc.offset > 0:  # the sealed length: the header itself is fine
+            return Damage(path, seg, exc.offset, exc.reason, False, size - exc.offset)
+        reason = exc.reason
+    except FormatVersionError as exc:
+        reason = str(exc)
     # A crash while creating the last segment can leave it short or all zeros: it held
     # nothing, and the open removes it (Spool._drop_empty_last_segment).
     torn = last and (size < SEGMENT_HEADER_SIZE or _all_zero(files, path, size))
@@ -373,7 +380,7 @@ def segment_table(files: LogFiles) -> tuple[ckpt.Checkpoint | None, list[Segment
     cp = files.load_checkpoint()
     active = active_envelopes(files, cp)
     start = live_start(files, cp)
-    limit = pos_segment(cp.garbage_end) - BODY_SLACK if cp else None
+    limit = pos_segment(cp.garbage_end) - BODY_SLACK - cp.body_span if cp else None
     rows: list[SegmentInfo] = []
     for seg in files.segments:
         try:

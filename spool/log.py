@@ -39,7 +39,7 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, segment_path
+from spool.segment import SEGMENT_HEADER_SIZE, check_sealed_size, encode_segment_header, segment_path
 
 _MAX_OPEN = 16
 
@@ -110,10 +110,11 @@ class LogWriter:
         self._last_time = t
         size = HEADER_SIZE + len(payload)
         if self._off + size > self.segment_size and self._off > SEGMENT_HEADER_SIZE:
-            self.closed_sizes[self._seg] = self._off
+            sealed = self._off
+            self.closed_sizes[self._seg] = sealed
             self._seg += 1
             self._off = 0
-            self._chunks.append((self._seg, 0, bytearray(encode_segment_header(self._seg, t))))
+            self._chunks.append((self._seg, 0, bytearray(encode_segment_header(self._seg, t, sealed))))
             self._off = SEGMENT_HEADER_SIZE
         pos = make_pos(self._seg, self._off)
         frame = encode_frame(self._seg, rtype, payload, klass=klass, time=t)
@@ -222,11 +223,15 @@ class LogWriter:
     def mark_now(self, pos: int) -> None:
         """Set a mark on a record already known durable (recovery, admin)."""
         with self.io_lock:
+            if self.poisoned is not None:
+                raise SpoolError("the log is unusable after an I/O failure; restart to recover") from self.poisoned
             self._mark(pos)
 
     def sync_all(self) -> None:
         """fdatasync every segment with marks or data not yet synced (checkpoint)."""
         with self.io_lock:
+            if self.poisoned is not None:
+                raise SpoolError("the log is unusable after an I/O failure; restart to recover") from self.poisoned
             for seg in sorted(self._dirty):
                 self._sync_fd(self._fd(seg))
             self._dirty.clear()
@@ -269,6 +274,11 @@ class LogWriter:
             raise CorruptRecord(exc.reason, segment_path(self.log_dir, seg), off) from None
         return Frame(pos, frame.rtype, frame.flags, frame.klass, frame.time, frame.payload)
 
+    def read_flags(self, pos: int) -> int:
+        """The flags byte of the record at ``pos``, as on disk now (garbage marks included)."""
+        data = self.io.read(self._rfd(pos_segment(pos)), 1, pos_offset(pos) + FLAGS_OFFSET)
+        return data[0] if data else 0
+
     def segment_end(self, seg: int) -> int:
         """End offset of valid data in ``seg`` as far as readers may go (durable)."""
         if seg == pos_segment(self.durable_end):
@@ -276,6 +286,7 @@ class LogWriter:
         if seg in self.closed_sizes:
             return self.closed_sizes[seg]
         size = self.io.size(self._rfd(seg))
+        check_sealed_size(self.io, self.log_dir, seg, size)
         self.closed_sizes[seg] = size
         return size
 

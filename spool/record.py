@@ -193,7 +193,7 @@ _TYPES = frozenset(int(t) for t in RecordType)
 
 
 def _opt(d: dict[int, Any], key: int, default: Any) -> Any:
-    return d[key] if key in d else default
+    return d.get(key, default)
 
 
 # Decoded CBOR is checked against the schema: a payload whose checksum passes

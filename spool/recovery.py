@@ -54,6 +54,7 @@ from spool.record import (
 from spool.segment import (
     SEGMENT_HEADER_SIZE,
     FrameReader,
+    check_sealed_size,
     find_end,
     read_segment_header,
     segment_path,
@@ -90,15 +91,23 @@ class SuffixScan:
     unfinished: dict[int, OpenAttempt] = attrs.field(factory=dict)
     replaced: dict[int, int] = attrs.field(factory=dict)  # old envelope -> replacement
     to_mark: list[int] = attrs.field(factory=list)
+    body_span: int = 0  # envelopes written since the checkpoint: how far back their bodies reach
 
 
 def find_log_end(io: FileIO, log_dir: str, last_seg: int, start_off: int, checkpoint_head: int | None,
                  stats: RecoveryStats) -> int:
     """Validate the last segment from ``start_off``; cut a torn tail. Returns the end offset."""
     path = segment_path(log_dir, last_seg)
+    if checkpoint_head is not None and pos_segment(checkpoint_head) > last_seg:
+        raise CorruptSegment(f"the checkpoint's head lies in segment {pos_segment(checkpoint_head)}, which is "
+                             "missing: durable records are gone", segment_path(log_dir, pos_segment(checkpoint_head)),
+                             pos_offset(checkpoint_head))
     fd = io.open(path)
     try:
         size = io.size(fd)
+        if size < start_off:
+            raise CorruptSegment(f"the segment ends at {size} bytes, before the checkpointed position {start_off}: "
+                                 "durable records are gone", path, size)
         # Read from a 512-aligned offset so the torn-write test sees sector boundaries where they are.
         base = start_off - start_off % 512
         data = read_exact(io, fd, size - base, base) if size > base else b""
@@ -131,6 +140,8 @@ def scan_suffix(io: FileIO, log_dir: str, start: int, end: int, stats: RecoveryS
         read_segment_header(io, path, seg)
         off = pos_offset(start) if seg == pos_segment(start) else SEGMENT_HEADER_SIZE
         seg_end = pos_offset(end) if seg == last else _file_size(io, path)
+        if seg != last:
+            check_sealed_size(io, log_dir, seg, seg_end)
         reader = FrameReader(io, path, seg, off, seg_end)
         try:
             for frame in reader.frames(verify=True):
@@ -169,6 +180,8 @@ def _account(result: SuffixScan, pos: int, rtype: int, payload: object) -> None:
         result.unfinished.pop(payload.start, None)
     elif rtype == RecordType.ENVELOPE:
         assert isinstance(payload, Envelope)
+        if payload.body:
+            result.body_span = max(result.body_span, pos_segment(pos) - pos_segment(min(payload.body)))
         if payload.replaces is not None:
             result.replaced[payload.replaces] = pos
             result.to_mark.append(payload.replaces)

@@ -40,6 +40,7 @@ from spool.segment import SEGMENT_HEADER_SIZE, segment_path
 
 WINDOW = 1 << 20
 _ENVELOPE = int(RecordType.ENVELOPE)
+_MAX_TYPE = max(int(t) for t in RecordType)
 _unpack = HEADER.unpack_from
 
 
@@ -117,6 +118,9 @@ class Runner:
                     self.pos = make_pos(seg + 1, SEGMENT_HEADER_SIZE)
                     continue
                 break
+            if end - off < HEADER_SIZE:
+                raise CorruptSegment(f"{end - off} stray bytes where a record header should be",
+                                     segment_path(self.log_dir, seg), off)
             rel = off - self._buf_start
             if self._fd_seg != seg or rel < 0 or rel + HEADER_SIZE > len(self._buf):
                 self._window(seg, off, end, HEADER_SIZE)
@@ -139,7 +143,11 @@ class Runner:
         scanned = 0
         try:
             while rel + HEADER_SIZE <= avail:
-                _crc, length, rtype, flags, klass, _res, t = _unpack(buf, rel)
+                _crc, length, rtype, flags, klass, res, t = _unpack(buf, rel)
+                if not 0 < rtype <= _MAX_TYPE or res or flags & ~GARBAGE:
+                    # Zeroed or overwritten bytes: never pass them as if they were records.
+                    raise CorruptSegment(f"no valid record header (type {rtype})", segment_path(self.log_dir, seg),
+                                         base + rel)
                 if t > cutoff:
                     self.wake_at = t + self.interval
                     return True, base + rel

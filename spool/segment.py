@@ -6,7 +6,7 @@ A segment is ``header record*``. The 32-byte header::
     0      8    magic      b"LSPOOLSG"
     8      2    version    format version, little-endian (FORMAT_VERSION)
     10     2    hdr_size   32
-    12     4    reserved   zero
+    12     4    prev_size  final size of segment segment_id-1 (0 if none preceded it)
     16     8    segment_id little-endian; also the file name, in hex
     24     4    created    seconds since the Unix epoch
     28     4    crc        CRC-32C of bytes 0..27
@@ -34,7 +34,7 @@ from spool.fileio import FileIO, read_exact
 from spool.record import GARBAGE, HEADER, HEADER_SIZE, MAX_PAYLOAD, Frame, checksum, decode_frame, make_pos
 
 MAGIC: Final = b"LSPOOLSG"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 SEGMENT_HEADER = struct.Struct("<8sHHIQII")
 SEGMENT_HEADER_SIZE: Final = SEGMENT_HEADER.size  # 32
 SECTOR: Final = 512
@@ -63,27 +63,60 @@ def list_segments(io: FileIO, log_dir: str) -> list[int]:
     return sorted(ids)
 
 
-def encode_segment_header(segment_id: int, created: int) -> bytes:
-    body = SEGMENT_HEADER.pack(MAGIC, FORMAT_VERSION, SEGMENT_HEADER_SIZE, 0, segment_id, created, 0)[:28]
+def encode_segment_header(segment_id: int, created: int, prev_size: int = 0) -> bytes:
+    body = SEGMENT_HEADER.pack(MAGIC, FORMAT_VERSION, SEGMENT_HEADER_SIZE, prev_size, segment_id, created, 0)[:28]
     return body + struct.pack("<I", crc32c(body))
 
 
-def decode_segment_header(buf: bytes, path: str, expect_id: int | None = None) -> tuple[int, int]:
-    """Return (segment_id, created). Raises CorruptSegment or FormatVersionError."""
+def segment_header_fields(buf: bytes, path: str, expect_id: int | None = None) -> tuple[int, int, int]:
+    """Return (segment_id, created, prev_size). Raises CorruptSegment or FormatVersionError.
+
+    ``prev_size`` is how long the previous segment was when this one began:
+    without it, a sealed segment cut at a record boundary would look whole.
+    """
     if len(buf) < SEGMENT_HEADER_SIZE:
         raise CorruptSegment("segment header is truncated", path, 0)
-    magic, version, hdr_size, reserved, seg_id, created, crc = SEGMENT_HEADER.unpack_from(buf)
+    magic, version, hdr_size, prev_size, seg_id, created, crc = SEGMENT_HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise CorruptSegment("not a logspool segment (bad magic)", path, 0)
     if crc32c(buf[:28]) != crc:
         raise CorruptSegment("segment header checksum mismatch", path, 0)
     if version != FORMAT_VERSION:
         raise FormatVersionError(f"{path}: segment format version {version}, this logspool reads {FORMAT_VERSION}")
-    if hdr_size != SEGMENT_HEADER_SIZE or reserved:
-        raise CorruptSegment("segment header has unknown size or reserved bits", path, 0)
+    if hdr_size != SEGMENT_HEADER_SIZE:
+        raise CorruptSegment("segment header has an unknown size", path, 0)
     if expect_id is not None and seg_id != expect_id:
         raise CorruptSegment(f"segment id {seg_id} does not match its file name ({expect_id})", path, 16)
+    return seg_id, created, prev_size
+
+
+def decode_segment_header(buf: bytes, path: str, expect_id: int | None = None) -> tuple[int, int]:
+    """Return (segment_id, created). Raises CorruptSegment or FormatVersionError."""
+    seg_id, created, _prev = segment_header_fields(buf, path, expect_id)
     return seg_id, created
+
+
+def check_sealed_size(io: FileIO, log_dir: str, seg: int, size: int) -> None:
+    """Compare a sealed segment's size with what its successor's header recorded.
+
+    Raises CorruptSegment when they differ (a truncated or extended file). A
+    successor that is missing or holds no header yet proves nothing either way.
+    """
+    nxt = segment_path(log_dir, seg + 1)
+    try:
+        fd = io.open_read(nxt)
+    except FileNotFoundError:
+        return
+    try:
+        head = read_exact(io, fd, SEGMENT_HEADER_SIZE, 0)
+    finally:
+        io.close(fd)
+    if len(head) < SEGMENT_HEADER_SIZE or head.count(0) == len(head):
+        return
+    _id, _created, prev = segment_header_fields(head, nxt, seg + 1)
+    if prev and prev != size:
+        raise CorruptSegment(f"the segment is {size} bytes but segment {seg + 1} records it sealed at {prev} "
+                             f"bytes: it was truncated or overwritten", segment_path(log_dir, seg), min(size, prev))
 
 
 def _plausible_frame_at(seg_id: int, data: bytes | memoryview, off: int) -> bool:
@@ -96,7 +129,7 @@ def _plausible_frame_at(seg_id: int, data: bytes | memoryview, off: int) -> bool
     if end > len(data):
         return False
     view = memoryview(data)
-    return checksum(seg_id, view[off : off + HEADER_SIZE], view[off + HEADER_SIZE : end]) == crc
+    return bool(checksum(seg_id, view[off : off + HEADER_SIZE], view[off + HEADER_SIZE : end]) == crc)
 
 
 def valid_frame_after(seg_id: int, data: bytes | memoryview, start: int) -> int | None:
@@ -126,7 +159,7 @@ def _looks_torn(data: bytes | memoryview, off: int) -> bool:
         return True
     first_zero = off + len(stripped)
     boundary = -(-first_zero // SECTOR) * SECTOR
-    return boundary < frame_end
+    return bool(boundary < frame_end)
 
 
 def find_end(seg_id: int, data: bytes | memoryview, start: int, path: str, *, last: bool) -> int:

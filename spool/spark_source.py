@@ -132,7 +132,7 @@ def relay_name_for(file: str) -> str:
 def _segments_in(directory: str) -> list[str]:
     """A spool directory gives its ``log/`` and ``archive/``; any other directory, itself."""
     subdirs = [os.path.join(directory, d) for d in SPOOL_SUBDIRS if os.path.isdir(os.path.join(directory, d))]
-    out = []
+    out: list[str] = []
     for d in subdirs or [directory]:
         out.extend(os.path.join(d, n) for n in os.listdir(d) if parse_segment_name(n) is not None)
     return out

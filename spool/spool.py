@@ -14,12 +14,14 @@ Durability rules (DESIGN §2, Finch):
   written once the START itself is durable, so a surviving mark always has a
   surviving START to explain it.
 
-Space: a segment is deleted (or archived) when it lies more than BODY_SLACK
+Space: a segment is deleted (or archived) when it lies more than ``slack``
 segments behind the garbage-prefix end of a durable checkpoint. Message bodies
-sit in DATA records before their envelope. Whenever an envelope is written (new
-or replacement), body chunks that lie more than one segment behind the head are
-copied forward and the others are shared, so every live envelope's body is at
-most two segments before it: that is the slack.
+sit in DATA records before their envelope, as far back as the body is long (or
+as the client was slow). The spool records the longest such reach it has seen
+(``body_span``, kept in the checkpoint, never decreasing) and keeps
+BODY_SLACK + body_span segments; a replacement envelope shares its body when
+that stays within the slack and copies it to the head otherwise, so deferred
+mail never pins old segments.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from spool.errors import CorruptRecord, MessageBusy, SpoolError, SpoolLocked
 from spool.fileio import FileIO, OsFileIO, write_all
 from spool.log import LogWriter
 from spool.record import (
+    GARBAGE,
     HELD_CLASS,
     Delivery,
     Envelope,
@@ -55,6 +58,7 @@ from spool.record import (
 from spool.runner import Candidate, Runner
 from spool.segment import (
     SEGMENT_HEADER_SIZE,
+    check_sealed_size,
     encode_segment_header,
     list_segments,
     read_segment_header,
@@ -159,6 +163,8 @@ class Spool:
         self.writer: LogWriter
         self.runners: list[Runner] = []
         self.flush_hook: Any = None
+        # How many segments a live body may lie behind its envelope (see BODY_SLACK); only grows.
+        self.body_span = 0
 
     # -- open = recover -----------------------------------------------------
 
@@ -199,8 +205,9 @@ class Spool:
         self._checkpoint = cp
         ids = list_segments(self.io, self.log_dir)
         if cp is not None:
-            self._delete_segments_before(pos_segment(cp.garbage_end) - BODY_SLACK, ids)
-            ids = [s for s in ids if s >= pos_segment(cp.garbage_end) - BODY_SLACK]
+            self.body_span = cp.body_span
+            self._delete_segments_before(pos_segment(cp.garbage_end) - self.slack, ids)
+            ids = [s for s in ids if s >= pos_segment(cp.garbage_end) - self.slack]
         if not ids:
             if cp is not None:
                 raise SpoolError(f"{self.path}: the checkpoint names segments but none exist")
@@ -220,10 +227,12 @@ class Spool:
         recovery.sync_suffix(self.io, self.log_dir, pos_segment(start), last)
         self.writer = LogWriter(self.io, self.log_dir, self.config.segment_size, last, end_off, int(t0))
         found = recovery.scan_suffix(self.io, self.log_dir, start, end, stats)
+        self.body_span = max(self.body_span, found.body_span)
         for pos in found.to_mark:
             self._mark_if_present(pos)
             stats.marks += 1
         self._runners_from(cp, first)
+        self._check_sealed(min(r.pos for r in self.runners), last)
         for open_attempt in sorted(found.unfinished.values(), key=lambda a: a.start_pos):
             self._close_recovered(open_attempt, found.replaced)
         self.commit()
@@ -232,6 +241,21 @@ class Spool:
                  self.path, recovery.describe(cp), stats.records_read, stats.bytes_read, stats.in_flight,
                  stats.in_doubt)
         self.checkpoint()
+
+    def _check_sealed(self, start: int, last: int) -> None:
+        """Every sealed segment the runners will still read is as long as its successor says.
+
+        One header read per segment: a truncated segment is reported at open,
+        not discovered by a runner later.
+        """
+        for seg in range(pos_segment(start), last):
+            path = segment_path(self.log_dir, seg)
+            fd = self.io.open_read(path)
+            try:
+                size = self.io.size(fd)
+            finally:
+                self.io.close(fd)
+            check_sealed_size(self.io, self.log_dir, seg, size)
 
     def _drop_empty_last_segment(self, ids: list[int], cp: ckpt.Checkpoint | None) -> int:
         """A crash while creating a segment can leave it without its header: then it held nothing.
@@ -253,6 +277,7 @@ class Spool:
         if not empty or (len(ids) == 1 and cp is not None):
             return last
         log.warning("removing segment %s left half-created by a crash", path)
+        self.recovery_stats.tail_cut_bytes += size
         self.io.unlink(path)
         self.io.fsync_dir(self.log_dir)
         ids.pop()
@@ -360,7 +385,7 @@ class Spool:
         if isinstance(body, BodyWriter):
             chunks = body.close()
             self._open_bodies.pop(id(body), None)
-            return self._localise(chunks), body.size
+            return chunks, body.size
         writer = self.begin_body()
         if isinstance(body, bytes | bytearray | memoryview):
             writer.write(body)
@@ -371,13 +396,32 @@ class Spool:
         self._open_bodies.pop(id(writer), None)
         return chunks, writer.size
 
-    def _localise(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
-        """Copy forward chunks that began too far behind the head (see BODY_SLACK)."""
-        head_seg = self.writer.segment_id
-        if all(pos_segment(p) >= head_seg - 1 for p in chunks):
-            return chunks
-        # Chunks two segments back were written when the log rotated past them.
-        return tuple(self._append(RecordType.DATA, self.writer.read_frame(p).payload) for p in chunks)
+    @property
+    def slack(self) -> int:
+        """Segments kept behind the garbage-prefix end, for bodies that lie behind their envelopes."""
+        return BODY_SLACK + self.body_span
+
+    def _note_span(self, envelope_pos: int, chunks: tuple[int, ...]) -> None:
+        if chunks:
+            self.body_span = max(self.body_span, pos_segment(envelope_pos) - pos_segment(min(chunks)))
+
+    def _localise(self, chunks: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+        """A replacement's body: shared while it stays close enough, else copied to the head.
+
+        Why copy at all: a deferred message's envelope moves forward at every
+        retry while its body would stay; without copying, the body would pin
+        ever older segments. Shared when the envelope will lie at most
+        BODY_SLACK segments beyond the body's own extent (which is itself
+        within ``body_span``), so sharing never widens the slack. The old body
+        is durable (its envelope was), so it can be read while a batch is in
+        flight. Returns the chunks and whether they were copied.
+        """
+        if not chunks:
+            return chunks, False
+        first, last = pos_segment(min(chunks)), pos_segment(max(chunks))
+        if self.writer.segment_id + 1 - first <= BODY_SLACK + (last - first):
+            return chunks, False
+        return tuple(self._append(RecordType.DATA, self.writer.read_frame(p).payload) for p in chunks), True
 
     def enqueue(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
                 extra: dict[str, Any] | None = None, arrival_ms: int | None = None) -> int:
@@ -391,7 +435,8 @@ class Spool:
         mid = self.writer.head
         env = Envelope(mid, sender, rcpts, chunks, size, arrival_ms if arrival_ms is not None else self._now_ms(),
                        extra=extra or {})
-        self._append(RecordType.ENVELOPE, env, 0)
+        pos = self._append(RecordType.ENVELOPE, env, 0)
+        self._note_span(pos, chunks)
         return mid
 
     def enqueue_many(self, messages: Iterable[tuple[str, Iterable[str], bytes]]) -> list[int]:
@@ -431,10 +476,21 @@ class Spool:
             return
         runner = self.runners[klass]
         for cand in runner.scan(self.writer, now, count, self.by_envelope):
+            if self._gone(cand.pos):
+                continue
             if cand.klass == HELD_CLASS:
                 self._carry_held(cand)
                 continue
             out.append(self._claim(cand, now))
+
+    def _gone(self, pos: int) -> bool:
+        """Was the envelope claimed since the runner read it into its window?
+
+        A runner reads ahead in 1 MiB windows; a garbage mark written after that
+        (an admin change, an attempt that ended) is only on disk, or still
+        waiting for its START's sync. One small read per candidate settles it.
+        """
+        return self.writer.mark_pending(pos) or self.writer.read_flags(pos) & GARBAGE != 0
 
     def _claim(self, cand: Candidate, now: float, kind: StartKind = StartKind.DELIVERY) -> Attempt:
         env = decode_payload(RecordType.ENVELOPE, cand.payload)
@@ -494,16 +550,17 @@ class Spool:
     def _write_replacement(self, env: Envelope, env_pos: int, klass: int, recipients: list[str], *, attempts: int,
                            held: bool = False, in_doubt: tuple[str, ...] | None = None,
                            extra: dict[str, Any] | None = None) -> int:
-        # A body still in the head segment or the one before is shared, not copied (see BODY_SLACK);
-        # an older one is copied forward. It is durable (its envelope was), so it can be read now.
-        body = self._localise(env.body)
+        body, copied = self._localise(env.body)
         keep = set(recipients)
         new = attrs.evolve(
             env, recipients=tuple(recipients), body=body, attempts=attempts,
             replaces=env_pos, held=held,
             in_doubt=tuple(r for r in (env.in_doubt if in_doubt is None else in_doubt) if r in keep),
             extra=env.extra if extra is None else extra)
-        return self._append(RecordType.ENVELOPE, new, klass)
+        pos = self._append(RecordType.ENVELOPE, new, klass)
+        if copied:
+            self._note_span(pos, body)
+        return pos
 
     # -- admin changes (the listing side lives in spool.admin) -----------------
 
@@ -567,12 +624,13 @@ class Spool:
         """Snapshot restart positions. Valid once everything appended so far is durable."""
         head = self.writer.head
         starts = [a.start_pos for a in self.attempts.values()]
-        envs = [a.envelope_pos for a in self.attempts.values()]
+        envs = [min((a.envelope_pos, *a.envelope.body)) for a in self.attempts.values()]
         runners = tuple(r.pos for r in self.runners)
         working = min([head, *starts])
         garbage = min([working, *runners, *envs, *self._open_bodies.values()])
         seq = (self._checkpoint.sequence + 1) if self._checkpoint else 1
-        return CheckpointPlan(head, ckpt.Checkpoint(head, working, garbage, runners, self._now_ms(), seq))
+        return CheckpointPlan(head, ckpt.Checkpoint(head, working, garbage, runners, self._now_ms(), seq,
+                                                    self.body_span))
 
     def checkpoint_write(self, plan: CheckpointPlan) -> list[int]:
         """Sync marks, store the checkpoint, then reclaim segments. Needs durable_end >= plan.head.
@@ -585,7 +643,8 @@ class Spool:
         ckpt.store(self.io, self.path, plan.checkpoint)
         self._checkpoint = plan.checkpoint
         ids = list_segments(self.io, self.log_dir)
-        return self._delete_segments_before(pos_segment(plan.checkpoint.garbage_end) - BODY_SLACK, ids)
+        return self._delete_segments_before(pos_segment(plan.checkpoint.garbage_end) - plan.checkpoint.body_span
+                                            - BODY_SLACK, ids)
 
     def checkpoint(self) -> list[int]:
         plan = self.checkpoint_plan()

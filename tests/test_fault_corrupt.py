@@ -112,9 +112,6 @@ def test_damage_to_the_checkpoint_or_the_last_segment_is_repaired_or_reported(
     assert out.verdict != "FAIL", f"{m.text()}: {out.detail}"
 
 
-@pytest.mark.xfail(strict=True, reason="engine bugs pinned in test_fault_regressions.py: sealed segments (zeroed "
-                   "ranges, truncation at a record boundary, short fragments) and truncation below the checkpoint "
-                   "head are not all detected")
 def test_bounded_corruption_campaign() -> None:
     report = corrupt.run(cases=20, seed=0)
     assert report.ok, report.lines()

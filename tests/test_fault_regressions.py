@@ -52,9 +52,6 @@ def test_first_segment_that_holds_records_is_not_recreated(tmp_path: Path) -> No
         Spool.open(str(tmp_path), _config())
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: after SyncFailed from LogWriter.sync_all (the checkpoint's "
-                   "fdatasync), a later Spool.checkpoint() retries fdatasync on the same segments and stores a "
-                   "checkpoint: LogWriter.sync_all and Spool.checkpoint_write ignore writer.poisoned (fsyncgate)")
 def test_checkpoint_after_a_failed_checkpoint_fsync_is_refused(tmp_path: Path) -> None:
     # faults --sweep 6: 'EIO on fdatasync #28' (the fdatasync inside sync_all).
     from fault_injection.faults import Fault, FaultyFileIO
@@ -78,9 +75,6 @@ def test_checkpoint_after_a_failed_checkpoint_fsync_is_refused(tmp_path: Path) -
         sp.close()
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: recovery.find_log_end accepts a last segment shorter than the "
-                   "working-suffix start / checkpointed head (it returns the start offset as the log end), so the "
-                   "damage is not reported and Runner.scan then loops forever reading past the end of the file")
 def test_last_segment_truncated_below_the_checkpoint_head_is_reported(tmp_path: Path) -> None:
     # corrupt --cases 60: 'truncate log/0000000000000007.seg to 601 bytes' (head at 7:2228) hung the runners.
     sp = Spool.open(str(tmp_path), _config())
@@ -111,24 +105,16 @@ def _verdict(fx: Fixture, mutation: Mutation, tmp_path: Path) -> str:
     return f"{out.verdict}: {out.detail}"
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: Runner._scan_window skips headers without checking their type, "
-                   "so a zeroed range in a sealed segment reads as a run of empty type-0 records and the live "
-                   "envelopes in it vanish without an error")
 def test_zeroed_range_in_a_sealed_segment_is_reported(damaged_spool: Fixture, tmp_path: Path) -> None:
     verdict = _verdict(damaged_spool, Mutation("log/0000000000000007.seg", "zero", 165, 266), tmp_path)
     assert not verdict.startswith("FAIL"), verdict
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: Runner.scan loops forever when fewer than 16 bytes (a header) "
-                   "remain before the end of a sealed segment: _scan_window re-reads the same short window")
 def test_runner_does_not_spin_on_a_short_fragment_at_a_segment_end(damaged_spool: Fixture, tmp_path: Path) -> None:
     verdict = _verdict(damaged_spool, Mutation("log/0000000000000006.seg", "zero", 3726, 149), tmp_path)
     assert not verdict.startswith("FAIL"), verdict
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug (format gap): a sealed segment's length is recorded nowhere, so "
-                   "truncating it at a record boundary is indistinguishable from its real end and the acknowledged "
-                   "messages after the cut are silently lost")
 def test_sealed_segment_truncated_at_a_record_boundary_is_reported(damaged_spool: Fixture, tmp_path: Path) -> None:
     verdict = _verdict(damaged_spool, Mutation("log/0000000000000005.seg", "truncate", 2512), tmp_path)
     assert not verdict.startswith("FAIL"), verdict

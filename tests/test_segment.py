@@ -230,9 +230,9 @@ def test_frames_of_another_segment_are_not_a_valid_tail(tmp_path: Path) -> None:
 
 def _header(**fields: int | bytes) -> bytes:
     values: dict[str, int | bytes] = {"magic": b"LSPOOLSG", "version": FORMAT_VERSION, "hdr_size": 32,
-                                      "reserved": 0, "seg": SEG, "created": 99}
+                                      "prev_size": 0, "seg": SEG, "created": 99}
     values.update(fields)
-    body = struct.pack("<8sHHIQI", values["magic"], values["version"], values["hdr_size"], values["reserved"],
+    body = struct.pack("<8sHHIQI", values["magic"], values["version"], values["hdr_size"], values["prev_size"],
                        values["seg"], values["created"])
     return body + struct.pack("<I", crc32c(body))
 
@@ -283,11 +283,22 @@ def test_header_checksum_mismatch_is_refused(tmp_path: Path) -> None:
         read_segment_header(IO, path, SEG)
 
 
-@pytest.mark.parametrize("fields", [{"hdr_size": 48}, {"reserved": 1}])
-def test_header_size_and_reserved_must_be_as_in_version_1(tmp_path: Path, fields: dict[str, int]) -> None:
-    path = _write(tmp_path, SEG, _header(**fields))
-    with pytest.raises(CorruptSegment, match="reserved"):
+def test_header_size_must_be_32(tmp_path: Path) -> None:
+    path = _write(tmp_path, SEG, _header(hdr_size=48))
+    with pytest.raises(CorruptSegment, match="unknown size"):
         read_segment_header(IO, path, SEG)
+
+
+def test_prev_size_records_the_sealed_length_of_the_previous_segment(tmp_path: Path) -> None:
+    """Version 2: a sealed segment cut at a record boundary no longer looks whole."""
+    from spool.segment import check_sealed_size, segment_header_fields
+
+    assert segment_header_fields(encode_segment_header(SEG, 99, 4096), "f", SEG) == (SEG, 99, 4096)
+    (tmp_path / segment_name(SEG + 1)).write_bytes(encode_segment_header(SEG + 1, 99, 4096))
+    check_sealed_size(IO, str(tmp_path), SEG, 4096)
+    with pytest.raises(CorruptSegment, match="sealed at 4096") as info:
+        check_sealed_size(IO, str(tmp_path), SEG, 4000)
+    assert info.value.path.endswith(segment_name(SEG))
 
 
 def test_segment_id_must_match_the_file_name(tmp_path: Path) -> None:
