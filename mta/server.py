@@ -166,6 +166,7 @@ class _Session:
             elif isinstance(ev, DataChunk):
                 assert self.body is not None
                 self.body.write(ev.data)
+                await self._drain()
             elif isinstance(ev, EndOfData):
                 await self._end_of_data()
             elif isinstance(ev, DataAborted):
@@ -179,6 +180,17 @@ class _Session:
             elif isinstance(ev, (Quit, ConnectionClosed)):
                 await self._flush()
                 return
+
+    async def _drain(self) -> None:
+        """Back-pressure: stop reading while the spool's unwritten backlog is over its flush threshold.
+
+        Why: the body goes to the log as it arrives, but the committer writes in
+        a worker thread; a client faster than the disk would otherwise pile the
+        message up in memory, the very thing streaming is for.
+        """
+        spool = self.server.aspool
+        if spool.core.writer.pending_bytes >= spool.core.config.flush_threshold:
+            await spool.commit()
 
     def _reset(self) -> None:
         self.abort_body()

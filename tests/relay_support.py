@@ -35,7 +35,8 @@ from mta.smtp_server import (
 from spool.record import Outcome, Status
 
 
-def relay_config(tmp: str, routes: dict[str, str], extra: str = "", retry: str = '["1s", "2s"]') -> Config:
+def relay_config(tmp: str, routes: dict[str, str], extra: str = "", retry: str = '["1s", "2s"]',
+                 spool_extra: str = "") -> Config:
     lines = [f'"{k}" = "{v}"' for k, v in routes.items()]
     text = f"""
 [server]
@@ -45,6 +46,7 @@ hostname = "relay.test"
 [spool]
 dir = "spool"
 retry_intervals = {retry}
+{spool_extra}
 [routes]
 """ + "\n".join(lines) + "\n"
     return parse_config(text, source=os.path.join(tmp, "test.toml"), base_dir=tmp)
