@@ -11,7 +11,7 @@ SYSTEM_PACKAGES := swaks postfix strace default-jre-headless
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.[spark]'
 	touch $@
 
 $(DEV_STAMP): pyproject.toml

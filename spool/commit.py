@@ -107,6 +107,10 @@ class AsyncSpool:
         while True:
             attempts = self.core.poll_due(limit=limit)
             if attempts:
+                # The STARTs reach the disk before any delivery begins: then a crash, even a
+                # power cut, leaves a record of every attempt that may have reached a remote,
+                # and recovery can name its recipients as in doubt. One commit per batch of claims.
+                await self.commit()
                 return attempts
             wake = self.core.next_wake()
             now = self.core.config.clock()

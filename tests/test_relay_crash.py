@@ -30,7 +30,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 
 from mta.smtp_common import Reply
@@ -327,17 +326,12 @@ async def test_kill_9_during_deliveries_loses_nothing(tmp_path: Path) -> None:
             nursery.cancel_scope.cancel()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="relay bug: a claimed message's START stays in the log writer's memory while the transport delivers "
-           "it, so a kill -9 before the next commit loses it and recovery does not report the recipient in "
-           "doubt (it is redelivered as an unflagged duplicate)")
 async def test_a_message_the_next_hop_took_before_a_kill_is_in_doubt(tmp_path: Path) -> None:
     """No barrier this time: the relay is killed the moment the next hop has the data.
 
-    Nothing commits between the claim and the kill except, by chance, the
-    checkpointer (every 2 s): the test would pass only if its tick fell in
-    that window of a few milliseconds.
+    Regression: the claimed message's START used to sit in memory while the
+    transport delivered it, so the kill lost it and recovery could not name
+    the recipient in doubt. Claims are now committed before delivery begins.
     """
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
