@@ -1,0 +1,101 @@
+"""The spool is private: created 0700/0600 whatever the umask, refused at start when it is not (docs/security.md)."""
+
+from __future__ import annotations
+
+import os
+import smtplib
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from relay_support import DeliveryWatch, relay_config, start_relay
+
+from mta.security import UnsafeSpool, check_spool_dir
+from spool.record import Status
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+async def test_spool_directories_are_0700_and_files_0600_even_with_umask_0(tmp_path: Path, open_umask: None) -> None:
+    async with trio.open_nursery() as nursery:
+        relay = await start_relay(nursery, relay_config(str(tmp_path), {"*": "discard"}))
+        watch = DeliveryWatch(relay)
+
+        def send() -> None:
+            with smtplib.SMTP("127.0.0.1", relay.ports[0], timeout=30) as s:
+                s.sendmail("a@example.org", ["b@far.example"], "Subject: p\r\n\r\nprivate\r\n")
+
+        await trio.to_thread.run_sync(send)
+        await watch.wait_for(Status.DELIVERED, 1)
+        await relay.aspool.checkpoint()
+        modes = {}
+        for root, dirs, files in os.walk(tmp_path / "spool"):
+            for name in [".", *dirs, *files]:
+                st = os.lstat(os.path.join(root, name))
+                modes[os.path.relpath(os.path.join(root, name), tmp_path)] = (stat.S_IFMT(st.st_mode),
+                                                                              stat.S_IMODE(st.st_mode))
+        assert len(modes) > 3, modes  # the directory, the log, a segment, ...
+        for name, (kind, mode) in modes.items():
+            assert mode == (0o700 if kind == stat.S_IFDIR else 0o600), (name, oct(mode))
+        nursery.cancel_scope.cancel()
+
+
+def serve(tmp_path: Path, spool_dir: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "relay.toml").write_text(f'[server]\nlisten = ["127.0.0.1:0"]\n[spool]\ndir = "{spool_dir}"\n')
+    mta = os.path.join(os.path.dirname(sys.executable), "mta")
+    return subprocess.run([mta, "serve", "--config", str(tmp_path / "relay.toml")], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_serve_refuses_a_group_writable_spool_in_one_line(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    spool.chmod(0o770)
+    run = serve(tmp_path, str(spool))
+    assert run.returncode != 0
+    assert run.stderr.splitlines() == [f"mta: unsafe spool: {spool} is writable by group or others (mode 0770); "
+                                       "refusing to start"]
+    assert os.listdir(spool) == []  # refused before the spool was opened
+
+
+def test_serve_refuses_a_spool_owned_by_someone_else(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        spool = str(tmp_path / "spool")
+        os.mkdir(spool, 0o700)
+        os.chown(spool, 65534, 65534)
+    else:
+        spool = "/"  # owned by root, and we are not root
+    run = serve(tmp_path, spool)
+    assert run.returncode != 0
+    (line,) = run.stderr.splitlines()
+    assert line.startswith("mta: unsafe spool:") and "is owned by uid" in line, line
+
+
+def test_writable_entries_and_symlinks_inside_the_spool_are_refused(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    (spool / "log").mkdir(parents=True, mode=0o700)
+    spool.chmod(0o700)
+    segment = spool / "log" / "segment"
+    segment.write_bytes(b"")
+    segment.chmod(0o600)
+    check_spool_dir(str(spool))
+    segment.chmod(0o666)
+    with pytest.raises(UnsafeSpool, match="writable by group or others"):
+        check_spool_dir(str(spool))
+    segment.chmod(0o600)
+    (spool / "log" / "planted").symlink_to("/etc/passwd")
+    with pytest.raises(UnsafeSpool, match="is a symlink"):
+        check_spool_dir(str(spool))
+    with pytest.raises(UnsafeSpool, match="owned by uid"):
+        check_spool_dir(str(spool), owner=os.geteuid() + 1)
