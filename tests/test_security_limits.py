@@ -119,9 +119,10 @@ async def test_too_many_errors_end_the_session(tmp_path: Path) -> None:
 
 
 async def test_idle_clients_time_out_in_commands_and_in_data(tmp_path: Path) -> None:
-    cfg = relay_config(str(tmp_path), LOCAL, extra='command_timeout = "300ms"\ndata_timeout = "500ms"\n')
+    cfg = relay_config(str(tmp_path), LOCAL, extra='command_timeout = "1s"\ndata_timeout = "1s"\n')
     async with trio.open_nursery() as nursery:
         relay = await start_relay(nursery, cfg)
+        watch = DeliveryWatch(relay)
         c = await RawClient.connect(relay.ports[0])
         await c.reply()
         assert (await c.reply())[0].startswith(b"421 4.4.2")  # said nothing after the greeting
@@ -133,6 +134,15 @@ async def test_idle_clients_time_out_in_commands_and_in_data(tmp_path: Path) -> 
         await c.send(b"Subject: half\r\n\r\nand then silence")
         assert (await c.reply())[0].startswith(b"421 4.4.2")
         assert await c.closed() == b""
+
+        def sentinel() -> None:
+            with smtplib.SMTP("127.0.0.1", relay.ports[0], timeout=30) as s:
+                s.sendmail("a@example.org", ["x@localhost"], "Subject: whole\r\n\r\ncomplete\r\n")
+
+        await trio.to_thread.run_sync(sentinel)
+        await watch.wait_for(Status.DELIVERED, 1)
+        (name,) = os.listdir(tmp_path / "maildir" / "x" / "new")  # the half-sent message was dropped
+        assert b"Subject: whole" in (tmp_path / "maildir" / "x" / "new" / name).read_bytes()
         nursery.cancel_scope.cancel()
 
 
