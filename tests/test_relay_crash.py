@@ -159,6 +159,7 @@ class RelayProcess:
             [MTA, "serve", "--config", str(self.config)], cwd=str(self.config.parent),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         nursery.start_soon(self._read_stderr, self.proc)
+        nursery.start_soon(self._reap, self.proc)
         with trio.fail_after(60):
             while not self.port:
                 if self.proc.returncode is not None:
@@ -168,6 +169,14 @@ class RelayProcess:
                         self.port = int(m.group(1))
                 if not self.port:
                     await self._changed.wait()
+
+    async def _reap(self, proc: trio.Process) -> None:
+        """Whatever way the test ends (a failed assertion included), no relay outlives it."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
 
     async def _read_stderr(self, proc: trio.Process) -> None:
         assert proc.stderr is not None
