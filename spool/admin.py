@@ -37,7 +37,7 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, list_segments, segment_path
+from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, list_segments, read_frame_at, segment_path
 
 
 class LogSource(Protocol):
@@ -296,19 +296,13 @@ class SpoolView:
         return self._sizes[seg]
 
     def read_frame(self, pos: int) -> Frame:
-        from spool.fileio import read_exact
-        from spool.record import HEADER, HEADER_SIZE, decode_frame
-
-        seg, off = pos_segment(pos), pos_offset(pos)
-        fd = self.io.open_read(segment_path(self.log_dir, seg))
+        seg = pos_segment(pos)
+        path = segment_path(self.log_dir, seg)
+        fd = self.io.open_read(path)
         try:
-            head = read_exact(self.io, fd, HEADER_SIZE, off)
-            length = HEADER.unpack_from(head)[1] if len(head) == HEADER_SIZE else 0
-            data = head + read_exact(self.io, fd, length, off + HEADER_SIZE)
+            return read_frame_at(self.io, fd, path, seg, pos_offset(pos))
         finally:
             self.io.close(fd)
-        frame = decode_frame(seg, data, 0)
-        return Frame(pos, frame.rtype, frame.flags, frame.klass, frame.time, frame.payload)
 
     def read_body(self, envelope: Envelope) -> Iterator[bytes]:
         for pos in envelope.body:

@@ -25,21 +25,25 @@ from collections import OrderedDict
 
 import attrs
 
-from spool.errors import CorruptRecord, SpoolError, SyncFailed
-from spool.fileio import FileIO, read_exact, write_all
+from spool.errors import SpoolError, SyncFailed
+from spool.fileio import FileIO, write_all
 from spool.record import (
     FLAGS_OFFSET,
     GARBAGE,
-    HEADER,
     HEADER_SIZE,
     Frame,
-    decode_frame,
     encode_frame,
     make_pos,
     pos_offset,
     pos_segment,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, check_sealed_size, encode_segment_header, segment_path
+from spool.segment import (
+    SEGMENT_HEADER_SIZE,
+    check_sealed_size,
+    encode_segment_header,
+    read_frame_at,
+    segment_path,
+)
 
 _MAX_OPEN = 16
 
@@ -263,16 +267,8 @@ class LogWriter:
 
     def read_frame(self, pos: int) -> Frame:
         """Read and verify the record at ``pos`` (it must already be written)."""
-        seg, off = pos_segment(pos), pos_offset(pos)
-        fd = self._rfd(seg)
-        head = read_exact(self.io, fd, HEADER_SIZE, off)
-        length = HEADER.unpack_from(head)[1] if len(head) == HEADER_SIZE else 0
-        data = head + read_exact(self.io, fd, length, off + HEADER_SIZE)
-        try:
-            frame = decode_frame(seg, data, 0)
-        except CorruptRecord as exc:
-            raise CorruptRecord(exc.reason, segment_path(self.log_dir, seg), off) from None
-        return Frame(pos, frame.rtype, frame.flags, frame.klass, frame.time, frame.payload)
+        seg = pos_segment(pos)
+        return read_frame_at(self.io, self._rfd(seg), segment_path(self.log_dir, seg), seg, pos_offset(pos))
 
     def read_flags(self, pos: int) -> int:
         """The flags byte of the record at ``pos``, as on disk now (garbage marks included)."""

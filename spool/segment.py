@@ -251,6 +251,21 @@ class FrameReader:
             yield frame
 
 
+def read_frame_at(io: FileIO, fd: int, path: str, seg_id: int, offset: int) -> Frame:
+    """Read and verify the one record at ``offset`` (header first, then its payload).
+
+    Raises CorruptRecord naming ``path`` and ``offset``.
+    """
+    head = read_exact(io, fd, HEADER_SIZE, offset)
+    length = HEADER.unpack_from(head)[1] if len(head) == HEADER_SIZE else 0
+    data = head + read_exact(io, fd, length, offset + HEADER_SIZE)
+    try:
+        frame = decode_frame(seg_id, data, 0)
+    except CorruptRecord as exc:
+        raise CorruptRecord(exc.reason, path, offset) from None
+    return Frame(make_pos(seg_id, offset), frame.rtype, frame.flags, frame.klass, frame.time, frame.payload)
+
+
 def read_segment_header(io: FileIO, path: str, expect_id: int | None = None) -> tuple[int, int]:
     fd = io.open_read(path)
     try:
