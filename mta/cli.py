@@ -101,11 +101,15 @@ def _offline(config: Config, req: dict[str, Any]) -> dict[str, Any]:
     from spool.spool import Spool
 
     # Recovery's per-recipient in-doubt warnings belong in the relay's log, not on an admin's terminal.
-    logging.getLogger("spool").setLevel(logging.ERROR)
+    engine_log = logging.getLogger("spool")
+    level = engine_log.level
+    engine_log.setLevel(logging.ERROR)
     try:
         sp = Spool.open(config.spool.dir, spool_config(config))
     except SpoolLocked:
         fail(f"the relay holds {config.spool.dir} but its control socket {socket_path(config)} does not answer")
+    finally:
+        engine_log.setLevel(level)
     try:
         if req["op"] in ("hold", "release", "delete", "flush"):
             async def apply(op: str, mid: int) -> bool:

@@ -340,9 +340,12 @@ def recover(directory: str, retry_intervals: tuple[float, ...], as_json: bool) -
     handler = _EchoHandler()
     engine_log = logging.getLogger("spool")
     engine_log.addHandler(handler)
+    level = engine_log.level
+    engine_log.setLevel(logging.WARNING)  # whatever the embedding process chose, recover shows these
     try:
         rs = inspect.recover(files, SpoolConfig(retry_intervals=retry_intervals))
     finally:
+        engine_log.setLevel(level)
         engine_log.removeHandler(handler)
     fields = attrs.asdict(rs)
     if as_json:

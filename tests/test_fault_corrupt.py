@@ -19,8 +19,9 @@ SEG = 7
 
 
 @pytest.fixture(autouse=True)
-def _quiet_engine() -> None:
-    logging.getLogger("spool").setLevel(logging.ERROR)
+def _quiet_engine(caplog: pytest.LogCaptureFixture) -> None:
+    # caplog puts the level back after the test, so later tests still see the engine's warnings.
+    caplog.set_level(logging.ERROR, logger="spool")
 
 
 def _segment(payloads: list[bytes]) -> bytes:

@@ -18,8 +18,9 @@ from spool.spool import Spool
 
 
 @pytest.fixture(autouse=True)
-def _quiet_engine() -> None:
-    logging.getLogger("spool").setLevel(logging.ERROR)
+def _quiet_engine(caplog: pytest.LogCaptureFixture) -> None:
+    # caplog puts the level back after the test, so later tests still see the engine's warnings.
+    caplog.set_level(logging.ERROR, logger="spool")
 
 
 def _config() -> SpoolConfig:

@@ -15,8 +15,9 @@ STATES_PER_WORKLOAD = 60
 
 
 @pytest.fixture(autouse=True)
-def _quiet_engine() -> None:
-    logging.getLogger("spool").setLevel(logging.ERROR)
+def _quiet_engine(caplog: pytest.LogCaptureFixture) -> None:
+    # caplog puts the level back after the test, so later tests still see the engine's warnings.
+    caplog.set_level(logging.ERROR, logger="spool")
 
 
 def _states(rec: Recording, point: int) -> list[crashstates.State]:
