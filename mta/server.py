@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from mta.config import Config, NoRoute
+from mta.listen import open_listeners
 from mta.metrics import Metrics
 from mta.smtp_common import Reply, received_header, received_protocol
 from mta.smtp_server import (
@@ -72,12 +73,11 @@ class SmtpServer:
         self.free_space = free_space
         self.sessions = 0
         self.per_client: dict[str, int] = {}
+        self.reuse_port = False  # set when several relay processes share the listening addresses
 
     async def serve(self, *, task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        listeners: list[trio.SocketListener] = []
-        for addr in self.config.server.listen:
-            listeners += await trio.open_tcp_listeners(addr.port, host=addr.host)
+        listeners = await open_listeners(self.config.server.listen, reuse_port=self.reuse_port)
         async with trio.open_nursery() as nursery:
             task_status.started(listeners)
             for listener in listeners:
