@@ -230,7 +230,7 @@ listen = ["127.0.0.1:{port}"]
 hostname = "logspool.bench.test"
 max_sessions = {max_sessions}
 max_sessions_per_client = {max_sessions}
-
+{processes}
 [spool]
 dir = "{dir}/spool"
 retry_intervals = ["10s", "60s"]
@@ -246,12 +246,13 @@ max_messages_per_connection = 100
 
 
 class Logspool:
-    def __init__(self, base: str, port: int, sink_port: int, max_sessions: int) -> None:
+    def __init__(self, base: str, port: int, sink_port: int, max_sessions: int, processes: int = 1) -> None:
         self.base, self.port = base, port
         self.config = os.path.join(base, "logspool.toml")
         with open(self.config, "w") as f:
             f.write(LOGSPOOL_TOML.format(port=port, dir=base, sink_port=sink_port,
-                                         max_sessions=max(200, 2 * max_sessions)))
+                                         max_sessions=max(200, 2 * max_sessions),
+                                         processes=f"processes = {processes}\n" if processes != 1 else ""))
         self.log_path = os.path.join(base, "relay.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -579,7 +580,7 @@ def environment(args: argparse.Namespace) -> Iterator[tuple[PostfixInstance, Log
         log(f"starting private Postfix on 127.0.0.1:{pf.port} (dir {pf.base})")
         pf.start()
         os.makedirs(os.path.join(work, "logspool"))
-        ls = Logspool(os.path.join(work, "logspool"), free_port(), sink_ls.port, max(args.sessions))
+        ls = Logspool(os.path.join(work, "logspool"), free_port(), sink_ls.port, max(args.sessions), args.processes)
         cleanups.append(ls.stop)
         log(f"starting logspool relay on 127.0.0.1:{ls.port}")
         ls.start()
@@ -617,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-only", action="store_true", help="skip the cells (with --profile)")
     ap.add_argument("--tmpdir", default=None, help="where temp dirs go (default $TMPDIR or /tmp; not tmpfs!)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, maillog)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="logspool relay processes ([server] processes; Postfix runs as many as it likes)")
     args = ap.parse_args(argv)
     if args.quick:
         args.messages = args.messages or 100
@@ -702,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "relay_vs_postfix",
         "date": datetime.date.today().isoformat(),
         "postfix_version": _postfix_version(),
+        "logspool_processes": args.processes,
         "machine": machine,
         "params": {"reps": args.reps, "strace_messages": args.strace_messages, "smtp_source": "no -d: "
                    "one connection per message", "sender": SENDER, "recipient": RECIPIENT},
