@@ -20,6 +20,8 @@ from mta.metrics import Metrics
 from mta.scheduler import Scheduler
 from mta.security import check_spool_dir
 from mta.server import SmtpServer
+from mta.shards import format_queue_id, shard_config
+from mta.supervisor import follow_parent, watch_parent
 from mta.transport import Transport
 from spool.commit import AsyncSpool
 from spool.config import SpoolConfig
@@ -54,11 +56,45 @@ def transports(config: Config) -> Mapping[str, Transport]:
             "smtp": smtp, "mx": smtp}
 
 
-class Relay:
-    """Everything one relay runs, started in order inside one nursery."""
+def use_shard_ids(shard: int) -> None:
+    """Make this process name its messages with its shard's queue ids (``HEX-K``) in replies, logs and DSNs.
 
-    def __init__(self, config: Config) -> None:
+    A stopgap, applied once at the start of a shard's process: the SMTP server,
+    the scheduler and recovery format ids with ``spool.record.format_id``,
+    imported by name, and take no formatter of their own yet; this rebinds that
+    name in each of them. tests/test_shards.py checks the ``250`` reply and the
+    delivery log, so a rename there cannot silently drop the suffix.
+    """
+    if shard == 0:
+        return
+    import mta.scheduler
+    import mta.server
+    import spool.recovery
+
+    def fmt(message_id: int) -> str:
+        return format_queue_id(message_id, shard)
+
+    for module in (mta.server, mta.scheduler, spool.recovery):
+        if not hasattr(module, "format_id"):
+            raise RuntimeError(f"{module.__name__} no longer has format_id: teach mta.app.use_shard_ids the new hook")
+        module.format_id = fmt  # type: ignore[attr-defined]
+
+
+class Relay:
+    """Everything one relay runs, started in order inside one nursery.
+
+    ``shard``: which spool shard this process owns (``config`` is already that
+    shard's, see ``mta.shards.shard_config``); ``reuse_port``: listen with
+    SO_REUSEPORT beside the other shards' processes; ``supervisor``: the
+    parent's pid, whose death ends this process.
+    """
+
+    def __init__(self, config: Config, *, shard: int = 0, reuse_port: bool = False,
+                 supervisor: int | None = None) -> None:
         self.config = config
+        self.shard = shard
+        self.reuse_port = reuse_port
+        self.supervisor = supervisor
         self.metrics = Metrics()
         self.aspool: AsyncSpool
         self.listeners: list[trio.SocketListener] = []
@@ -71,10 +107,13 @@ class Relay:
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg))
         self.metrics.watch_spool(self.aspool)
         async with trio.open_nursery() as nursery:
+            if self.supervisor is not None:
+                nursery.start_soon(watch_parent, self.supervisor)
             await nursery.start(self.aspool.run)
             server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg))
+            server.reuse_port = self.reuse_port
             self.listeners = await nursery.start(server.serve)
-            control = ControlServer(self.aspool, cfg)
+            control = ControlServer(self.aspool, cfg, shard=self.shard)
             await nursery.start(control.serve)
             self.scheduler = Scheduler(self.aspool, cfg, transports(cfg), self.metrics)
             await nursery.start(self.scheduler.run)
@@ -82,7 +121,9 @@ class Relay:
                 self.metrics.serve(cfg.server.metrics_listen.host, cfg.server.metrics_listen.port)
             addrs = ", ".join(f"{lst.socket.getsockname()[0]}:{lst.socket.getsockname()[1]}"
                               for lst in self.listeners)
-            log.info("logspool relay %s listening on %s, spool %s", cfg.server.hostname, addrs, cfg.spool.dir)
+            shard = f", shard {self.shard} (pid {os.getpid()})" if self.supervisor is not None else ""
+            log.info("logspool relay %s listening on %s, spool %s%s", cfg.server.hostname, addrs, cfg.spool.dir,
+                     shard)
             task_status.started(self)
 
     @property
@@ -92,3 +133,10 @@ class Relay:
 
 def serve(config: Config) -> None:
     trio.run(Relay(config).run)
+
+
+def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> None:
+    """One shard's process under ``mta serve``'s supervisor (``config`` is the whole relay's)."""
+    follow_parent(supervisor)
+    use_shard_ids(shard)
+    trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor).run)

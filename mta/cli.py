@@ -9,24 +9,27 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
+import attrs
 import click
 import trio
 
-from mta.config import Config, ConfigError, load_config
+from mta.config import Config, ConfigError, load_config, parse_listen_address
 from mta.control import socket_path
-from mta.queue_ops import RequestError, change_op, read_op
+from mta.queue_ops import CHANGES, RequestError, change_op, read_op
+from mta.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
 from spool import admin
 from spool.errors import SpoolError, SpoolLocked
-from spool.record import parse_id
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
+SHAPE_TOP_PER_SHARD = 1000  # each shard's table before the merge: exact unless a shard sees more domains
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
@@ -54,17 +57,55 @@ def main() -> None:
 
 @main.command()
 @config_option
-def serve(config_path: str | None) -> None:
-    """Run the relay (crash-only: stop it with any signal; the next start recovers)."""
+@click.option("--shard", type=click.IntRange(0), default=None, hidden=True,
+              help="(set by the supervisor) run only this spool shard")
+@click.option("--shards", type=click.IntRange(1), default=None, hidden=True,
+              help="(set by the supervisor) how many shards the relay runs")
+@click.option("--supervisor", "supervisor_pid", type=int, default=None, hidden=True,
+              help="(set by the supervisor) its pid: the shard exits when it dies")
+@click.option("--listen", "listen", multiple=True, hidden=True,
+              help="(set by the supervisor) the addresses, ports resolved")
+def serve(config_path: str | None, shard: int | None, shards: int | None, supervisor_pid: int | None,
+          listen: tuple[str, ...]) -> None:
+    """Run the relay (crash-only: stop it with any signal; the next start recovers).
+
+    With ``[server] processes`` above 1 (or shards on disk from an earlier
+    run), this process supervises one child process per spool shard.
+    """
     from mta.app import serve as run
+    from mta.app import serve_shard
+    from mta.shards import shard_count
+    from mta.supervisor import supervise
 
     config = _load(config_path)
-    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if listen:
+        try:
+            addrs = tuple(parse_listen_address(a) for a in listen)
+        except ConfigError as exc:
+            fail(f"--listen: {exc}", EXIT_USAGE)
+        config = attrs.evolve(config, server=attrs.evolve(config.server, listen=addrs))
+    if shard is not None and (shards is None or supervisor_pid is None or shard >= shards):
+        fail("--shard is for the supervisor: it needs --shards (above the shard) and --supervisor", EXIT_USAGE)
     try:
-        run(config)
+        count = shards if shards is not None else shard_count(config)
+    except OSError as exc:
+        fail(str(exc))
+    # Several processes write to one stderr: each line names its process, as Postfix's do.
+    fmt = "%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s" if count > 1 else \
+        "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr, format=fmt)
+    try:
+        if shard is not None:
+            assert supervisor_pid is not None
+            serve_shard(config, shard, count, supervisor_pid)
+        elif count == 1:
+            run(config)
+        else:
+            supervise(config)
     except SpoolLocked as exc:
         fail(f"{exc} (is another relay running on it?)")
+    except ConfigError as exc:
+        fail(str(exc), EXIT_USAGE)
     except (SpoolError, OSError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -95,8 +136,8 @@ def _via_socket(path: str, req: dict[str, Any]) -> dict[str, Any] | None:
     return answer
 
 
-def _offline(config: Config, req: dict[str, Any]) -> dict[str, Any]:
-    """No relay runs: open the spool ourselves (this takes the lock and recovers)."""
+def _offline(config: Config, shard: int, req: dict[str, Any]) -> dict[str, Any]:
+    """No relay runs on this shard: open its spool ourselves (this takes the lock and recovers)."""
     from mta.app import spool_config
     from spool.spool import Spool
 
@@ -111,7 +152,7 @@ def _offline(config: Config, req: dict[str, Any]) -> dict[str, Any]:
     finally:
         engine_log.setLevel(level)
     try:
-        if req["op"] in ("hold", "release", "delete", "flush"):
+        if req["op"] in CHANGES:
             async def apply(op: str, mid: int) -> bool:
                 return sp.change(mid, op)
 
@@ -125,22 +166,135 @@ def _offline(config: Config, req: dict[str, Any]) -> dict[str, Any]:
                     if cursor is None:
                         return
 
-            return trio.run(change_op, req, apply, deferred)
-        return read_op(sp, req, sp.read_body)
+            return trio.run(change_op, req, apply, deferred, shard)
+        return read_op(sp, req, sp.read_body, shard)
     finally:
         sp.close()
 
 
-def _request(config: Config, req: dict[str, Any]) -> dict[str, Any]:
+def _ask(config: Config, shard: int, req: dict[str, Any]) -> dict[str, Any]:
+    """One shard's answer: from its relay process if it runs, else from its spool on disk."""
     answer = _via_socket(socket_path(config), req)
     if answer is None:
+        if shard and not os.path.isdir(config.spool.dir):
+            return _empty_answer(req)  # configured but never started: it holds nothing
         try:
-            return _offline(config, req)
+            return _offline(config, shard, req)
         except (RequestError, SpoolError, ValueError) as exc:
             fail(str(exc))
     if not answer.get("ok"):
         fail(str(answer.get("error", "request failed")))
     return answer
+
+
+def _empty_answer(req: dict[str, Any]) -> dict[str, Any]:
+    op = req["op"]
+    if op == "list":
+        return {"messages": [], "next": None}
+    if op == "count":
+        return {"count": 0}
+    if op == "shape":
+        return {"buckets": [b if b != float("inf") else None for b in admin.AGE_BUCKETS], "rows": []}
+    if op == "show":
+        fail(f"no queued message with id {req.get('id')}")
+    ids = req.get("ids") or []
+    return {"done": [] if ids else 0, "skipped": [],
+            "errors": {i: f"no queued message with id {i}" for i in ids}}
+
+
+def _request(config: Config, req: dict[str, Any]) -> dict[str, Any]:
+    """Spread a request over every spool shard and merge the answers (see ``mta.shards``)."""
+    try:
+        shards = all_shards(config)
+    except (ConfigError, OSError) as exc:
+        fail(str(exc))
+    op = req["op"]
+    if op == "count":
+        return {"ok": True, "count": sum(_ask(c, k, req)["count"] for k, c in shards)}
+    if op == "list":
+        return _list(shards, req)
+    if op == "show":
+        shard = _shard_of(str(req["id"]), len(shards))
+        return _ask(shards[shard][1], shard, req)
+    if op == "shape":
+        return _shape(shards, req)
+    return _change_all(shards, req)
+
+
+def _shard_of(queue_id: str, count: int) -> int:
+    try:
+        shard, _ = parse_queue_id(queue_id)
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
+    if shard >= count:
+        fail(f"no queued message with id {queue_id} (the relay has no shard {shard})")
+    return shard
+
+
+def _list(shards: list[tuple[int, Config]], req: dict[str, Any]) -> dict[str, Any]:
+    """One page over the shards in turn (shard 0's messages first, each shard oldest first).
+
+    The cursor names the shard and the position inside it, so paging through
+    every shard needs no memory beyond one page.
+    """
+    limit = int(req["limit"])
+    try:
+        shard, pos = parse_cursor(req.get("cursor"))
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
+    messages: list[Any] = []
+    nxt: int | str | None = None
+    while shard < len(shards):
+        answer = _ask(shards[shard][1], shard, {**req, "limit": limit - len(messages), "cursor": pos})
+        messages += answer["messages"]
+        if answer["next"] is not None:
+            nxt = format_cursor(shard, answer["next"])
+            break
+        shard, pos = shard + 1, None
+        if len(messages) >= limit:
+            nxt = format_cursor(shard, 0) if shard < len(shards) else None
+            break
+    return {"ok": True, "messages": messages, "next": nxt}
+
+
+def _shape(shards: list[tuple[int, Config]], req: dict[str, Any]) -> dict[str, Any]:
+    """Sum the shards' tables by domain, then keep the ``top`` largest (the rest as ``(others)``)."""
+    top = int(req.get("top") or 20)
+    table: dict[str, list[int]] = {}
+    buckets: list[Any] = []
+    for k, c in shards:
+        answer = _ask(c, k, {**req, "top": SHAPE_TOP_PER_SHARD})
+        buckets = answer["buckets"]
+        for row in answer["rows"]:
+            counts = table.setdefault(row["domain"], [0] * len(row["counts"]))
+            for i, n in enumerate(row["counts"]):
+                counts[i] += n
+    others = table.pop("(others)", None)
+    rows = sorted(table.items(), key=lambda kv: (-sum(kv[1]), kv[0]))
+    for _, counts in rows[top:]:
+        others = [a + b for a, b in zip(others, counts, strict=True)] if others else list(counts)
+    out = [{"domain": d, "total": sum(c), "counts": c} for d, c in rows[:top]]
+    if others:
+        out.append({"domain": "(others)", "total": sum(others), "counts": others})
+    return {"ok": True, "buckets": buckets, "rows": out}
+
+
+def _change_all(shards: list[tuple[int, Config]], req: dict[str, Any]) -> dict[str, Any]:
+    """hold/release/delete/flush: each id to its shard; a flush of everything to every shard."""
+    ids: list[str] = req["ids"]
+    if not ids:
+        answers = [_ask(c, k, req) for k, c in shards]
+        return {"ok": True, "done": sum(a["done"] for a in answers), "skipped": [], "errors": {}}
+    by_shard: dict[int, list[str]] = {}
+    for i in ids:
+        by_shard.setdefault(_shard_of(i, len(shards)), []).append(i)
+    merged: dict[str, Any] = {"ok": True, "done": [], "skipped": [], "errors": {}}
+    for k, some in sorted(by_shard.items()):
+        answer = _ask(shards[k][1], k, {**req, "ids": some})
+        merged["done"] += answer["done"]
+        merged["skipped"] += answer["skipped"]
+        merged["errors"].update(answer["errors"])
+    return merged
 
 
 def _age(seconds: float) -> str:
@@ -173,10 +327,10 @@ def queue() -> None:
 @click.option("--held", is_flag=True, help="only held messages")
 @click.option("--in-doubt", is_flag=True, help="only messages with recipients possibly delivered before a crash")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
-@click.option("--cursor", type=int, default=None, help="continue where the previous page ended")
+@click.option("--cursor", default=None, help="continue where the previous page ended")
 @json_option
 def queue_list(config_path: str | None, domain: str | None, sender: str | None, recipient: str | None,
-               held: bool, in_doubt: bool, limit: int, cursor: int | None, as_json: bool) -> None:
+               held: bool, in_doubt: bool, limit: int, cursor: str | None, as_json: bool) -> None:
     """List queued messages, oldest first, one page at a time."""
     config = _load(config_path)
     req = {"op": "list", "domain": domain, "sender": sender, "recipient": recipient, "held": held,
@@ -210,7 +364,7 @@ def queue_count(config_path: str | None, domain: str | None, held: bool, as_json
 def _check_ids(ids: tuple[str, ...]) -> list[str]:
     for i in ids:
         try:
-            parse_id(i)
+            parse_queue_id(i)
         except ValueError as exc:
             fail(str(exc), EXIT_USAGE)
     return list(ids)

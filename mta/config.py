@@ -354,7 +354,9 @@ class ServerConfig:
     minimum, CRLF included); normalize_bare_lf false (reject bare LF, the
     SMTP-smuggling defence); command_timeout ``5m`` (RFC 5321 §4.5.3.2);
     data_timeout ``10m``; tls_cert/tls_key none (no STARTTLS); control_socket
-    ``<spool.dir>/control.sock``; metrics_listen none (no metrics endpoint).
+    ``<spool.dir>/control.sock``; metrics_listen none (no metrics endpoint);
+    processes 1 (relay processes, each owning a spool shard; ``"auto"`` is
+    ``os.cpu_count()``, resolved when the config is loaded; see ``mta.shards``).
     """
 
     listen: tuple[ListenAddress, ...]
@@ -372,6 +374,7 @@ class ServerConfig:
     tls_key: str | None = None
     control_socket: str = ""
     metrics_listen: ListenAddress | None = None
+    processes: int = 1
 
 
 DEFAULT_RETRY_INTERVALS = (60.0, 300.0, 900.0, 1800.0, 3600.0)
@@ -664,6 +667,18 @@ def _optional(convert: Callable[[Any], T]) -> Callable[[Any], T | None]:
     return check
 
 
+MAX_PROCESSES = 256
+
+
+def _processes(value: Any) -> int:
+    """An integer >= 1, or ``"auto"``: one per CPU, as this machine counts them when the config is loaded."""
+    if value == "auto":
+        return max(1, min(os.cpu_count() or 1, MAX_PROCESSES))
+    if isinstance(value, str):
+        raise ConfigError(f"expected an integer or 'auto', got {value!r}")
+    return _int(1, MAX_PROCESSES)(value)
+
+
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
     def convert(value: Any) -> str:
         text = _str(value)
@@ -753,6 +768,7 @@ def _build_server(t: _Table, base_dir: str | None) -> ServerConfig:
         tls_key=tls_key,
         control_socket=t.get("control_socket", None, _optional(lambda v: _resolve_path(_str(v), base_dir))) or "",
         metrics_listen=t.get("metrics_listen", None, _optional(lambda v: parse_listen_address(_str(v)))),
+        processes=t.get("processes", 1, _processes),
     )
     t.finish()
     return server

@@ -32,9 +32,12 @@ def socket_path(config: Config) -> str:
 
 
 class ControlServer:
-    def __init__(self, aspool: AsyncSpool, config: Config) -> None:
+    """One shard's control socket: its ids are ``HEX-K`` for shard K >= 1 (``mta.shards``)."""
+
+    def __init__(self, aspool: AsyncSpool, config: Config, shard: int = 0) -> None:
         self.aspool = aspool
         self.path = socket_path(config)
+        self.shard = shard
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -85,8 +88,8 @@ class ControlServer:
         core = self.aspool.core
         await self.aspool.commit()  # what finished a moment ago is durable, so the walk sees it
         if req.get("op") in CHANGES:
-            return await change_op(req, self._apply, self._deferred_ids)
-        return await trio.to_thread.run_sync(lambda: read_op(core, req, core.read_body))
+            return await change_op(req, self._apply, self._deferred_ids, self.shard)
+        return await trio.to_thread.run_sync(lambda: read_op(core, req, core.read_body, self.shard))
 
     async def _apply(self, op: str, mid: int) -> bool:
         msg = await self.aspool.find(mid)

@@ -8,6 +8,10 @@ answers are plain JSON-able dicts either way.
 
 Reads are the spool's constant-memory walks (``spool.admin``); a page holds at
 most ``limit`` messages and the cursor is a log position.
+
+Each function serves one spool shard (``shard``, see ``mta.shards``): ids in
+requests must be that shard's and ids in answers carry its suffix. Spreading
+a request over the shards and merging the answers is the CLI's job.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from mta.shards import format_queue_id, parse_queue_id
 from spool import admin
 from spool.errors import NotFound
-from spool.record import parse_id
 
 MAX_LIMIT = 10_000
 
@@ -27,10 +31,10 @@ class RequestError(ValueError):
     """A malformed admin request: answered, never raised to the client as a traceback."""
 
 
-def message_dict(m: admin.LiveMessage, now: float) -> dict[str, Any]:
+def message_dict(m: admin.LiveMessage, now: float, shard: int = 0) -> dict[str, Any]:
     env = m.envelope
     return {
-        "id": m.queue_id,
+        "id": format_queue_id(m.message_id, shard),
         "state": m.state,
         "class": m.klass,
         "sender": env.sender,
@@ -54,8 +58,8 @@ def make_filter(req: dict[str, Any]) -> admin.Filter:
         raise RequestError(f"bad filter: {exc}") from None
 
 
-def read_op(listable: admin.Listable, req: dict[str, Any], read_body: Callable[[Any], Any] | None = None
-            ) -> dict[str, Any]:
+def read_op(listable: admin.Listable, req: dict[str, Any], read_body: Callable[[Any], Any] | None = None,
+            shard: int = 0) -> dict[str, Any]:
     """list, count, show and shape: everything that does not change the queue."""
     op = req.get("op")
     now = time.time()
@@ -65,12 +69,16 @@ def read_op(listable: admin.Listable, req: dict[str, Any], read_body: Callable[[
             raise RequestError(f"limit must be between 1 and {MAX_LIMIT}")
         cursor = req.get("cursor")
         msgs, nxt = admin.page(listable, make_filter(req), int(cursor) if cursor is not None else None, limit, now)
-        return {"messages": [message_dict(m, now) for m in msgs], "next": nxt}
+        return {"messages": [message_dict(m, now, shard) for m in msgs], "next": nxt}
     if op == "count":
         return {"count": admin.count(listable, make_filter(req), now)}
     if op == "show":
-        msg = admin.find(listable, _id(req.get("id")))
-        out = message_dict(msg, now)
+        mid = _id(req.get("id"), shard)
+        try:
+            msg = admin.find(listable, mid)
+        except NotFound:
+            raise NotFound(f"no queued message with id {format_queue_id(mid, shard)}") from None
+        out = message_dict(msg, now, shard)
         if req.get("body") and read_body is not None:
             data = b"".join(read_body(msg.envelope))
             out["body"] = data.decode("utf-8", "replace")
@@ -82,20 +90,23 @@ def read_op(listable: admin.Listable, req: dict[str, Any], read_body: Callable[[
     raise RequestError(f"unknown operation {op!r}")
 
 
-def _id(value: Any) -> int:
+def _id(value: Any, shard: int) -> int:
     if not isinstance(value, str):
         raise RequestError("a queue id is required")
     try:
-        return parse_id(value)
+        owner, mid = parse_queue_id(value)
     except ValueError as exc:
         raise RequestError(str(exc)) from None
+    if owner != shard:
+        raise RequestError(f"queue id {value} belongs to shard {owner}, not to shard {shard}")
+    return mid
 
 
 CHANGES = ("hold", "release", "delete", "flush")
 
 
 async def change_op(req: dict[str, Any], apply: Callable[[str, int], Awaitable[bool]],
-                    all_deferred: Callable[[], AsyncIterator[int]]) -> dict[str, Any]:
+                    all_deferred: Callable[[], AsyncIterator[int]], shard: int = 0) -> dict[str, Any]:
     """hold/release/delete/flush for each id (flush with no ids: every deferred message).
 
     A flush of everything streams the ids page by page, so it runs in constant
@@ -117,15 +128,15 @@ async def change_op(req: dict[str, Any], apply: Callable[[str, int], Awaitable[b
             except Exception:  # busy or gone since the page was read: it is being retried anyway
                 continue
         return {"done": flushed, "skipped": [], "errors": {}}
-    targets = [_id(i) for i in ids]
+    targets = [_id(i, shard) for i in ids]
     done: list[str] = []
     skipped: list[str] = []
     errors: dict[str, str] = {}
     for mid in targets:
         try:
-            (done if await apply(op, mid) else skipped).append(f"{mid:X}")
-        except NotFound as exc:
-            errors[f"{mid:X}"] = str(exc)
+            (done if await apply(op, mid) else skipped).append(format_queue_id(mid, shard))
+        except NotFound:
+            errors[format_queue_id(mid, shard)] = f"no queued message with id {format_queue_id(mid, shard)}"
         except Exception as exc:  # MessageBusy and friends: reported per id
-            errors[f"{mid:X}"] = str(exc)
+            errors[format_queue_id(mid, shard)] = str(exc)
     return {"done": done, "skipped": skipped, "errors": errors}

@@ -51,7 +51,10 @@ def check_spool_dir(path: str, owner: int | None = None) -> None:
     for root, dirs, files in os.walk(path):
         for name in dirs + files:
             full = os.path.join(root, name)
-            est = os.lstat(full)
+            try:
+                est = os.lstat(full)
+            except FileNotFoundError:
+                continue  # removed since the walk listed it (another shard's process reclaimed a segment)
             if stat.S_ISLNK(est.st_mode):
                 raise UnsafeSpool(f"unsafe spool: {full} is a symlink; refusing to start")
             problem = _problem(full, est, owner)
