@@ -31,7 +31,17 @@ from crc32c import crc32c
 
 from spool.errors import CorruptRecord, CorruptSegment, FormatVersionError
 from spool.fileio import FileIO, read_exact
-from spool.record import GARBAGE, HEADER, HEADER_SIZE, MAX_PAYLOAD, Frame, checksum, decode_frame, make_pos
+from spool.record import (
+    GARBAGE,
+    HEADER,
+    HEADER_SIZE,
+    MAX_PAYLOAD,
+    Frame,
+    check_frame,
+    checksum,
+    decode_frame,
+    make_pos,
+)
 
 MAGIC: Final = b"LSPOOLSG"
 FORMAT_VERSION: Final = 2
@@ -41,6 +51,7 @@ SECTOR: Final = 512
 READ_CHUNK: Final = 1 << 20
 SUFFIX: Final = ".seg"
 _VALID_TYPES = frozenset(range(1, 6))
+_unpack_header = HEADER.unpack_from
 
 
 def segment_name(segment_id: int) -> str:
@@ -171,9 +182,9 @@ def find_end(seg_id: int, data: bytes | memoryview, start: int, path: str, *, la
     n = len(data)
     while off < n:
         try:
-            frame = decode_frame(seg_id, data, off)
+            off = check_frame(seg_id, data, off)[4]
         except CorruptRecord as exc:
-            reason = str(exc).split(": ", 1)[-1]
+            reason = exc.reason
             later = valid_frame_after(seg_id, data, off)
             if later is not None:
                 raise CorruptSegment(
@@ -184,7 +195,6 @@ def find_end(seg_id: int, data: bytes | memoryview, start: int, path: str, *, la
             if last and _looks_torn(data, off):
                 return off
             raise CorruptSegment(reason, path, off) from None
-        off += frame.size
     return off
 
 
@@ -224,31 +234,35 @@ class FrameReader:
         self.buf_start = self.pos
 
     def frames(self, *, verify: bool = True) -> Iterator[Frame]:
-        """Yield frames up to ``end``. ``verify`` checks checksums (CorruptSegment)."""
-        while self.pos < self.end:
-            self._fill(HEADER_SIZE)
-            rel = self.pos - self.buf_start
-            if len(self.buf) - rel < HEADER_SIZE:
-                raise CorruptSegment("truncated header before the end of the log", self.path, self.pos)
-            length = HEADER.unpack_from(self.buf, rel)[1]
+        """Yield frames up to ``end``. ``verify`` checks checksums (CorruptSegment).
+
+        Each frame is checked and cut straight out of the window: one header
+        unpack, one checksum and one payload copy per record.
+        """
+        seg, end = self.seg_id, self.end
+        while self.pos < end:
+            pos = self.pos
+            buf = self.buf
+            rel = pos - self.buf_start
+            if len(buf) - rel < HEADER_SIZE:
+                self._fill(HEADER_SIZE)
+                buf, rel = self.buf, 0
+                if len(buf) < HEADER_SIZE:
+                    raise CorruptSegment("truncated header before the end of the log", self.path, pos)
+            _crc, length, rtype, flags, klass, _res, time = _unpack_header(buf, rel)
             size = HEADER_SIZE + length
-            if length > MAX_PAYLOAD or self.pos + size > self.end:
-                raise CorruptSegment(f"length {length} runs past the end of the log", self.path, self.pos)
-            self._fill(size)
-            rel = self.pos - self.buf_start
+            if length > MAX_PAYLOAD or pos + size > end:
+                raise CorruptSegment(f"length {length} runs past the end of the log", self.path, pos)
+            if rel + size > len(buf):
+                self._fill(size)
+                buf, rel = self.buf, 0
             if verify:
                 try:
-                    frame = decode_frame(self.seg_id, self.buf[rel : rel + size], 0)
+                    check_frame(seg, buf, rel)
                 except CorruptRecord as exc:
-                    raise CorruptSegment(str(exc).split(": ", 1)[-1], self.path, self.pos) from None
-                frame = Frame(make_pos(self.seg_id, self.pos), frame.rtype, frame.flags, frame.klass,
-                              frame.time, frame.payload)
-            else:
-                _c, _l, rtype, flags, klass, _r, time = HEADER.unpack_from(self.buf, rel)
-                frame = Frame(make_pos(self.seg_id, self.pos), rtype, flags, klass, time,
-                              self.buf[rel + HEADER_SIZE : rel + size])
-            self.pos += size
-            yield frame
+                    raise CorruptSegment(exc.reason, self.path, pos) from None
+            self.pos = pos + size
+            yield Frame(make_pos(seg, pos), rtype, flags, klass, time, buf[rel + HEADER_SIZE : rel + size])
 
 
 def read_frame_at(io: FileIO, fd: int, path: str, seg_id: int, offset: int) -> Frame:
@@ -260,10 +274,9 @@ def read_frame_at(io: FileIO, fd: int, path: str, seg_id: int, offset: int) -> F
     length = HEADER.unpack_from(head)[1] if len(head) == HEADER_SIZE else 0
     data = head + read_exact(io, fd, length, offset + HEADER_SIZE)
     try:
-        frame = decode_frame(seg_id, data, 0)
+        return decode_frame(seg_id, data, 0, at=offset)
     except CorruptRecord as exc:
         raise CorruptRecord(exc.reason, path, offset) from None
-    return Frame(make_pos(seg_id, offset), frame.rtype, frame.flags, frame.klass, frame.time, frame.payload)
 
 
 def read_segment_header(io: FileIO, path: str, expect_id: int | None = None) -> tuple[int, int]:
