@@ -231,6 +231,7 @@ _TYPES = frozenset(int(t) for t in RecordType)
 
 _SHORT = tuple(tuple(bytes((major << 5 | n,)) for n in range(24)) for major in range(8))
 _UINT_SHORT = _SHORT[0]
+_TEXT_SHORT = _SHORT[3]
 _P8, _P16, _P32, _P64 = (struct.Struct(f">B{code}").pack for code in "BHIQ")
 
 
@@ -249,24 +250,35 @@ def _cbor_head(major: int, n: int) -> bytes:
 
 
 def _cbor_uint(v: int) -> bytes:
-    if type(v) is int and 0 <= v < 0x10000000000000000:
-        return _UINT_SHORT[v] if v < 24 else _cbor_head(0, v)
+    # _cbor_head inlined: this runs several times per record.
+    if type(v) is int and v >= 0:
+        if v < 24:
+            return _UINT_SHORT[v]
+        if v < 0x100:
+            return _P8(24, v)
+        if v < 0x10000:
+            return _P16(25, v)
+        if v < 0x100000000:
+            return _P32(26, v)
+        if v < 0x10000000000000000:
+            return _P64(27, v)
     return cbor2.dumps(v)
 
 
 def _cbor_text(v: str) -> bytes:
     if type(v) is str:
         b = v.encode()  # a lone surrogate raises UnicodeEncodeError, as in cbor2
-        return _cbor_head(3, len(b)) + b
+        n = len(b)
+        return (_TEXT_SHORT[n] if n < 24 else _cbor_head(3, n)) + b
     return cbor2.dumps(v)
 
 
 def _cbor_uints(vs: tuple[int, ...]) -> bytes:
-    return _cbor_head(4, len(vs)) + b"".join([_cbor_uint(v) for v in vs])
+    return _cbor_head(4, len(vs)) + b"".join(map(_cbor_uint, vs))
 
 
 def _cbor_texts(vs: tuple[str, ...]) -> bytes:
-    return _cbor_head(4, len(vs)) + b"".join([_cbor_text(v) for v in vs])
+    return _cbor_head(4, len(vs)) + b"".join(map(_cbor_text, vs))
 
 
 # -- payloads ----------------------------------------------------------------
