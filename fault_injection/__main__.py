@@ -42,7 +42,7 @@ def _kill9(args: argparse.Namespace) -> int:
     from fault_injection import kill9
 
     summary = kill9.run(cycles=args.cycles, messages=args.messages, concurrency=args.concurrency, seed=args.seed,
-                        relay=args.relay)
+                        relay=args.relay, max_seconds=args.max_minutes * 60 if args.max_minutes else None)
     print(summary.line())
     for p in summary.problems[:20]:
         print(f"  {p}")
@@ -79,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay", metavar="RECIPE", help="recover one state (as printed by a failure)")
     p.set_defaults(func=_powercut)
 
-    k = sub.add_parser("kill9", help="SIGKILL a workload process under load, restart, and check the ledger")
+    k = sub.add_parser("kill9", help="SIGKILL a workload process (or the relay) under load, restart, check the ledger")
     k.add_argument("--cycles", type=int, default=20)
     k.add_argument("--messages", type=int, default=0, help="messages per cycle (default: 20)")
     k.add_argument("--concurrency", type=int, default=8)
     k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--relay", action="store_true", help="drive the real SMTP relay (not available yet)")
+    k.add_argument("--relay", action="store_true", help="kill the real relay (mta serve) instead")
+    k.add_argument("--max-minutes", type=float, default=0,
+                   help="start no new cycle after this long (then drain and score); 0: no limit")
     k.set_defaults(func=_kill9)
 
     f = sub.add_parser("faults", help="ENOSPC, EIO, short writes and fsync failure at chosen operations")

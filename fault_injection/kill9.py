@@ -18,11 +18,15 @@ submitted, every body arrived intact (CRC-32), and no duplicate arrived after
 its DELIVERY record was durable (the only allowed window is the next hop's 250
 to our fsync).
 
-The seam for the relay: ``Subject`` is all the harness needs. ``SpoolWorker``
-drives ``fault_injection.kill9_worker`` over a pipe; a ``RelaySubject`` will
-start the relay with a next hop that records what it receives (smtp-sink or a
-small trio SMTP server writing the same ``N RCPT CRC32`` lines) and submit
-over SMTP, treating a 250 after DATA as the ``ack``.
+``Subject`` is all the harness needs. ``SpoolWorker`` drives
+``fault_injection.kill9_worker`` over a Unix socket; with ``--relay``,
+``fault_injection.relay_subject.RelaySubject`` runs the real relay
+(``mta serve``) with a recording SMTP next hop and submits over SMTP, a 250
+after DATA being the ``ack``. The relay's next hop also refuses a few
+recipients for good: those are *bounced*, and count as accounted for once
+the DSN for them reaches the sender (whose domain routes to the same next
+hop). A bounce, like a delivery, may arrive twice only inside the window
+between the next hop's 250 and the relay's fsync of its DELIVERY record.
 """
 
 from __future__ import annotations
@@ -51,7 +55,14 @@ DRAIN_TIMEOUT = 180.0
 
 
 class Subject(Protocol):
-    """What the kill9 harness drives: the spool worker now, the SMTP relay later."""
+    """What the kill9 harness drives: the spool worker, or the SMTP relay (``relay_subject.RelaySubject``)."""
+
+    early_window: float
+    """Seconds after ``start`` in which an early kill lands (during startup and recovery)."""
+    load_window: float
+    """A kill under load comes at most this long after ``ready``."""
+    ready_timeout: float
+    """How long a start may take before the harness calls it a failure (a bound, never a wait)."""
 
     def start(self) -> None: ...
 
@@ -59,8 +70,11 @@ class Subject(Protocol):
         """Send message ``n``; an ``ack n ...`` event comes back once it is accepted (250)."""
 
     def events(self, timeout: float) -> list[str]:
-        """Lines the subject reported (``ready``, ``ack N ID``, ``rec N RCPT``, ``drained``), waiting at most
-        ``timeout`` seconds for the first."""
+        """Lines the subject reported (``ready``, ``ack N ID``, ``nack N``, ``rec N RCPT``, ``brec N RCPT``,
+        ``drained``, ``exited``), waiting at most ``timeout`` seconds for the first.
+
+        ``rec``/``brec``: the delivery (bounce) of N to RCPT is recorded durably; ``nack``: N was not accepted.
+        """
 
     def request_drain(self) -> None: ...
 
@@ -72,11 +86,28 @@ class Subject(Protocol):
     def next_hop_size(self) -> int: ...
 
     def next_hop_lines(self) -> list[tuple[int, int, str, str]]:
-        """(byte offset, message number, recipient, body crc) for every complete line at the next hop."""
+        """(offset, message number, recipient, body crc) for every message received by the next hop."""
+
+    def next_hop_bounces(self) -> list[tuple[int, int, str]]:
+        """(offset, message number, recipient) for every DSN that reported a recipient of ours failed."""
+
+    def body(self, n: int, length: int) -> bytes:
+        """The bytes whose CRC-32 the next hop reports for message ``n``."""
+
+    def sink_problems(self) -> list[str]:
+        """What the next hop found wrong on its own (a message it could not place, a bounce it never caused)."""
+
+    def stderr_tail(self) -> str: ...
+
+    def close(self) -> None: ...
 
 
 class SpoolWorker:
     """The spool worker, forked by a zygote (see ``fault_injection.kill9_worker``), over a Unix socket."""
+
+    early_window = 0.4
+    load_window = 0.8
+    ready_timeout = READY_TIMEOUT
 
     def __init__(self, workdir: str, seed: int) -> None:
         self.spool_dir = os.path.join(workdir, "spool")
@@ -198,6 +229,15 @@ class SpoolWorker:
                 off += len(raw)
         return out
 
+    def next_hop_bounces(self) -> list[tuple[int, int, str]]:
+        return []  # the worker's next hop accepts everything
+
+    def body(self, n: int, length: int) -> bytes:
+        return body_for(n, length)
+
+    def sink_problems(self) -> list[str]:
+        return []
+
     def stderr_tail(self) -> str:
         with open(self.stderr_path, "rb") as fh:
             return fh.read()[-2000:].decode(errors="replace")
@@ -210,6 +250,8 @@ class Summary:
     delivered: int = 0
     lost: int = 0
     duplicated: int = 0
+    bounced: int = 0
+    relay: bool = False
     problems: list[str] = attrs.field(factory=list)
 
     @property
@@ -217,8 +259,11 @@ class Summary:
         return self.lost == 0 and not self.problems
 
     def line(self) -> str:
-        return (f"kill9: cycles {self.cycles}, messages acknowledged {self.acknowledged}, delivered {self.delivered}, "
-                f"lost {self.lost}, duplicated {self.duplicated}")
+        """One line; with the relay, also ``bounced`` (messages accounted for by a DSN for some recipient)."""
+        return (f"kill9{' --relay' if self.relay else ''}: cycles {self.cycles}, messages acknowledged "
+                f"{self.acknowledged}, delivered {self.delivered}, "
+                + (f"bounced {self.bounced}, " if self.relay else "")
+                + f"lost {self.lost}, duplicated {self.duplicated}")
 
 
 @attrs.define
@@ -226,6 +271,12 @@ class Ledger:
     sent: dict[int, tuple[list[str], int]] = attrs.field(factory=dict)
     acked: set[int] = attrs.field(factory=set)
     recorded_at: dict[tuple[int, str], int] = attrs.field(factory=dict)  # next-hop size when "rec" was seen
+    bounce_recorded_at: dict[tuple[int, str], int] = attrs.field(factory=dict)  # ... when "brec" was seen
+
+    def note(self, subject: Subject, words: list[str]) -> None:
+        """Remember when a delivery (``rec``) or a bounce's DSN delivery (``brec``) was durably recorded."""
+        where = self.recorded_at if words[0] == "rec" else self.bounce_recorded_at
+        where.setdefault((int(words[1]), words[2]), subject.next_hop_size())
 
 
 def _cycle(subject: Subject, rng: random.Random, led: Ledger, next_n: int, messages: int, concurrency: int,
@@ -234,7 +285,7 @@ def _cycle(subject: Subject, rng: random.Random, led: Ledger, next_n: int, messa
     subject.start()
     t0 = time.monotonic()
     early = rng.random() < 0.1
-    deadline = t0 + (rng.uniform(0.0, 0.4) if early else READY_TIMEOUT)
+    deadline = t0 + (rng.uniform(0.0, subject.early_window) if early else subject.ready_timeout)
     kill_after = rng.randint(1, 3 * messages)
     ready = False
     seen = 0
@@ -245,14 +296,16 @@ def _cycle(subject: Subject, rng: random.Random, led: Ledger, next_n: int, messa
             words = ev.split()
             if words[0] == "ready" and not ready:
                 ready = True
-                deadline = time.monotonic() + rng.uniform(0.0, 0.8)
+                deadline = time.monotonic() + rng.uniform(0.0, subject.load_window)
             elif words[0] == "ack":
                 n = int(words[1])
                 led.acked.add(n)
                 outstanding.discard(n)
                 seen += 1
-            elif words[0] == "rec":
-                led.recorded_at.setdefault((int(words[1]), words[2]), subject.next_hop_size())
+            elif words[0] == "nack":
+                outstanding.discard(int(words[1]))
+            elif words[0] in ("rec", "brec"):
+                led.note(subject, words)
                 seen += 1
             elif words[0] == "exited":
                 problems.append(f"the subject exited on its own (start {next_n})")
@@ -285,8 +338,8 @@ def _drain(subject: Subject, led: Ledger, problems: list[str]) -> None:
             if words[0] == "ready" and not asked:
                 subject.request_drain()
                 asked = True
-            elif words[0] == "rec":
-                led.recorded_at.setdefault((int(words[1]), words[2]), subject.next_hop_size())
+            elif words[0] in ("rec", "brec"):
+                led.note(subject, words)
             elif words[0] == "drained":
                 subject.kill()
                 return
@@ -299,51 +352,82 @@ def _drain(subject: Subject, led: Ledger, problems: list[str]) -> None:
 
 
 def _score(subject: Subject, led: Ledger, summary: Summary) -> None:
-    lines = subject.next_hop_lines()
+    """Every acknowledged recipient arrived or was bounced; nothing unsent arrived; duplicates only in the window.
+
+    A duplicate is a second (third, ...) arrival of the same (message, recipient)
+    at the next hop, or of the same bounce in DSNs. It is allowed only if it
+    arrived before the harness saw the durable record of that delivery: the
+    next-hop size taken when the ``rec``/``brec`` event was read is at or past
+    the size at the fsync, so an arrival at or beyond it surely came after.
+    """
     counts: collections.Counter[tuple[int, str]] = collections.Counter()
-    for off, n, rcpt, crc in lines:
+    for off, n, rcpt, crc in subject.next_hop_lines():
         counts[(n, rcpt)] += 1
         sent = led.sent.get(n)
         if sent is None or rcpt not in sent[0]:
             summary.problems.append(f"next hop received message {n} for {rcpt}, which was never sent")
             continue
-        if crc != f"{zlib.crc32(body_for(n, sent[1])):08x}":
+        if crc != f"{zlib.crc32(subject.body(n, sent[1])):08x}":
             summary.problems.append(f"message {n} arrived with a damaged body")
         rec = led.recorded_at.get((n, rcpt))
         if rec is not None and off >= rec:
             summary.problems.append(f"message {n} for {rcpt} was delivered again after its delivery was recorded")
-    summary.duplicated = sum(c - 1 for c in counts.values() if c > 1)
+    bounces: collections.Counter[tuple[int, str]] = collections.Counter()
+    for off, n, rcpt in subject.next_hop_bounces():
+        bounces[(n, rcpt)] += 1
+        sent = led.sent.get(n)
+        if sent is None or rcpt not in sent[0]:
+            summary.problems.append(f"a DSN reported message {n} for {rcpt} failed, which was never sent")
+            continue
+        if counts[(n, rcpt)]:
+            summary.problems.append(f"message {n} for {rcpt} was both delivered and bounced")
+        rec = led.bounce_recorded_at.get((n, rcpt))
+        if rec is not None and off >= rec:
+            summary.problems.append(f"the bounce of message {n} for {rcpt} arrived again after its DSN was recorded")
+    summary.problems += subject.sink_problems()
+    summary.duplicated = sum(c - 1 for c in counts.values() if c > 1) + sum(c - 1 for c in bounces.values() if c > 1)
     summary.acknowledged = len(led.acked)
     for n in sorted(led.acked):
-        if all(counts[(n, r)] for r in led.sent[n][0]):
+        rcpts = led.sent[n][0]
+        if all(counts[(n, r)] for r in rcpts):
             summary.delivered += 1
+        elif all(counts[(n, r)] or bounces[(n, r)] for r in rcpts):
+            summary.bounced += 1
         else:
             summary.lost += 1
             summary.problems.append(f"acknowledged message {n} was lost "
-                                    f"(missing {[r for r in led.sent[n][0] if not counts[(n, r)]]})")
+                                    f"(missing {[r for r in rcpts if not counts[(n, r)] and not bounces[(n, r)]]})")
 
 
 def run(*, cycles: int, messages: int = 0, concurrency: int = 8, seed: int = 0, relay: bool = False,
-        workdir: str | None = None) -> Summary:
-    if relay:
-        raise SystemExit("kill9 --relay: the SMTP relay subject is not written yet (see fault_injection/kill9.py)")
+        workdir: str | None = None, max_seconds: float | None = None) -> Summary:
+    """``cycles`` start-load-kill cycles (fewer if ``max_seconds`` runs out first), then drain and score."""
     messages = messages or 20
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="logspool-kill9-", dir=scratch_dir())
-    summary = Summary()
+    summary = Summary(relay=relay)
     try:
-        subject = SpoolWorker(workdir, seed)
+        subject: Subject
+        if relay:
+            from fault_injection.relay_subject import RelaySubject
+
+            subject = RelaySubject(workdir, seed, concurrency)
+        else:
+            subject = SpoolWorker(workdir, seed)
         try:
             rng = random.Random(seed)
             led = Ledger()
             n = 1
+            t0 = time.monotonic()
             for _ in range(cycles):
+                if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                    break
                 n = _cycle(subject, rng, led, n, messages, concurrency, summary.problems)
                 summary.cycles += 1
             _drain(subject, led, summary.problems)
             _score(subject, led, summary)
             if summary.problems:
-                summary.problems.append(f"worker stderr (tail): {subject.stderr_tail()}")
+                summary.problems.append(f"subject stderr (tail): {subject.stderr_tail()}")
         finally:
             subject.close()
     finally:
