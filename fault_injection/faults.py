@@ -66,6 +66,7 @@ class FaultyFileIO:
         self.fault = fault
         self.counts: Counter[str] = Counter()
         self.fired = False
+        self.short_pending = False
         self.failed_sync = False
         self.after_sync_failure: list[str] = []
 
@@ -99,12 +100,16 @@ class FaultyFileIO:
         self.inner.close(fd)
 
     def write(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
-        if self.fault is not None and self.fault.kind == "short" and len(data) < 2:
-            return self.inner.write(fd, data, offset)  # a one-byte write cannot be short
-        if self._hit("write"):
+        if self._hit("write") or self.short_pending:
             assert self.fault is not None
             if self.fault.kind != "short":
                 self._raise()
+            if len(data) < 2:
+                # A one-byte write cannot be short: the next longer write is (so the nth call, which the
+                # dry run counted among all writes, still leads to a short write).
+                self.short_pending = True
+                return self.inner.write(fd, data, offset)
+            self.short_pending = False
             return self.inner.write(fd, memoryview(data)[: len(data) // 2], offset)
         return self.inner.write(fd, data, offset)
 
