@@ -10,9 +10,13 @@ Issue 7, second half. Two measurements (DESIGN §6: benchmarks, never timed test
    APIs, ``Spool.enqueue_many`` then ``poll_due`` claims and ``finish`` with
    ``next_class=1``, i.e. every message was attempted once and deferred;
    ``--build direct``: the same record stream plus DELIVERY records appended
-   straight through the LogWriter, ``spool_bench.child_build_direct``, about
-   twice as fast). Then ``Spool.open`` (= recovery) is timed in fresh child
-   processes with the segments' pages evicted from the page cache first, and
+   straight through the LogWriter, ``spool_bench.child_build_direct``;
+   ``--build synthetic``: ``spool_bench.child_build_synthetic``, one message's
+   seven frames repeated, seconds for 1M: valid frames whose payload
+   references are not meaningful, so a retry copies an envelope's payload
+   where a body should be, the same work as copying a 100-byte body). Then
+   ``Spool.open`` (= recovery) is timed in fresh child processes with the
+   segments' pages evicted from the page cache first, and
    each child reports its peak RSS (``ru_maxrss`` and ``VmHWM``). Median of
    ``--runs``. The child is ``spool_bench.child_open`` plus the time spent in
    fsync calls (``SyncTimingIO``), which on a shared disk is most of the wall time.
@@ -111,6 +115,12 @@ def child_build_engine(path: str, n: int) -> dict[str, Any]:
 def child_build_direct(path: str, n: int) -> dict[str, Any]:
     c0 = time.process_time()
     out = spool_bench.child_build_direct(path, n)
+    return {**out, "build_cpu_s": time.process_time() - c0}
+
+
+def child_build_synthetic(path: str, n: int) -> dict[str, Any]:
+    c0 = time.process_time()
+    out = spool_bench.child_build_synthetic(path, n)
     return {**out, "build_cpu_s": time.process_time() - c0}
 
 
@@ -379,9 +389,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="", help="queue sizes for recovery (default 10000,100000,1000000)")
     ap.add_argument("--backlog", type=int, default=0, help="deferred backlog for the fairness rounds "
                                                            "(default 1,000,000; 0 with --no-fairness)")
-    ap.add_argument("--build", choices=["engine", "direct"], default="engine",
+    ap.add_argument("--build", choices=["engine", "direct", "synthetic"], default="engine",
                     help="engine: the engine's APIs (default); direct: the same record stream through the "
-                         "LogWriter (spool_bench), faster")
+                         "LogWriter (spool_bench); synthetic: one message's frames repeated (spool_bench), "
+                         "seconds for 1M")
     ap.add_argument("--runs", type=int, default=3, help="opens per queue size (median)")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds of the fairness measurement")
     ap.add_argument("--enqueuers", type=int, default=50, help="concurrent enqueue+commit tasks")
@@ -395,6 +406,7 @@ def main() -> None:
                     help="where the SVG charts go (default docs/); 'none' for no charts")
     ap.add_argument("--child-build-engine", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--child-build-direct", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-build-synthetic", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--child-open", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
     common.exit_on_sigterm()
@@ -403,6 +415,9 @@ def main() -> None:
         return
     if args.child_build_direct:
         common.emit_json(child_build_direct(args.child_build_direct[0], int(args.child_build_direct[1])))
+        return
+    if args.child_build_synthetic:
+        common.emit_json(child_build_synthetic(args.child_build_synthetic[0], int(args.child_build_synthetic[1])))
         return
     if args.child_open:
         common.emit_json(child_open(args.child_open))
