@@ -59,8 +59,9 @@ class Subject(Protocol):
 
     early_window: float
     """Seconds after ``start`` in which an early kill lands (during startup and recovery)."""
-    load_window: float
-    """A kill under load comes at most this long after ``ready``."""
+    @property
+    def load_window(self) -> float:
+        """A kill under load comes at most this long after ``ready``."""
     ready_timeout: float
     """How long a start may take before the harness calls it a failure (a bound, never a wait)."""
 
@@ -329,7 +330,7 @@ def _cycle(subject: Subject, rng: random.Random, led: Ledger, next_n: int, messa
 
 def _drain(subject: Subject, led: Ledger, problems: list[str]) -> None:
     subject.start()
-    deadline = time.monotonic() + DRAIN_TIMEOUT
+    deadline = time.monotonic() + subject.ready_timeout + DRAIN_TIMEOUT
     asked = False
     while time.monotonic() < deadline:
         evs = subject.events(deadline - time.monotonic())
@@ -347,7 +348,7 @@ def _drain(subject: Subject, led: Ledger, problems: list[str]) -> None:
                 problems.append("the subject exited while draining")
                 subject.kill()
                 return
-    problems.append(f"the queue did not drain within {DRAIN_TIMEOUT:.0f}s")
+    problems.append(f"the queue did not drain within {DRAIN_TIMEOUT:.0f}s (after the start)")
     subject.kill()
 
 

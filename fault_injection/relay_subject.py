@@ -296,7 +296,6 @@ class RelaySubject:
         self.qid_n: dict[str, int] = {}
         self.started_at = 0.0
         self.early_window = 3.0   # updated to the last start-to-ready time: a kill in it hits startup/recovery
-        self.load_window = 2.0
         self.ready_timeout = READY_TIMEOUT
         self.refusals: list[str] = []  # what the relay refused, when it was alive to answer
         self.clients = [threading.Thread(target=self._client, name=f"kill9-client-{i}", daemon=True)
@@ -305,6 +304,12 @@ class RelaySubject:
             t.start()
 
     # -- kill9.Subject ---------------------------------------------------------
+
+    @property
+    def load_window(self) -> float:
+        """2 s, or a quarter of the last start time if longer: on a slow machine deliveries take longer too,
+        and a life must last long enough for some to complete (and be recorded) before the kill."""
+        return max(2.0, self.early_window / 4)
 
     def start(self) -> None:
         self.life += 1
