@@ -310,7 +310,7 @@ def measure_fairness(backlog_path: str, rounds: int, enqueuers: int, duration: f
 # -- charts ------------------------------------------------------------------------------------
 
 
-def charts(result: dict[str, Any], out_dir: str) -> list[str]:
+def charts(result: dict[str, Any], out_dir: str, tag: str = "") -> list[str]:
     """Two SVGs: recovery and RSS against queue size; accepted/s per round with and without backlog."""
     try:
         import matplotlib
@@ -341,7 +341,7 @@ def charts(result: dict[str, Any], out_dir: str) -> list[str]:
         ax2.set_ylim(0, base * 1.8)
         ax2.legend(fontsize="small")
         fig.tight_layout()
-        path = os.path.join(out_dir, "bench_backlog_recovery.svg")
+        path = os.path.join(out_dir, f"bench_backlog_recovery{tag}.svg")
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
@@ -364,7 +364,7 @@ def charts(result: dict[str, Any], out_dir: str) -> list[str]:
         ax.margins(y=0.15)
         ax.legend(loc="lower right")
         fig.tight_layout()
-        path = os.path.join(out_dir, "bench_backlog_fairness.svg")
+        path = os.path.join(out_dir, f"bench_backlog_fairness{tag}.svg")
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
@@ -404,6 +404,7 @@ def main() -> None:
     ap.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
     ap.add_argument("--charts", metavar="DIR", default=str(common.ROOT / "docs"),
                     help="where the SVG charts go (default docs/); 'none' for no charts")
+    ap.add_argument("--tag", default="", help="suffix of the chart names: bench_backlog_recovery_TAG.svg")
     ap.add_argument("--child-build-engine", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--child-build-direct", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--child-build-synthetic", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
@@ -498,7 +499,7 @@ def main() -> None:
     say("\nSummary (medians)")
     say(common.table(["figure", "value", "target", "met"], rows))
     if args.charts != "none":
-        for path in charts(result, args.charts):
+        for path in charts(result, args.charts, f"_{args.tag}" if args.tag else ""):
             say(f"chart: {path}")
     say(f"elapsed {time.perf_counter() - t_start:.0f} s, load average now {common.load_average()}")
     if args.json:
