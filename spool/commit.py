@@ -7,6 +7,27 @@ every waiter whose records are now durable. While that fsync runs, more
 appends pile up for the next one, so fsyncs per message fall as concurrency
 rises: at 100 concurrent enqueues one fsync covers dozens of messages.
 
+Lazy records. FINISH records, replacement envelopes and the marks of an
+ended attempt need no fsync of their own (DESIGN §2), so ``finish`` does not
+start a commit: they ride with the next commit someone waits for, or, if none
+comes within ``lazy_commit_delay``, one lazy commit takes them. It still
+fdatasyncs, because runners read only the durable part of the log (a
+replacement envelope must become visible to its runner) and a garbage mark may
+only be written once its START is durable; but at any load it finds the
+records already taken by a commit that was needed anyway.
+
+No polling. ``next_due`` sleeps until a commit or a finish changes something
+or a runner's wake time comes; the runners themselves skip a pass that could
+find nothing (``Runner.idle``). The checkpointer sleeps until something
+changed, so an idle relay makes no system calls at all.
+
+Bodies for delivery. ``read_body`` returns a ``StoredBody``: an iterable read
+chunk by chunk as it is iterated (bounded memory, and again from the start on
+a retry), served from the spool's body cache when the message was accepted a
+moment ago. Iterated with ``async for``, big bodies are read in a worker
+thread; small ones inline (one pread from the page cache is cheaper than the
+thread hop).
+
 Crash-only. An exception in the committer (a failed fsync above all) is not
 handled: it ends the nursery and the process, and the next start recovers.
 
@@ -17,7 +38,7 @@ nursery.start(aspool.run)``); it owns the committer and checkpointer tasks.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import trio
@@ -28,6 +49,47 @@ from spool.fileio import FileIO
 from spool.record import HELD_CLASS, Outcome
 from spool.spool import Attempt, BodyWriter, Spool
 
+# Bodies up to this size are read in the event loop's thread (from the page cache: a few
+# microseconds), bigger ones chunk by chunk in a worker thread.
+INLINE_READ = 64 * 1024
+
+
+class StoredBody:
+    """A message's data for delivery: chunks read as they are iterated, any number of times.
+
+    Why: a transport must be able to send a 50 MB message in bounded memory
+    and to start over on a retry; and a body that is still in the spool's
+    cache costs no read at all.
+    """
+
+    def __init__(self, core: Spool, attempt: Attempt) -> None:
+        self._core = core
+        self.positions = attempt.envelope.body
+        self.size = attempt.envelope.body_size
+        self._cached = core.cached_body(attempt.envelope)
+
+    @property
+    def cached(self) -> bool:
+        return self._cached is not None
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Blocking reads: for worker threads, or small bodies."""
+        if self._cached is not None:
+            return iter(self._cached)
+        return (self._core.read_chunk(p) for p in self.positions)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._cached is not None:
+            for chunk in self._cached:
+                yield chunk
+            return
+        inline = self.size <= INLINE_READ
+        for pos in self.positions:
+            if inline:
+                yield self._core.read_chunk(pos)
+            else:
+                yield await trio.to_thread.run_sync(self._core.read_chunk, pos)
+
 
 class AsyncSpool:
     def __init__(self, core: Spool) -> None:
@@ -35,8 +97,12 @@ class AsyncSpool:
         self._kick = trio.Event()
         self._synced = trio.Event()
         self._changed = trio.Event()
+        self._lazy = trio.Event()
+        self._moved = trio.Event()
         self._last_plan: Any = None
         self.batch_sizes: list[int] = []
+        self.lazy_commits = 0
+        self.checkpoint_passes = 0
         core.flush_hook = self._kick.set
         self._running = False
 
@@ -48,6 +114,7 @@ class AsyncSpool:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._committer)
+            nursery.start_soon(self._lazy_committer)
             nursery.start_soon(self._checkpointer)
             self._running = True
             task_status.started()
@@ -79,9 +146,41 @@ class AsyncSpool:
             self._kick.set()
             await self._synced.wait()
 
+    async def _lazy_committer(self) -> None:
+        """Commit what nobody waits for, unless a commit somebody waits for takes it first."""
+        delay = self.core.config.lazy_commit_delay
+        writer = self.core.writer
+        while True:
+            await self._lazy.wait()
+            await trio.sleep(delay)
+            self._lazy = trio.Event()
+            if writer.has_pending:
+                self.lazy_commits += 1
+                self._kick.set()
+
     def _signal_change(self) -> None:
         changed, self._changed = self._changed, trio.Event()
         changed.set()
+        self._moved.set()
+
+    # -- back-pressure ------------------------------------------------------------
+
+    @property
+    def unflushed_bytes(self) -> int:
+        """Bytes appended (message data above all) that the committer has not yet written."""
+        return self.core.writer.pending_bytes
+
+    async def wait_flushed(self) -> None:
+        """Return once the unwritten backlog is below ``flush_threshold`` (at once if it is).
+
+        For a receiver: stop reading from a client that sends faster than the
+        disk writes, instead of piling its message up in memory.
+        """
+        writer = self.core.writer
+        limit = self.core.config.flush_threshold
+        while writer.pending_bytes >= limit:
+            self._kick.set()
+            await self._synced.wait()
 
     # -- enqueue ----------------------------------------------------------------
 
@@ -103,20 +202,32 @@ class AsyncSpool:
     # -- delivery ---------------------------------------------------------------
 
     async def next_due(self, limit: int | None = None) -> list[Attempt]:
-        """Wait until something is due, then claim it (new and deferred mail alternately)."""
+        """Wait until something is due, then claim it (new and deferred mail alternately).
+
+        Sleeps until a commit or a finish changes something, or until the
+        earliest runner wake time; never on a polling timer.
+        """
+        core = self.core
         while True:
-            attempts = self.core.poll_due(limit=limit)
+            changed = self._changed
+            before = [r.pos for r in core.runners]
+            attempts = core.poll_due(limit=limit)
+            if [r.pos for r in core.runners] != before:
+                self._moved.set()
             if attempts:
                 # The STARTs reach the disk before any delivery begins: then a crash, even a
                 # power cut, leaves a record of every attempt that may have reached a remote,
                 # and recovery can name its recipients as in doubt. One commit per batch of claims.
                 await self.commit()
                 return attempts
-            wake = self.core.next_wake()
-            now = self.core.config.clock()
-            timeout = 1.0 if wake is None else min(1.0, max(0.01, wake - now))
-            changed = self._changed
-            with trio.move_on_after(timeout):
+            wake = core.next_wake() if core.has_room else None
+            if wake is None:
+                await changed.wait()
+                continue
+            # The spool's clock is the wall clock, trio's is monotonic: a millisecond of margin so
+            # as not to wake just before the record is due, and at most a minute between looks
+            # in case the wall clock is set back.
+            with trio.move_on_after(min(60.0, max(0.0, wake - core.config.clock()) + 0.001)):
                 await changed.wait()
 
     async def record_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0) -> None:
@@ -128,12 +239,13 @@ class AsyncSpool:
                extra: dict[str, Any] | None = None) -> int | None:
         """End the attempt. No fsync of its own: recovery rebuilds a lost FINISH or replacement."""
         result = self.core.finish(attempt, next_class=next_class, extra=extra)
-        self._kick.set()  # let the marks and records reach the disk soon, without anyone waiting
+        self._lazy.set()  # the records ride with the next commit, or a lazy one soon
         self._signal_change()
         return result
 
-    async def read_body(self, attempt: Attempt) -> list[bytes]:
-        return await trio.to_thread.run_sync(lambda: list(self.core.read_body(attempt.envelope)))
+    async def read_body(self, attempt: Attempt) -> StoredBody:
+        """The body, read lazily as it is iterated (see StoredBody); nothing is read here."""
+        return StoredBody(self.core, attempt)
 
     # -- admin ------------------------------------------------------------------
 
@@ -176,10 +288,16 @@ class AsyncSpool:
     # -- checkpoints ------------------------------------------------------------
 
     async def _checkpointer(self) -> None:
+        """Every ``checkpoint_interval``, if anything moved since the last one; else sleep until it does."""
         interval = self.core.config.checkpoint_interval
+        if not math.isfinite(interval):
+            return
         while True:
-            await trio.sleep(interval if math.isfinite(interval) else 3600)
+            await trio.sleep(interval)
+            self._moved = trio.Event()
+            self.checkpoint_passes += 1
             await self.checkpoint()
+            await self._moved.wait()
 
     async def checkpoint(self) -> list[int]:
         """Write restart positions (if they moved) and reclaim segments behind them."""

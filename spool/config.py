@@ -45,6 +45,12 @@ class SpoolConfig:
     body_chunk: int = 256 * 1024
     flush_threshold: int = 4 * MIB
     checkpoint_interval: float = 2.0
+    # Records nobody waits for (FINISH, replacement envelopes) ride with the next commit, or are
+    # committed this many seconds after they were appended if no commit comes sooner.
+    lazy_commit_delay: float = 0.1
+    # Bodies of freshly enqueued messages kept in memory, so that delivering a message right after
+    # accepting it reads nothing back; a body larger than a quarter of this is never kept.
+    body_cache: int = 4 * MIB
     clock: Callable[[], float] = time.time
 
     def __attrs_post_init__(self) -> None:
@@ -54,6 +60,10 @@ class SpoolConfig:
             raise ValueError("active_limit must be at least 1")
         if self.max_queue_lifetime <= 0:
             raise ValueError("max_queue_lifetime must be positive")
+        if not self.lazy_commit_delay >= 0:
+            raise ValueError("lazy_commit_delay must not be negative")
+        if self.body_cache < 0:
+            raise ValueError("body_cache must not be negative")
 
     @property
     def classes(self) -> int:

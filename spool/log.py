@@ -73,6 +73,7 @@ class LogWriter:
         self._off = end_offset
         self._chunks: list[tuple[int, int, bytearray]] = []
         self._marks: list[int] = []
+        self._pending_bytes = 0
         self._last_time = now
         self.durable_end = make_pos(segment_id, end_offset)
         self.written_end = self.durable_end
@@ -100,7 +101,8 @@ class LogWriter:
 
     @property
     def pending_bytes(self) -> int:
-        return sum(len(c[2]) for c in self._chunks)
+        """Bytes appended but not yet handed to ``write_batch`` (a counter: asked on every body chunk)."""
+        return self._pending_bytes
 
     @property
     def has_pending(self) -> bool:
@@ -120,6 +122,7 @@ class LogWriter:
             self._off = 0
             self._chunks.append((self._seg, 0, bytearray(encode_segment_header(self._seg, t, sealed))))
             self._off = SEGMENT_HEADER_SIZE
+            self._pending_bytes += SEGMENT_HEADER_SIZE
         pos = make_pos(self._seg, self._off)
         frame = encode_frame(self._seg, rtype, payload, klass=klass, time=t)
         if self._chunks and self._chunks[-1][0] == self._seg:
@@ -127,6 +130,7 @@ class LogWriter:
         else:
             self._chunks.append((self._seg, self._off, bytearray(frame)))
         self._off += size
+        self._pending_bytes += size
         self.appended_bytes += size
         self.records += 1
         return pos
@@ -142,6 +146,7 @@ class LogWriter:
     def take_batch(self, *, sync: bool = True) -> Batch:
         batch = Batch(self._chunks, self.head, self._marks if sync else [], sync)
         self._chunks = []
+        self._pending_bytes = 0
         if sync:
             self._marks = []
         return batch

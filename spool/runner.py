@@ -11,6 +11,13 @@ time): garbage records, other classes' envelopes and message bodies are passed
 without decoding, and a body larger than the read window is skipped with a
 seek, never read. Only a candidate envelope is checksummed and decoded.
 
+Idle runners cost nothing. A runner remembers why its last pass stopped: at
+the end of the durable log (then only a longer log can give it work), at a
+record not yet due (then only time can: ``wake_at``), or at its limit (then
+the next pass goes on at once). ``scan`` returns without reading anything
+while neither the log nor the clock has moved past that point, so the caller
+may poll it as often as it likes.
+
 The last class is also the *sweeper*: it carries held messages forward (no
 runner starts them otherwise), so that nothing live is left behind the oldest
 runner and the log behind it is garbage.
@@ -71,7 +78,10 @@ class Runner:
         self.pos = pos
         self.sweeper = sweeper
         self.wake_at: float | None = None
+        # The durable end at which the last pass found nothing more to read (None: it did not reach the end).
+        self._end_seen: int | None = None
         self.records_scanned = 0
+        self.passes = 0
         self.bytes_read = 0
         self._fd = -1
         self._fd_seg = -1
@@ -100,16 +110,32 @@ class Runner:
         self._buf_start = off
         self.bytes_read += len(self._buf)
 
+    def idle(self, durable_end: int, now: float) -> bool:
+        """Would a pass now find nothing? True only when neither the log nor the clock moved enough."""
+        if self.wake_at is not None:
+            return now < self.wake_at
+        return self._end_seen == durable_end
+
+    @property
+    def has_more(self) -> bool:
+        """Did the last pass stop at its limit, with more perhaps due right now?"""
+        return self.wake_at is None and self._end_seen is None
+
     def scan(self, log: LogBounds, now: float, limit: int, skip: Container[int]) -> list[Candidate]:
         """Advance over what is due and return up to ``limit`` candidate envelopes.
 
         The position moves past a candidate as it is returned: the caller must
         claim it (append a START) before anything else reads the position.
+        Returns at once, reading nothing, while the runner is ``idle``.
         """
+        durable = log.durable_end
+        if limit <= 0 or self.idle(durable, now):
+            return []
+        self.passes += 1
         cutoff = now - self.interval
         out: list[Candidate] = []
         self.wake_at = None
-        durable = log.durable_end
+        self._end_seen = None
         while len(out) < limit:
             seg, off = pos_segment(self.pos), pos_offset(self.pos)
             end = log.segment_end(seg)
@@ -117,6 +143,7 @@ class Runner:
                 if seg < pos_segment(durable):
                     self.pos = make_pos(seg + 1, SEGMENT_HEADER_SIZE)
                     continue
+                self._end_seen = durable
                 break
             if end - off < HEADER_SIZE:
                 raise CorruptSegment(f"{end - off} stray bytes where a record header should be",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -93,12 +94,61 @@ class Attempt:
                 if r not in self.outcomes or not self.outcomes[r].status.final]
 
 
+class BodyCache:
+    """Bodies of recently enqueued messages, by the position of their first DATA record.
+
+    Why: most mail is delivered a moment after it is accepted; reading its body
+    back from the log costs a read and, in the relay, a hop to a worker thread.
+    Bounded in bytes. Under a backlog the oldest entries are the next to be
+    delivered, so a full cache refuses newcomers rather than evicting them;
+    only entries older than ``max_age`` (a message held or deleted before
+    delivery, whose attempt never ends) make way. Entries leave when their
+    message's attempt ends.
+    """
+
+    def __init__(self, limit: int, max_age: float = 60.0) -> None:
+        self.limit = limit
+        self.item_limit = limit // 4
+        self.max_age = max_age
+        self.bytes = 0
+        self.hits = 0
+        self._items: OrderedDict[int, tuple[float, tuple[bytes, ...], int]] = OrderedDict()
+
+    def add(self, key: int, chunks: tuple[bytes, ...], size: int, now: float) -> None:
+        if size > self.item_limit or key in self._items:
+            return
+        while self._items and self.bytes + size > self.limit:
+            old_key, (added, _chunks, old_size) = next(iter(self._items.items()))
+            if added > now - self.max_age:
+                return
+            del self._items[old_key]
+            self.bytes -= old_size
+        self._items[key] = (now, chunks, size)
+        self.bytes += size
+
+    def get(self, key: int) -> tuple[bytes, ...] | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self.hits += 1
+        return item[1]
+
+    def drop(self, key: int) -> None:
+        item = self._items.pop(key, None)
+        if item is not None:
+            self.bytes -= item[2]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class BodyWriter:
     """Streams a message body into DATA records as it arrives.
 
     Why: a 50 MB message must pass through in bounded memory. Chunks are
     appended (not synced) as they fill; the enqueue's commit makes them durable
-    together with the envelope.
+    together with the envelope. A body small enough for the spool's body cache
+    also keeps its chunks (references to bytes made anyway) for that cache.
     """
 
     def __init__(self, spool: Spool) -> None:
@@ -107,6 +157,7 @@ class BodyWriter:
         self.chunks: list[int] = []
         self.size = 0
         self.closed = False
+        self.kept: list[bytes] | None = [] if spool.body_cache.item_limit > 0 else None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.closed:
@@ -119,6 +170,11 @@ class BodyWriter:
             del self._buf[:limit]
 
     def _emit(self, chunk: bytes) -> None:
+        if self.kept is not None:
+            if self.size > self._spool.body_cache.item_limit:
+                self.kept = None
+            else:
+                self.kept.append(chunk)
         pos = self._spool._append(RecordType.DATA, chunk)
         if not self.chunks:
             self._spool._open_bodies[id(self)] = pos
@@ -165,6 +221,7 @@ class Spool:
         self.flush_hook: Any = None
         # How many segments a live body may lie behind its envelope (see BODY_SLACK); only grows.
         self.body_span = 0
+        self.body_cache = BodyCache(config.body_cache)
 
     # -- open = recover -----------------------------------------------------
 
@@ -357,12 +414,23 @@ class Spool:
         return self.writer.read_frame(pos).klass
 
     def read_body(self, envelope: Envelope) -> Iterator[bytes]:
-        """The message data, chunk by chunk, each checked against its checksum."""
+        """The message data, chunk by chunk, each checked against its checksum (or from the body cache)."""
+        cached = self.cached_body(envelope)
+        if cached is not None:
+            yield from cached
+            return
         for pos in envelope.body:
-            frame = self.writer.read_frame(pos)
-            if frame.rtype != RecordType.DATA:
-                raise CorruptRecord(f"expected message data at position {pos}")
-            yield frame.payload
+            yield self.read_chunk(pos)
+
+    def cached_body(self, envelope: Envelope) -> tuple[bytes, ...] | None:
+        return self.body_cache.get(envelope.body[0]) if envelope.body else None
+
+    def read_chunk(self, pos: int) -> bytes:
+        """One DATA record's payload. Blocking: the trio layer calls it in a worker thread for big bodies."""
+        frame = self.writer.read_frame(pos)
+        if frame.rtype != RecordType.DATA:
+            raise CorruptRecord(f"expected message data at position {pos}")
+        return frame.payload
 
     # -- appending --------------------------------------------------------------
 
@@ -383,17 +451,18 @@ class Spool:
 
     def _body_chunks(self, body: bytes | BodyWriter | Iterable[bytes]) -> tuple[tuple[int, ...], int]:
         if isinstance(body, BodyWriter):
-            chunks = body.close()
-            self._open_bodies.pop(id(body), None)
-            return chunks, body.size
-        writer = self.begin_body()
-        if isinstance(body, bytes | bytearray | memoryview):
-            writer.write(body)
+            writer = body
         else:
-            for part in body:
-                writer.write(part)
+            writer = self.begin_body()
+            if isinstance(body, bytes | bytearray | memoryview):
+                writer.write(body)
+            else:
+                for part in body:
+                    writer.write(part)
         chunks = writer.close()
         self._open_bodies.pop(id(writer), None)
+        if writer.kept is not None and chunks:
+            self.body_cache.add(chunks[0], tuple(writer.kept), writer.size, self._now())
         return chunks, writer.size
 
     @property
@@ -511,9 +580,19 @@ class Spool:
                                                    attempts=attempt.envelope.attempts, held=True))
 
     def next_wake(self) -> float | None:
-        """Earliest time a runner may find something new (None: only new appends wake them)."""
+        """Earliest time a runner may find something new (None: only new appends wake them).
+
+        Now, if a runner stopped at its limit with more perhaps due.
+        """
+        if any(r.has_more for r in self.runners):
+            return self._now()
         times = [r.wake_at for r in self.runners if r.wake_at is not None]
         return min(times) if times else None
+
+    @property
+    def has_room(self) -> bool:
+        """May another message be claimed, under ``active_limit``?"""
+        return len(self.attempts) < self.config.active_limit
 
     def record_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0) -> int:
         """Append a DELIVERY delta. The caller must commit before the message's next step."""
@@ -544,6 +623,8 @@ class Spool:
 
     def _end(self, attempt: Attempt, replacement: int | None) -> None:
         self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        if attempt.envelope.body:
+            self.body_cache.drop(attempt.envelope.body[0])
         del self.attempts[attempt.start_pos]
         del self.by_envelope[attempt.envelope_pos]
 

@@ -1,0 +1,188 @@
+"""The trio layer's economies: no polling when idle, lazy commits, bodies read lazily or not at all.
+
+trio's MockClock drives time here, and the spool's clock follows it (plus an
+epoch), so a deferred message comes due when trio's clock says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from spool.commit import INLINE_READ, AsyncSpool, StoredBody
+from spool.config import SpoolConfig
+from spool.record import Outcome, Status
+from spool.spool import Spool
+
+EPOCH = 1_000_000.0
+
+
+def trio_clock() -> float:
+    """The spool's clock: trio's (mock) time after EPOCH; EPOCH outside trio (Spool.open runs in a thread)."""
+    try:
+        return EPOCH + trio.current_time()
+    except RuntimeError:
+        return EPOCH
+
+
+def config(**kw: object) -> SpoolConfig:
+    opts: dict[str, object] = {"retry_intervals": (60.0, 600.0), "checkpoint_interval": math.inf,
+                               "clock": trio_clock}
+    opts.update(kw)
+    return SpoolConfig(**opts)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def running(path: Path, cfg: SpoolConfig) -> AsyncIterator[AsyncSpool]:
+    aspool = await AsyncSpool.open(str(path), cfg)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(aspool.run)
+            yield aspool
+            nursery.cancel_scope.cancel()
+    finally:
+        aspool.core.close()
+
+
+def passes(core: Spool) -> int:
+    return sum(r.passes for r in core.runners)
+
+
+async def test_runner_reads_nothing_while_the_log_and_clock_stand_still(tmp_path: Path) -> None:
+    async with running(tmp_path, config()) as aspool:
+        core = aspool.core
+        mid = await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
+        (a,) = await aspool.next_due()
+        assert a.message_id == mid
+        assert core.poll_due() == []  # one pass over the START that next_due committed
+        before = (passes(core), sum(r.bytes_read for r in core.runners))
+        for _ in range(50):
+            assert core.poll_due() == []
+        assert (passes(core), sum(r.bytes_read for r in core.runners)) == before
+        # a new durable record is new work for the new-mail runner again
+        second = await aspool.enqueue("s@src.example", ["r@dest.example"], b"again")
+        assert [x.message_id for x in core.poll_due()] == [second]
+
+
+async def test_next_due_sleeps_until_the_deferred_message_is_due(tmp_path: Path,
+                                                                 autojump_clock: trio.testing.MockClock) -> None:
+    """No polling on a timer: a handful of runner passes over a minute's wait, and it returns on time."""
+    async with running(tmp_path, config()) as aspool:
+        mid = await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
+        (a,) = await aspool.next_due()
+        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DEFERRED, 451)])
+        aspool.finish(a)
+        # (autojump moves trio's clock while a worker thread syncs: let the replacement be durable first)
+        await aspool.commit()
+        deferred_at = trio.current_time()
+        p0 = passes(aspool.core)
+        (again,) = await aspool.next_due()
+        assert again.message_id == mid and again.klass == 1
+        waited = trio.current_time() - deferred_at
+        assert 59.0 <= waited <= 62.0, waited
+        assert passes(aspool.core) - p0 < 12, f"{passes(aspool.core) - p0} runner passes while waiting"
+
+
+async def test_idle_spool_neither_checkpoints_nor_syncs(tmp_path: Path) -> None:
+    """Real time: a checkpoint's fsyncs run in a worker thread, which autojump would not wait for."""
+
+    async def checkpoints_after(n: int) -> None:
+        with trio.fail_after(30):
+            while aspool.checkpoint_passes <= n or aspool.core.checkpoint_state is None \
+                    or aspool.core.checkpoint_state.head < aspool.core.writer.durable_end:
+                await trio.sleep(0.02)
+
+    async with running(tmp_path, config(checkpoint_interval=0.02)) as aspool:
+        core = aspool.core
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
+        await checkpoints_after(0)
+        ran, fsyncs = aspool.checkpoint_passes, core.writer.fsyncs
+        await trio.sleep(0.5)  # 25 intervals with nothing to do
+        assert aspool.checkpoint_passes == ran, "no checkpoint pass while nothing changes"
+        assert core.writer.fsyncs == fsyncs
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"more")
+        await checkpoints_after(ran)  # a change is checkpointed again
+
+
+async def test_finish_rides_with_the_next_commit(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    async with running(tmp_path, config(lazy_commit_delay=0.1)) as aspool:
+        w = aspool.core.writer
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
+        (a,) = await aspool.next_due()
+        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DELIVERED, 250)])
+        fsyncs, commits = w.fsyncs, w.commits
+        aspool.finish(a)
+        finish_end = w.head
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"two")
+        assert w.durable_end >= finish_end
+        assert w.commits - commits == 1 and w.fsyncs - fsyncs == 1
+        await trio.sleep(1)
+        assert aspool.lazy_commits == 0, "nothing was left for a lazy commit"
+
+
+async def test_finish_alone_is_committed_after_the_lazy_delay(tmp_path: Path,
+                                                              autojump_clock: trio.testing.MockClock) -> None:
+    async with running(tmp_path, config(lazy_commit_delay=0.1)) as aspool:
+        w = aspool.core.writer
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
+        (a,) = await aspool.next_due()
+        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DEFERRED, 451)])
+        fsyncs = w.fsyncs
+        aspool.finish(a)
+        assert w.has_pending and w.fsyncs == fsyncs, "finish starts no commit of its own"
+        await trio.sleep(1)
+        assert aspool.lazy_commits == 1
+        await aspool.commit()  # waits for the lazy commit's sync, adds none of its own
+        assert w.fsyncs - fsyncs == 1 and not w.has_pending
+
+
+async def test_body_of_fresh_mail_comes_from_the_cache(tmp_path: Path) -> None:
+    async with running(tmp_path, config()) as aspool:
+        core = aspool.core
+        body = b"Subject: x\r\n\r\n" + b"y" * 5000
+        await aspool.enqueue("s@src.example", ["r@dest.example"], body)
+        (a,) = await aspool.next_due()
+        stored = await aspool.read_body(a)
+        assert isinstance(stored, StoredBody) and stored.cached
+        assert b"".join(stored) == body
+        assert b"".join([c async for c in stored]) == body
+        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DEFERRED, 451)])
+        aspool.finish(a)
+        assert len(core.body_cache) == 0 and core.body_cache.bytes == 0, "an ended attempt leaves the cache"
+        assert b"".join(core.read_body(a.envelope)) == body
+
+
+async def test_big_body_is_read_lazily_and_again(tmp_path: Path) -> None:
+    cfg = config(body_chunk=16 * 1024, body_cache=64 * 1024)
+    async with running(tmp_path, cfg) as aspool:
+        body = bytes(range(256)) * (4 * INLINE_READ // 256)
+        writer = aspool.begin_body()
+        for i in range(0, len(body), 10_000):
+            writer.write(body[i:i + 10_000])
+        await aspool.enqueue("s@src.example", ["r@dest.example"], writer)
+        assert len(aspool.core.body_cache) == 0, "too big for the cache"
+        (a,) = await aspool.next_due()
+        stored = await aspool.read_body(a)
+        assert not stored.cached
+        chunks = [c async for c in stored]
+        assert len(chunks) == len(body) // (16 * 1024) and b"".join(chunks) == body
+        assert b"".join(stored) == body, "iterable again, from the start"
+
+
+async def test_wait_flushed_brings_the_backlog_under_the_threshold(tmp_path: Path) -> None:
+    cfg = config(flush_threshold=64 * 1024, body_chunk=16 * 1024)
+    async with running(tmp_path, cfg) as aspool:
+        writer = aspool.begin_body()
+        writer.write(b"z" * 200 * 1024)  # no await: the committer has not run
+        assert aspool.unflushed_bytes >= 192 * 1024  # all but the last partial chunk
+        await aspool.wait_flushed()
+        assert aspool.unflushed_bytes < 64 * 1024
+        await aspool.wait_flushed()  # under the threshold: returns at once
+        await aspool.enqueue("s@src.example", ["r@dest.example"], writer)
+        (a,) = await aspool.next_due()
+        assert b"".join(await aspool.read_body(a)) == b"z" * 200 * 1024
