@@ -199,13 +199,15 @@ class BodyEncoder:
         self._pending_cr = False
 
     def encode(self, chunk: bytes) -> bytes:
-        data = (b"\r" if self._pending_cr else b"") + chunk
+        data = b"\r" + chunk if self._pending_cr else chunk
         self._pending_cr = data.endswith(b"\r")
         if self._pending_cr:
             data = data[:-1]  # it may be the first half of a CRLF split across chunks
         if not data:
             return b""
-        data = _NEWLINE_RE.sub(b"\r\n", data)
+        crlf = data.count(b"\r\n")
+        if data.count(b"\n") != crlf or data.count(b"\r") != crlf:  # counting is cheaper than a regex pass
+            data = _NEWLINE_RE.sub(b"\r\n", data)
         out = data.replace(b"\r\n.", b"\r\n..")
         if self._line_start and out.startswith(b"."):
             out = b"." + out

@@ -198,6 +198,7 @@ def _build_reply(code: int, texts: list[str]) -> Reply:
 R_TOO_BIG: Final = Reply(552, "5.3.4", "Message size exceeds fixed limit")
 R_DATA_BARE_NEWLINE: Final = Reply(550, "5.6.11", "Bare CR or LF in message content; use CRLF")
 R_DATA_LONG_LINE: Final = Reply(550, "5.5.2", "Message has a line longer than allowed")
+_BARE_RE: Final = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 
 
 class ContentDecoder:
@@ -206,8 +207,19 @@ class ContentDecoder:
     Only CRLF.CRLF ends the message (SMTP smuggling). A bare CR or LF sets
     ``refusal`` (550 5.6.11), or with ``normalize`` becomes CRLF; either way the
     line after it is never a terminator and is not unstuffed. Over-size and
-    over-long lines also set ``refusal``; from then on content is only counted,
-    not returned, so a doomed message costs no disk.
+    over-long lines also set ``refusal``; from then on content is only scanned
+    for its end, not returned, so a doomed message costs no disk. ``size`` is
+    the content size so far while there is no refusal.
+
+    Two paths, one behaviour. The bulk path takes a run of whole lines that
+    holds nothing unusual (no bare CR or LF, no line near the limit, no size
+    overflow): one ``replace`` undoes the dot-stuffing and one slice copies it.
+    Whatever the bulk path will not take — a line with a bare CR or LF, a
+    suspect long line, the lines around the size limit, a partial last line —
+    goes through the per-line machine (``_piece``), which is the definition;
+    the bulk path only ever stops short of where it would have to decide. Why:
+    per-line Python was most of the relay's CPU on large messages
+    (docs/bench_relay.md).
     """
 
     def __init__(self, max_size: int, max_line: int, normalize: bool) -> None:
@@ -219,28 +231,98 @@ class ContentDecoder:
         self._line_start = True  # the CRLF of the DATA command counts as a line end
         self._real_line_start = True
         self._line_len = 0
-        self._out = bytearray()
+        self._parts: list[bytes | bytearray] = []
+        self._produced = 0
 
     def decode(self, buf: bytearray, pos: int, limit: int) -> tuple[int, bytes, bool]:
         """Consume from ``buf[pos:]``; return (new pos, content of at most ``limit`` bytes, ended)."""
+        n = len(buf)
         done = False
-        while len(self._out) < limit:
-            pos, step = self._step(buf, pos, limit - len(self._out))
-            if step is None:
+        term = buf.find(b"\r\n.\r\n", pos)  # only CRLF pairs are real line ends, so the first one is the end
+        bare = -1  # first bare CR/LF at or after pos (n: none), looked up again only once passed
+        self._produced = 0
+        while self._produced < limit:
+            if self._line_start:
+                head = self._line_head(buf, pos, n)
+                if head is None:
+                    break
+                if head < 0:
+                    pos, done = pos + 3, True
+                    break
+                pos = head
+                if pos >= n:
+                    break
+            if self.refusal is not None:
+                e = term + 2 if term >= 0 else buf.rfind(b"\n", pos) + 1
+                if e > pos:
+                    self._real_line_start = e - 2 >= pos and buf[e - 2] == 0x0D
+                    self._line_start, self._line_len, pos = True, 0, e
+                    continue
+            else:
+                if bare < pos:
+                    m = _BARE_RE.search(buf, pos)
+                    bare = m.start() if m is not None else n
+                e = self._bulk_end(buf, pos, min(n, pos + limit - self._produced, bare), term)
+                if e > pos:
+                    data = bytes(memoryview(buf)[pos:e]).replace(b"\r\n.", b"\r\n")
+                    self.size += len(data)
+                    self._produced += len(data)
+                    self._parts.append(data)
+                    self._line_start = self._real_line_start = True
+                    self._line_len, pos = 0, e
+                    continue
+            pos, progress = self._piece(buf, pos, limit - self._produced)
+            if not progress:
                 break
-            if step:
-                done = True
-                break
-        out = bytes(self._out)
-        self._out.clear()
-        return pos, out, done
+        parts, self._parts = self._parts, []
+        return pos, b"".join(parts), done
+
+    def _line_head(self, buf: bytearray, pos: int, n: int) -> int | None:
+        """At a line start: -1 at the terminator, None to wait for input, else where the line's content begins."""
+        if pos >= n:
+            return None
+        if self._real_line_start and buf[pos] == 0x2E:  # "."
+            if buf.startswith(b".\r\n", pos):
+                return -1
+            if n - pos < 3 and b".\r\n".startswith(bytes(buf[pos:])):
+                return None
+            pos += 1  # dot-stuffing: drop the first dot of the line
+        self._line_start = False
+        return pos
+
+    def _bulk_end(self, buf: bytearray, pos: int, stop: int, term: int) -> int:
+        """Where a run of plain whole lines from ``pos`` (mid-line) ends, at most ``stop``; ``pos`` for none.
+
+        ``stop`` already excludes the first bare CR/LF. The run also stays
+        within the size limit (unstuffing only shrinks it) and ends before the
+        first line that could be too long, which the per-line path then judges.
+        """
+        stop = min(stop, pos + self.max_size - self.size)
+        if term >= 0 and term + 2 <= stop:
+            e = term + 2
+        else:
+            e = buf.rfind(b"\n", pos, stop) + 1
+            if e <= pos:
+                return pos
+        most = self.max_line - 2  # content bytes a line may hold
+        lf = buf.find(b"\n", pos, e)
+        if self._line_len + lf - 1 - pos > most:
+            return pos
+        k = lf + 1
+        while e - k > most + 2:  # some line in [k, e) may be longer than allowed
+            j = buf.rfind(b"\n", k, k + most + 2)
+            if j < 0:
+                return k  # the line at k is long on the wire: let the per-line path decide
+            k = j + 1
+        return e
 
     def _content(self, data: bytes | bytearray) -> None:
         self.size += len(data)
         if self.size > self.max_size and self.refusal is None:
             self.refusal = R_TOO_BIG
         if self.refusal is None:
-            self._out += data
+            self._parts.append(data)
+            self._produced += len(data)
 
     def _line_end(self, real: bool) -> None:
         if self._line_len + 2 > self.max_line and self.refusal is None:
@@ -250,23 +332,13 @@ class ContentDecoder:
         self._line_start = True
         self._real_line_start = real
 
-    def _step(self, buf: bytearray, pos: int, room: int) -> tuple[int, bool | None]:
-        """One piece: (new pos, True at the end / False after progress / None if input is needed)."""
+    def _piece(self, buf: bytearray, pos: int, room: int) -> tuple[int, bool]:
+        """The per-line machine, mid-line: content up to the next CR/LF (or ``room``) and that line end.
+
+        Returns (new pos, whether it made progress); no progress means it needs input.
+        """
         n = len(buf)
         end = min(n, pos + max(room, 1))
-        if pos >= n:
-            return pos, None
-        if self._line_start:
-            if self._real_line_start and buf[pos] == 0x2E:  # "."
-                head = bytes(buf[pos : pos + 3])
-                if head == b".\r\n":
-                    return pos + 3, True
-                if len(head) < 3 and b".\r\n".startswith(head):
-                    return pos, None
-                pos += 1  # dot-stuffing: drop the first dot of the line
-            self._line_start = False
-            if pos >= n:
-                return pos, False
         cr = buf.find(b"\r", pos, end)
         lf = buf.find(b"\n", pos, end)
         i = min(x for x in (cr, lf, end) if x >= 0)
@@ -274,17 +346,17 @@ class ContentDecoder:
             self._line_len += i - pos
             self._content(buf[pos:i])
         if i == end:
-            return i, False
+            return i, i > pos
         if buf[i] == 0x0D:
             if i + 1 == n:
-                return i, None  # a CR at the end: wait to see what follows it
+                return i, i > pos  # a CR at the end: wait to see what follows it
             if buf[i + 1] == 0x0A:
                 self._line_end(real=True)
-                return i + 2, False
+                return i + 2, True
         if not self.normalize and self.refusal is None:
             self.refusal = R_DATA_BARE_NEWLINE
         self._line_end(real=False)
-        return i + 1, False
+        return i + 1, True
 
 
 # ---------------------------------------------------------------- addresses

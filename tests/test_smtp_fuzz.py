@@ -9,7 +9,16 @@ from hypothesis import strategies as st
 
 from mta import smtp_client as C
 from mta import smtp_server as S
-from mta.smtp_common import ContentDecoder, RemoteProtocolError, Reply, ReplyParser, SmtpProtocolError
+from mta.smtp_common import (
+    R_DATA_BARE_NEWLINE,
+    R_DATA_LONG_LINE,
+    R_TOO_BIG,
+    ContentDecoder,
+    RemoteProtocolError,
+    Reply,
+    ReplyParser,
+    SmtpProtocolError,
+)
 
 PIECES = [
     b"EHLO c.example\r\n",
@@ -166,3 +175,145 @@ def test_reply_parser_whole_and_bytewise_agree(data: bytes) -> None:
     whole = parse([data])
     bytewise = parse([data[i : i + 1] for i in range(len(data))])
     assert whole == bytewise
+
+
+# ---------------------------------------------------------------- the bulk DATA decoder against the per-line one
+
+
+class LineByLineDecoder:
+    """The content decoder as it was before the bulk path: one line piece per Python step.
+
+    Kept as the model for the differential test below: the bulk decoder must
+    agree with it on every input, limit and chunking.
+    """
+
+    def __init__(self, max_size: int, max_line: int, normalize: bool) -> None:
+        self.max_size, self.max_line, self.normalize = max_size, max_line, normalize
+        self.size = 0
+        self.refusal: Reply | None = None
+        self._line_start = self._real_line_start = True
+        self._line_len = 0
+        self._out = bytearray()
+
+    def decode(self, buf: bytearray, pos: int, limit: int) -> tuple[int, bytes, bool]:
+        done = False
+        while len(self._out) < limit:
+            pos, step = self._step(buf, pos, limit - len(self._out))
+            if step is None:
+                break
+            if step:
+                done = True
+                break
+        out = bytes(self._out)
+        self._out.clear()
+        return pos, out, done
+
+    def _content(self, data: bytes | bytearray) -> None:
+        self.size += len(data)
+        if self.size > self.max_size and self.refusal is None:
+            self.refusal = R_TOO_BIG
+        if self.refusal is None:
+            self._out += data
+
+    def _line_end(self, real: bool) -> None:
+        if self._line_len + 2 > self.max_line and self.refusal is None:
+            self.refusal = R_DATA_LONG_LINE
+        self._content(b"\r\n")
+        self._line_len = 0
+        self._line_start = True
+        self._real_line_start = real
+
+    def _step(self, buf: bytearray, pos: int, room: int) -> tuple[int, bool | None]:
+        n = len(buf)
+        end = min(n, pos + max(room, 1))
+        if pos >= n:
+            return pos, None
+        if self._line_start:
+            if self._real_line_start and buf[pos] == 0x2E:
+                head = bytes(buf[pos : pos + 3])
+                if head == b".\r\n":
+                    return pos + 3, True
+                if len(head) < 3 and b".\r\n".startswith(head):
+                    return pos, None
+                pos += 1
+            self._line_start = False
+            if pos >= n:
+                return pos, False
+        cr = buf.find(b"\r", pos, end)
+        lf = buf.find(b"\n", pos, end)
+        i = min(x for x in (cr, lf, end) if x >= 0)
+        if i > pos:
+            self._line_len += i - pos
+            self._content(buf[pos:i])
+        if i == end:
+            return i, False
+        if buf[i] == 0x0D:
+            if i + 1 == n:
+                return i, None
+            if buf[i + 1] == 0x0A:
+                self._line_end(real=True)
+                return i + 2, False
+        if not self.normalize and self.refusal is None:
+            self.refusal = R_DATA_BARE_NEWLINE
+        self._line_end(real=False)
+        return i + 1, False
+
+
+def feed_decoder(dec: ContentDecoder | LineByLineDecoder, chunks: list[bytes], limit: int) -> tuple[object, ...]:
+    """Drive a decoder the way the server core does: one buffer, consumed prefix dropped before each read.
+
+    Returns what the shell can observe: where the message ended (input
+    offset), the refusal, and the content and size when there is no refusal.
+    """
+    buf, pos, consumed, out = bytearray(), 0, 0, bytearray()
+    for chunk in chunks:
+        del buf[:pos]
+        consumed, pos = consumed + pos, 0
+        buf += chunk
+        for _ in range(len(buf) + 2):
+            pos, data, done = dec.decode(buf, pos, limit)
+            assert len(data) <= limit + 1
+            out += data
+            if done or not data:
+                break
+        else:
+            raise AssertionError("the decoder kept returning content without consuming input")
+        if done:
+            break
+    else:
+        done = False
+    ok = dec.refusal is None
+    return (done, consumed + pos if done else None, dec.refusal, bytes(out) if ok else None, dec.size if ok else None)
+
+
+content_pieces = st.sampled_from(
+    [b"\r\n", b".", b"..", b"\r", b"\n", b"\r\n.\r\n", b"\r\n..\r\n", b"\n.\r\n", b"x" * 37, b"y" * 99, b"z"]
+)
+content_streams = st.lists(st.one_of(content_pieces, st.binary(max_size=12)), max_size=40).map(b"".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    content_streams,
+    st.booleans(),
+    st.sampled_from([1, 2, 3, 40, 101, 1000]),
+    st.sampled_from([0, 1, 30, 120, 10**6]),
+    st.sampled_from([1, 2, 7, 64, 65536]),
+    st.lists(st.integers(min_value=0), max_size=8),
+)
+def test_bulk_decoder_agrees_with_the_line_by_line_decoder(
+    wire: bytes, normalize: bool, max_line: int, max_size: int, limit: int, cuts: list[int]
+) -> None:
+    for chunks in ([wire], [wire[i : i + 1] for i in range(len(wire))], split(wire, cuts)):
+        got = feed_decoder(ContentDecoder(max_size, max_line, normalize), chunks, limit)
+        want = feed_decoder(LineByLineDecoder(max_size, max_line, normalize), chunks, limit)
+        assert got == want
+
+
+def test_bulk_decoder_handles_a_long_clean_message_in_one_slice() -> None:
+    body = b"".join(b"%s line %d\r\n" % (b"." if i % 7 == 0 else b"", i) for i in range(5000))
+    wire = b"." + body.replace(b"\r\n.", b"\r\n..") + b".\r\nQUIT\r\n"  # line 0 starts with a dot too
+    dec = ContentDecoder(10**7, 1000, False)
+    pos, content, done = dec.decode(bytearray(wire), 0, 10**7)
+    assert done and wire[pos:] == b"QUIT\r\n"
+    assert content == body and dec.size == len(body) and dec.refusal is None
