@@ -186,7 +186,7 @@ class SpoolWorker:
         self._send("drain")
 
     def events(self, timeout: float) -> list[str]:
-        open_ = self._fill(timeout)
+        open_ = self._fill(timeout) if self.sock is not None else True
         lines = self.buf.split(b"\n")
         self.buf = lines.pop()
         out = [ln.decode() for ln in lines if ln]
@@ -205,6 +205,11 @@ class SpoolWorker:
         os.close(self.pidfd)
         self.pidfd = -1
         if self.sock is not None:
+            try:  # what it said before it died is true (an ack is an ack): keep it for events()
+                while data := self.sock.recv(65536):
+                    self.buf += data
+            except OSError:
+                pass  # nothing more (BlockingIOError), or reset
             self.sock.close()
             self.sock = None
         if not ready:
@@ -325,7 +330,18 @@ def _cycle(subject: Subject, rng: random.Random, led: Ledger, next_n: int, messa
     if not ready and not early:
         problems.append("the subject never became ready")
     subject.kill()
+    _late_events(subject, led)
     return next_n
+
+
+def _late_events(subject: Subject, led: Ledger) -> None:
+    """Acks and records the subject reported before the kill that the harness had not read yet: facts all the same."""
+    for ev in subject.events(0):
+        words = ev.split()
+        if words[0] == "ack":
+            led.acked.add(int(words[1]))
+        elif words[0] in ("rec", "brec"):
+            led.note(subject, words)
 
 
 def _drain(subject: Subject, led: Ledger, problems: list[str]) -> None:
@@ -339,6 +355,8 @@ def _drain(subject: Subject, led: Ledger, problems: list[str]) -> None:
             if words[0] == "ready" and not asked:
                 subject.request_drain()
                 asked = True
+            elif words[0] == "ack":  # late, from the last cycle's relay
+                led.acked.add(int(words[1]))
             elif words[0] in ("rec", "brec"):
                 led.note(subject, words)
             elif words[0] == "drained":
