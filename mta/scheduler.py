@@ -10,6 +10,13 @@ oldest among those below their per-destination limit, and take up to
 ``max_messages_per_connection`` jobs for it at once, so one SMTP connection
 carries several messages.
 
+Wake-ups. Idle workers park in one ``ParkingLot``. New work unparks one
+worker, and only if no other is already on its way; a worker that takes a
+batch and sees more work it could take wakes the next one. So a dispatch
+costs one task switch, not one per idle worker, and a burst of work fans out
+to as many workers as it can use. A worker that ends a batch looks for more
+itself before it parks.
+
 Outcomes. For each job the worker appends its outcomes as a DELIVERY record
 and waits for the commit: the outcome is durable before the message's next
 step. A bounce (DSN) is enqueued in the same commit as the DELIVERY that
@@ -97,7 +104,8 @@ class Scheduler:
         self.per_destination = d.per_destination
         self.batch = max(1, d.max_messages_per_connection)
         self.max_pending = max(4 * self.concurrency, 64)
-        self._work = trio.Event()
+        self._idle = trio.lowlevel.ParkingLot()
+        self._waking = 0  # workers unparked that have not yet looked for work
         self._room = trio.Event()
         self._nursery: trio.Nursery | None = None
         # Called with (queue id, outcome) once an outcome is durable: the delivery
@@ -153,8 +161,10 @@ class Scheduler:
         self._wake()
 
     def _wake(self) -> None:
-        event, self._work = self._work, trio.Event()
-        event.set()
+        """Wake one idle worker if there is work for it and none is already on its way."""
+        if self._waking or not self._idle or self._pick() is None:
+            return
+        self._waking += len(self._idle.unpark(count=1))
 
     def _make_room(self) -> None:
         event, self._room = self._room, trio.Event()
@@ -176,7 +186,8 @@ class Scheduler:
 
     # -- delivering -----------------------------------------------------------
 
-    def _pick(self, now: float) -> tuple[Destination, DestState] | None:
+    def _pick(self) -> tuple[Destination, DestState] | None:
+        """The destination below its limit whose oldest waiting job is the oldest."""
         best: tuple[Destination, DestState] | None = None
         for dest, state in self.dests.items():
             if not state.queue or state.active >= self.per_destination:
@@ -188,22 +199,23 @@ class Scheduler:
 
     async def _worker(self) -> None:
         while True:
-            picked = self._pick(time.time())
+            picked = self._pick()
             if picked is None:
-                await self._work.wait()
+                await self._idle.park()
+                self._waking -= 1
                 continue
             dest, state = picked
             batch = [state.queue.popleft() for _ in range(min(self.batch, len(state.queue)))]
             self.pending -= len(batch)
             self._make_room()
             state.active += 1
+            self._wake()  # more work than this batch: the next worker takes it
             try:
                 await self._deliver(dest, state, batch)
             finally:
                 state.active -= 1
                 if not state.queue and not state.active:
                     self.dests.pop(dest, None)
-                self._wake()
 
     async def _deliver(self, dest: Destination, state: DestState, batch: list[tuple[Job, Tracker]]) -> None:
         now = time.time()

@@ -5,11 +5,17 @@ transport and its next hop) and gives a transport a batch of jobs for one
 destination at a time, so an SMTP transport can send several messages over one
 connection. A transport reports one outcome per recipient; it never touches
 the spool (the scheduler records outcomes and makes them durable).
+
+A job's body is an iterable of chunks that may be read from the spool as it is
+iterated (``spool.commit.StoredBody``): iterate it in a worker thread, or in
+the event loop with ``async for chunk in body_chunks(job.body)`` (which reads
+big bodies in a worker thread). It may be iterated again, from the start, to
+retry. Never join it: a body may be 50 MB.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Protocol
 
 import attrs
@@ -36,7 +42,7 @@ class Job:
     queue_id: str
     sender: str
     recipients: tuple[str, ...]
-    body: Sequence[bytes]
+    body: Iterable[bytes]
     size: int
     extra: dict[str, object] = attrs.field(factory=dict)
 
@@ -50,6 +56,16 @@ class Transport(Protocol):
         destination when every outcome of a batch is a connection failure.
         """
         ...
+
+
+async def body_chunks(body: Iterable[bytes]) -> AsyncIterator[bytes]:
+    """A job's body chunk by chunk, for a transport in the event loop: without blocking it on big reads."""
+    if hasattr(body, "__aiter__"):
+        async for chunk in body:  # a StoredBody: reads big bodies in a worker thread
+            yield chunk
+    else:
+        for chunk in body:
+            yield chunk
 
 
 def failed_all(job: Job, status: Status, code: int, enhanced: str, reply: str, next_hop: str) -> list[Outcome]:

@@ -7,7 +7,7 @@ firing, re-reading the log, checkpoints that change nothing) is also the fixed
 cost under every message at low rates. Each run starts a relay in a fresh temp
 dir (listening on a free loopback port, everything else the built-in
 defaults), waits for its "listening" line and a short settling time, then reads
-utime+stime from /proc/PID/stat and the context switches of all its threads
+utime+stime from /proc/PID/stat and the context switches of its main thread
 over ``--seconds``. The last line is one JSON object with the medians.
 """
 
@@ -40,15 +40,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 def switches(pid: int) -> int:
+    """Context switches of the main thread, where the event loop runs: one per wake-up at least.
+
+    (Worker threads come and go, and their counts with them.)"""
     total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                for line in f:
-                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                        total += int(line.split()[1])
-        except FileNotFoundError:
-            pass  # a worker thread that just ended
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                total += int(line.split()[1])
     return total
 
 
