@@ -64,6 +64,8 @@ class Subject(Protocol):
         """A kill under load comes at most this long after ``ready``."""
     ready_timeout: float
     """How long a start may take before the harness calls it a failure (a bound, never a wait)."""
+    drain_timeout: float
+    """How long the final drain may take after the start (a bound)."""
 
     def start(self) -> None: ...
 
@@ -109,6 +111,7 @@ class SpoolWorker:
     early_window = 0.4
     load_window = 0.8
     ready_timeout = READY_TIMEOUT
+    drain_timeout = DRAIN_TIMEOUT
 
     def __init__(self, workdir: str, seed: int) -> None:
         self.spool_dir = os.path.join(workdir, "spool")
@@ -346,7 +349,7 @@ def _late_events(subject: Subject, led: Ledger) -> None:
 
 def _drain(subject: Subject, led: Ledger, problems: list[str]) -> None:
     subject.start()
-    deadline = time.monotonic() + subject.ready_timeout + DRAIN_TIMEOUT
+    deadline = time.monotonic() + subject.ready_timeout + subject.drain_timeout
     asked = False
     while time.monotonic() < deadline:
         evs = subject.events(deadline - time.monotonic())
@@ -366,7 +369,7 @@ def _drain(subject: Subject, led: Ledger, problems: list[str]) -> None:
                 problems.append("the subject exited while draining")
                 subject.kill()
                 return
-    problems.append(f"the queue did not drain within {DRAIN_TIMEOUT:.0f}s (after the start)")
+    problems.append(f"the queue did not drain within {subject.drain_timeout:.0f}s (after the start)")
     subject.kill()
 
 
