@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+import time
 
 import click
 
@@ -25,8 +26,14 @@ def parse_time(text: str) -> int:
     return int(t.timestamp() * 1000)
 
 
+_STARTED = [time.monotonic()]
+
+
 def _progress(message: str) -> None:
-    click.echo(f"report: {message}", err=True)
+    """One line per step on stderr, with the time since the command began:
+    Spark's own progress bar is off, since on a busy machine its redraws are
+    most of what the terminal shows."""
+    click.echo(f"report: [{time.monotonic() - _STARTED[0]:6.1f} s] {message}", err=True)
 
 
 @click.command("report")
@@ -40,6 +47,7 @@ def _progress(message: str) -> None:
 def report(inputs: tuple[str, ...], out: str, master: str, since: str | None, until: str | None,
            relay: str | None) -> None:
     """Delivery report (pflogsumm-style) from spool segments, on Spark."""
+    _STARTED[0] = time.monotonic()
     since_ms = parse_time(since) if since else None
     until_ms = parse_time(until) if until else None
     try:
@@ -54,6 +62,9 @@ def report(inputs: tuple[str, ...], out: str, master: str, since: str | None, un
                              progress=_progress)
     except ReportError as exc:
         click.echo(f"mta report: {exc}", err=True)
+        sys.exit(2)
+    except OSError as exc:  # e.g. --out not writable
+        click.echo(f"mta report: {exc.filename or out}: {exc.strerror or exc}", err=True)
         sys.exit(2)
     for file, offset, what in figures.errors:
         click.echo(f"mta report: warning: {file} at offset {offset}: {what}", err=True)

@@ -43,15 +43,20 @@ class Rec:
     payload: Any
 
 
-def plain_records(spool_dirs: dict[str, str]) -> list[Rec]:
-    """Every non-DATA record of every relay, through the spool's sequential reader."""
+def plain_records(spool_dirs: dict[str, str], ends: dict[str, int] | None = None) -> list[Rec]:
+    """Every non-DATA record of every relay, through the spool's sequential reader.
+
+    ``ends`` stops the reader early in the files it names (path -> offset),
+    for a segment a test has torn: the reader would rightly refuse its tail.
+    """
     io = OsFileIO()
     out = []
     for relay, d in sorted(spool_dirs.items()):
         for path in sorted(p for sub in ("log", "archive") for p in glob.glob(os.path.join(d, sub, "*.seg"))):
             seg_id = parse_segment_name(os.path.basename(path))
             assert seg_id is not None
-            reader = FrameReader(io, path, seg_id, SEGMENT_HEADER_SIZE, os.path.getsize(path))
+            end = (ends or {}).get(path, os.path.getsize(path))
+            reader = FrameReader(io, path, seg_id, SEGMENT_HEADER_SIZE, end)
             try:
                 for fr in reader.frames():
                     if fr.rtype != RecordType.DATA:

@@ -110,8 +110,9 @@ def spark_session_fixture() -> Iterator[Any]:
     """One local SparkSession for every Spark test (it takes seconds to start)."""
     from mta.report import make_session
 
-    session = make_session("local[2]", app="logspool-tests",
-                           conf={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4"})
+    # Two shuffle partitions: the tables hold a few thousand rows, and every
+    # extra partition is one more task to schedule on a shared 2-core machine.
+    session = make_session("local[2]", app="logspool-tests", conf={"spark.sql.shuffle.partitions": "2"})
     yield session
     session.stop()
 

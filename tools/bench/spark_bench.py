@@ -11,9 +11,11 @@ own encoder, then times:
 - ``local[1]`` and ``local[2]``: ``spark.read.format("logspool")`` written to
   Spark's ``noop`` sink, so every row is produced and handed to the JVM.
 
-Spark's session start (seconds, printed apart) is not in the rate; each Spark
-figure is the best of ``--repeat`` runs after one warm-up run that starts the
-Python workers. Records counted are the non-DATA records, which both readers
+Spark's session start (seconds, printed apart) is not in the rate. Every
+figure is the median of ``--repeat`` runs (default 3); the Spark runs follow
+one warm-up run that starts the Python workers. The machine's load average is
+printed with each figure, since on a shared machine it moves the numbers more
+than any change to the code. Records counted are the non-DATA records, which both readers
 decode. The last line of output is JSON.
 """
 
@@ -24,6 +26,7 @@ import glob
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -109,7 +112,7 @@ def plain_reader(directory: str) -> int:
 
 
 def spark_rate(directory: str, master: str, expect: int, repeat: int) -> tuple[float, float]:
-    """(best records/s, session start seconds) for one master."""
+    """(median records/s, session start seconds) for one master."""
     from mta.report import make_session
 
     t0 = time.perf_counter()
@@ -118,12 +121,12 @@ def spark_rate(directory: str, master: str, expect: int, repeat: int) -> tuple[f
     try:
         df = spark.read.format("logspool").load(directory)
         assert df.count() == expect  # also the warm-up
-        best = 0.0
+        rates = []
         for _ in range(repeat):
             t = time.perf_counter()
             df.write.format("noop").mode("overwrite").save()
-            best = max(best, expect / (time.perf_counter() - t))
-        return best, started
+            rates.append(expect / (time.perf_counter() - t))
+        return statistics.median(rates), started
     finally:
         spark.stop()
 
@@ -139,21 +142,26 @@ def main() -> None:
     if not glob.glob(os.path.join(directory, "log", "*.seg")):
         print(f"building {args.records} records in {args.segments} segments under {directory}", file=sys.stderr)
         build(directory, args.records, args.segments)
-    best_plain, n = 0.0, 0
+    plain_rates, n = [], 0
     for _ in range(args.repeat):
         t = time.perf_counter()
         n = plain_reader(directory)
-        best_plain = max(best_plain, n / (time.perf_counter() - t))
-    print(f"plain reader: {best_plain:,.0f} records/s ({n} records)", file=sys.stderr)
+        plain_rates.append(n / (time.perf_counter() - t))
+    plain = statistics.median(plain_rates)
+    load = os.getloadavg()[0]
+    print(f"plain reader: {plain:,.0f} records/s ({n} records; load {load:.1f})", file=sys.stderr)
     result: dict[str, object] = {"records": n, "segments": args.segments, "cpus": os.cpu_count(),
-                                 "load_avg_1m": round(os.getloadavg()[0], 2), "plain_rps": round(best_plain)}
+                                 "plain_rps": round(plain), "plain_load_avg_1m": round(load, 2)}
     for master in ("local[1]", "local[2]"):
         rate, started = spark_rate(directory, master, n, args.repeat)
         key = master.replace("[", "").replace("]", "")
+        load = os.getloadavg()[0]
         result[f"{key}_rps"] = round(rate)
         result[f"{key}_session_start_s"] = round(started, 1)
-        print(f"{master}: {rate:,.0f} records/s (session start {started:.1f} s)", file=sys.stderr)
-    result["ratio_local2_vs_plain"] = round(float(result["local2_rps"]) / best_plain, 2)  # type: ignore[arg-type]
+        result[f"{key}_load_avg_1m"] = round(load, 2)
+        result[f"ratio_{key}_vs_plain"] = round(rate / plain, 2)
+        print(f"{master}: {rate:,.0f} records/s, {rate / plain:.2f}x plain (session start {started:.1f} s; "
+              f"load {load:.1f})", file=sys.stderr)
     print(json.dumps(result))
 
 
