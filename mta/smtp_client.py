@@ -272,6 +272,11 @@ class ClientConnection:
         return len(self._waiting) + len(self._unsent)
 
     @property
+    def buffered(self) -> int:
+        """Bytes of body already encoded and waiting for ``data_to_send()``: the shell writes when it is enough."""
+        return len(self._out)
+
+    @property
     def in_data(self) -> bool:
         """True between ``DataReply(go_ahead=True)`` and ``end_data()``."""
         return self._body is not None

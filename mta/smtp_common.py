@@ -201,6 +201,22 @@ R_DATA_LONG_LINE: Final = Reply(550, "5.5.2", "Message has a line longer than al
 _BARE_RE: Final = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 
 
+def _first_bare(buf: bytearray, pos: int, n: int, quick: bool) -> int:
+    """Where the first bare CR or LF at or after ``pos`` is (``n``: none; a CR at the very end counts).
+
+    ``quick`` first counts CRs, LFs and CRLFs, which is much cheaper than the
+    regex over clean content; the regex alone is for content known to have
+    bare ones, where it stops at the next.
+    """
+    if quick:
+        end = n - 1 if n and buf[n - 1] == 0x0D else n
+        crlf = buf.count(b"\r\n", pos, end)
+        if buf.count(b"\n", pos, end) == crlf and buf.count(b"\r", pos, end) == crlf:
+            return end
+    m = _BARE_RE.search(buf, pos)
+    return m.start() if m is not None else n
+
+
 class ContentDecoder:
     """Server side of DATA: finds the end, undoes dot-stuffing, polices the content.
 
@@ -260,8 +276,7 @@ class ContentDecoder:
                     continue
             else:
                 if bare < pos:
-                    m = _BARE_RE.search(buf, pos)
-                    bare = m.start() if m is not None else n
+                    bare = _first_bare(buf, pos, n, quick=bare < 0)
                 e = self._bulk_end(buf, pos, min(n, pos + limit - self._produced, bare), term)
                 if e > pos:
                     data = bytes(memoryview(buf)[pos:e]).replace(b"\r\n.", b"\r\n")

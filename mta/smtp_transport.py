@@ -36,6 +36,9 @@ from mta.smtp_common import LocalProtocolError, RemoteProtocolError, Reply
 from mta.transport import Destination, Job
 from spool.record import Outcome, Status
 
+# Body bytes gathered before a send_all: one write per this much, instead of one per stored chunk.
+SEND_SIZE = 65536
+
 
 class HopFailed(Exception):
     """This hop cannot take the mail now; ``reply`` is what it said, if anything."""
@@ -158,10 +161,12 @@ class _Session:
             ev = await self._event(t)
             if isinstance(ev, DataReply) and ev.go_ahead:
                 with trio.fail_after(self.config.delivery.data_timeout):
-                    for chunk in job.body:
+                    for chunk in job.body:  # only iterated: the body may be read lazily, and more than once
                         self.conn.send_body(chunk)
-                        await self.stream.send_all(self.conn.data_to_send())
+                        if self.conn.buffered >= SEND_SIZE:
+                            await self.stream.send_all(self.conn.data_to_send())
                     self.conn.end_data()
+                    await self.stream.send_all(self.conn.data_to_send())  # the rest and the final dot, together
             elif isinstance(ev, MessageReply):
                 return [outcome_for(o.address, o.reply, hop) for o in ev.outcomes]
             elif isinstance(ev, ServerClosed):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from relay_support import relay_config
 
 from mta import smtp_client as C
 from mta import smtp_server as S
@@ -272,3 +277,67 @@ async def test_client_core_against_server_core_over_a_memory_stream() -> None:
         ("d@y.example", 452, "4.5.3"),
     ]
     assert C.CommandReply("QUIT", Reply(221, "2.0.0", "Bye")) in seen
+
+
+# ---------------------------------------------------------------- the trio shell's writes
+
+
+class CountingStream(trio.abc.Stream):
+    """A stream that passes everything through and remembers each send_all (one write on a socket)."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.writes: list[bytes] = []
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class Rereadable:
+    """A body that can only be iterated (as the spool's lazily read bodies are), twice if need be."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self.chunks))
+
+
+async def test_transport_pipelines_the_envelope_and_sends_the_body_with_its_dot_in_one_write(tmp_path: Path) -> None:
+    from mta.smtp_transport import _Session
+    from mta.transport import Job
+
+    config = relay_config(str(tmp_path), {"*": "smtp://127.0.0.1:25"})
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    counting = CountingStream(client_stream)
+    inbox: list[tuple[str, list[str], bytes]] = []
+    chunks = [b"Subject: x\r\n\r\n"] + [b"line %d\r\n" % i for i in range(300)] + [b".dot\r\n"]
+    job = Job("Q1", "a@x.example", ("b@y.example", "c@y.example"), Rereadable(chunks), sum(map(len, chunks)))
+
+    async def server() -> None:
+        with contextlib.suppress(trio.BrokenResourceError):  # close() does not wait for the 221
+            await run_server(server_stream, inbox)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server)
+        session = _Session(counting, "mx.test", config)
+        await session.open("none", "mx.test")
+        counting.writes.clear()
+        outcomes = await session.send(job, "mx.test")
+        writes = list(counting.writes)
+        await session.close()
+    assert [o.code for o in outcomes] == [250, 250]
+    assert inbox == [("", ["b@y.example", "c@y.example"], b"".join(chunks))]
+    envelope = b"MAIL FROM:<a@x.example> SIZE=%d\r\nRCPT TO:<b@y.example>\r\nRCPT TO:<c@y.example>\r\nDATA\r\n"
+    assert writes[0] == envelope % job.size
+    assert len(writes) == 2 and writes[1].endswith(b"\r\n..dot\r\n.\r\n")
