@@ -320,6 +320,9 @@ def test_config_is_frozen_and_hashable() -> None:
         ('[server]\nhostname = "relay example"', "server.hostname", "host name"),
         ('[server]\ntls_cert = "/nonexistent/cert.pem"', "server.tls_cert", "no such file"),
         ('[server]\nmetrics_listen = "9125"', "server.metrics_listen", "HOST:PORT"),
+        ("[server]\nprocesses = 0", "server.processes", "between 1"),
+        ('[server]\nprocesses = "many"', "server.processes", "integer or 'auto'"),
+        ("[server]\nprocesses = 2.0", "server.processes", "expected an integer"),
         ("server = 5", "server", "expected a table"),
         ('[relay]\nmynetworks = ["10.0.0.1/8"]', "relay.mynetworks[0]", "host bits"),
         ('[relay]\nmynetworks = ["everyone"]', "relay.mynetworks[0]", "not an IP network"),
@@ -398,6 +401,12 @@ def test_missing_explicit_file_is_an_error_naming_it(tmp_path: Path) -> None:
         load_config(environ={"LOGSPOOL_CONFIG": str(missing)})
 
 
+def test_processes_default_number_and_auto() -> None:
+    assert parse_config("").server.processes == 1
+    assert parse_config("[server]\nprocesses = 3").server.processes == 3
+    assert parse_config('[server]\nprocesses = "auto"').server.processes == (os.cpu_count() or 1)
+
+
 def test_file_errors_name_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('[spool]\nretry_intervals = ["1m", "5m", "x"]\n')
@@ -435,6 +444,7 @@ SECTIONS = {
         "tls_key",
         "control_socket",
         "metrics_listen",
+        "processes",
         "command_timeout",
         "data_timeout",
     ],
