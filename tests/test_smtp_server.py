@@ -6,9 +6,11 @@ import datetime as dt
 import smtplib
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from mta import smtp_server as S
 from mta.smtp_common import (
@@ -448,3 +450,84 @@ async def test_smtplib_against_the_core_behind_a_trio_shell() -> None:
         nursery.cancel_scope.cancel()
     assert refused == {} and code == 250
     assert inbox == [("a@x.example", ["b@y.example", "c@y.example"], b"Subject: t\r\n\r\n.dot\r\n")]
+
+
+# ---------------------------------------------------------------- the trio shell's writes
+
+
+class CountingStream(trio.abc.Stream):
+    """Passes everything through and remembers each send_all, so a test sees how replies were batched."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.writes: list[bytes] = []
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_shell_answers_a_pipelined_group_in_one_write_and_never_holds_a_reply(tmp_path: Path) -> None:
+    from relay_support import relay_config, start_relay
+
+    from mta.server import SmtpServer, _Session
+
+    async with trio.open_nursery() as nursery:
+        relay = await start_relay(nursery, relay_config(str(tmp_path), {"localhost": "maildir:maildir"}))
+        server = SmtpServer(relay.config, relay.aspool, relay.metrics)
+        client, ours = trio.testing.memory_stream_pair()
+        counting = CountingStream(ours)
+        nursery.start_soon(_Session(server, counting, "127.0.0.1").run)
+        parser = ReplyParser()
+
+        async def replies(n: int) -> list[int]:
+            got: list[Reply] = []
+            with trio.fail_after(60):
+                for _ in range(50):
+                    if len(got) >= n:
+                        break
+                    got += parser.feed(await client.receive_some(65536))
+            return [r.code for r in got]
+
+        assert await replies(1) == [220]
+        await client.send_all(b"EHLO c.test\r\n")
+        assert await replies(1) == [250]
+        counting.writes.clear()
+        await client.send_all(b"MAIL FROM:<a@x.example>\r\nRCPT TO:<b@localhost>\r\nRCPT TO:<c@localhost>\r\nDATA\r\n")
+        assert await replies(4) == [250, 250, 250, 354]
+        assert len(counting.writes) == 1  # one write for the whole group, only once the input ran out
+        await client.send_all(b"Subject: t\r\n\r\nbody\r\n.\r\n")
+        assert await replies(1) == [250]  # the 250 after the commit is not held back for more input
+        await client.send_all(b"NOOP\r\nQUIT\r\n")
+        assert await replies(2) == [250, 221]
+        nursery.cancel_scope.cancel()
+
+
+def test_free_space_is_cached_only_while_far_above_the_minimum() -> None:
+    from mta.server import CachedFreeSpace
+
+    now, free, reads = [0.0], [10_000], []
+
+    def measure(path: str) -> int:
+        reads.append(path)
+        return free[0]
+
+    cache = CachedFreeSpace(1000, ttl=1.0, margin=5000, measure=measure, clock=lambda: now[0])
+    assert [cache("/s") for _ in range(3)] == [10_000] * 3 and len(reads) == 1  # plenty: one statvfs a second
+    free[0] = 0
+    now[0] = 0.5
+    assert cache("/s") == 10_000  # a fall within the second goes unseen (it is less than the margin's worth)
+    now[0] = 1.0
+    assert cache("/s") == 0 and len(reads) == 2
+    free[0] = 5500  # near the limit: every check reads afresh, so refusing and resuming are exact
+    assert cache("/s") == 5500 and cache("/s") == 5500 and len(reads) == 4
+    assert cache("/other") == 5500 and reads[-1] == "/other"
