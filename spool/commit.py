@@ -7,6 +7,11 @@ every waiter whose records are now durable. While that fsync runs, more
 appends pile up for the next one, so fsyncs per message fall as concurrency
 rises: at 100 concurrent enqueues one fsync covers dozens of messages.
 
+Written, not synced. A committer pass writes without fdatasync unless
+someone waits for durability (``commit``): ``write_through`` (claims, before
+delivery begins) and a big body's flush only need the bytes in the file,
+where a killed process leaves them. The next sync covers them.
+
 Lazy records. FINISH records, replacement envelopes and the marks of an
 ended attempt need no fsync of their own (DESIGN §2), so ``finish`` does not
 start a commit: they ride with the next commit someone waits for, or, if none
@@ -102,6 +107,7 @@ class AsyncSpool:
         self._last_plan: Any = None
         self.batch_sizes: list[int] = []
         self.lazy_commits = 0
+        self._want_sync = False  # someone waits for durability, not only for the bytes to be written
         self.checkpoint_passes = 0
         core.flush_hook = self._kick.set
         self._running = False
@@ -127,9 +133,11 @@ class AsyncSpool:
             await self._kick.wait()
             self._kick = trio.Event()
             self.core.flush_hook = self._kick.set
-            while writer.has_pending:
+            while writer.has_chunks or (self._want_sync and (
+                    writer.has_pending or writer.durable_end < writer.written_end)):
                 before = writer.records
-                batch = writer.take_batch()
+                sync, self._want_sync = self._want_sync, False
+                batch = writer.take_batch(sync=sync)
                 await trio.to_thread.run_sync(writer.write_batch, batch)
                 self.batch_sizes.append(before)
                 if len(self.batch_sizes) > 1024:
@@ -142,7 +150,20 @@ class AsyncSpool:
         """Return once everything appended before the call is durable."""
         writer = self.core.writer
         ticket = writer.head
-        while writer.durable_end < ticket or (writer.has_pending and writer.durable_end < ticket):
+        while writer.durable_end < ticket:
+            self._want_sync = True
+            self._kick.set()
+            await self._synced.wait()
+
+    async def write_through(self) -> None:
+        """Return once everything appended before the call is written to the log's files, not synced.
+
+        Written bytes survive the process being killed (they are in the
+        kernel's page cache), not a power cut; the next commit makes them durable.
+        """
+        writer = self.core.writer
+        ticket = writer.head
+        while writer.written_end < ticket:
             self._kick.set()
             await self._synced.wait()
 
@@ -154,8 +175,9 @@ class AsyncSpool:
             await self._lazy.wait()
             await trio.sleep(delay)
             self._lazy = trio.Event()
-            if writer.has_pending:
+            if writer.has_pending or writer.durable_end < writer.written_end:
                 self.lazy_commits += 1
+                self._want_sync = True
                 self._kick.set()
 
     def _signal_change(self) -> None:
@@ -215,10 +237,15 @@ class AsyncSpool:
             if [r.pos for r in core.runners] != before:
                 self._moved.set()
             if attempts:
-                # The STARTs reach the disk before any delivery begins: then a crash, even a
-                # power cut, leaves a record of every attempt that may have reached a remote,
-                # and recovery can name its recipients as in doubt. One commit per batch of claims.
-                await self.commit()
+                # The STARTs reach the log's file before any delivery begins: then a killed
+                # process leaves a record of every attempt that may have reached a remote, and
+                # recovery can name its recipients as in doubt. A START needs no fsync of its own
+                # (DESIGN §2): the DELIVERY commit that follows covers it. With sync_claims, a
+                # power cut leaves them too, at one more fsync per batch of claims.
+                if core.config.sync_claims:
+                    await self.commit()
+                else:
+                    await self.write_through()
                 return attempts
             wake = core.next_wake() if core.has_room else None
             if wake is None:

@@ -51,6 +51,9 @@ class SpoolConfig:
     # Bodies of freshly enqueued messages kept in memory, so that delivering a message right after
     # accepting it reads nothing back; a body larger than a quarter of this is never kept.
     body_cache: int = 4 * MIB
+    # Claims (STARTs) are written to the log before delivery begins, so a killed process leaves them;
+    # True also fsyncs them then, so that a power cut leaves them too (for naming recipients in doubt).
+    sync_claims: bool = False
     clock: Callable[[], float] = time.time
 
     def __attrs_post_init__(self) -> None:

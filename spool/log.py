@@ -105,6 +105,11 @@ class LogWriter:
         return self._pending_bytes
 
     @property
+    def has_chunks(self) -> bool:
+        """Records appended and not yet handed to ``write_batch``."""
+        return bool(self._chunks)
+
+    @property
     def has_pending(self) -> bool:
         return bool(self._chunks) or bool(self._marks)
 
@@ -203,9 +208,10 @@ class LogWriter:
                 self.written_end = batch.end
             if not batch.sync:
                 return
-            if batch.chunks:
-                # Earlier segments of the batch were synced when it rotated past them.
-                last = batch.chunks[-1][0]
+            if self.written_end > self.durable_end:
+                # Earlier segments were synced when a batch rotated past them; the last one may hold
+                # this batch and earlier write-only ones.
+                last = pos_segment(self.written_end)
                 self._sync_fd(self._fd(last))
                 self._dirty.discard(last)
             self._sync_dir()

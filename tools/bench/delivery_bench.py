@@ -1,13 +1,15 @@
 """The whole life of a message in the engine: durable enqueue, claim, delivery, outcome, finish.
 
-    .venv/bin/python tools/bench/delivery_bench.py [--messages 600] [--levels 1,10,100] [--runs 3]
+    .venv/bin/python tools/bench/delivery_bench.py [--messages 600] [--levels 1,10,100] [--runs 3] [--gap-ms 0]
 
 Why beside spool_bench's enqueue figures: at one session a message costs not
 only its enqueue's fsync but the commit of its claim (START), of its DELIVERY
 record, and whatever the FINISH and garbage marks trigger. Here ``c``
 producers each enqueue one message at a time (as ``c`` SMTP sessions would,
 4 KiB bodies), the relay's real ``Scheduler`` delivers them to the ``discard``
-transport, and the run ends when the last outcome is durable. All fsync,
+transport, and the run ends when the last outcome is durable. ``--gap-ms``
+makes each producer pause between its messages, as an SMTP client's round
+trips do (then commits of the delivery side cannot share the producers'). All fsync,
 fdatasync and directory fsync calls of the engine are counted (checkpoints
 included, at the relay's default interval), and the bytes it read back.
 The last line is one JSON object with the medians.
@@ -62,7 +64,7 @@ class CountingIO(OsFileIO):
         return data
 
 
-async def cycle(path: str, concurrency: int, messages: int) -> dict[str, float]:
+async def cycle(path: str, concurrency: int, messages: int, gap: float) -> dict[str, float]:
     cfg = parse_config(f'[spool]\ndir = "{path}"\n[routes]\n"bench.test" = "discard"\n', base_dir=path)
     io = CountingIO()
     asp = await AsyncSpool.open(path, SpoolConfig(), io)
@@ -89,6 +91,8 @@ async def cycle(path: str, concurrency: int, messages: int) -> dict[str, float]:
                 while left > 0:
                     left -= 1
                     await asp.enqueue("alice@example.org", ["bob@bench.test"], BODY)
+                    if gap:
+                        await trio.sleep(gap)
 
             s0, r0 = io.syncs, io.read_bytes
             cpu0, t0 = time.process_time(), time.perf_counter()
@@ -110,21 +114,22 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=600, help="messages per run (default 600)")
     ap.add_argument("--levels", default="1,10,100", help="producer concurrency levels (default 1,10,100)")
     ap.add_argument("--runs", type=int, default=3, help="runs per level, interleaved (default 3)")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="pause of each producer between messages (default 0)")
     args = ap.parse_args()
     common.exit_on_sigterm()
     levels = [int(x) for x in args.levels.split(",")]
-    say(f"delivery cycle, {args.messages} x {len(BODY)} B per run, levels {levels}, {args.runs} runs; "
-        f"load {common.load_average()}; code {common.ROOT}")
+    say(f"delivery cycle, {args.messages} x {len(BODY)} B per run, levels {levels}, {args.runs} runs, "
+        f"gap {args.gap_ms:g} ms; load {common.load_average()}; code {common.ROOT}")
     res: dict[int, list[dict[str, float]]] = {c: [] for c in levels}
     for r in range(args.runs):
         for c in levels:
             with common.temp_dir(f"cycle{c}") as d:
                 spool_dir = os.path.join(d, "spool")
-                out = trio.run(cycle, spool_dir, c, args.messages)
+                out = trio.run(cycle, spool_dir, c, args.messages, args.gap_ms / 1000)
             res[c].append(out)
             say(f"  run {r + 1} c={c}: {fmt(out['mps'])} msg/s, {out['syncs_per_msg']:.3f} syncs/msg, "
                 f"{out['cpu_us_per_msg']:.0f} CPU-us/msg, {fmt(out['read_bytes_per_msg'])} B read/msg")
-    result: dict[str, Any] = {"messages": args.messages, "loadavg_end": common.load_average()}
+    result: dict[str, Any] = {"messages": args.messages, "gap_ms": args.gap_ms, "loadavg_end": common.load_average()}
     for c, outs in res.items():
         for k in outs[0]:
             result[f"{k}_c{c}"] = round(median([o[k] for o in outs]), 3)
