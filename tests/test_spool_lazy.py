@@ -7,6 +7,7 @@ epoch), so a deferred message comes due when trio's clock says so.
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -187,3 +188,21 @@ async def test_wait_flushed_brings_the_backlog_under_the_threshold(tmp_path: Pat
         await aspool.enqueue("s@src.example", ["r@dest.example"], writer)
         (a,) = await aspool.next_due()
         assert b"".join(await aspool.read_body(a)) == b"z" * 200 * 1024
+
+
+async def test_claims_are_written_before_delivery_without_an_fsync(tmp_path: Path) -> None:
+    async with running(tmp_path, config()) as aspool:
+        w = aspool.core.writer
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
+        fsyncs = w.fsyncs
+        (a,) = await aspool.next_due()
+        assert w.written_end > a.start_pos, "the START is in the file: a killed process leaves it"
+        assert w.fsyncs == fsyncs and w.durable_end <= a.start_pos, "and it cost no fsync"
+        # recovery from the files as they are now (what kill -9 would leave) finds the attempt
+        copy = tmp_path.parent / f"{tmp_path.name}-killed"
+        shutil.copytree(tmp_path, copy)
+        sp = Spool.open(str(copy), config())
+        try:
+            assert sp.recovery_stats.in_flight == 1
+        finally:
+            sp.close()
