@@ -191,12 +191,12 @@ def main() -> None:
     if args.baseline:
         variants["baseline"] = load_baseline(args.baseline)
     cases = make_cases()
-    counts = {name: calibrate(partial(fn, *variants["current"])) for name, fn in cases.items()}
+    counts = {v: {name: calibrate(partial(fn, *mods)) for name, fn in cases.items()} for v, mods in variants.items()}
     samples: dict[str, dict[str, list[float]]] = {v: {name: [] for name in cases} for v in variants}
     for _ in range(args.runs):  # interleaved, so a burst of load elsewhere hits every case and variant alike
         for name, fn in cases.items():
             for v, mods in variants.items():
-                samples[v][name].append(fn(*mods, counts[name]))
+                samples[v][name].append(fn(*mods, counts[v][name]))
     medians = {v: {name: median(x) * 1e6 for name, x in per.items()} for v, per in samples.items()}
 
     rows: list[list[Any]] = []
