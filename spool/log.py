@@ -73,6 +73,7 @@ class LogWriter:
         self._off = end_offset
         self._chunks: list[tuple[int, int, bytearray]] = []
         self._marks: list[int] = []
+        self._mark_set: set[int] = set()  # the same positions: mark_pending is asked once per claim candidate
         self._pending_bytes = 0
         self._last_time = now
         self.durable_end = make_pos(segment_id, end_offset)
@@ -83,6 +84,9 @@ class LogWriter:
         self.records = 0
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._rfds: OrderedDict[int, int] = OrderedDict()
+        # Readers run in several worker threads at once (bodies, admin reads): one holds this from picking a
+        # descriptor until its read is done, so no other thread closes it (LRU eviction, deletion) midway.
+        self._rlock = threading.Lock()
         self._dirty: set[int] = set()
         self._dir_dirty = False
         self.poisoned: BaseException | None = None
@@ -143,10 +147,11 @@ class LogWriter:
     def mark_after_sync(self, pos: int) -> None:
         """Set the garbage mark of ``pos`` once everything appended so far is durable."""
         self._marks.append(pos)
+        self._mark_set.add(pos)
 
     def mark_pending(self, pos: int) -> bool:
         """Is a mark on ``pos`` still waiting for its START to be durable?"""
-        return pos in self._marks
+        return pos in self._mark_set
 
     def take_batch(self, *, sync: bool = True) -> Batch:
         batch = Batch(self._chunks, self.head, self._marks if sync else [], sync)
@@ -154,6 +159,7 @@ class LogWriter:
         self._pending_bytes = 0
         if sync:
             self._marks = []
+            self._mark_set = set()
         return batch
 
     # -- I/O side (one thread at a time) --------------------------------------
@@ -254,7 +260,7 @@ class LogWriter:
 
     def forget(self, seg: int) -> None:
         """Close the descriptor of a segment about to be deleted."""
-        with self.io_lock:
+        with self.io_lock, self._rlock:
             for fds in (self._fds, self._rfds):
                 fd = fds.pop(seg, None)
                 if fd is not None:
@@ -279,11 +285,13 @@ class LogWriter:
     def read_frame(self, pos: int) -> Frame:
         """Read and verify the record at ``pos`` (it must already be written)."""
         seg = pos_segment(pos)
-        return read_frame_at(self.io, self._rfd(seg), segment_path(self.log_dir, seg), seg, pos_offset(pos))
+        with self._rlock:
+            return read_frame_at(self.io, self._rfd(seg), segment_path(self.log_dir, seg), seg, pos_offset(pos))
 
     def read_flags(self, pos: int) -> int:
         """The flags byte of the record at ``pos``, as on disk now (garbage marks included)."""
-        data = self.io.read(self._rfd(pos_segment(pos)), 1, pos_offset(pos) + FLAGS_OFFSET)
+        with self._rlock:
+            data = self.io.read(self._rfd(pos_segment(pos)), 1, pos_offset(pos) + FLAGS_OFFSET)
         return data[0] if data else 0
 
     def segment_end(self, seg: int) -> int:
@@ -292,7 +300,8 @@ class LogWriter:
             return pos_offset(self.durable_end)
         if seg in self.closed_sizes:
             return self.closed_sizes[seg]
-        size = self.io.size(self._rfd(seg))
+        with self._rlock:
+            size = self.io.size(self._rfd(seg))
         check_sealed_size(self.io, self.log_dir, seg, size)
         self.closed_sizes[seg] = size
         return size
