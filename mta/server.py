@@ -238,9 +238,9 @@ class _Session:
         message up in memory, the very thing streaming is for.
         """
         spool = self.server.aspool
-        if spool.core.writer.pending_bytes >= spool.core.config.flush_threshold:
+        if spool.unflushed_bytes >= spool.core.config.flush_threshold:
             await self._flush()
-            await spool.commit()
+            await spool.wait_flushed()
 
     def _reset(self) -> None:
         self.abort_body()

@@ -33,7 +33,7 @@ from mta.smtp_client import (
 from mta.smtp_client import ConnectionClosed as ServerClosed
 from mta.smtp_client import Event as ClientEvent
 from mta.smtp_common import LocalProtocolError, RemoteProtocolError, Reply
-from mta.transport import Destination, Job
+from mta.transport import Destination, Job, body_chunks
 from spool.record import Outcome, Status
 
 # Body bytes gathered before a send_all: one write per this much, instead of one per stored chunk.
@@ -161,7 +161,7 @@ class _Session:
             ev = await self._event(t)
             if isinstance(ev, DataReply) and ev.go_ahead:
                 with trio.fail_after(self.config.delivery.data_timeout):
-                    for chunk in job.body:  # only iterated: the body may be read lazily, and more than once
+                    async for chunk in body_chunks(job.body):  # big stored bodies are read in a worker thread
                         self.conn.send_body(chunk)
                         if self.conn.buffered >= SEND_SIZE:
                             await self.stream.send_all(self.conn.data_to_send())
