@@ -324,8 +324,8 @@ async def test_admin_commands_span_shards_and_fewer_processes_still_deliver(tmp_
             assert (await mta_json(config, "queue", "release", q1))["done"] == [q1]
             assert (await mta_json(config, "queue", "delete", q0))["done"] == [q0]
             shape = await mta_json(config, "queue", "shape")
-            assert shape["rows"] == [{"domain": "far.example", "total": len(ids) - 1,
-                                      "counts": [len(ids) - 1] + [0] * (len(shape["buckets"]) - 1)}]
+            assert [(r["domain"], r["total"], sum(r["counts"])) for r in shape["rows"]] == \
+                [("far.example", len(ids) - 1, len(ids) - 1)]
             assert (await mta_json(config, "queue", "list", "--in-doubt"))["messages"] == []
             missing = await mta(config, "queue", "show", q1.replace("-1", "-7"))
             assert missing.returncode != 0 and b"no shard 7" in missing.stderr
