@@ -421,6 +421,10 @@ class ClientConnection:
         else:
             self._events.append(DataReply(reply, go_ahead=False))
             self._finish(txn, reply)
+            if reply.code != 421 and not self._closed:
+                # A refused DATA leaves the server's MAIL transaction open (RFC 5321 §3.3): without
+                # an RSET the next MAIL on this connection gets 503, a permanent failure.
+                self._command("RSET", _Kind.RSET)
 
     def _finish(self, txn: _Transaction, final: Reply) -> None:
         outcomes = []

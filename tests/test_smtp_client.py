@@ -110,6 +110,23 @@ def test_failed_mail_fails_every_recipient_with_the_mail_reply() -> None:
     )
 
 
+def test_a_refused_data_is_followed_by_rset_so_the_next_mail_on_the_connection_is_not_out_of_sequence() -> None:
+    conn = after_ehlo()
+    conn.mail("a@x.example")
+    conn.rcpt("b@y.example")
+    conn.data()
+    conn.data_to_send()
+    evs = events(conn, b"250 ok\r\n451 4.3.0 later\r\n554 5.5.1 no valid recipients\r\n")
+    assert isinstance(evs[-1], C.MessageReply) and evs[-1].outcomes[0].reply.code == 451
+    conn.mail("c@x.example")
+    conn.rcpt("d@y.example")
+    conn.data()
+    assert conn.data_to_send() == b"RSET\r\nMAIL FROM:<c@x.example>\r\nRCPT TO:<d@y.example>\r\nDATA\r\n"
+    evs = events(conn, b"250 2.0.0 reset\r\n250 ok\r\n250 ok\r\n354 go\r\n")
+    assert evs[0] == C.CommandReply("RSET", Reply(250, "2.0.0", "reset"))
+    assert evs[-1] == C.DataReply(Reply(354, None, "go"), go_ahead=True)
+
+
 def test_354_after_all_recipients_failed_sends_an_empty_message() -> None:
     conn = after_ehlo()
     conn.mail("a@x.example")
