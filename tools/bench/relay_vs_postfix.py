@@ -247,7 +247,7 @@ max_messages_per_connection = 100
 
 class Logspool:
     def __init__(self, base: str, port: int, sink_port: int, max_sessions: int, processes: int = 1) -> None:
-        self.base, self.port = base, port
+        self.base, self.port, self.processes = base, port, processes
         self.config = os.path.join(base, "logspool.toml")
         with open(self.config, "w") as f:
             f.write(LOGSPOOL_TOML.format(port=port, dir=base, sink_port=sink_port,
@@ -269,7 +269,9 @@ class Logspool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with open(self.log_path, errors="replace") as f:
-                if "listening on" in f.read():
+                # One "logspool relay ... listening on" line per relay process (the supervisor's own line
+                # comes before its children have bound).
+                if f.read().count("logspool relay ") >= self.processes:
                     return
             if self.proc.poll() is not None:
                 break
