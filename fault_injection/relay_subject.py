@@ -216,6 +216,11 @@ class Sink:
                     sock.sendall(out)
                 ev = conn.next_event()
                 if isinstance(ev, NeedData):
+                    # The core may have queued a reply while returning NeedData (554 to a DATA that
+                    # has no recipient): send it before reading, or client and sink wait on each other.
+                    out = conn.data_to_send()
+                    if out:
+                        sock.sendall(out)
                     conn.receive_data(sock.recv(65536))
                 elif isinstance(ev, MailFrom):
                     sender, rcpts, data = ev.address, [], bytearray()

@@ -119,6 +119,9 @@ class GatedHop:
                     await stream.send_all(out)
                 ev = conn.next_event()
                 if isinstance(ev, NeedData):
+                    out = conn.data_to_send()  # a reply queued with NeedData (554 to DATA) goes first
+                    if out:
+                        await stream.send_all(out)
                     conn.receive_data(await stream.receive_some(65536))
                 elif isinstance(ev, MailFrom):
                     rcpts, data = [], bytearray()
