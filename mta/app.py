@@ -20,7 +20,7 @@ from mta.metrics import Metrics
 from mta.scheduler import Scheduler
 from mta.security import check_spool_dir
 from mta.server import SmtpServer
-from mta.shards import format_queue_id, shard_config
+from mta.shards import id_suffix, shard_config
 from mta.supervisor import follow_parent, watch_parent
 from mta.transport import Transport
 from spool.commit import AsyncSpool
@@ -29,11 +29,12 @@ from spool.config import SpoolConfig
 log = logging.getLogger("mta")
 
 
-def spool_config(config: Config) -> SpoolConfig:
+def spool_config(config: Config, shard: int = 0) -> SpoolConfig:
+    """Shard K's spool names its messages ``HEX-K`` in replies, logs and DSNs."""
     s = config.spool
     return SpoolConfig(segment_size=s.segment_size, retry_intervals=s.retry_intervals,
                        max_queue_lifetime=s.max_queue_lifetime, active_limit=s.active_limit,
-                       archive_dir=s.archive_dir or None)
+                       archive_dir=s.archive_dir or None, id_suffix=id_suffix(shard))
 
 
 def ssl_context(config: Config) -> ssl.SSLContext | None:
@@ -54,30 +55,6 @@ def transports(config: Config) -> Mapping[str, Transport]:
     smtp = SmtpTransport(config)
     return {"maildir": MaildirTransport(config.server.hostname), "discard": DiscardTransport(),
             "smtp": smtp, "mx": smtp}
-
-
-def use_shard_ids(shard: int) -> None:
-    """Make this process name its messages with its shard's queue ids (``HEX-K``) in replies, logs and DSNs.
-
-    A stopgap, applied once at the start of a shard's process: the SMTP server,
-    the scheduler and recovery format ids with ``spool.record.format_id``,
-    imported by name, and take no formatter of their own yet; this rebinds that
-    name in each of them. tests/test_shards.py checks the ``250`` reply and the
-    delivery log, so a rename there cannot silently drop the suffix.
-    """
-    if shard == 0:
-        return
-    import mta.scheduler
-    import mta.server
-    import spool.recovery
-
-    def fmt(message_id: int) -> str:
-        return format_queue_id(message_id, shard)
-
-    for module in (mta.server, mta.scheduler, spool.recovery):
-        if not hasattr(module, "format_id"):
-            raise RuntimeError(f"{module.__name__} no longer has format_id: teach mta.app.use_shard_ids the new hook")
-        module.format_id = fmt  # type: ignore[attr-defined]
 
 
 class Relay:
@@ -104,7 +81,7 @@ class Relay:
         cfg = self.config
         os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
         check_spool_dir(cfg.spool.dir)
-        self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg))
+        self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard))
         self.metrics.watch_spool(self.aspool)
         async with trio.open_nursery() as nursery:
             if self.supervisor is not None:
@@ -138,5 +115,4 @@ def serve(config: Config) -> None:
 def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> None:
     """One shard's process under ``mta serve``'s supervisor (``config`` is the whole relay's)."""
     follow_parent(supervisor)
-    use_shard_ids(shard)
     trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor).run)

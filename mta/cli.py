@@ -146,7 +146,7 @@ def _offline(config: Config, shard: int, req: dict[str, Any]) -> dict[str, Any]:
     level = engine_log.level
     engine_log.setLevel(logging.ERROR)
     try:
-        sp = Spool.open(config.spool.dir, spool_config(config))
+        sp = Spool.open(config.spool.dir, spool_config(config, shard))
     except SpoolLocked:
         fail(f"the relay holds {config.spool.dir} but its control socket {socket_path(config)} does not answer")
     finally:

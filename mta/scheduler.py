@@ -47,7 +47,7 @@ from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, Smt
 from mta.metrics import Metrics
 from mta.transport import Destination, Job, Transport
 from spool.commit import AsyncSpool
-from spool.record import Outcome, Status, format_id
+from spool.record import Outcome, Status
 from spool.spool import Attempt
 
 log = logging.getLogger("mta.delivery")
@@ -147,7 +147,7 @@ class Scheduler:
             else:
                 groups.setdefault(dest, []).append(rcpt)
         tracker.outstanding = len(groups) + (1 if unroutable else 0)
-        qid = format_id(env.message_id)
+        qid = self.aspool.core.queue_id(env.message_id)
         if unroutable:
             outs = [Outcome(r, Status.BOUNCED, 550, "5.1.2", "no route to this domain", "") for r in unroutable]
             self._nursery.start_soon(self._complete, tracker, Job(qid, env.sender, tuple(unroutable), (), 0), outs)
@@ -182,7 +182,7 @@ class Scheduler:
             text += f"; last error: {tracker.attempt.envelope.extra['last_error']}"
         outs = [Outcome(r, Status.EXPIRED, 0, "4.4.7", text, "") for r in rcpts]
         tracker.outstanding = 1
-        await self._complete(tracker, Job(format_id(env.message_id), env.sender, rcpts, (), 0), outs)
+        await self._complete(tracker, Job(self.aspool.core.queue_id(env.message_id), env.sender, rcpts, (), 0), outs)
 
     # -- delivering -----------------------------------------------------------
 
@@ -282,7 +282,8 @@ class Scheduler:
             original_envelope_id=None, arrival_time=dt.datetime.fromtimestamp(env.arrival_ms / 1000, dt.UTC),
             failed=failures,
             original_headers=headers, from_address=self.config.delivery.bounce_sender)
-        self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": format_id(env.message_id)})
+        qid = self.aspool.core.queue_id(env.message_id)
+        self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": qid})
         self.metrics.bounced_dsn.inc()
 
     def _log(self, qid: str, env: object, o: Outcome, now: float, duration: float) -> None:

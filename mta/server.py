@@ -44,7 +44,6 @@ from mta.smtp_server import (
     StartTls,
 )
 from spool.commit import AsyncSpool
-from spool.record import format_id
 from spool.spool import BodyWriter
 
 log = logging.getLogger("mta.smtpd")
@@ -294,7 +293,7 @@ class _Session:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
         mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
         self.server.metrics.accepted.inc()
-        queue_id = format_id(mid)
+        queue_id = self.server.aspool.core.queue_id(mid)
         if log.isEnabledFor(logging.INFO):  # skip building the arguments when nobody listens
             log.info("%s: from=<%s>, size=%d, nrcpt=%d, client=%s", queue_id, self.sender, body.size,
                      len(self.recipients), self.client_ip)

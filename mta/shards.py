@@ -67,9 +67,14 @@ def shard_count(config: Config) -> int:
     return max(config.server.processes, shards_on_disk(config.spool.dir))
 
 
+def id_suffix(shard: int) -> str:
+    """What shard K's spool appends to its hex queue ids (``SpoolConfig.id_suffix``)."""
+    return f"-{shard}" if shard else ""
+
+
 def format_queue_id(message_id: int, shard: int) -> str:
     """The queue id an operator sees: hex for shard 0, ``HEX-K`` for shard K."""
-    return f"{message_id:X}" if shard == 0 else f"{message_id:X}-{shard}"
+    return f"{message_id:X}{id_suffix(shard)}"
 
 
 def parse_queue_id(text: str) -> tuple[int, int]:

@@ -54,6 +54,9 @@ class SpoolConfig:
     # Claims (STARTs) are written to the log before delivery begins, so a killed process leaves them;
     # True also fsyncs them then, so that a power cut leaves them too (for naming recipients in doubt).
     sync_claims: bool = False
+    # Appended to this spool's queue ids wherever the engine names a message (``-K`` for shard K of a
+    # relay with several processes), so that ids stay unique across the spools of one host.
+    id_suffix: str = ""
     clock: Callable[[], float] = time.time
 
     def __attrs_post_init__(self) -> None:

@@ -45,7 +45,6 @@ from spool.record import (
     Start,
     StartKind,
     decode_payload,
-    format_id,
     format_pos,
     make_pos,
     pos_offset,
@@ -209,10 +208,10 @@ def remaining_recipients(envelope: Envelope, attempt: OpenAttempt) -> list[str]:
             if r not in attempt.outcomes or not Status(attempt.outcomes[r]).final]
 
 
-def report_in_doubt(envelope: Envelope, recipients: list[str]) -> None:
+def report_in_doubt(queue_id: str, recipients: list[str]) -> None:
     for r in recipients:
         log.warning("in doubt: queue id %s recipient %s: an attempt was in flight at the crash with no "
-                    "outcome recorded; it will be delivered again", format_id(envelope.message_id), r)
+                    "outcome recorded; it will be delivered again", queue_id, r)
 
 
 def describe(cp: Checkpoint | None) -> str:

@@ -53,6 +53,7 @@ from spool.record import (
     StartKind,
     Status,
     decode_payload,
+    format_id,
     make_pos,
     pos_segment,
 )
@@ -389,7 +390,7 @@ class Spool:
         doubt = recovery.in_doubt_recipients(env, attempt)
         remaining = recovery.remaining_recipients(env, attempt)
         if doubt:
-            recovery.report_in_doubt(env, doubt)
+            recovery.report_in_doubt(self.queue_id(env.message_id), doubt)
             stats.in_doubt += len(doubt)
         replacement = None
         if remaining:
@@ -588,6 +589,10 @@ class Spool:
             return self._now()
         times = [r.wake_at for r in self.runners if r.wake_at is not None]
         return min(times) if times else None
+
+    def queue_id(self, message_id: int) -> str:
+        """The id an operator sees for a message of this spool (hex, plus ``config.id_suffix``)."""
+        return format_id(message_id) + self.config.id_suffix
 
     @property
     def has_room(self) -> bool:
