@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import glob
+import os
+import re
 import sys
 import time
 
@@ -26,6 +29,47 @@ def parse_time(text: str) -> int:
     return int(t.timestamp() * 1000)
 
 
+def _time_option(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
+    """Click callback: the error then names the option (``Invalid value for '--since'``)."""
+    return None if value is None else parse_time(value)
+
+
+# local, local[N], local[*], local[N,F], local[*,F]: Spark's own parser accepts
+# only these; anything else starting with "local" would fail after the JVM has
+# started (minutes on a busy machine) with a Java traceback.
+_LOCAL_MASTER = re.compile(r"local(\[(\d+|\*)(,\d+)?\])?")
+
+
+def _master_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    if value.startswith("local") and not _LOCAL_MASTER.fullmatch(value):
+        raise click.BadParameter(f"{value!r} (want local, local[N], local[*] or a cluster URL)")
+    return value
+
+
+def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, until_ms: int | None) -> None:
+    """Everything about the arguments that can be checked without Spark, so a
+    mistake costs a second rather than a JVM start.
+
+    Every ``--input`` must name segments: a typo among several inputs would
+    otherwise leave a relay out of the report without a word.
+
+    Raises ReportError (one line) or OSError (``--out`` cannot be made).
+    """
+    from spool.spark_source import expand_paths
+
+    if since_ms is not None and until_ms is not None and since_ms >= until_ms:
+        raise ReportError("--since must be before --until")
+    for pattern in inputs:
+        if expand_paths([pattern]):
+            continue
+        if not glob.glob(os.path.expanduser(pattern)):
+            raise ReportError(f"--input {pattern}: no such file or directory")
+        raise ReportError(f"no segment files (*.seg) under: {pattern}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ReportError(f"--out {out}: exists and is not a directory")
+    os.makedirs(out, exist_ok=True)
+
+
 _STARTED = [time.monotonic()]
 
 
@@ -40,22 +84,25 @@ def _progress(message: str) -> None:
 @click.option("--input", "inputs", multiple=True, required=True, metavar="PATH",
               help="Spool, log or archive directory, segment file, or a glob of them; repeatable.")
 @click.option("--out", required=True, metavar="DIR", help="Where the Parquet tables and the report go.")
-@click.option("--master", default="local[*]", show_default=True, help="Spark master URL.")
-@click.option("--since", default=None, metavar="T", help="Only mail that arrived (and attempts made) from T on.")
-@click.option("--until", default=None, metavar="T", help="Read the log as if it ended at T.")
+@click.option("--master", default="local[*]", show_default=True, callback=_master_option,
+              help="Spark master URL.")
+@click.option("--since", "since_ms", default=None, metavar="T", callback=_time_option,
+              help="Only mail that arrived (and attempts made) from T on: ISO 8601 (UTC by default) or epoch seconds.")
+@click.option("--until", "until_ms", default=None, metavar="T", callback=_time_option,
+              help="Read the log as if it ended at T.")
 @click.option("--relay", default=None, help="Relay name for every input (default: from the directory).")
-def report(inputs: tuple[str, ...], out: str, master: str, since: str | None, until: str | None,
+def report(inputs: tuple[str, ...], out: str, master: str, since_ms: int | None, until_ms: int | None,
            relay: str | None) -> None:
-    """Delivery report (pflogsumm-style) from spool segments, on Spark."""
-    _STARTED[0] = time.monotonic()
-    since_ms = parse_time(since) if since else None
-    until_ms = parse_time(until) if until else None
-    try:
-        from mta.report import make_session, run_report
-        from spool.spark_source import expand_paths
+    """Delivery report (pflogsumm-style) from spool segments, on Spark.
 
-        if not expand_paths(inputs):
-            raise ReportError(f"no segment files (*.seg) under: {', '.join(inputs)}")
+    Writes OUT/messages, OUT/attempts, OUT/queue (Parquet), OUT/report.txt
+    (also printed) and OUT/report.html (with charts).
+    """
+    _STARTED[0] = time.monotonic()
+    try:
+        check_arguments(inputs, out, since_ms, until_ms)
+        from mta.report import make_session, run_report
+
         _progress(f"starting Spark ({master})")
         spark = make_session(master)
         figures = run_report(spark, inputs, out, since_ms=since_ms, until_ms=until_ms, relay=relay,
