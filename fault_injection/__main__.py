@@ -39,10 +39,16 @@ def _powercut(args: argparse.Namespace) -> int:
 
 
 def _kill9(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
     from fault_injection import kill9
 
+    stop = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda _sig, _frame: stop.set())
     summary = kill9.run(cycles=args.cycles, messages=args.messages, concurrency=args.concurrency, seed=args.seed,
-                        relay=args.relay, max_seconds=args.max_minutes * 60 if args.max_minutes else None)
+                        relay=args.relay, max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                        stop_requested=stop.is_set, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(summary.line())
     for p in summary.problems[:20]:
         print(f"  {p}")
@@ -86,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--relay", action="store_true", help="kill the real relay (mta serve) instead")
     k.add_argument("--max-minutes", type=float, default=0,
-                   help="start no new cycle after this long (then drain and score); 0: no limit")
+                   help="start no new cycle after this long (then drain and score); 0: no limit. "
+                        "SIGUSR1 does the same at once")
     k.set_defaults(func=_kill9)
 
     f = sub.add_parser("faults", help="ENOSPC, EIO, short writes and fsync failure at chosen operations")

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -422,8 +423,16 @@ def _score(subject: Subject, led: Ledger, summary: Summary) -> None:
 
 
 def run(*, cycles: int, messages: int = 0, concurrency: int = 8, seed: int = 0, relay: bool = False,
-        workdir: str | None = None, max_seconds: float | None = None) -> Summary:
-    """``cycles`` start-load-kill cycles (fewer if ``max_seconds`` runs out first), then drain and score."""
+        workdir: str | None = None, max_seconds: float | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
+        progress: Callable[[str], None] = lambda _line: None) -> Summary:
+    """``cycles`` start-load-kill cycles, then drain and score.
+
+    Fewer cycles if ``max_seconds`` runs out or ``stop_requested()`` turns
+    true first: a long run on a slow machine can then still end with a
+    drained, scored ledger instead of being killed and telling nothing.
+    ``progress`` gets a line every 25 cycles.
+    """
     messages = messages or 20
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="logspool-kill9-", dir=scratch_dir())
@@ -444,8 +453,13 @@ def run(*, cycles: int, messages: int = 0, concurrency: int = 8, seed: int = 0, 
             for _ in range(cycles):
                 if max_seconds is not None and time.monotonic() - t0 > max_seconds:
                     break
+                if stop_requested():
+                    break
                 n = _cycle(subject, rng, led, n, messages, concurrency, summary.problems)
                 summary.cycles += 1
+                if summary.cycles % 25 == 0:
+                    progress(f"kill9: {summary.cycles}/{cycles} cycles, {len(led.acked)} acknowledged, "
+                             f"{(time.monotonic() - t0) / 60:.1f} min")
             _drain(subject, led, summary.problems)
             _score(subject, led, summary)
             if summary.problems:
