@@ -221,9 +221,8 @@ class Scheduler:
         now = time.time()
         if now < state.backoff_until:
             reply = f"destination {dest} not reachable, retry postponed: {state.last_error}"
-            for job, tracker in batch:
-                outs = [Outcome(r, Status.DEFERRED, 0, "4.4.1", reply, str(dest)) for r in job.recipients]
-                await self._complete(tracker, job, outs)
+            await self._complete_all([(tracker, job, [Outcome(r, Status.DEFERRED, 0, "4.4.1", reply, str(dest))
+                                                      for r in job.recipients]) for job, tracker in batch])
             return
         jobs = []
         for job, tracker in batch:
@@ -246,18 +245,34 @@ class Scheduler:
         else:
             state.failures = 0
             state.backoff_until = 0.0
-        for (job, tracker), outs in zip(batch, results, strict=True):
+        for job, _tracker in batch:
             job.body = ()
-            await self._complete(tracker, job, outs, duration)
+        await self._complete_all([(tracker, job, outs) for (job, tracker), outs in zip(batch, results, strict=True)],
+                                 duration)
 
     async def _complete(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float = 0.0) -> None:
-        """Make the outcomes durable (with any DSN), log them, and finish the message when all its jobs are in."""
+        await self._complete_all([(tracker, job, outcomes)], duration)
+
+    async def _complete_all(self, done: list[tuple[Tracker, Job, list[Outcome]]], duration: float = 0.0) -> None:
+        """Make the outcomes durable (with any DSNs) in one commit, then log them and finish what is done.
+
+        One commit for a connection's messages, not one each: the durability
+        rule is about order (outcome durable before the message's next step,
+        the FINISH), and it holds for all of them after the one fsync.
+        """
+        for tracker, _job, outcomes in done:
+            attempt = tracker.attempt
+            failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
+            if failed and dsnmod.should_bounce(attempt.envelope.sender) and not attempt.envelope.extra.get("dsn"):
+                self._enqueue_dsn(attempt, failed)
+        await self.aspool.record_deliveries([(t.attempt, outs, int(duration * 1000)) for t, _j, outs in done])
+        for tracker, job, outcomes in done:
+            self._after_durable(tracker, job, outcomes, duration)
+
+    def _after_durable(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float) -> None:
+        """Log and report the (durable) outcomes; finish the message when all its jobs are in."""
         attempt = tracker.attempt
         env = attempt.envelope
-        failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
-        if failed and dsnmod.should_bounce(env.sender) and not env.extra.get("dsn"):
-            self._enqueue_dsn(attempt, failed)
-        await self.aspool.record_delivery(attempt, outcomes, int(duration * 1000))
         now = time.time()
         for o in outcomes:
             self._log(job.queue_id, env, o, now, duration)

@@ -165,11 +165,21 @@ class _Session:
         self.body: BodyWriter | None = None
         self.mail_params: dict[str, Any] = {}
         self._timer = trio.CancelScope()  # the read timeout: one scope per session, its deadline moved per read
+        self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
 
     def abort_body(self) -> None:
         if self.body is not None:
             self.body.abort()
             self.body = None
+        self._transaction(False)
+
+    def _transaction(self, active: bool) -> None:
+        """Tell the group commit whether this session's commit is coming (a recipient accepted, data not ended)."""
+        if active and self._expected is None:
+            self._expected = self.server.aspool.expect_commit()
+        elif not active and self._expected is not None:
+            self.server.aspool.withdraw_commit(self._expected)
+            self._expected = None
 
     async def _flush(self) -> None:
         out = self.conn.data_to_send()
@@ -271,6 +281,7 @@ class _Session:
             self.conn.reject(R_NO_ROUTE)
             return
         self.recipients.append(ev.address)
+        self._transaction(True)
         self.conn.accept()
 
     def _data_start(self) -> None:
@@ -284,6 +295,7 @@ class _Session:
     async def _end_of_data(self) -> None:
         body, self.body = self.body, None
         assert body is not None
+        self._transaction(False)  # arrived: from here the commit waits for this message, not for the session
         if not self.server._disk_ok():
             body.abort()
             self.conn.reject(R_DISK_FULL)

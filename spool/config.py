@@ -44,10 +44,20 @@ class SpoolConfig:
     archive_dir: str | None = None
     body_chunk: int = 256 * 1024
     flush_threshold: int = 4 * MIB
+    # Checkpoints: looked at every ``checkpoint_interval`` seconds and written if anything moved and either
+    # the log was quiet for that interval, or ``checkpoint_bytes`` were appended since the last one, or
+    # ``checkpoint_max_interval`` passed. A checkpoint costs three fsyncs; under load the byte bound, not the
+    # clock, paces them (recovery scans at most about that much more). checkpoint_bytes 0: every interval.
     checkpoint_interval: float = 2.0
+    checkpoint_bytes: int = 16 * MIB
+    checkpoint_max_interval: float = 60.0
     # Records nobody waits for (FINISH, replacement envelopes) ride with the next commit, or are
     # committed this many seconds after they were appended if no commit comes sooner.
     lazy_commit_delay: float = 0.1
+    # Group-commit window: a commit someone waits for is cut once the event loop has nothing else to
+    # run (every task that could add to it has), or after this many seconds at most. An idle loop cuts
+    # at once, so one session waits no longer; 0 cuts at once always.
+    commit_delay: float = 0.05
     # Bodies of freshly enqueued messages kept in memory, so that delivering a message right after
     # accepting it reads nothing back; a body larger than a quarter of this is never kept.
     body_cache: int = 4 * MIB
@@ -68,6 +78,12 @@ class SpoolConfig:
             raise ValueError("max_queue_lifetime must be positive")
         if not self.lazy_commit_delay >= 0:
             raise ValueError("lazy_commit_delay must not be negative")
+        if not 0 <= self.commit_delay <= 1:
+            raise ValueError("commit_delay must be between 0 and 1 second")
+        if self.checkpoint_bytes < 0:
+            raise ValueError("checkpoint_bytes must not be negative")
+        if not self.checkpoint_max_interval > 0:
+            raise ValueError("checkpoint_max_interval must be positive")
         if self.body_cache < 0:
             raise ValueError("body_cache must not be negative")
 
