@@ -63,15 +63,18 @@ class Relay:
     ``shard``: which spool shard this process owns (``config`` is already that
     shard's, see ``mta.shards.shard_config``); ``reuse_port``: listen with
     SO_REUSEPORT beside the other shards' processes; ``supervisor``: the
-    parent's pid, whose death ends this process.
+    parent's pid, whose death ends this process; ``poll_parent``: whether
+    this process must poll for that death (the kernel was not asked to
+    deliver it, see ``mta.supervisor.follow_parent``).
     """
 
     def __init__(self, config: Config, *, shard: int = 0, reuse_port: bool = False,
-                 supervisor: int | None = None) -> None:
+                 supervisor: int | None = None, poll_parent: bool = True) -> None:
         self.config = config
         self.shard = shard
         self.reuse_port = reuse_port
         self.supervisor = supervisor
+        self.poll_parent = poll_parent
         self.metrics = Metrics()
         self.aspool: AsyncSpool
         self.listeners: list[trio.SocketListener] = []
@@ -84,7 +87,7 @@ class Relay:
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard))
         self.metrics.watch_spool(self.aspool)
         async with trio.open_nursery() as nursery:
-            if self.supervisor is not None:
+            if self.supervisor is not None and self.poll_parent:
                 nursery.start_soon(watch_parent, self.supervisor)
             await nursery.start(self.aspool.run)
             server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg))
@@ -114,5 +117,6 @@ def serve(config: Config) -> None:
 
 def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> None:
     """One shard's process under ``mta serve``'s supervisor (``config`` is the whole relay's)."""
-    follow_parent(supervisor)
-    trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor).run)
+    armed = follow_parent(supervisor)
+    trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor,
+                   poll_parent=not armed).run)

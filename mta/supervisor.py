@@ -15,8 +15,10 @@ Crash-only both ways. There is no shutdown: SIGTERM or kill -9 of the parent
 ends it where it stands, and the children follow it at once: each child asks
 the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), checks
 right after asking that the parent is still the one that started it (it may
-have died before the request), and polls ``getppid()`` once a second as a
-fallback. The next ``mta serve`` recovers every shard.
+have died before the request), and only where that request failed polls
+``getppid()`` once a second instead (an idle shard then never wakes: on the
+project's VM each timer wake-up of an idle process cost it a measurable share
+of a core). The next ``mta serve`` recovers every shard.
 
 Why the children are started with ``subprocess.Popen`` from this (main)
 thread and not through trio: ``PR_SET_PDEATHSIG`` fires when the *thread*
@@ -195,20 +197,25 @@ def supervise(config: Config) -> NoReturn:
 # -- the child's side -----------------------------------------------------------
 
 
-def follow_parent(parent_pid: int) -> None:
+def follow_parent(parent_pid: int) -> bool:
     """Die with the supervisor: ask for SIGKILL when the parent dies, then check it had not died already.
 
-    Without prctl (not Linux) only ``watch_parent``'s polling remains.
+    Returns whether the kernel took the request. When it did not (no prctl:
+    not Linux), the caller must run ``watch_parent``'s polling instead.
     """
+    armed = False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+        else:
+            armed = True
     except (OSError, AttributeError):
         log.warning("no prctl here: a shard notices its supervisor's death by polling only")
     if os.getppid() != parent_pid:
         log.error("supervisor %d is gone; shard exits", parent_pid)
         os._exit(1)
+    return armed
 
 
 async def watch_parent(parent_pid: int) -> None:
