@@ -55,6 +55,11 @@ class Checkpoint:
     sequence: int
     body_span: int = 0
 
+    def same_restart(self, other: Checkpoint) -> bool:
+        """Would recovery and segment reclaiming do the same from ``other``? (time and sequence aside)"""
+        return (self.head, self.working_start, self.garbage_end, self.runners, self.body_span) == (
+            other.head, other.working_start, other.garbage_end, other.runners, other.body_span)
+
     def to_bytes(self) -> bytes:
         payload = cbor2.dumps({0: self.head, 1: self.working_start, 2: self.garbage_end,
                                3: list(self.runners), 4: self.time_ms, 5: self.sequence, 6: self.body_span})

@@ -5,9 +5,13 @@
 2. Find the end of the log: validate the last segment from where the working
    suffix (or the segment) begins; cut a torn tail, stop on anything else. A
    failure before the checkpoint's head is never a torn tail.
-3. fdatasync every segment of the working suffix. After a kill -9 the page
-   cache still holds writes that were never synced; making them durable first
-   means nothing below acts on a record that a later power cut could take back.
+3. Make the log durable up to its end before acting on it (``sync_tail``).
+   After a kill -9 the page cache still holds writes that were never synced;
+   making them durable first means nothing below acts on a record that a
+   later power cut could take back. Only what lies past the checkpoint's head
+   can be unsynced (a checkpoint is stored only once its head is durable), so
+   a log that ends at the head, which is every start after a clean stop, needs
+   no sync at all.
 4. Scan the working suffix. Every START's envelope gets its garbage mark (marks
    are written without fsync and may have been lost); every replacement
    envelope's predecessor too. STARTs without a FINISH are the attempts that
@@ -72,6 +76,7 @@ class RecoveryStats:
     in_doubt: int = 0
     replacements: int = 0
     marks: int = 0
+    syncs: int = 0  # fdatasyncs and directory fsyncs made to secure the log's tail before acting on it
     seconds: float = 0.0
 
 
@@ -186,13 +191,43 @@ def _account(result: SuffixScan, pos: int, rtype: int, payload: object) -> None:
             result.to_mark.append(payload.replaces)
 
 
-def sync_suffix(io: FileIO, log_dir: str, first_seg: int, last_seg: int) -> None:
-    for seg in range(first_seg, last_seg + 1):
+def sync_tail(io: FileIO, log_dir: str, checkpoint: Checkpoint | None, first_seg: int, end: int) -> int:
+    """Make every record up to ``end`` durable, syncing only what may not be. Returns the syncs done.
+
+    Why each sync is or is not needed:
+
+    - Everything before the checkpoint's head was durable when the checkpoint
+      was stored (``Spool.checkpoint_write`` refuses otherwise), and the only
+      writes that land before a durable head later are garbage marks, which
+      need no sync (a mark is only ever written after its START is durable, so
+      a lost mark is re-inferred and a kept one is explained). So segments
+      wholly before the head's segment are skipped, and when the log ends at
+      the head there is nothing to sync.
+    - Past the head, records may sit in the page cache only (a kill -9 after a
+      write-only batch, or between a write and its fdatasync): each segment
+      holding such bytes is fdatasynced.
+    - A segment created after the head's segment may lack a durable directory
+      entry (the writer syncs the directory with the next durable batch, which
+      a kill -9 can pre-empt): then the log directory is fsynced too, or a
+      power cut could take the whole segment back after recovery acted on it
+      (marked envelopes for its STARTs, or checkpointed a head inside it).
+    """
+    if checkpoint is not None and end <= checkpoint.head:
+        return 0
+    head_seg = pos_segment(checkpoint.head) if checkpoint is not None else first_seg
+    first = max(first_seg, head_seg)
+    last = pos_segment(end)
+    for seg in range(first, last + 1):
         fd = io.open(segment_path(log_dir, seg))
         try:
             io.fdatasync(fd)
         finally:
             io.close(fd)
+    syncs = last + 1 - first
+    if last > head_seg:
+        io.fsync_dir(log_dir)
+        syncs += 1
+    return syncs
 
 
 def in_doubt_recipients(envelope: Envelope, attempt: OpenAttempt) -> list[str]:
@@ -244,6 +279,6 @@ __all__ = [
     "remaining_recipients",
     "report_in_doubt",
     "scan_suffix",
-    "sync_suffix",
+    "sync_tail",
     "validate_segments",
 ]

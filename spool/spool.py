@@ -39,6 +39,7 @@ from spool import checkpoint as ckpt
 from spool import recovery
 from spool.config import SpoolConfig
 from spool.errors import CorruptRecord, MessageBusy, SpoolError, SpoolLocked
+from spool.fairness import DEFAULT_SHARE, DeferredBudget
 from spool.fileio import FileIO, OsFileIO, write_all
 from spool.log import LogWriter
 from spool.record import (
@@ -223,6 +224,9 @@ class Spool:
         # How many segments a live body may lie behind its envelope (see BODY_SLACK); only grows.
         self.body_span = 0
         self.body_cache = BodyCache(config.body_cache)
+        # Deferred claims while new mail flows (spool.fairness). getattr: SpoolConfig.deferred_share
+        # is being added; until then every spool gets the default.
+        self.budget = DeferredBudget(float(getattr(config, "deferred_share", DEFAULT_SHARE)))
 
     # -- open = recover -----------------------------------------------------
 
@@ -282,7 +286,7 @@ class Spool:
         end_off = recovery.find_log_end(self.io, self.log_dir, last, int(tail_from & 0xFFFFFFFF),
                                         cp.head if cp else None, stats)
         end = make_pos(last, end_off)
-        recovery.sync_suffix(self.io, self.log_dir, pos_segment(start), last)
+        stats.syncs += recovery.sync_tail(self.io, self.log_dir, cp, pos_segment(start), end)
         self.writer = LogWriter(self.io, self.log_dir, self.config.segment_size, last, end_off, int(t0))
         found = recovery.scan_suffix(self.io, self.log_dir, start, end, stats)
         self.body_span = max(self.body_span, found.body_span)
@@ -298,6 +302,10 @@ class Spool:
         log.info("recovered %s: %s; read %d records, %d bytes; %d in flight, %d in doubt",
                  self.path, recovery.describe(cp), stats.records_read, stats.bytes_read, stats.in_flight,
                  stats.in_doubt)
+        # Not needed for correctness (the old checkpoint stays valid: positions may lag, never lead),
+        # but after a crash it bounds the next start's scan to what is in flight then, instead of
+        # rescanning this suffix at every start of a crash loop. After a clean stop it is identical
+        # to the stored one, and checkpoint_write skips it.
         self.checkpoint()
 
     def _check_sealed(self, start: int, last: int) -> None:
@@ -522,8 +530,24 @@ class Spool:
 
     # -- runners ------------------------------------------------------------
 
-    def poll_due(self, now: float | None = None, limit: int | None = None) -> list[Attempt]:
-        """Claim due messages, new and deferred taken alternately; respects the active limit."""
+    def poll_due(self, now: float | None = None, limit: int | None = None, *,
+                 rationed: bool | None = None) -> list[Attempt]:
+        """Claim due messages; respects the active limit and (``rationed``) the deferred budget.
+
+        New mail first, up to half the room; then the deferred classes (in
+        turn) up to what ``self.budget`` allows while new mail flows (all the
+        rest of the room when it does not); then new mail again for what is
+        left. The half kept back lets the trickle through even when new mail
+        alone would fill every poll.
+
+        ``rationed`` defaults to ``now is None``: polls at the spool's own
+        clock (the relay's, through ``next_due``) are budgeted, and may return
+        nothing while deferred mail is due (``next_wake`` says when to look
+        again). A caller that names its own time (a checker draining the queue
+        at a simulated instant) gets everything due, as before the budget.
+        """
+        if rationed is None:
+            rationed = now is None
         now = self._now() if now is None else now
         room = self.config.active_limit - len(self.attempts)
         if limit is not None:
@@ -531,14 +555,25 @@ class Spool:
         out: list[Attempt] = []
         if room <= 0:
             return out
+        budget = self.budget if rationed else None
         self._take(0, (room + 1) // 2, now, out)
+        if budget is not None:
+            budget.note_new(len(out), now)
         deferred = list(range(1, len(self.runners)))
         if deferred:
+            allowed = budget.allowance(now) if budget is not None else None
+            cap = room if allowed is None else len(out) + min(allowed, room - len(out))
             rot = self._rr % len(deferred)
             self._rr += 1
+            before = len(out)
             for k in deferred[rot:] + deferred[:rot]:
-                self._take(k, room - len(out), now, out)
+                self._take(k, cap - len(out), now, out)
+            if budget is not None:
+                budget.spend(len(out) - before)
+        before = len(out)
         self._take(0, room - len(out), now, out)
+        if budget is not None:
+            budget.note_new(len(out) - before, now)
         return out
 
     def _take(self, klass: int, count: int, now: float, out: list[Attempt]) -> None:
@@ -583,11 +618,17 @@ class Spool:
     def next_wake(self) -> float | None:
         """Earliest time a runner may find something new (None: only new appends wake them).
 
-        Now, if a runner stopped at its limit with more perhaps due.
+        Now, if a runner stopped at its limit with more perhaps due; but a
+        deferred runner waits for the budget to allow a claim, so that a caller
+        that polls at this time does not spin while the budget says no.
         """
-        if any(r.has_more for r in self.runners):
-            return self._now()
-        times = [r.wake_at for r in self.runners if r.wake_at is not None]
+        now = self._now()
+        gate = self.budget.next_allowed(now)
+        times = []
+        for r in self.runners:
+            t = now if r.has_more else r.wake_at
+            if t is not None:
+                times.append(t if r.klass == 0 else max(t, gate))
         return min(times) if times else None
 
     def queue_id(self, message_id: int) -> str:
@@ -726,8 +767,13 @@ class Spool:
         if self.writer.durable_end < plan.head:
             raise SpoolError("checkpoint before its head is durable")
         self.writer.sync_all()
-        ckpt.store(self.io, self.path, plan.checkpoint)
-        self._checkpoint = plan.checkpoint
+        if self._checkpoint is None or not plan.checkpoint.same_restart(self._checkpoint):
+            # Two fsyncs (the file, then the directory after the rename). A checkpoint whose
+            # positions equal the stored one's would only renew its time and sequence, which
+            # nothing reads back: skipped, so an idle spool, and every open after a clean stop,
+            # writes none.
+            ckpt.store(self.io, self.path, plan.checkpoint)
+            self._checkpoint = plan.checkpoint
         ids = list_segments(self.io, self.log_dir)
         return self._delete_segments_before(pos_segment(plan.checkpoint.garbage_end) - plan.checkpoint.body_span
                                             - BODY_SLACK, ids)
