@@ -28,9 +28,14 @@ Issue 7, second half. Two measurements (DESIGN §6: benchmarks, never timed test
    attempt (DELIVERED for new mail, DEFERRED for the backlog), one commit, then
    ``finish`` (the deferred ones go back to class 1). The same workload on an
    empty spool is the reference; rounds alternate A (empty) B (backlog) so
-   that load from elsewhere hits both alike. Reported: accepted messages/s in
-   each, their ratio, and how many backlog messages were retried per second
-   (the proof that the backlog really was being worked).
+   that load from elsewhere hits both alike. B runs with the spool's deferred
+   budget (``spool.fairness``, ``--deferred-share``, default the engine's);
+   with ``--compare-off`` (the default) each round also runs B0, the backlog
+   with the budget off (share 1.0: the engine before the budget), so A B0 B
+   interleave and before/after come from the same minutes. Reported: accepted
+   messages/s in each, the ratios B/A and B0/A, and how many backlog messages
+   were retried per second (the proof that the backlog really was being
+   worked, and drains).
 
 Temp dirs are on the real disk (``common.bench_root``: $BENCH_DIR, else the
 temp dir unless it is tmpfs) and are removed. Charts (SVG) need matplotlib,
@@ -57,6 +62,7 @@ from common import fmt, median, say
 
 from spool.commit import AsyncSpool
 from spool.config import SpoolConfig
+from spool.fairness import DEFAULT_SHARE
 from spool.fileio import OsFileIO
 from spool.record import Outcome, Status
 from spool.spool import Attempt, Spool
@@ -222,10 +228,11 @@ def measure_recovery(path: str, runs: int) -> dict[str, Any]:
 # -- 2. fairness -------------------------------------------------------------------------------
 
 
-async def _round(path: str, enqueuers: int, duration: float, warmup: float) -> dict[str, float]:
+async def _round(path: str, enqueuers: int, duration: float, warmup: float, share: float) -> dict[str, float]:
     """One measurement window: enqueuers and a retrying consumer on one AsyncSpool."""
     cfg = SpoolConfig(retry_intervals=FAIR_INTERVALS)
     asp = await AsyncSpool.open(path, cfg)
+    asp.core.budget.share = share  # SpoolConfig.deferred_share once that field exists; the same budget
     recovered = asp.core.recovery_stats.in_flight
     counts = {"accepted": 0, "retried": 0, "delivered": 0}
     lat: list[float] = []
@@ -282,21 +289,27 @@ async def _round(path: str, enqueuers: int, duration: float, warmup: float) -> d
             "recovered_in_flight": recovered}
 
 
+KINDS = {"empty": "A (empty queue)", "backlog_off": "B0 (backlog due, budget off)",
+         "backlog": "B (backlog due, budget on)"}
+
+
 def measure_fairness(backlog_path: str, rounds: int, enqueuers: int, duration: float,
-                     warmup: float) -> dict[str, Any]:
-    res: dict[str, list[dict[str, float]]] = {"empty": [], "backlog": []}
+                     warmup: float, share: float, compare_off: bool) -> dict[str, Any]:
+    kinds = ["empty", "backlog_off", "backlog"] if compare_off else ["empty", "backlog"]
+    res: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     # A round ends the way a crash does: the claims in flight are recovered (and reported in
     # doubt, one warning each) when the next round opens the spool. Counted, not printed.
     logging.getLogger("spool").setLevel(logging.ERROR)
     for r in range(rounds):
-        for kind in ("empty", "backlog"):
+        for kind in kinds:
             if kind == "empty":
                 with common.temp_dir("fair-empty") as d:
-                    out = trio.run(_round, d, enqueuers, duration, warmup)
+                    out = trio.run(_round, d, enqueuers, duration, warmup, share)
             else:
-                out = trio.run(_round, backlog_path, enqueuers, duration, warmup)
+                out = trio.run(_round, backlog_path, enqueuers, duration, warmup,
+                               1.0 if kind == "backlog_off" else share)
             res[kind].append(out)
-            say(f"  round {r + 1} {'A (empty queue)' if kind == 'empty' else 'B (backlog due)'}: accepted "
+            say(f"  round {r + 1} {KINDS[kind]}: accepted "
                 f"{fmt(out['accepted_mps'], 1)} msg/s (p50 {out['p50_ms']:.1f} ms), new mail delivered "
                 f"{fmt(out['delivered_mps'], 1)}/s, backlog retried {fmt(out['retried_mps'], 1)}/s; "
                 f"{out['fsyncs_per_s']:.1f} fsync/s, {out['mib_written_per_s']:.2f} MiB/s written, "
@@ -311,6 +324,12 @@ def measure_fairness(backlog_path: str, rounds: int, enqueuers: int, duration: f
     summary["ratio_per_round"] = ratios
     summary["ratio"] = median(ratios)
     summary["ratio_of_medians"] = summary["backlog"]["accepted_mps"] / summary["empty"]["accepted_mps"]
+    summary["share"] = share
+    if compare_off:
+        off = [b["accepted_mps"] / a["accepted_mps"] if a["accepted_mps"] else float("nan")
+               for a, b in zip(res["empty"], res["backlog_off"])]
+        summary["ratio_off_per_round"] = off
+        summary["ratio_off"] = median(off)
     return summary
 
 
@@ -358,13 +377,19 @@ def charts(result: dict[str, Any], out_dir: str, tag: str = "") -> list[str]:
         n = len(rounds["empty"])
         fig, ax = plt.subplots(figsize=(7, 4))
         xs = list(range(n))
-        ax.bar([x - 0.2 for x in xs], [o["accepted_mps"] for o in rounds["empty"]], 0.4, label="empty queue (A)")
-        ax.bar([x + 0.2 for x in xs], [o["accepted_mps"] for o in rounds["backlog"]], 0.4,
-               label=f"{fmt(result['backlog'])} deferred being retried (B)")
+        bars = [("empty", "empty queue (A)")]
+        if "backlog_off" in rounds:
+            bars.append(("backlog_off", f"{fmt(result['backlog'])} deferred retried, budget off (B0)"))
+        bars.append(("backlog", f"{fmt(result['backlog'])} deferred retried, share {fair['share']:g} (B)"))
+        width = 0.8 / len(bars)
+        for i, (kind, label) in enumerate(bars):
+            ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], [o["accepted_mps"] for o in rounds[kind]], width,
+                   label=label)
         for x, r in zip(xs, fair["ratio_per_round"]):
-            ax.annotate(f"B/A {r:.2f}", (x, max(rounds["empty"][x]["accepted_mps"],
-                                                rounds["backlog"][x]["accepted_mps"])),
-                        ha="center", va="bottom")
+            text = f"B/A {r:.2f}"
+            if "backlog_off" in rounds:
+                text = f"B0/A {fair['ratio_off_per_round'][x]:.2f}\n" + text
+            ax.annotate(text, (x, max(o[x]["accepted_mps"] for o in rounds.values())), ha="center", va="bottom")
         ax.set_xticks(xs, [f"round {x + 1}" for x in xs])
         ax.set(ylabel="new messages accepted per second",
                title=f"New mail with and without a due backlog ({result['enqueuers']} enqueuers)")
@@ -405,6 +430,10 @@ def main() -> None:
     ap.add_argument("--enqueuers", type=int, default=50, help="concurrent enqueue+commit tasks")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds measured per fairness round")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds before each round's window opens")
+    ap.add_argument("--deferred-share", type=float, default=DEFAULT_SHARE,
+                    help=f"the deferred budget's share in the B rounds (default {DEFAULT_SHARE:g}; 1.0 = off)")
+    ap.add_argument("--no-compare-off", dest="compare_off", action="store_false",
+                    help="skip the B0 rounds (backlog with the budget off)")
     ap.add_argument("--no-recovery", action="store_true", help="skip the recovery measurement")
     ap.add_argument("--no-fairness", action="store_true", help="skip the fairness measurement")
     ap.add_argument("--quick", action="store_true", help="2k and 10k queues, a 10k backlog, 5 s rounds")
@@ -436,6 +465,8 @@ def main() -> None:
     duration = 5.0 if args.quick and args.duration == 15.0 else args.duration
     if args.runs < 1 or args.rounds < 1 or args.enqueuers < 1 or duration <= 0 or args.warmup < 0 or backlog < 1:
         raise SystemExit("--runs, --rounds, --enqueuers, --duration and --backlog must be positive")
+    if not 0.0 <= args.deferred_share <= 1.0:
+        raise SystemExit("--deferred-share must be between 0 and 1")
     if args.charts != "none" and not os.path.isdir(args.charts):
         raise SystemExit(f"--charts: {args.charts} is not a directory")
     do_rec, do_fair = not args.no_recovery, not args.no_fairness
@@ -456,7 +487,8 @@ def main() -> None:
     def fairness(path: str) -> None:
         say(f"\n[2] fairness: {args.enqueuers} enqueuers, {fmt(backlog)} deferred due (class-1 interval "
             f"{FAIR_INTERVALS[0]:g} s), A = empty queue, B = backlog")
-        result["fairness"] = measure_fairness(path, args.rounds, args.enqueuers, duration, args.warmup)
+        result["fairness"] = measure_fairness(path, args.rounds, args.enqueuers, duration, args.warmup,
+                                              args.deferred_share, args.compare_off)
 
     if do_rec:
         say(f"\n[1] recovery vs. queue size {sizes}")
@@ -496,6 +528,12 @@ def main() -> None:
     if do_fair:
         f = result["fairness"]
         targets["fairness_ge_0.8"] = f["ratio"] >= 0.8
+        if "ratio_off" in f:
+            rows += [[f"accepted msg/s, {fmt(backlog)} backlog retried, budget off (B0)",
+                      fmt(f["backlog_off"]["accepted_mps"], 1), "", ""],
+                     ["backlog retried msg/s during B0", fmt(f["backlog_off"]["retried_mps"], 1), "", ""],
+                     ["B0/A, median of paired rounds (per round)",
+                      f"{f['ratio_off']:.2f} ({', '.join(f'{r:.2f}' for r in f['ratio_off_per_round'])})", "", ""]]
         rows += [["accepted msg/s, empty queue (A)", fmt(f["empty"]["accepted_mps"], 1), "", ""],
                  [f"accepted msg/s, {fmt(backlog)} backlog retried (B)", fmt(f["backlog"]["accepted_mps"], 1), "", ""],
                  ["backlog retried msg/s during B", fmt(f["backlog"]["retried_mps"], 1), "> 0", ""],
