@@ -421,15 +421,17 @@ class AsyncSpool:
     def _checkpoint_due(self, seen: int, last_bytes: int, last_time: float) -> bool:
         """Is a checkpoint due, one interval after the log had ``seen`` bytes appended?
 
-        Yes when nothing was appended during that interval (a quiet log: the
-        fsyncs compete with nothing, and a restart after a burst finds a fresh
-        checkpoint), when ``checkpoint_bytes`` were appended since the last
-        checkpoint (recovery's scan stays bounded), or when
-        ``checkpoint_max_interval`` passed (a trickle of mail).
+        Yes when the relay is quiet: nothing appended during that interval, no
+        delivery under way, no session in a mail transaction (the fsyncs compete
+        with nothing, and a restart after a burst finds a fresh checkpoint; a
+        stall in the middle of work is not quiet). Or when ``checkpoint_bytes``
+        were appended since the last checkpoint (recovery's scan stays
+        bounded), or when ``checkpoint_max_interval`` passed (a trickle).
         """
         config = self.core.config
         appended = self.core.writer.appended_bytes
-        return (appended == seen or appended - last_bytes >= config.checkpoint_bytes
+        quiet = appended == seen and not self.core.attempts and self._expected == 0
+        return (quiet or appended - last_bytes >= config.checkpoint_bytes
                 or trio.current_time() - last_time >= config.checkpoint_max_interval)
 
     async def checkpoint(self) -> list[int]:

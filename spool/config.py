@@ -54,10 +54,12 @@ class SpoolConfig:
     # Records nobody waits for (FINISH, replacement envelopes) ride with the next commit, or are
     # committed this many seconds after they were appended if no commit comes sooner.
     lazy_commit_delay: float = 0.1
-    # Group-commit window: a commit someone waits for is cut once the event loop has nothing else to
-    # run (every task that could add to it has), or after this many seconds at most. An idle loop cuts
-    # at once, so one session waits no longer; 0 cuts at once always.
-    commit_delay: float = 0.05
+    # Group-commit window: a commit someone waits for is cut once every commit announced as coming has
+    # arrived (SMTP sessions between an accepted RCPT and the end of their data) and the event loop has
+    # nothing else to run, or after this many seconds at most. With nothing announced and an idle loop it
+    # cuts at once, so a lone session waits no longer; 0 cuts at once always. A session that holds a
+    # window to the bound is not waited for again in that transaction.
+    commit_delay: float = 0.1
     # Bodies of freshly enqueued messages kept in memory, so that delivering a message right after
     # accepting it reads nothing back; a body larger than a quarter of this is never kept.
     body_cache: int = 4 * MIB
