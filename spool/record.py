@@ -322,11 +322,19 @@ def _array(v: Any) -> list[Any]:
 
 
 def _uints(v: Any) -> tuple[int, ...]:
-    return tuple(_uint(x) for x in _array(v))
+    a = _array(v)
+    for x in a:  # a loop, not a generator of _uint calls: decoding runs this per record
+        if type(x) is not int or x < 0:
+            raise TypeError(f"expected an unsigned integer, got {type(x).__name__}")
+    return tuple(a)
 
 
 def _texts(v: Any) -> tuple[str, ...]:
-    return tuple(_text(x) for x in _array(v))
+    a = _array(v)
+    for x in a:
+        if type(x) is not str:
+            raise TypeError(f"expected text, got {type(x).__name__}")
+    return tuple(a)
 
 
 def _text_map(v: Any) -> dict[str, Any]:

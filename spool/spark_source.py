@@ -5,11 +5,12 @@ Theory of operation. The driver expands the paths it is given (segment files,
 these; a spool directory gives both its ``log/`` and its ``archive/``) into a
 sorted list of segment files and makes **one partition per
 file**. A worker reads its file whole, walks the frames with the spool's own
-codec (:func:`spool.record.decode_frame`, :func:`spool.record.decode_payload`;
+codec (:func:`spool.record.check_frame`, :func:`spool.record.decode_fields`;
 there is no second implementation of the format here) and yields Arrow record
-batches, one row per record. Arrow batches were measured the fastest way into
-Spark (docs/benchmarks.md); building one tuple per record and transposing the
-list with ``zip`` keeps the Python work per record small.
+batches, one row per record, in file order. Arrow batches were measured the
+fastest way into Spark; the columns are built in bulk (see "decoding one
+segment" below), because making a record object and a row tuple per record
+cost several times the CBOR decoding (docs/bench_spark.md).
 
 DATA records (message bodies) are checksummed like every frame but give no
 row: analytics never needs the bytes.
@@ -36,16 +37,7 @@ from typing import Any, Final
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from spool.errors import CorruptRecord, SpoolError
-from spool.record import (
-    Delivery,
-    Envelope,
-    Finish,
-    RecordType,
-    Start,
-    decode_frame,
-    decode_payload,
-    make_pos,
-)
+from spool.record import HEADER_SIZE, RecordType, check_frame, decode_fields, make_pos
 from spool.segment import (
     SEGMENT_HEADER_SIZE,
     SUFFIX,
@@ -168,62 +160,76 @@ def paths_from_options(options: dict[str, str]) -> list[str]:
 
 
 # -- decoding one segment ----------------------------------------------------
+#
+# Columns are built in bulk: the walk appends each record's header fields and
+# its payload's field tuple (spool.record.decode_fields: the codec's own checks,
+# no record objects) to lists per record type; a batch is then one Arrow array
+# per column and type, the types' parts concatenated and put back in file order
+# by Arrow (sort by pos). Per record, Python does only the frame check, the CBOR
+# decode with its schema checks and two appends.
+
+_DATA: Final = int(RecordType.DATA)
+_RECORD_TYPES: Final = (int(RecordType.ENVELOPE), int(RecordType.START), int(RecordType.DELIVERY),
+                        int(RecordType.FINISH))
 
 
-_NO_ENVELOPE: Final = (None,) * 8
-_NO_REF: Final = (None,) * 6
+class _Chunk:
+    """Up to ``batch_rows`` rows of one segment, by record type, not yet Arrow."""
+
+    __slots__ = ("errors", "fields", "heads", "rows")
+
+    def __init__(self) -> None:
+        self.heads: dict[int, list[tuple[int, int, int, int]]] = {t: [] for t in _RECORD_TYPES}
+        self.fields: dict[int, list[tuple[Any, ...]]] = {t: [] for t in _RECORD_TYPES}
+        self.errors: list[tuple[int, str]] = []
+        self.rows = 0
 
 
-def _row(pos: int, rtype: int, flags: int, klass: int, time: int, p: Any) -> tuple[Any, ...]:
-    head = (pos, rtype, bool(flags & 1), klass, time)
-    if isinstance(p, Envelope):
-        env = (p.message_id, p.sender, list(p.recipients), p.body_size, p.arrival_ms, p.attempts, p.replaces, p.held)
-        return head + env + _NO_REF + (None,)
-    if isinstance(p, Delivery):
-        outs = [(o.recipient, int(o.status), o.code, o.enhanced, o.reply, o.next_hop) for o in p.outcomes]
-        return head + _NO_ENVELOPE + (p.start, p.time_ms, None, None, p.duration_ms, outs, None)
-    if isinstance(p, Start):
-        return head + _NO_ENVELOPE + (p.envelope, p.time_ms, int(p.kind), None, None, None, None)
-    if isinstance(p, Finish):
-        return head + _NO_ENVELOPE + (p.start, p.time_ms, None, p.replacement, None, None, None)
-    raise TypeError(f"unexpected payload {type(p).__name__}")
-
-
-def _error_row(pos: int, message: str) -> tuple[Any, ...]:
-    return (pos, ERROR_TYPE, None, None, None, *_NO_ENVELOPE, *_NO_REF, message)
-
-
-def segment_rows(path: str) -> Iterator[tuple[Any, ...]]:
-    """Rows (without relay and file) for every record of one segment file.
-
-    Damage gives an error row and the walk resumes at the next valid frame;
-    never raises for the contents of the file (an unreadable file still
-    raises OSError).
-    """
+def _chunks(path: str, batch_rows: int) -> Iterator[_Chunk]:
+    """Walk one segment file into chunks; damage becomes an error row and the
+    walk resumes at the next valid frame. Never raises for the contents of the
+    file (an unreadable file still raises OSError)."""
     with open(path, "rb") as f:
         data = f.read()
     name_id = parse_segment_name(os.path.basename(path))
+    chunk = _Chunk()
     try:
         seg_id, _created = decode_segment_header(data, path, name_id)
     except SpoolError as exc:
-        yield _error_row(make_pos(name_id or 0, 0), f"unreadable segment header: {exc}")
+        chunk.errors.append((make_pos(name_id or 0, 0), f"unreadable segment header: {exc}"))
+        chunk.rows = 1
+        yield chunk
         return
+    view = memoryview(data)
+    base = make_pos(seg_id, 0)
     off = SEGMENT_HEADER_SIZE
     n = len(data)
-    data_type = int(RecordType.DATA)
+    heads, fields = chunk.heads, chunk.fields
+    rows = 0
     while off < n:
         try:
-            frame = decode_frame(seg_id, data, off)
-            if frame.rtype != data_type:
-                payload = decode_payload(frame.rtype, frame.payload, path=path, offset=off)
-                yield _row(frame.pos, frame.rtype, frame.flags, frame.klass, frame.time, payload)
-            off += frame.size
+            rtype, flags, klass, time, end = check_frame(seg_id, view, off)
+            if rtype != _DATA:
+                fields[rtype].append(decode_fields(rtype, view[off + HEADER_SIZE : end], path=path, offset=off))
+                heads[rtype].append((base | off, flags, klass, time))
+                rows += 1
+            off = end
         except CorruptRecord as exc:
-            resume = _damage(seg_id, data, off, path, exc)
-            yield _error_row(make_pos(seg_id, off), resume[1])
-            if resume[0] is None:
-                return
-            off = resume[0]
+            resume, message = _damage(seg_id, data, off, path, exc)
+            chunk.errors.append((base | off, message))
+            rows += 1
+            if resume is None:
+                break
+            off = resume
+        if rows >= batch_rows:
+            chunk.rows = rows
+            yield chunk
+            chunk = _Chunk()
+            heads, fields = chunk.heads, chunk.fields
+            rows = 0
+    if rows:
+        chunk.rows = rows
+        yield chunk
 
 
 def _damage(seg_id: int, data: bytes, off: int, path: str, exc: CorruptRecord) -> tuple[int | None, str]:
@@ -246,27 +252,71 @@ def _reason(exc: CorruptRecord) -> str:
     return str(exc).rsplit(": ", 1)[-1]
 
 
+# Which field of each type's decode_fields tuple fills which column.
+_COLUMNS: Final[dict[int, tuple[tuple[str, int], ...]]] = {
+    int(RecordType.ENVELOPE): (("message_id", 0), ("sender", 1), ("recipients", 2), ("body_size", 4),
+                               ("arrival_ms", 5), ("attempts", 6), ("replaces", 7), ("held", 8)),
+    int(RecordType.START): (("ref", 0), ("time_ms", 1), ("kind", 2)),
+    int(RecordType.DELIVERY): (("ref", 0), ("time_ms", 1), ("outcomes", 2), ("duration_ms", 3)),
+    int(RecordType.FINISH): (("ref", 0), ("time_ms", 1), ("replacement", 2)),
+}
+
+
+def _part(pa: Any, schema: Any, n: int, given: dict[str, Any]) -> Any:
+    """A batch of ``n`` rows: the ``given`` columns (Python lists or arrays), nulls elsewhere."""
+    arrays = []
+    for field in schema:
+        v = given.get(field.name)
+        if v is None:
+            arrays.append(pa.nulls(n, field.type))
+        elif isinstance(v, list | tuple):
+            arrays.append(pa.array(v, field.type))
+        else:
+            arrays.append(v)
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _to_batch(pa: Any, schema: Any, chunk: _Chunk, relay: str, path: str) -> Any:
+    import pyarrow.compute as pc
+
+    parts = []
+    for rtype in _RECORD_TYPES:
+        heads = chunk.heads[rtype]
+        if not heads:
+            continue
+        n = len(heads)
+        pos, flags, klass, time = zip(*heads)
+        flag_array = pa.array(flags, pa.int32())
+        given: dict[str, Any] = {
+            "pos": pos, "rtype": pa.repeat(pa.scalar(rtype, pa.int32()), n),
+            "garbage": pc.not_equal(pc.bit_wise_and(flag_array, 1), 0), "klass": klass, "time": time,
+        }
+        columns = list(zip(*chunk.fields[rtype]))
+        given.update((name, columns[i]) for name, i in _COLUMNS[rtype])
+        parts.append(_part(pa, schema, n, given))
+    if chunk.errors:
+        pos, message = zip(*chunk.errors)
+        parts.append(_part(pa, schema, len(pos), {"pos": pos, "rtype": [ERROR_TYPE] * len(pos), "error": message}))
+    batch = parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+    batch = batch.take(pc.sort_indices(batch.column("pos")))
+    n = batch.num_rows
+    batch = batch.set_column(0, "relay", pa.repeat(pa.scalar(relay, pa.string()), n))
+    return batch.set_column(1, "file", pa.repeat(pa.scalar(path, pa.string()), n))
+
+
 def segment_batches(path: str, relay: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[Any]:
-    """Arrow record batches for one segment file (see :data:`SCHEMA_DDL`)."""
+    """Arrow record batches for one segment file (see :data:`SCHEMA_DDL`), rows in file order."""
     import pyarrow as pa
 
     schema = _arrow_schema()
-    rows: list[tuple[Any, ...]] = []
-    for row in segment_rows(path):
-        rows.append(row)
-        if len(rows) >= batch_rows:
-            yield _to_batch(pa, schema, rows, relay, path)
-            rows = []
-    if rows:
-        yield _to_batch(pa, schema, rows, relay, path)
+    for chunk in _chunks(path, batch_rows):
+        yield _to_batch(pa, schema, chunk, relay, path)
 
 
-def _to_batch(pa: Any, schema: Any, rows: list[tuple[Any, ...]], relay: str, path: str) -> Any:
-    columns = list(zip(*rows))
-    n = len(rows)
-    arrays = [pa.array([relay] * n, pa.string()), pa.array([path] * n, pa.string())]
-    arrays.extend(pa.array(col, field.type) for col, field in zip(columns, list(schema)[2:]))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+def segment_rows(path: str, relay: str = "") -> Iterator[dict[str, Any]]:
+    """The rows of one segment file as dicts, in file order (for tests and debugging)."""
+    for batch in segment_batches(path, relay):
+        yield from batch.to_pylist()
 
 
 # -- the Spark data source ---------------------------------------------------

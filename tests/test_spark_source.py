@@ -8,8 +8,8 @@ import shutil
 from collections import Counter
 from typing import Any
 
-from spool.record import HEADER_SIZE, Delivery, Envelope, pos_offset
-from spool.spark_source import ERROR_TYPE, expand_paths, relay_name_for, segment_rows
+from spool.record import HEADER_SIZE, Delivery, Envelope, Finish, Start, pos_offset
+from spool.spark_source import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
 from tests.report_reference import plain_records
 from tests.spark_fixture import fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
@@ -82,18 +82,18 @@ def test_a_corrupt_record_is_reported_and_the_rest_is_read(spark: Any, fleet: di
     segs = _copy_spool(fleet["mx1"], str(tmp_path / "mx1"))
     victim = segs[1]
     before = list(segment_rows(victim))
-    bad = before[3]
+    bad = before[3]["pos"]
     with open(victim, "r+b") as f:  # flip a payload byte of the fourth record
-        f.seek(pos_offset(bad[0]) + HEADER_SIZE + 2)
+        f.seek(pos_offset(bad) + HEADER_SIZE + 2)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
     rows = load(spark, str(tmp_path / "mx1"))
     errors = [r for r in rows if r.rtype == ERROR_TYPE]
-    assert [(e.file, pos_offset(e.pos)) for e in errors] == [(victim, pos_offset(bad[0]))]
+    assert [(e.file, pos_offset(e.pos)) for e in errors] == [(victim, pos_offset(bad))]
     assert "corrupt record" in errors[0].error and "checksum" in errors[0].error
     good = Counter((r.relay, r.pos) for r in rows if r.rtype != ERROR_TYPE)
-    expected = {("mx1", p.pos) for p in plain_records({"mx1": fleet["mx1"]})} - {("mx1", bad[0])}
+    expected = {("mx1", p.pos) for p in plain_records({"mx1": fleet["mx1"]})} - {("mx1", bad)}
     assert set(good) == expected and max(good.values()) == 1
 
 
@@ -101,7 +101,7 @@ def test_a_torn_tail_is_reported_as_torn(spark: Any, fleet: dict[str, str], tmp_
     segs = _copy_spool(fleet["mx2"], str(tmp_path / "mx2"))
     last = segs[-1]
     rows_before = list(segment_rows(last))
-    cut = pos_offset(rows_before[-1][0]) + 7  # a write interrupted inside the last frame's header
+    cut = pos_offset(rows_before[-1]["pos"]) + 7  # a write interrupted inside the last frame's header
     os.truncate(last, cut)
     rows = load(spark, last)
     errors = [r for r in rows if r.rtype == ERROR_TYPE]
@@ -118,3 +118,29 @@ def test_an_unreadable_segment_header_gives_one_error_row(spark: Any, fleet: dic
     assert len(errors) == 1 and errors[0].file == segs[0] and "bad magic" in errors[0].error
     assert len(rows) - 1 == len([p for p in plain_records({"mx2": fleet["mx2"]})
                                  if p.pos >> 32 != int(os.path.basename(segs[0])[:16], 16)])
+
+
+def test_batches_give_rows_in_file_order_with_every_field(fleet: dict[str, str]) -> None:
+    """Columns are built per record type and put back in order: small batches mix types."""
+    plain = plain_records({"mx1": fleet["mx1"]})
+    files = all_segments(fleet["mx1"])
+    rows = [r for f in files for b in segment_batches(f, "mx1", batch_rows=7) for r in b.to_pylist()]
+    assert [(r["pos"], r["rtype"], r["time"]) for r in rows] == [(p.pos, p.rtype, p.time) for p in plain]
+    assert len({r["rtype"] for r in rows}) == 4
+    for r, p in zip(rows, plain, strict=True):
+        rec = p.payload
+        assert r["relay"] == "mx1" and r["error"] is None and r["garbage"] in (False, True)
+        if isinstance(rec, Envelope):
+            assert (r["message_id"], r["sender"], tuple(r["recipients"]), r["body_size"], r["arrival_ms"],
+                    r["attempts"], r["replaces"], r["held"], r["ref"]) == (
+                rec.message_id, rec.sender, rec.recipients, rec.body_size, rec.arrival_ms, rec.attempts,
+                rec.replaces, rec.held, None)
+        elif isinstance(rec, Start):
+            assert (r["ref"], r["time_ms"], r["kind"], r["sender"]) == (rec.envelope, rec.time_ms, int(rec.kind), None)
+        elif isinstance(rec, Delivery):
+            assert (r["ref"], r["time_ms"], r["duration_ms"]) == (rec.start, rec.time_ms, rec.duration_ms)
+            assert [tuple(o.values()) for o in r["outcomes"]] == [tuple(o.to_list()) for o in rec.outcomes]
+        else:
+            assert isinstance(rec, Finish)
+            assert (r["ref"], r["time_ms"], r["replacement"], r["kind"]) == (rec.start, rec.time_ms,
+                                                                             rec.replacement, None)

@@ -8,15 +8,21 @@ own encoder, then times:
 
 - ``plain``: one process walking every segment with ``FrameReader`` and
   ``decode_payload`` (the spool's sequential reader), counting records;
-- ``local[1]`` and ``local[2]``: ``spark.read.format("logspool")`` written to
-  Spark's ``noop`` sink, so every row is produced and handed to the JVM.
+- ``inproc``: the data source's own read path (``segment_batches``) in this
+  process, without Spark: what Spark adds is the difference;
+- for each ``--configs`` entry (default local[1] and local[2] with
+  mta.report's JVM options, then local[2] with the JVM's defaults), a child
+  process with its own SparkSession (JVM options are fixed per JVM) times
+  ``spark.read.format("logspool")`` written to Spark's ``noop`` sink (every row
+  produced and handed to the JVM), each run right after a plain-reader run, so
+  every ratio comes from a pair measured together (A B A B).
 
-Spark's session start (seconds, printed apart) is not in the rate. Every
-figure is the median of ``--repeat`` runs (default 3); the Spark runs follow
-one warm-up run that starts the Python workers. The machine's load average is
-printed with each figure, since on a shared machine it moves the numbers more
-than any change to the code. Records counted are the non-DATA records, which both readers
-decode. The last line of output is JSON.
+Spark's session start (seconds, printed apart) is not in the rate; a first
+``count()`` warms the Python workers. Figures are medians of ``--repeat``
+runs (default 3); ratios are medians of the per-pair ratios. The machine's load
+average is printed with each figure: on a shared machine it moves the numbers
+more than any change to the code. Records counted are the non-DATA records,
+which every reader decodes. The last line of output is JSON.
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from spool.fileio import OsFileIO
 from spool.record import (
@@ -111,24 +120,42 @@ def plain_reader(directory: str) -> int:
     return n
 
 
-def spark_rate(directory: str, master: str, expect: int, repeat: int) -> tuple[float, float]:
-    """(median records/s, session start seconds) for one master."""
+def inproc_reader(directory: str) -> int:
+    """The data source's own read path (``segment_batches``) in this process, without Spark."""
+    from spool.spark_source import segment_batches
+
+    return sum(b.num_rows for path in sorted(glob.glob(os.path.join(directory, "log", "*.seg")))
+               for b in segment_batches(path, "bench"))
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, int]:
+    t = time.perf_counter()
+    n = fn()
+    return time.perf_counter() - t, n
+
+
+def spark_child(directory: str, master: str, jvm: str, expect: int, repeat: int) -> dict[str, Any]:
+    """One SparkSession (in its own process: JVM options are fixed per JVM). Each
+    repeat times the plain reader and then the data source, so every Spark figure
+    has a plain figure measured next to it (A B A B)."""
     from mta.report import make_session
 
+    conf = {"spark.ui.showConsoleProgress": "false"}
+    if jvm == "default":
+        conf["spark.driver.extraJavaOptions"] = ""
     t0 = time.perf_counter()
-    spark = make_session(master, app="logspool-bench", conf={"spark.ui.showConsoleProgress": "false"})
+    spark = make_session(master, app="logspool-bench", conf=conf)
     started = time.perf_counter() - t0
-    try:
-        df = spark.read.format("logspool").load(directory)
-        assert df.count() == expect  # also the warm-up
-        rates = []
-        for _ in range(repeat):
-            t = time.perf_counter()
-            df.write.format("noop").mode("overwrite").save()
-            rates.append(expect / (time.perf_counter() - t))
-        return statistics.median(rates), started
-    finally:
-        spark.stop()
+    df = spark.read.format("logspool").load(directory)
+    t, n = timed(df.count)  # also the warm-up: starts the Python workers
+    if n != expect:
+        raise SystemExit(f"{master}: {n} rows, expected {expect}")
+    pairs = []
+    for _ in range(repeat):
+        tp, _n = timed(lambda: plain_reader(directory))
+        ts, _n = timed(lambda: (df.write.format("noop").mode("overwrite").save(), expect)[1])
+        pairs.append({"plain_rps": expect / tp, "spark_rps": expect / ts, "load_avg_1m": os.getloadavg()[0]})
+    return {"master": master, "jvm": jvm, "session_start_s": started, "first_count_s": t, "pairs": pairs}
 
 
 def main() -> None:
@@ -137,31 +164,49 @@ def main() -> None:
     ap.add_argument("--segments", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="reuse or keep the generated log here")
+    ap.add_argument("--configs", default="local[1]:report,local[2]:report,local[2]:default",
+                    help="MASTER:JVM,... in the order run; JVM is 'report' (mta.report.LOCAL_JAVA_OPTIONS) "
+                         "or 'default' (the JVM's own)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     directory = args.dir or tempfile.mkdtemp(prefix="spark-bench-")
     if not glob.glob(os.path.join(directory, "log", "*.seg")):
         print(f"building {args.records} records in {args.segments} segments under {directory}", file=sys.stderr)
         build(directory, args.records, args.segments)
-    plain_rates, n = [], 0
-    for _ in range(args.repeat):
-        t = time.perf_counter()
-        n = plain_reader(directory)
-        plain_rates.append(n / (time.perf_counter() - t))
-    plain = statistics.median(plain_rates)
+    if args.child:
+        master, jvm, expect = args.child.split(":")
+        print(json.dumps(spark_child(directory, master, jvm, int(expect), args.repeat)))
+        return
+    plain_rates, inproc_rates, n = [], [], 0
+    for _ in range(args.repeat):  # interleaved: plain, in-process data source, plain, ...
+        tp, n = timed(lambda: plain_reader(directory))
+        ti, ni = timed(lambda: inproc_reader(directory))
+        if ni != n:
+            raise SystemExit(f"data source read {ni} rows, plain reader {n} records")
+        plain_rates.append(n / tp)
+        inproc_rates.append(n / ti)
+    plain, inproc = statistics.median(plain_rates), statistics.median(inproc_rates)
     load = os.getloadavg()[0]
-    print(f"plain reader: {plain:,.0f} records/s ({n} records; load {load:.1f})", file=sys.stderr)
-    result: dict[str, object] = {"records": n, "segments": args.segments, "cpus": os.cpu_count(),
-                                 "plain_rps": round(plain), "plain_load_avg_1m": round(load, 2)}
-    for master in ("local[1]", "local[2]"):
-        rate, started = spark_rate(directory, master, n, args.repeat)
-        key = master.replace("[", "").replace("]", "")
-        load = os.getloadavg()[0]
-        result[f"{key}_rps"] = round(rate)
-        result[f"{key}_session_start_s"] = round(started, 1)
-        result[f"{key}_load_avg_1m"] = round(load, 2)
-        result[f"ratio_{key}_vs_plain"] = round(rate / plain, 2)
-        print(f"{master}: {rate:,.0f} records/s, {rate / plain:.2f}x plain (session start {started:.1f} s; "
-              f"load {load:.1f})", file=sys.stderr)
+    print(f"plain reader: {plain:,.0f} records/s; data source read path in process, no Spark: {inproc:,.0f} "
+          f"records/s ({n} records; load {load:.1f})", file=sys.stderr)
+    result: dict[str, Any] = {"records": n, "segments": args.segments, "cpus": os.cpu_count(),
+                              "plain_rps": round(plain), "inproc_rps": round(inproc),
+                              "plain_load_avg_1m": round(load, 2), "spark": []}
+    for config in args.configs.split(","):
+        master, jvm = config.split(":")
+        out = subprocess.run([sys.executable, __file__, "--dir", directory, "--repeat", str(args.repeat),
+                              "--child", f"{master}:{jvm}:{n}"], stdout=subprocess.PIPE, text=True, check=True)
+        child = json.loads(out.stdout.strip().splitlines()[-1])
+        pairs = child["pairs"]
+        rate = statistics.median(p["spark_rps"] for p in pairs)
+        ratio = statistics.median(p["spark_rps"] / p["plain_rps"] for p in pairs)
+        load = statistics.median(p["load_avg_1m"] for p in pairs)
+        result["spark"].append({"master": master, "jvm": jvm, "rps": round(rate), "ratio_vs_plain": round(ratio, 2),
+                                "plain_rps_same_run": round(statistics.median(p["plain_rps"] for p in pairs)),
+                                "session_start_s": round(child["session_start_s"], 1),
+                                "load_avg_1m": round(load, 2), "pairs": pairs})
+        print(f"{master} (JVM {jvm}): {rate:,.0f} records/s, {ratio:.2f}x plain (median of per-pair ratios; "
+              f"session start {child['session_start_s']:.1f} s; load {load:.1f})", file=sys.stderr, flush=True)
     print(json.dumps(result))
 
 
