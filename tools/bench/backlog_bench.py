@@ -375,7 +375,7 @@ def charts(result: dict[str, Any], out_dir: str, tag: str = "") -> list[str]:
     if fair:
         rounds = fair["rounds"]
         n = len(rounds["empty"])
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(7, 5))
         xs = list(range(n))
         bars = [("empty", "empty queue (A)")]
         if "backlog_off" in rounds:
@@ -393,8 +393,8 @@ def charts(result: dict[str, Any], out_dir: str, tag: str = "") -> list[str]:
         ax.set_xticks(xs, [f"round {x + 1}" for x in xs])
         ax.set(ylabel="new messages accepted per second",
                title=f"New mail with and without a due backlog ({result['enqueuers']} enqueuers)")
-        ax.margins(y=0.15)
-        ax.legend(loc="lower right")
+        ax.margins(y=0.2)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), fontsize="small")
         fig.tight_layout()
         path = os.path.join(out_dir, f"bench_backlog_fairness{tag}.svg")
         fig.savefig(path)
