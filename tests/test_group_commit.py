@@ -141,8 +141,15 @@ async def checkpointed(aspool: AsyncSpool, before: int) -> None:
 
 
 async def settle(aspool: AsyncSpool) -> None:
-    """Let the checkpointer look at the log after a jump of the mock clock (no thread involved)."""
+    """Let every task (the checkpointer above all) run until it blocks: on the mock clock or a thread."""
     await trio.testing.wait_all_tasks_blocked()
+
+
+async def tick(aspool: AsyncSpool, clock: trio.testing.MockClock) -> None:
+    """One interval passes: the checkpointer has begun its sleep before the jump and looked after it."""
+    await settle(aspool)
+    clock.jump(1.0)
+    await settle(aspool)
 
 
 async def test_checkpoints_wait_for_a_quiet_interval_or_enough_bytes(tmp_path: Path,
@@ -153,17 +160,14 @@ async def test_checkpoints_wait_for_a_quiet_interval_or_enough_bytes(tmp_path: P
         seq = sequence(aspool)
         for i in range(5):  # mail every interval, far below checkpoint_bytes: no checkpoint
             await aspool.enqueue("s@src.example", ["r@dest.example"], b"small %d" % i)
-            mock_clock.jump(1.0)
-            await settle(aspool)
+            await tick(aspool, mock_clock)
         assert aspool.checkpoint_passes == 0
-        mock_clock.jump(1.0)  # a quiet interval
-        await settle(aspool)
+        await tick(aspool, mock_clock)  # a quiet interval
         await checkpointed(aspool, seq)
         seq = sequence(aspool)
         for i in range(3):  # a burst: more than checkpoint_bytes within one interval
             await aspool.enqueue("s@src.example", ["r@dest.example"], b"x" * 30_000 + b"%d" % i)
-        mock_clock.jump(1.0)
-        await settle(aspool)
+        await tick(aspool, mock_clock)
         await checkpointed(aspool, seq)
         assert aspool.checkpoint_passes == 2
 
@@ -176,13 +180,11 @@ async def test_a_trickle_is_checkpointed_after_the_max_interval(tmp_path: Path,
         seq = sequence(aspool)
         for i in range(4):
             await aspool.enqueue("s@src.example", ["r@dest.example"], b"trickle %d" % i)
-            mock_clock.jump(1.0)
-            await settle(aspool)
+            await tick(aspool, mock_clock)
         assert aspool.checkpoint_passes == 0
         for i in range(3):
             await aspool.enqueue("s@src.example", ["r@dest.example"], b"more %d" % i)
-            mock_clock.jump(1.0)
-            await settle(aspool)
+            await tick(aspool, mock_clock)
         await checkpointed(aspool, seq)
 
 
@@ -194,8 +196,7 @@ async def test_checkpoint_bytes_zero_checkpoints_every_interval_as_before(tmp_pa
         for i in range(3):
             seq = sequence(aspool)
             await aspool.enqueue("s@src.example", ["r@dest.example"], b"busy %d" % i)
-            mock_clock.jump(1.0)
-            await settle(aspool)
+            await tick(aspool, mock_clock)
             await checkpointed(aspool, seq)
 
 
@@ -205,14 +206,12 @@ async def test_nothing_moved_no_checkpoint_no_fsync(tmp_path: Path, mock_clock: 
         seq = sequence(aspool)
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
         for _ in range(2):  # the interval with the enqueue, then a quiet one
-            mock_clock.jump(1.0)
-            await settle(aspool)
+            await tick(aspool, mock_clock)
         await checkpointed(aspool, seq)
         await settle(aspool)
         fsyncs, passes = aspool.core.writer.fsyncs, aspool.checkpoint_passes
         for _ in range(10):
-            mock_clock.jump(1.0)
-            await settle(aspool)
+            await tick(aspool, mock_clock)
         assert aspool.checkpoint_passes == passes
         assert aspool.core.writer.fsyncs == fsyncs
 
