@@ -11,7 +11,7 @@ import time
 
 import click
 
-from mta.report import ReportError
+from mta.report import JAVA_MISSING, ReportError, java_available
 
 
 def parse_time(text: str) -> int:
@@ -53,7 +53,8 @@ def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, unt
     Every ``--input`` must name segments: a typo among several inputs would
     otherwise leave a relay out of the report without a word.
 
-    Raises ReportError (one line) or OSError (``--out`` cannot be made).
+    Raises ReportError (one line: also when Java is missing) or OSError
+    (``--out`` cannot be made).
     """
     from spool.spark_source import expand_paths
 
@@ -67,6 +68,8 @@ def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, unt
         raise ReportError(f"no segment files (*.seg) under: {pattern}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ReportError(f"--out {out}: exists and is not a directory")
+    if not java_available():  # make_session says so too; here it comes before --out is made
+        raise ReportError(JAVA_MISSING)
     os.makedirs(out, exist_ok=True)
 
 
