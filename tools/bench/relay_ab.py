@@ -1,0 +1,94 @@
+"""Two (or more) logspool relays from different code trees, A B A B on the same machine: msgs/s and fsyncs/msg.
+
+    .venv/bin/python tools/bench/relay_ab.py base=/tmp/base new=/work/main --sessions 20 --messages 300 --reps 4
+    .venv/bin/python tools/bench/relay_ab.py base=/tmp/base new=/work/main --processes 2 --strace 300
+
+Each VARIANT is ``name=DIR``: DIR holds the ``spool`` and ``mta`` packages to run (``git archive COMMIT
+spool mta | tar -x -C DIR`` makes one), put first on PYTHONPATH of that relay's ``mta serve``. Uses
+relay_vs_postfix.py's pieces (same config, smtp-source without -d, smtp-sink, strace -f -c over the
+process tree); no Postfix. Runs alternate in order A B, then B A, ...; the ratio line compares the
+first two variants pair by pair. Needs root only for smtp-sink's -u; strace for --strace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from relay_vs_postfix import Logspool, Sink, free_port, log, measure, smtp_source, strace_counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+", help="name=DIR (DIR holds spool/ and mta/)")
+    ap.add_argument("--sessions", type=int, default=20)
+    ap.add_argument("--messages", type=int, default=300)
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--strace", type=int, default=200, help="messages in the strace run (0: none)")
+    ap.add_argument("--processes", type=int, default=1)
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="relay-ab-")
+    os.chmod(work, 0o755)
+    relays: list[tuple[str, Logspool, Sink]] = []
+    try:
+        for spec in args.variants:
+            name, _, path = spec.partition("=")
+            sink = Sink(free_port())
+            base = os.path.join(work, name)
+            os.makedirs(base)
+            relay = Logspool(base, free_port(), sink.port, args.sessions, args.processes)
+            saved = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = os.path.abspath(path)
+            try:
+                relay.start()
+            finally:
+                if saved is None:
+                    del os.environ["PYTHONPATH"]
+                else:
+                    os.environ["PYTHONPATH"] = saved
+            relays.append((name, relay, sink))
+        for _name, relay, sink in relays:  # warm-up
+            count = sink.count
+            smtp_source(relay.port, 2, 10, 4096, 300)
+            sink.wait_for(count + 10, 300)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in relays}
+        for rep in range(args.reps):
+            for name, relay, sink in (relays if rep % 2 == 0 else relays[::-1]):
+                r = measure(relay.pid, sink, relay.port, args.size, args.sessions, args.messages, 900)
+                r["loadavg"] = round(os.getloadavg()[0], 1)
+                runs[name].append(r)
+                log(f"{name} rep {rep + 1}: {r}")
+        traced: dict[str, Any] = {}
+        for name, relay, sink in relays if args.strace else []:
+            traced[name] = strace_counts(relay.pid, sink, relay.port, args.size, args.sessions,
+                                         max(args.strace, args.sessions), 900, work)
+            log(f"{name} strace: {traced[name]}")
+        print(json.dumps({"args": vars(args), "runs": runs, "strace": traced}))
+        for name, rs in runs.items():
+            e2e = [r["e2e_per_s"] for r in rs if r["e2e_per_s"]]
+            print(f"{name}: end-to-end msg/s median {statistics.median(e2e) if e2e else None} runs {e2e}; "
+                  f"fsyncs/msg {traced.get(name, {}).get('fsync_per_msg')} {traced.get(name, {}).get('strace_calls')}")
+        names = list(runs)
+        if len(names) >= 2:
+            pairs = [b["e2e_per_s"] / a["e2e_per_s"] for a, b in zip(runs[names[0]], runs[names[1]], strict=True)
+                     if a["e2e_per_s"] and b["e2e_per_s"]]
+            print(f"end-to-end {names[1]}/{names[0]} per pair {[round(p, 2) for p in pairs]}, "
+                  f"median {round(statistics.median(pairs), 2) if pairs else None}")
+    finally:
+        for _name, relay, sink in relays:
+            relay.stop()
+            sink.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
