@@ -389,6 +389,12 @@ class SpoolConfig:
     (one deferred runner per interval); max_queue_lifetime ``5d`` (then
     bounce); active_limit 10000 (messages in delivery at once);
     queue_minfree 3 x max_message_size (below it, answer 452).
+
+    The engine's pacing (``spool.config.SpoolConfig`` explains each):
+    commit_delay ``100ms`` (group-commit window bound; 0: commit at once);
+    checkpoint_interval ``2s``, checkpoint_bytes ``16MB`` (0: a checkpoint
+    every interval), checkpoint_max_interval ``60s``; deferred_share 0.2
+    (retries' share of the claims while new mail flows; 1: no budget).
     """
 
     dir: str
@@ -398,6 +404,11 @@ class SpoolConfig:
     max_queue_lifetime: float = 5 * 86400.0
     active_limit: int = 10000
     queue_minfree: int = 30 << 20
+    commit_delay: float = 0.1
+    checkpoint_interval: float = 2.0
+    checkpoint_bytes: int = 16 << 20
+    checkpoint_max_interval: float = 60.0
+    deferred_share: float = 0.2
 
 
 @attrs.frozen
@@ -658,6 +669,24 @@ def _positive(convert: Callable[[Any], T]) -> Callable[[Any], T]:
     return check
 
 
+def _at_most(high: float, convert: Callable[[Any], float]) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        result = convert(value)
+        if result > high:
+            raise ConfigError(f"must be at most {high:g} s, got {value!r}")
+        return result
+
+    return check
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"expected a number between 0 and 1, got {_type_name(value)} {value!r}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ConfigError(f"must be between 0 and 1, got {value!r}")
+    return float(value)
+
+
 def _optional(convert: Callable[[Any], T]) -> Callable[[Any], T | None]:
     """The config spells "not set" as an empty string, as the operator's template does."""
 
@@ -793,6 +822,11 @@ def _build_spool(t: _Table, base_dir: str | None, max_message_size: int) -> Spoo
         max_queue_lifetime=t.get("max_queue_lifetime", 5 * 86400.0, _positive(parse_duration)),
         active_limit=t.get("active_limit", 10000, _int(1)),
         queue_minfree=3 * max_message_size if minfree is None else minfree,
+        commit_delay=t.get("commit_delay", 0.1, _at_most(1.0, parse_duration)),
+        checkpoint_interval=t.get("checkpoint_interval", 2.0, _positive(parse_duration)),
+        checkpoint_bytes=t.get("checkpoint_bytes", 16 << 20, parse_size),
+        checkpoint_max_interval=t.get("checkpoint_max_interval", 60.0, _positive(parse_duration)),
+        deferred_share=t.get("deferred_share", 0.2, _fraction),
     )
     t.finish()
     return spool

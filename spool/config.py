@@ -63,6 +63,10 @@ class SpoolConfig:
     # Bodies of freshly enqueued messages kept in memory, so that delivering a message right after
     # accepting it reads nothing back; a body larger than a quarter of this is never kept.
     body_cache: int = 4 * MIB
+    # While new mail is being claimed, deferred retries get at most this share of the claims (or
+    # spool.fairness.TRICKLE claims per second, whichever is more); full rate after spool.fairness.QUIET
+    # seconds without new mail. 1.0 turns the budget off.
+    deferred_share: float = 0.2
     # Claims (STARTs) are written to the log before delivery begins, so a killed process leaves them;
     # True also fsyncs them then, so that a power cut leaves them too (for naming recipients in doubt).
     sync_claims: bool = False
@@ -88,6 +92,8 @@ class SpoolConfig:
             raise ValueError("checkpoint_max_interval must be positive")
         if self.body_cache < 0:
             raise ValueError("body_cache must not be negative")
+        if not 0.0 <= self.deferred_share <= 1.0:
+            raise ValueError("deferred_share must be between 0 and 1")
 
     @property
     def classes(self) -> int:

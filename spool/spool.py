@@ -39,7 +39,7 @@ from spool import checkpoint as ckpt
 from spool import recovery
 from spool.config import SpoolConfig
 from spool.errors import CorruptRecord, MessageBusy, SpoolError, SpoolLocked
-from spool.fairness import DEFAULT_SHARE, DeferredBudget
+from spool.fairness import DeferredBudget
 from spool.fileio import FileIO, OsFileIO, write_all
 from spool.log import LogWriter
 from spool.record import (
@@ -224,9 +224,8 @@ class Spool:
         # How many segments a live body may lie behind its envelope (see BODY_SLACK); only grows.
         self.body_span = 0
         self.body_cache = BodyCache(config.body_cache)
-        # Deferred claims while new mail flows (spool.fairness). getattr: SpoolConfig.deferred_share
-        # is being added; until then every spool gets the default.
-        self.budget = DeferredBudget(float(getattr(config, "deferred_share", DEFAULT_SHARE)))
+        # Deferred claims while new mail flows (spool.fairness).
+        self.budget = DeferredBudget(config.deferred_share)
 
     # -- open = recover -----------------------------------------------------
 

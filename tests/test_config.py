@@ -52,6 +52,11 @@ retry_intervals = ["1s", "5m", "1h"]
 max_queue_lifetime = "2d"
 active_limit = 12
 queue_minfree = "1G"
+commit_delay = "20ms"
+checkpoint_interval = "5s"
+checkpoint_bytes = "4MB"
+checkpoint_max_interval = "2m"
+deferred_share = 0.5
 
 [relay]
 mynetworks = ["10.0.0.0/8", "2001:db8::/32"]
@@ -214,6 +219,8 @@ def test_every_key_is_read(tmp_path: Path) -> None:
     assert q.dir == str(tmp_path / "q") and q.archive_dir == "/srv/archive"
     assert (q.segment_size, q.retry_intervals) == (512 << 10, (1.0, 300.0, 3600.0))
     assert (q.max_queue_lifetime, q.active_limit, q.queue_minfree) == (2 * 86400, 12, 1 << 30)
+    assert (q.commit_delay, q.checkpoint_interval, q.checkpoint_bytes) == (0.02, 5.0, 4 << 20)
+    assert (q.checkpoint_max_interval, q.deferred_share) == (120.0, 0.5)
     assert r.mynetworks == (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("2001:db8::/32"))
     assert r.relay_domains == ("partner.example", ".partner.example")
     assert (d.concurrency, d.per_destination, d.connect_timeout, d.command_timeout) == (9, 2, 10.0, 60.0)
@@ -304,6 +311,10 @@ def test_config_is_frozen_and_hashable() -> None:
         ('[spool]\nretry_intervals = ["1m", "5m", "soon"]', "spool.retry_intervals[2]", "duration"),
         ('[spool]\nretry_intervals = ["1m", "0s"]', "spool.retry_intervals[1]", "greater than zero"),
         ("[spool]\nretry_intervals = []", "spool.retry_intervals", "at least one"),
+        ('[spool]\ncommit_delay = "2s"', "spool.commit_delay", "at most 1 s"),
+        ("[spool]\ndeferred_share = 1.5", "spool.deferred_share", "between 0 and 1"),
+        ('[spool]\ndeferred_share = "half"', "spool.deferred_share", "expected a number"),
+        ('[spool]\ncheckpoint_interval = "0s"', "spool.checkpoint_interval", "greater than zero"),
         ("[server]\nmax_sesions = 3", "server.max_sesions", "did you mean 'max_sessions'"),
         ("[sever]\nlisten = []", "sever", "unknown key"),
         ("top = 1", "top", "unknown key"),
@@ -456,6 +467,11 @@ SECTIONS = {
         "max_queue_lifetime",
         "active_limit",
         "queue_minfree",
+        "commit_delay",
+        "checkpoint_interval",
+        "checkpoint_bytes",
+        "checkpoint_max_interval",
+        "deferred_share",
     ],
     "relay": ["mynetworks", "relay_domains"],
     "delivery": [
@@ -558,3 +574,11 @@ def test_arbitrary_text_gives_config_or_config_error(text: str) -> None:
         assert isinstance(parse_config(text, "fuzz.toml", base_dir="/base"), Config)
     except ConfigError as e:
         assert str(e).startswith("fuzz.toml")
+
+
+def test_the_engine_gets_the_spool_pacing_settings(tmp_path: Path) -> None:
+    from mta.app import spool_config
+
+    engine = spool_config(parse_config(FULL, "full.toml", base_dir=str(tmp_path)), shard=1)
+    assert (engine.commit_delay, engine.checkpoint_interval, engine.checkpoint_bytes) == (0.02, 5.0, 4 << 20)
+    assert (engine.checkpoint_max_interval, engine.deferred_share, engine.id_suffix) == (120.0, 0.5, "-1")
