@@ -271,6 +271,8 @@ dir = "spool"
 segment_size = "16k"
 retry_intervals = ["1s", "1s"]
 queue_minfree = "1MB"
+checkpoint_interval = "200ms"
+checkpoint_bytes = 0
 [delivery]
 concurrency = 8
 per_destination = 8
