@@ -311,7 +311,11 @@ async def test_kill_9_during_deliveries_loses_nothing(tmp_path: Path) -> None:
             assert any("recovered" in line for line in relay.lines)
             listing = await mta(config, "queue", "list", "--in-doubt", "--json", "--limit", "10000")
             listed = {(m["id"], r) for m in listing["messages"] for r in m["in_doubt"]}
-            assert listed == logged
+            # The barrier goes to the discard transport: when the kill came before its DELIVERY record
+            # was committed, it is in doubt too, and life 2 may deliver it again (and forget it) before
+            # the listing. The next hop's recipients stay queued: it holds them until the gate opens.
+            barrier = {(mid, r) for mid, r in logged | listed if r.endswith("@barrier.test")}
+            assert listed - barrier == logged - barrier and listed & barrier <= logged
             doubt_rcpts = {r for _, r in logged}
             rcpt_of = {mid: r for _, mid, r in hop.received}
             assert {rcpt_of[mid] for mid in held_at_kill} <= doubt_rcpts
