@@ -88,7 +88,7 @@ def test_cli_with_since_until_and_a_torn_segment(spark: Any, fleet: dict[str, st
     spool = str(tmp_path / "mx1")
     shutil.copytree(fleet["mx1"], spool)
     last = sorted(glob.glob(os.path.join(spool, "log", "*.seg")))[-1]
-    tail = pos_offset(list(segment_rows(last))[-1][0])
+    tail = pos_offset(list(segment_rows(last))[-1]["pos"])
     os.truncate(last, tail + 7)  # a write interrupted inside the last frame's header
     since, until = T0 + 1800, T0 + 2 * 3600
     out = str(tmp_path / "out")
