@@ -329,8 +329,7 @@ class AsyncSpool:
 
     async def record_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0) -> None:
         """Append the outcomes and wait until they are durable (before the message's next step)."""
-        self.core.record_delivery(attempt, outcomes, duration_ms)
-        await self.commit()
+        await self.record_deliveries([(attempt, outcomes, duration_ms)])
 
     async def record_deliveries(self, results: Iterable[tuple[Attempt, Iterable[Outcome], int]]) -> None:
         """``record_delivery`` for several attempts (attempt, outcomes, duration in ms), under one commit.

@@ -584,12 +584,17 @@ def decode_payload(rtype: int, payload: bytes, *, path: str = "", offset: int = 
     """
     if rtype == RecordType.DATA:
         return payload
+    result: Payload = _decode_map(_DECODERS, rtype, payload, path, offset)
+    return result
+
+
+def _decode_map(table: dict[int, Any], rtype: int, payload: bytes | memoryview, path: str, offset: int) -> Any:
+    """CBOR map -> ``table[rtype](map)``; any schema or CBOR failure is CorruptRecord at ``path``, ``offset``."""
     try:
         d = cbor2.loads(payload)
         if not isinstance(d, dict):
             raise TypeError("payload is not a map")
-        result: Payload = _DECODERS[rtype](d)
-        return result
+        return table[rtype](d)
     except (cbor2.CBORDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
         name = RecordType(rtype).name if rtype in _TYPES else f"type {rtype}"
         raise CorruptRecord(f"bad {name} payload: {exc}", path, offset) from None
@@ -612,15 +617,8 @@ def decode_fields(rtype: int, payload: bytes | memoryview, *, path: str = "", of
     CBOR itself. ``cls(*fields)`` is the record, up to those ints and tuples.
     Raises CorruptRecord, as decode_payload does (DATA too: it has no fields).
     """
-    try:
-        d = cbor2.loads(payload)
-        if not isinstance(d, dict):
-            raise TypeError("payload is not a map")
-        result: tuple[Any, ...] = _FIELDS[rtype](d)
-        return result
-    except (cbor2.CBORDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
-        name = RecordType(rtype).name if rtype in _TYPES else f"type {rtype}"
-        raise CorruptRecord(f"bad {name} payload: {exc}", path, offset) from None
+    result: tuple[Any, ...] = _decode_map(_FIELDS, rtype, payload, path, offset)
+    return result
 
 
 def payload_type(p: Payload) -> RecordType:
