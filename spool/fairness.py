@@ -91,7 +91,9 @@ class DeferredBudget:
         assert self.last_new is not None
         times = [self.last_new + self.quiet]
         if self.trickle > 0:
-            times.append(now + (1.0 - max(self.earned, self.timed)) / self.trickle)
+            # Only the trickle grows with time, and the buckets do not add up: it is the timed bucket
+            # that must reach a whole claim, however much the share has earned short of one.
+            times.append(now + (1.0 - self.timed) / self.trickle)
         return max(now, min(times))
 
     def _accrue(self, now: float) -> None:

@@ -198,6 +198,16 @@ def test_budget_buckets_are_capped_and_a_clock_set_back_earns_nothing() -> None:
     assert b.allowance(0.2) == 1
 
 
+def test_budget_allows_a_claim_at_the_time_next_allowed_names() -> None:
+    """The share's bucket short of a claim does not shorten the trickle's wait (a wake that finds nothing)."""
+    b = DeferredBudget(0.2, trickle=10.0)
+    b.note_new(1, 0.0)  # the share earned 0.25 of a claim; the trickle nothing yet
+    assert b.allowance(0.0) == 0
+    wake = b.next_allowed(0.0)
+    assert wake == pytest.approx(0.1)
+    assert b.allowance(wake) == 1
+
+
 @pytest.mark.parametrize("share", [-0.1, 1.5])
 def test_budget_refuses_a_share_outside_zero_to_one(share: float) -> None:
     with pytest.raises(ValueError, match="deferred_share"):
