@@ -109,6 +109,7 @@ class AsyncSpool:
         self.batch_sizes: list[int] = []
         self.lazy_commits = 0
         self._want_sync = False  # someone waits for durability, not only for the bytes to be written
+        self._writing = 0  # bytes of the batch the committer's thread is writing now
         self.checkpoint_passes = 0
         core.flush_hook = self._kick.set
         self._running = False
@@ -144,7 +145,11 @@ class AsyncSpool:
                 before = writer.records
                 sync, self._want_sync = self._want_sync, False
                 batch = writer.take_batch(sync=sync)
-                await trio.to_thread.run_sync(writer.write_batch, batch)
+                self._writing = batch.size
+                try:
+                    await trio.to_thread.run_sync(writer.write_batch, batch)
+                finally:
+                    self._writing = 0
                 self.batch_sizes.append(before)
                 if len(self.batch_sizes) > 1024:
                     del self.batch_sizes[:512]
@@ -258,18 +263,20 @@ class AsyncSpool:
 
     @property
     def unflushed_bytes(self) -> int:
-        """Bytes appended (message data above all) that the committer has not yet written."""
-        return self.core.writer.pending_bytes
+        """Bytes appended (message data above all) that are not yet written: pending, or being written now."""
+        return self.core.writer.pending_bytes + self._writing
 
     async def wait_flushed(self) -> None:
         """Return once the unwritten backlog is below ``flush_threshold`` (at once if it is).
 
         For a receiver: stop reading from a client that sends faster than the
-        disk writes, instead of piling its message up in memory.
+        disk writes, instead of piling its message up in memory. The backlog
+        counts the batch being written too, so that the spool never holds more
+        than about ``flush_threshold`` bytes of message data in memory; the
+        core asks for a write at half of it, so appending and writing overlap.
         """
-        writer = self.core.writer
         limit = self.core.config.flush_threshold
-        while writer.pending_bytes >= limit:
+        while self.unflushed_bytes >= limit:
             self._kick.set()
             self._wake_window()
             await self._synced.wait()

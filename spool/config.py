@@ -43,6 +43,8 @@ class SpoolConfig:
     active_limit: int = 10_000
     archive_dir: str | None = None
     body_chunk: int = 256 * 1024
+    # Message data held in memory before it is written (not synced): a write is asked for at half of
+    # this, and a receiver stops reading while this much is pending or being written.
     flush_threshold: int = 4 * MIB
     # Checkpoints: looked at every ``checkpoint_interval`` seconds and written if anything moved and either
     # the log was quiet for that interval, or ``checkpoint_bytes`` were appended since the last one, or

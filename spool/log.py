@@ -32,7 +32,7 @@ from spool.record import (
     GARBAGE,
     HEADER_SIZE,
     Frame,
-    encode_frame,
+    encode_header,
     make_pos,
     pos_offset,
     pos_segment,
@@ -56,6 +56,7 @@ class Batch:
     end: int
     marks: list[int]
     sync: bool = True
+    size: int = 0  # bytes in chunks (the writer's pending count when it was taken)
 
 
 class LogWriter:
@@ -133,11 +134,14 @@ class LogWriter:
             self._off = SEGMENT_HEADER_SIZE
             self._pending_bytes += SEGMENT_HEADER_SIZE
         pos = make_pos(self._seg, self._off)
-        frame = encode_frame(self._seg, rtype, payload, klass=klass, time=t)
+        header = encode_header(self._seg, rtype, payload, klass=klass, time=t)
         if self._chunks and self._chunks[-1][0] == self._seg:
-            self._chunks[-1][2].extend(frame)
+            buf = self._chunks[-1][2]
+            buf += header
         else:
-            self._chunks.append((self._seg, self._off, bytearray(frame)))
+            buf = bytearray(header)
+            self._chunks.append((self._seg, self._off, buf))
+        buf += payload
         self._off += size
         self._pending_bytes += size
         self.appended_bytes += size
@@ -154,7 +158,7 @@ class LogWriter:
         return pos in self._mark_set
 
     def take_batch(self, *, sync: bool = True) -> Batch:
-        batch = Batch(self._chunks, self.head, self._marks if sync else [], sync)
+        batch = Batch(self._chunks, self.head, self._marks if sync else [], sync, self._pending_bytes)
         self._chunks = []
         self._pending_bytes = 0
         if sync:

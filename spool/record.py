@@ -137,14 +137,25 @@ def checksum(segment_id: int, header: bytes | memoryview, payload: bytes | memor
     return crc32c(payload, crc32c(_pack_crc_prefix(segment_id, length, rtype, klass, reserved, time)))
 
 
-def encode_frame(
+def encode_header(
     segment_id: int, rtype: int, payload: bytes, *, klass: int = 0, time: int = 0, flags: int = 0
 ) -> bytes:
+    """The frame's header for ``payload``; the frame is this followed by the payload.
+
+    Apart from ``encode_frame`` so that the log writer can append a 256 KiB body
+    chunk to its batch without first building a copy of it with the header in front.
+    """
     n = len(payload)
     if n > MAX_PAYLOAD:
         raise ValueError(f"payload of {n} bytes exceeds {MAX_PAYLOAD}")
     crc = crc32c(payload, crc32c(_pack_crc_prefix(segment_id, n, rtype, klass, 0, time)))
-    return _pack_header(crc, n, rtype, flags, klass, 0, time) + payload
+    return _pack_header(crc, n, rtype, flags, klass, 0, time)
+
+
+def encode_frame(
+    segment_id: int, rtype: int, payload: bytes, *, klass: int = 0, time: int = 0, flags: int = 0
+) -> bytes:
+    return encode_header(segment_id, rtype, payload, klass=klass, time=time, flags=flags) + payload
 
 
 @attrs.frozen

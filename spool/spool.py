@@ -168,8 +168,10 @@ class BodyWriter:
         self.size += len(data)
         limit = self._spool.config.body_chunk
         while len(self._buf) >= limit:
-            self._emit(bytes(self._buf[:limit]))
+            with memoryview(self._buf) as view:
+                chunk = bytes(view[:limit])  # one copy; a slice of the bytearray would make two
             del self._buf[:limit]
+            self._emit(chunk)
 
     def _emit(self, chunk: bytes) -> None:
         if self.kept is not None:
@@ -447,8 +449,13 @@ class Spool:
         return self.writer.append(rtype, data, klass=klass, now=self._now())
 
     def _maybe_flush(self) -> None:
-        """Write (without sync) once enough is buffered, so big bodies do not pile up in memory."""
-        if self.writer.pending_bytes >= self.config.flush_threshold:
+        """Write (without sync) once enough is buffered, so big bodies do not pile up in memory.
+
+        At half the threshold: the trio layer lets appends go on while a batch is
+        being written, and bounds the two together by ``flush_threshold``
+        (``AsyncSpool.wait_flushed``), so reading and writing overlap.
+        """
+        if self.writer.pending_bytes >= self.config.flush_threshold // 2:
             if self.flush_hook is not None:
                 self.flush_hook()
             else:
