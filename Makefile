@@ -44,7 +44,7 @@ typecheck: $(DEV_STAMP)
 SPARK_TESTS := tests/test_report.py tests/test_spark_source.py
 
 pytest: $(DEV_STAMP) sysdeps
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 spark-test: $(DEV_STAMP) sysdeps
 	$(BIN)/pytest -q $(SPARK_TESTS)
