@@ -149,3 +149,21 @@ def test_batches_give_rows_in_file_order_with_every_field(fleet: dict[str, str])
             assert isinstance(rec, Finish)
             assert (r["ref"], r["time_ms"], r["replacement"], r["kind"]) == (rec.start, rec.time_ms,
                                                                              rec.replacement, None)
+
+
+def test_the_garbage_collector_runs_again_between_batches_and_after_an_error(fleet: dict[str, str],
+                                                                             tmp_path: Any) -> None:
+    """The walk pauses the collector while it builds a batch: never across a yield, never after a failure."""
+    import gc
+
+    assert gc.isenabled()
+    path = all_segments(fleet["mx1"])[0]
+    batches = segment_batches(path, "mx1", batch_rows=7)
+    assert next(batches).num_rows > 0
+    assert gc.isenabled(), "left paused while Spark (the consumer) runs"
+    batches.close()
+    assert gc.isenabled()
+    gone = str(tmp_path / "0000000000000001.seg")
+    with pytest.raises(OSError):
+        next(segment_batches(gone, "mx1"))
+    assert gc.isenabled()
