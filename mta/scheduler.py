@@ -37,7 +37,7 @@ import datetime as dt
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import attrs
 import trio
@@ -228,14 +228,27 @@ class Scheduler:
         for job, tracker in batch:
             job.body = await self.aspool.read_body(tracker.attempt)
             jobs.append(job)
-        started = time.monotonic()
+        started = last = time.monotonic()
+        early: dict[int, list[Outcome]] = {}
+
+        def on_outcome(i: int, outcomes: list[Outcome]) -> None:
+            """Record a job's outcomes the moment the next hop has answered for it (transport.py)."""
+            nonlocal last
+            if i in early:
+                return
+            now = time.monotonic()
+            early[i] = outcomes
+            self._append(batch[i][1], outcomes, int((now - last) * 1000))
+            last = now
+
         transport = self.transports[dest.kind]
         try:
-            results = await transport.deliver(dest, jobs)
+            results = await transport.deliver(dest, jobs, on_outcome)
         except Exception as exc:  # a transport bug must not lose the attempt: defer it
             log.exception("transport %s failed", dest.kind)
             results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", f"local error: {exc}", str(dest))
                         for r in job.recipients] for job in jobs]
+        results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
         duration = time.monotonic() - started
         unreachable = all(o.code == 0 and o.status is Status.DEFERRED for outs in results for o in outs)
         if unreachable:
@@ -248,26 +261,40 @@ class Scheduler:
         for job, _tracker in batch:
             job.body = ()
         await self._complete_all([(tracker, job, outs) for (job, tracker), outs in zip(batch, results, strict=True)],
-                                 duration)
+                                 duration, recorded=set(early))
 
     async def _complete(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float = 0.0) -> None:
         await self._complete_all([(tracker, job, outcomes)], duration)
 
-    async def _complete_all(self, done: list[tuple[Tracker, Job, list[Outcome]]], duration: float = 0.0) -> None:
+    async def _complete_all(self, done: list[tuple[Tracker, Job, list[Outcome]]], duration: float = 0.0,
+                            recorded: Collection[int] = ()) -> None:
         """Make the outcomes durable (with any DSNs) in one commit, then log them and finish what is done.
 
         One commit for a connection's messages, not one each: the durability
         rule is about order (outcome durable before the message's next step,
         the FINISH), and it holds for all of them after the one fsync.
+        ``recorded``: the indexes in ``done`` whose outcomes were appended as
+        they came (``on_outcome``); they only wait for the commit here.
         """
-        for tracker, _job, outcomes in done:
-            attempt = tracker.attempt
-            failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
-            if failed and dsnmod.should_bounce(attempt.envelope.sender) and not attempt.envelope.extra.get("dsn"):
-                self._enqueue_dsn(attempt, failed)
-        await self.aspool.record_deliveries([(t.attempt, outs, int(duration * 1000)) for t, _j, outs in done])
+        for i, (tracker, _job, outcomes) in enumerate(done):
+            if i not in recorded:
+                self._append(tracker, outcomes, int(duration * 1000))
+        await self.aspool.commit()
         for tracker, job, outcomes in done:
             self._after_durable(tracker, job, outcomes, duration)
+
+    def _append(self, tracker: Tracker, outcomes: list[Outcome], duration_ms: int) -> None:
+        """Append a DELIVERY record, after the DSN for its failures (no fsync; the commit follows).
+
+        The DSN comes first in the log, so no crash keeps the bounce without
+        its DSN: a log cut anywhere keeps both, or neither, or only the DSN
+        (and the recipient, still in doubt, is tried again).
+        """
+        attempt = tracker.attempt
+        failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
+        if failed and dsnmod.should_bounce(attempt.envelope.sender) and not attempt.envelope.extra.get("dsn"):
+            self._enqueue_dsn(attempt, failed)
+        self.aspool.append_delivery(attempt, outcomes, duration_ms)
 
     def _after_durable(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float) -> None:
         """Log and report the (durable) outcomes; finish the message when all its jobs are in."""

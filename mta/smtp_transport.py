@@ -33,7 +33,7 @@ from mta.smtp_client import (
 from mta.smtp_client import ConnectionClosed as ServerClosed
 from mta.smtp_client import Event as ClientEvent
 from mta.smtp_common import LocalProtocolError, RemoteProtocolError, Reply
-from mta.transport import Destination, Job, body_chunks
+from mta.transport import Destination, Job, OnOutcome, body_chunks
 from spool.record import Outcome, Status
 
 # Body bytes gathered before a send_all: one write per this much, instead of one per stored chunk.
@@ -197,7 +197,8 @@ class SmtpTransport:
             return [mx.Hop(host, host, int(port))]
         return await mx.lookup(self.resolver, dest.target, port=self.config.delivery.mx_port)
 
-    async def deliver(self, destination: Destination, jobs: Sequence[Job]) -> list[list[Outcome]]:
+    async def deliver(self, destination: Destination, jobs: Sequence[Job],
+                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
         results: list[list[Outcome] | None] = [None] * len(jobs)
         try:
             hops = await self._hops(destination)
@@ -218,7 +219,9 @@ class SmtpTransport:
                 session = _Session(stream, hop.host, self.config)
                 await session.open(destination.tls, hop.host)
                 for i in todo:
-                    results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
+                    outcomes = results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
+                    if on_outcome is not None:
+                        on_outcome(i, outcomes)  # final: a job answered at one hop is not tried at the next
             except HopFailed as exc:
                 last_error = f"{exc}" + (f": {exc.reply}" if exc.reply else "")
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,

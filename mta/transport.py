@@ -15,7 +15,7 @@ retry. Never join it: a body may be 50 MB.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Protocol
 
 import attrs
@@ -47,13 +47,24 @@ class Job:
     extra: dict[str, object] = attrs.field(factory=dict)
 
 
+OnOutcome = Callable[[int, list[Outcome]], None]
+"""``on_outcome(i, outcomes)``: job ``i``'s outcomes are final (its next hop answered)."""
+
+
 class Transport(Protocol):
-    async def deliver(self, destination: Destination, jobs: Sequence[Job]) -> list[list[Outcome]]:
+    async def deliver(self, destination: Destination, jobs: Sequence[Job],
+                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
         """Deliver ``jobs``; return, per job, one Outcome per recipient (in order).
 
         A failure to reach the destination at all is reported as DEFERRED
         outcomes with the reason, not raised: the scheduler backs off the
         destination when every outcome of a batch is a connection failure.
+
+        A transport that sends jobs one after another calls ``on_outcome`` as
+        soon as a job's outcomes are final, before it sends the next. Why: the
+        scheduler then records them at once, and a crash later in the batch
+        does not deliver the messages the next hop already took a second
+        time. The returned list still holds every job's outcomes.
         """
         ...
 

@@ -370,3 +370,57 @@ async def test_a_message_the_next_hop_took_before_a_kill_is_in_doubt(tmp_path: P
             await relay.kill()
             nursery.cancel_scope.cancel()
     assert {r for _, r in logged} == {rcpt}
+
+
+async def test_a_message_the_next_hop_took_earlier_in_the_batch_is_not_in_doubt_after_a_kill(tmp_path: Path) -> None:
+    """Outcomes are appended as each message's reply arrives, not when the connection's batch ends.
+
+    Regression: the scheduler appended a batch's DELIVERY records only after its
+    last message, so a kill while the next hop held message C re-delivered B,
+    which the next hop had taken (and answered 250) earlier on the same
+    connection. One destination slot makes B and C one batch: A is held at the
+    next hop while B and C are accepted and claimed, then A is let through.
+    """
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            hop = GatedHop()
+            await hop.start(nursery)
+            config = write_config(tmp_path, hop.port)
+            config.write_text(config.read_text().replace("[routes]", "[delivery]\nper_destination = 1\n[routes]"))
+            relay = RelayProcess(config)
+            await relay.start(nursery)
+            held_c = trio.Event()
+            (rcpt_a, _), (rcpt_b, _), (rcpt_c, _) = message(0), message(1), message(2)
+
+            accepted: list[str] = []
+            await trio.to_thread.run_sync(send_until_refused, relay.port, 0, 1, accepted, [])
+            await hop.wait_until(lambda: len(hop.held) == 1)  # A: the destination's one connection waits
+            await trio.to_thread.run_sync(send_until_refused, relay.port, 1, 2, accepted, [])
+            assert accepted == ["crash-0@test", "crash-1@test", "crash-2@test"]
+            with trio.fail_after(30):  # bounded poll: a claim is visible only in the queue listing
+                while True:
+                    listed = await control(config, {"op": "list", "domain": "far.example", "limit": 10})
+                    if sorted(m["recipients"][0] for m in listed["messages"] if m["state"] == "active") == \
+                            [rcpt_a, rcpt_b, rcpt_c]:
+                        break
+                    await trio.sleep(0.02)
+
+            first_gate = hop.gate
+            hop.gate = trio.Event()
+            hop.accept_first = 2  # B (the life's second message) passes; C is held
+            hop.on_hold = held_c.set
+            first_gate.set()
+            await held_c.wait()
+            assert hop.ids(1) == ["crash-0@test", "crash-1@test", "crash-2@test"]
+            # Every request on the control socket begins with a commit: whatever was appended is now durable.
+            await control(config, {"op": "count"})
+            await relay.kill()
+
+            hop.new_life(accept_first=1 << 30)
+            await relay.start(nursery)
+            in_doubt = {r for _, r in relay.in_doubt_logged()}
+            await hop.wait_until(lambda: rcpt_c in {r for lf, _, r in hop.received if lf == 2})
+            await relay.kill()
+            nursery.cancel_scope.cancel()
+    assert in_doubt == {rcpt_c}, f"in doubt after the kill: {sorted(in_doubt)}"
+    assert Counter(hop.ids()) == {"crash-0@test": 1, "crash-1@test": 1, "crash-2@test": 2}

@@ -14,7 +14,7 @@ from mta.config import parse_config
 from mta.local_transports import DiscardTransport
 from mta.metrics import Metrics
 from mta.scheduler import Scheduler
-from mta.transport import Destination, Job, Transport, body_chunks
+from mta.transport import Destination, Job, OnOutcome, Transport, body_chunks
 from spool.commit import AsyncSpool
 from spool.config import SpoolConfig
 from spool.record import Outcome, Status, format_id
@@ -42,7 +42,8 @@ class GatedTransport:
         self.most_active = 0
         self.arrived = trio.Event()
 
-    async def deliver(self, destination: Destination, jobs: Sequence[Job]) -> list[list[Outcome]]:
+    async def deliver(self, destination: Destination, jobs: Sequence[Job],
+                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
         self.batches.append([j.queue_id for j in jobs])
         for job in jobs:
             self.bodies.append(b"".join([c async for c in body_chunks(job.body)]))
