@@ -90,6 +90,12 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
         count = shards if shards is not None else shard_count(config)
     except OSError as exc:
         fail(str(exc))
+    from mta.app import spool_config
+
+    try:
+        spool_config(config)  # the engine's own checks, before any process or socket: one line, not a traceback
+    except ValueError as exc:
+        fail(f"{config.source}: spool: {exc}", EXIT_USAGE)
     # Several processes write to one stderr: each line names its process, as Postfix's do.
     fmt = "%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s" if count > 1 else \
         "%(asctime)s %(name)s %(levelname)s %(message)s"

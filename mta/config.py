@@ -56,6 +56,8 @@ from typing import Any, TypeVar
 
 import attrs
 
+from spool.config import MAX_SEGMENT_SIZE, MIN_SEGMENT_SIZE
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -679,6 +681,23 @@ def _at_most(high: float, convert: Callable[[Any], float]) -> Callable[[Any], fl
     return check
 
 
+def _size_between(low: int, high: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        size = parse_size(value)
+        if not low <= size <= high:
+            raise ConfigError(f"must be between {_human_size(low)} and {_human_size(high)}, got {value!r}")
+        return size
+
+    return check
+
+
+def _human_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
 def _fraction(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"expected a number between 0 and 1, got {_type_name(value)} {value!r}")
@@ -817,7 +836,7 @@ def _build_spool(t: _Table, base_dir: str | None, max_message_size: int) -> Spoo
     spool = SpoolConfig(
         dir=t.get("dir", _resolve_path("var/spool", base_dir), path),
         archive_dir=t.get("archive_dir", None, _optional(path)),
-        segment_size=t.get("segment_size", 64 << 20, _positive(parse_size)),
+        segment_size=t.get("segment_size", 64 << 20, _size_between(MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE)),
         retry_intervals=intervals,
         max_queue_lifetime=t.get("max_queue_lifetime", 5 * 86400.0, _positive(parse_duration)),
         active_limit=t.get("active_limit", 10000, _int(1)),

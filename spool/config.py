@@ -11,6 +11,10 @@ import attrs
 from spool.record import HELD_CLASS
 
 MIB = 1024 * 1024
+# A position keeps a segment offset in 32 bits, and a record that does not fit the rest of a segment
+# starts one of its own (up to MAX_PAYLOAD past segment_size): 1 GiB leaves ample room below 4 GiB.
+MIN_SEGMENT_SIZE = 4096
+MAX_SEGMENT_SIZE = 1 << 30
 
 
 def _intervals(value: tuple[float, ...]) -> tuple[float, ...]:
@@ -78,8 +82,8 @@ class SpoolConfig:
     clock: Callable[[], float] = time.time
 
     def __attrs_post_init__(self) -> None:
-        if self.segment_size < 4096:
-            raise ValueError("segment_size must be at least 4 KiB")
+        if not MIN_SEGMENT_SIZE <= self.segment_size <= MAX_SEGMENT_SIZE:
+            raise ValueError(f"segment_size must be between 4 KiB and 1 GiB, got {self.segment_size}")
         if self.active_limit < 1:
             raise ValueError("active_limit must be at least 1")
         if self.max_queue_lifetime <= 0:

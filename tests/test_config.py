@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from mta.app import spool_config
 from mta.config import (
     Config,
     ConfigError,
@@ -315,6 +316,8 @@ def test_config_is_frozen_and_hashable() -> None:
         ("[spool]\ndeferred_share = 1.5", "spool.deferred_share", "between 0 and 1"),
         ('[spool]\ndeferred_share = "half"', "spool.deferred_share", "expected a number"),
         ('[spool]\ncheckpoint_interval = "0s"', "spool.checkpoint_interval", "greater than zero"),
+        ('[spool]\nsegment_size = "1k"', "spool.segment_size", "between 4 KiB and 1 GiB"),
+        ('[spool]\nsegment_size = "8GB"', "spool.segment_size", "between 4 KiB and 1 GiB"),
         ("[server]\nmax_sesions = 3", "server.max_sesions", "did you mean 'max_sessions'"),
         ("[sever]\nlisten = []", "sever", "unknown key"),
         ("top = 1", "top", "unknown key"),
@@ -501,6 +504,8 @@ scalars = st.one_of(
             "1s",
             "10MB",
             "512k",
+            "1k",
+            "8GB",
             "127.0.0.1:25",
             "[::1]:25",
             "mx",
@@ -563,6 +568,34 @@ def test_arbitrary_values_give_config_or_config_error(data: dict[str, dict[str, 
         assert config.server.listen and config.spool.retry_intervals
         config.route_for("example.com")
         config.may_relay("192.0.2.1", "example.com")
+        # What the config accepts, the engine accepts: a bad value is the config's one-line error,
+        # never a ValueError from deep inside the spool at start (segment_size "1k" once was).
+        spool_config(config)
+
+
+spool_values = st.one_of(
+    st.sampled_from(["1", "100", "1k", "4k", "512k", "64MB", "1GB", "2GB", "8GB", "0s", "1s", "2s", "5m", "1d", ""]),
+    st.integers(-5, 1 << 33),
+    st.floats(-1.0, 2.0),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(SECTIONS["spool"]), spool_values, max_size=6))
+@example({"segment_size": "1k"})
+@example({"segment_size": "8GB"})
+def test_a_spool_section_the_config_accepts_the_engine_accepts(table: dict[str, object]) -> None:
+    """Every [spool] value is checked where the config is read: the engine never rejects a valid config.
+
+    Regression: segment_size "1k" passed the config and failed in SpoolConfig at start, with a traceback.
+    """
+    text = "[spool]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in table.items())
+    try:
+        config = parse_config(text, "fuzz.toml", base_dir="/base")
+    except ConfigError as e:
+        assert str(e).startswith("fuzz.toml: spool")
+    else:
+        spool_config(config)
 
 
 @settings(max_examples=200, deadline=None)

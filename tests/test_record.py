@@ -128,7 +128,9 @@ def test_round_trip_through_frame_and_payload(seg: int, rec: Payload, kw: dict[s
 def test_position_splits_back_into_segment_and_offset(seg: int, off: int) -> None:
     pos = make_pos(seg, off)
     assert (pos_segment(pos), pos_offset(pos)) == (seg, off)
-    assert make_pos(seg, off) < make_pos(seg, off + 1) < make_pos(seg + 1, 0)
+    if off + 1 < 2**32:  # the next offset is a position too only if it fits the offset's 32 bits
+        assert make_pos(seg, off) < make_pos(seg, off + 1) < make_pos(seg + 1, 0)
+    assert make_pos(seg, off) < make_pos(seg + 1, 0)
 
 
 def test_envelope_defaults_leave_optional_keys_out() -> None:
