@@ -98,7 +98,13 @@ class Relay:
             self.listeners = await nursery.start(server.serve)
             control = ControlServer(self.aspool, cfg, shard=self.shard)
             await nursery.start(control.serve)
-            self.scheduler = Scheduler(self.aspool, cfg, transports(cfg), self.metrics)
+            from mta.smtp_transport import SmtpTransport
+
+            outgoing = transports(cfg)
+            for transport in {id(t): t for t in outgoing.values()}.values():
+                if isinstance(transport, SmtpTransport):
+                    await nursery.start(transport.run)  # its connection cache
+            self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:
                 self.metrics.serve(cfg.server.metrics_listen.host, cfg.server.metrics_listen.port)

@@ -431,7 +431,9 @@ class DeliveryConfig:
     Defaults: concurrency 100 (delivery tasks in all); per_destination 20;
     connect_timeout ``30s``; command_timeout ``5m`` and data_timeout ``10m``
     (RFC 5321 §4.5.3.2's client timeouts); max_messages_per_connection 100
-    (connection reuse); resolver none (system resolver; ``host[:port]``,
+    (connection reuse); connection_cache_time ``2s`` (how long an idle
+    connection to a next hop is kept for the next message; 0: never, as
+    Postfix's smtp_connection_cache_time_limit); resolver none (system resolver; ``host[:port]``,
     port 53 by default); mx_port 25 (the port of hosts found by MX lookup;
     for tests and unusual setups); bounce_sender ``MAILER-DAEMON@<hostname>``
     (the From: of DSNs, whose envelope sender is always null); delay_warning
@@ -445,6 +447,7 @@ class DeliveryConfig:
     command_timeout: float = 300.0
     data_timeout: float = 600.0
     max_messages_per_connection: int = 100
+    connection_cache_time: float = 2.0
     resolver: ListenAddress | None = None
     mx_port: int = 25
     delay_warning: float | None = None
@@ -869,6 +872,7 @@ def _build_delivery(t: _Table, hostname: str, base_dir: str | None) -> DeliveryC
         command_timeout=t.get("command_timeout", 300.0, _positive(parse_duration)),
         data_timeout=t.get("data_timeout", 600.0, _positive(parse_duration)),
         max_messages_per_connection=t.get("max_messages_per_connection", 100, _int(1)),
+        connection_cache_time=t.get("connection_cache_time", 2.0, _at_most(300.0, parse_duration)),
         resolver=t.get("resolver", None, _optional(lambda v: parse_listen_address(_str(v), default_port=53))),
         mx_port=t.get("mx_port", 25, _int(1, 65535)),
         bounce_sender=t.get("bounce_sender", None, _optional(_address)) or f"MAILER-DAEMON@{hostname}",

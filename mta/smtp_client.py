@@ -272,6 +272,12 @@ class ClientConnection:
         return len(self._waiting) + len(self._unsent)
 
     @property
+    def idle(self) -> bool:
+        """Between transactions with nothing in flight: the connection may carry another message."""
+        return (self._txn is None and self._body is None and not self._waiting and not self._unsent
+                and not self._events and not self._closed and not self._eof)
+
+    @property
     def buffered(self) -> int:
         """Bytes of body already encoded and waiting for ``data_to_send()``: the shell writes when it is enough."""
         return len(self._out)

@@ -5,6 +5,10 @@ them over as few connections as it can: hops are tried in order (MX
 preference, or the fixed next hop), and a connection carries every message of
 the batch unless it breaks, in which case the rest go to the next hop.
 
+A connection that ends a batch in good order is kept for a while
+(``ConnectionCache``, ``[delivery] connection_cache_time``) and carries the
+next batch to the same hop, after an RSET shows it is still alive.
+
 Outcomes map from replies: 2xx delivered, 4xx deferred, 5xx bounced. Failing
 to connect, a timeout or a broken connection is a deferral with code 0, which
 the scheduler reads as "destination unreachable" for its backoff. The TLS
@@ -14,6 +18,7 @@ text, so the delivery log records it.
 
 from __future__ import annotations
 
+import math
 import ssl
 from collections.abc import Sequence
 
@@ -83,6 +88,17 @@ class _Session:
         self.config = config
         self.conn = ClientConnection()
         self.tls = "none"
+        self.sent = 0  # messages this connection has carried
+
+    async def alive(self) -> bool:
+        """RSET and its 250: is a connection that sat idle still usable? Never raises."""
+        try:
+            self.conn.rset()
+            ev = await self._event(min(30.0, self.config.delivery.command_timeout))
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                RemoteProtocolError, LocalProtocolError, ssl.SSLError):
+            return False
+        return isinstance(ev, CommandReply) and ev.reply.is_positive and self.conn.idle
 
     async def _event(self, timeout: float) -> ClientEvent:
         while True:
@@ -185,11 +201,109 @@ class _Session:
         await trio.aclose_forcefully(self.stream)
 
 
+CacheKey = tuple[Destination, str, int]  # the destination (its TLS mode included), the hop's address and port
+
+
+class ConnectionCache:
+    """Idle connections to next hops, kept ``idle_limit`` seconds for the next batch to the same hop.
+
+    Why: a relay that hands a smarthost one message at a time would otherwise
+    pay a TCP connect, the greeting, EHLO (and a TLS handshake) and QUIT for
+    every message: about an eighth of the relay's CPU with a lone client
+    (docs/bench_relay.md), and as much again on the next hop. Postfix keeps
+    such connections 2 s (smtp_connection_cache_time_limit); so do we.
+
+    Nothing is cached until ``run`` runs: it closes (QUIT) what has been idle
+    too long, so a connection is never left open on a quiet relay. A connection
+    taken from the cache is checked with RSET first (``_Session.alive``); one
+    that fails is closed and a new one opened, which costs the round trip and
+    nothing else: no message was sent on it. At most ``per_key`` connections
+    wait per hop.
+
+    Resource handling: connections in the cache belong to it; ``take`` hands
+    one over to the caller, who closes it or gives it back with ``put``.
+    """
+
+    def __init__(self, idle_limit: float, per_key: int) -> None:
+        self.idle_limit = idle_limit
+        self.per_key = per_key
+        self.running = False
+        self.reused = 0  # connections taken from the cache and found alive (tests, benchmarks)
+        self._idle: dict[CacheKey, list[tuple[float, _Session]]] = {}
+        self._changed = trio.Event()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    def put(self, key: CacheKey, session: _Session) -> bool:
+        """Keep ``session`` (True), or refuse it (False: the caller closes it)."""
+        if not self.running or self.idle_limit <= 0 or len(self._idle.get(key, ())) >= self.per_key:
+            return False
+        self._idle.setdefault(key, []).append((trio.current_time(), session))
+        self._changed.set()
+        return True
+
+    def take(self, key: CacheKey) -> _Session | None:
+        """The connection to this hop that was idle the shortest time, if it is still within the limit."""
+        waiting = self._idle.get(key)
+        if not waiting or trio.current_time() - waiting[-1][0] >= self.idle_limit:
+            return None  # an expired one stays for run() to close
+        return waiting.pop()[1]
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Close connections idle for ``idle_limit``; caching is on while this runs."""
+        self.running = True
+        task_status.started()
+        try:
+            while True:
+                now = trio.current_time()
+                expired: list[_Session] = []
+                for key, waiting in list(self._idle.items()):
+                    keep = [(t, sess) for t, sess in waiting if now - t < self.idle_limit]
+                    expired += [sess for t, sess in waiting if now - t >= self.idle_limit]
+                    if keep:
+                        self._idle[key] = keep
+                    else:
+                        del self._idle[key]
+                for session in expired:
+                    await session.close()
+                oldest = min((t for waiting in self._idle.values() for t, _ in waiting), default=None)
+                self._changed = trio.Event()
+                with trio.move_on_at(math.inf if oldest is None else oldest + self.idle_limit):
+                    await self._changed.wait()
+        finally:
+            self.running = False
+
+
 class SmtpTransport:
     def __init__(self, config: Config) -> None:
         self.config = config
         r = config.delivery.resolver
         self.resolver = mx.make_resolver(r.host if r else None, r.port if r else 53)
+        d = config.delivery
+        self.cache = ConnectionCache(d.connection_cache_time, d.per_destination)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The connection cache's keeper; without it every batch opens and closes its own connection."""
+        await self.cache.run(task_status=task_status)
+
+    async def _connect(self, destination: Destination, hop: mx.Hop) -> _Session:
+        """A live connection to ``hop``, ready for MAIL: from the cache if one is alive, else a new one."""
+        key = (destination, hop.address, hop.port)
+        while (cached := self.cache.take(key)) is not None:
+            if await cached.alive():
+                self.cache.reused += 1
+                return cached
+            await cached.close()
+        with trio.fail_after(self.config.delivery.connect_timeout):
+            stream = await trio.open_tcp_stream(hop.address, hop.port)
+        session = _Session(stream, hop.host, self.config)
+        try:
+            await session.open(destination.tls, hop.host)
+        except BaseException:
+            await session.close()
+            raise
+        return session
 
     async def _hops(self, dest: Destination) -> list[mx.Hop]:
         if dest.kind == "smtp":
@@ -214,14 +328,15 @@ class SmtpTransport:
             label = f"{hop.host}[{hop.address}]:{hop.port}"
             session: _Session | None = None
             try:
-                with trio.fail_after(self.config.delivery.connect_timeout):
-                    stream = await trio.open_tcp_stream(hop.address, hop.port)
-                session = _Session(stream, hop.host, self.config)
-                await session.open(destination.tls, hop.host)
+                session = await self._connect(destination, hop)
                 for i in todo:
                     outcomes = results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
+                    session.sent += 1
                     if on_outcome is not None:
                         on_outcome(i, outcomes)  # final: a job answered at one hop is not tried at the next
+                if session.conn.idle and session.sent < self.config.delivery.max_messages_per_connection \
+                        and self.cache.put((destination, hop.address, hop.port), session):
+                    session = None  # the cache has it now
             except HopFailed as exc:
                 last_error = f"{exc}" + (f": {exc.reply}" if exc.reply else "")
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,

@@ -107,6 +107,8 @@ class NextHop:
         self.ssl_context = ssl_context
         self.messages: list[Received] = []
         self.connections = 0
+        self.closed = 0  # connections ended, whoever ended them
+        self.hang_up_after_message = False  # close the connection after each message's reply, without QUIT
         self.port = 0
         self._changed = trio.Event()
 
@@ -121,8 +123,24 @@ class NextHop:
                 await self._changed.wait()
         return self.messages
 
+    async def wait_closed(self, n: int, timeout: float = 60) -> None:
+        with trio.fail_after(timeout):
+            while self.closed < n:
+                await self._changed.wait()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
     async def _handle(self, tcp: trio.SocketStream) -> None:
         self.connections += 1
+        try:
+            await self._converse(tcp)
+        finally:
+            self.closed += 1
+            self._wake()
+
+    async def _converse(self, tcp: trio.SocketStream) -> None:
         stream: trio.abc.Stream = tcp
         conn = ServerConnection("nexthop.test", tls_available=self.ssl_context is not None)
         sender, rcpts, data = "", list[str](), bytearray()
@@ -154,11 +172,14 @@ class NextHop:
                     refuse = self.policy("data", msg)
                     if refuse is None:
                         self.messages.append(msg)
-                        self._changed.set()
-                        self._changed = trio.Event()
+                        self._wake()
                         conn.accept()
                     else:
                         conn.reject(refuse)
+                    if self.hang_up_after_message:
+                        await stream.send_all(conn.data_to_send())
+                        await stream.aclose()
+                        return
                 elif isinstance(ev, StartTls) and self.ssl_context is not None:
                     conn.accept()
                     await stream.send_all(conn.data_to_send())
