@@ -101,9 +101,9 @@ class Relay:
             from mta.smtp_transport import SmtpTransport
 
             outgoing = transports(cfg)
-            for transport in {id(t): t for t in outgoing.values()}.values():
-                if isinstance(transport, SmtpTransport):
-                    await nursery.start(transport.run)  # its connection cache
+            smtp = outgoing["smtp"]  # the same transport serves "mx"
+            if isinstance(smtp, SmtpTransport):
+                await nursery.start(smtp.run)  # its connection cache
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:

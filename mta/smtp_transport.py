@@ -287,9 +287,8 @@ class SmtpTransport:
         """The connection cache's keeper; without it every batch opens and closes its own connection."""
         await self.cache.run(task_status=task_status)
 
-    async def _connect(self, destination: Destination, hop: mx.Hop) -> _Session:
+    async def _connect(self, destination: Destination, hop: mx.Hop, key: CacheKey) -> _Session:
         """A live connection to ``hop``, ready for MAIL: from the cache if one is alive, else a new one."""
-        key = (destination, hop.address, hop.port)
         while (cached := self.cache.take(key)) is not None:
             if await cached.alive():
                 self.cache.reused += 1
@@ -326,16 +325,17 @@ class SmtpTransport:
             if not todo:
                 break
             label = f"{hop.host}[{hop.address}]:{hop.port}"
+            key = (destination, hop.address, hop.port)
             session: _Session | None = None
             try:
-                session = await self._connect(destination, hop)
+                session = await self._connect(destination, hop, key)
                 for i in todo:
                     outcomes = results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
                     session.sent += 1
                     if on_outcome is not None:
                         on_outcome(i, outcomes)  # final: a job answered at one hop is not tried at the next
                 if session.conn.idle and session.sent < self.config.delivery.max_messages_per_connection \
-                        and self.cache.put((destination, hop.address, hop.port), session):
+                        and self.cache.put(key, session):
                     session = None  # the cache has it now
             except HopFailed as exc:
                 last_error = f"{exc}" + (f": {exc.reply}" if exc.reply else "")
