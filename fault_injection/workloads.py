@@ -10,6 +10,10 @@ within a few hundred operations.
 - ``deliver``: enqueue, claim, simulated remote answers (delivered, deferred,
   bounced), DELIVERY records, finish with replacement envelopes, retries from
   the deferred runners, checkpoints that delete segments;
+- ``flush-rotate``: bodies big enough that the engine writes them early,
+  without a sync (``flush_threshold`` of 1 KiB), so that write-only batches
+  end at a segment's tail and the next synced batch begins with the next
+  segment's header: every commit must make every segment it covers durable;
 - ``recovery``: crash states of ``deliver`` recovered under the recorder,
   followed by a round of deliveries: the crash states of *that* recording are
   crashes during recovery's own writes (recovery of recovery).
@@ -33,7 +37,7 @@ from spool.record import Outcome, Status
 from spool.spool import Spool
 
 START_TIME = 1_700_000_000.0
-WORKLOADS = ("enqueue-only", "deliver", "recovery")
+WORKLOADS = ("enqueue-only", "deliver", "flush-rotate", "recovery")
 
 
 class FakeClock:
@@ -47,9 +51,13 @@ class FakeClock:
         self.now += seconds
 
 
-def make_config(clock: Callable[[], float]) -> SpoolConfig:
+def make_config(clock: Callable[[], float], *, flush_threshold: int = 4 << 20) -> SpoolConfig:
     return SpoolConfig(segment_size=4096, retry_intervals=(1.0, 2.0), body_chunk=1024, clock=clock,
-                       checkpoint_interval=float("inf"))
+                       checkpoint_interval=float("inf"), flush_threshold=flush_threshold)
+
+
+# The flush-rotate workload's threshold: a write (no sync) is asked for at half of it.
+SMALL_FLUSH = 1024
 
 
 @attrs.define
@@ -89,6 +97,26 @@ def enqueue_only(root: str, seed: int, clock: FakeClock) -> Recording:
             commit_logged(sp, rio)
             clock.advance(0.5)
             if batch % 5 == 4:
+                sp.checkpoint()
+    finally:
+        sp.close()
+    return rio.rec
+
+
+def flush_rotate(root: str, seed: int, clock: FakeClock) -> Recording:
+    """Enqueue-and-deliver with early body writes: rotations fall between a write-only batch and a commit."""
+    rio = RecordingFileIO(root)
+    rng = random.Random(seed)
+    sp = Spool.open(root, make_config(clock, flush_threshold=SMALL_FLUSH), io=rio)
+    try:
+        for step in range(16):
+            for _ in range(rng.randint(1, 3)):
+                enqueue_logged(sp, rio, rng, 1400)
+            commit_logged(sp, rio)
+            if step % 2:
+                deliver_round(sp, rio, rng, clock)
+            clock.advance(0.6)
+            if step % 5 == 4:
                 sp.checkpoint()
     finally:
         sp.close()
@@ -183,6 +211,8 @@ def build(name: str, seed: int, workdir: str) -> list[Scenario]:
         rec = enqueue_only(root, seed, clock)
     elif name == "deliver":
         rec = deliver(root, seed, clock)
+    elif name == "flush-rotate":
+        rec = flush_rotate(root, seed, clock)
     else:
         raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
     return [Scenario(name, rec, [], clock.now)]

@@ -9,9 +9,14 @@ garbage marks that were waiting for this sync, and fdatasyncs. Appends may go
 on while a batch is being written: that is group commit.
 
 Rotation: when a record does not fit, the next segment begins in the same
-batch. The writer fdatasyncs a full segment before it creates the next, and
-fsyncs the directory after creating it, so only the last segment can ever have
-a torn tail.
+batch. Batches may be written without a sync (early writes of big bodies,
+claims), so a rotation can fall between two batches: whatever batch creates
+segment N+1 first fdatasyncs every segment before it that holds unsynced data
+(and the directory, if one of them is new), because N+1's header records N's
+sealed size and must never reach the disk before N's tail. A commit then
+fdatasyncs every segment it covers that holds unsynced data, oldest first, not
+only the last one. So only the last segment can ever have a torn tail, and
+``durable_end`` never passes a byte that is not on disk.
 
 A failed fsync poisons the writer: PostgreSQL's fsyncgate showed that a retried
 fsync can report success for pages the kernel already dropped, so the only safe
@@ -88,7 +93,8 @@ class LogWriter:
         # Readers run in several worker threads at once (bodies, admin reads): one holds this from picking a
         # descriptor until its read is done, so no other thread closes it (LRU eviction, deletion) midway.
         self._rlock = threading.Lock()
-        self._dirty: set[int] = set()
+        self._dirty: set[int] = set()  # segments with unsynced data or garbage marks (a checkpoint syncs them)
+        self._unsynced: set[int] = set()  # segments with unsynced record bytes (a commit syncs them)
         self._dir_dirty = False
         self.poisoned: BaseException | None = None
         self.closed_sizes: dict[int, int] = {}
@@ -181,6 +187,7 @@ class LogWriter:
             if old in self._dirty:
                 self._sync_fd(ofd)
                 self._dirty.discard(old)
+                self._unsynced.discard(old)
             self.io.close(ofd)
         return fd
 
@@ -198,17 +205,18 @@ class LogWriter:
             if self.poisoned is not None:
                 raise SpoolError("the log is unusable after an I/O failure") from self.poisoned
             try:
-                for i, (seg, off, data) in enumerate(batch.chunks):
+                for seg, off, data in batch.chunks:
+                    if off == 0:
+                        # The new header records the previous segment's sealed size: that segment, and any
+                        # older one with unsynced bytes, must be on disk before the header can be.
+                        self._sync_segments(below=seg)
+                        self._sync_dir()
                     fd = self._fd(seg, create=off == 0)
                     if off == 0:
                         self._dir_dirty = True
                     write_all(self.io, fd, data, off)
                     self._dirty.add(seg)
-                    rotated = i + 1 < len(batch.chunks) and batch.chunks[i + 1][0] != seg
-                    if rotated:
-                        self._sync_fd(fd)
-                        self._dirty.discard(seg)
-                        self._sync_dir()
+                    self._unsynced.add(seg)
             except SyncFailed:
                 raise
             except OSError as exc:
@@ -218,17 +226,21 @@ class LogWriter:
                 self.written_end = batch.end
             if not batch.sync:
                 return
-            if self.written_end > self.durable_end:
-                # Earlier segments were synced when a batch rotated past them; the last one may hold
-                # this batch and earlier write-only ones.
-                last = pos_segment(self.written_end)
-                self._sync_fd(self._fd(last))
-                self._dirty.discard(last)
+            # Every segment with unsynced bytes up to written_end, oldest first: earlier write-only
+            # batches may have left bytes in any of them, not only in the last.
+            self._sync_segments(below=pos_segment(self.written_end) + 1)
             self._sync_dir()
             self.durable_end = self.written_end
             self.commits += 1
             for pos in batch.marks:
                 self._mark(pos)
+
+    def _sync_segments(self, *, below: int) -> None:
+        """fdatasync, oldest first, every segment below ``below`` that holds unsynced record bytes."""
+        for seg in sorted(s for s in self._unsynced if s < below):
+            self._sync_fd(self._fd(seg))
+            self._unsynced.discard(seg)
+            self._dirty.discard(seg)
 
     def _sync_dir(self) -> None:
         if self._dir_dirty:
@@ -260,6 +272,7 @@ class LogWriter:
             for seg in sorted(self._dirty):
                 self._sync_fd(self._fd(seg))
             self._dirty.clear()
+            self._unsynced.clear()
             self._sync_dir()
 
     def forget(self, seg: int) -> None:
@@ -270,6 +283,7 @@ class LogWriter:
                 if fd is not None:
                     self.io.close(fd)
             self._dirty.discard(seg)
+            self._unsynced.discard(seg)
             self.closed_sizes.pop(seg, None)
 
     # -- reading single records -----------------------------------------------
