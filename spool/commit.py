@@ -640,12 +640,20 @@ class AsyncSpool:
                 or trio.current_time() - last_time >= config.checkpoint_max_interval)
 
     async def checkpoint(self) -> list[int]:
-        """Write restart positions (if they moved) and reclaim segments behind them."""
-        plan = self.core.checkpoint_plan()
+        """Write restart positions (if they moved) and reclaim segments behind them.
+
+        While records wait for room, the positions name only what is durable
+        (``Spool.checkpoint_plan(durable_only=True)``): segments are reclaimed
+        even then, and the reserve lets the checkpoint be written on a disk
+        full to the last block; the space it frees lets the waiting records in.
+        """
+        full = self.disk_full
+        plan = self.core.checkpoint_plan(durable_only=full)
         key = (plan.checkpoint.head, plan.checkpoint.working_start, plan.checkpoint.runners)
         if key == self._last_plan:
             return []
-        await self._ride_along()
+        if not full:
+            await self._ride_along()
         gone = await trio.to_thread.run_sync(self.core.checkpoint_write, plan)
         self._last_plan = key
         return gone

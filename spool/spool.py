@@ -37,7 +37,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -262,6 +262,9 @@ class Spool:
         # Deferred claims while new mail flows (spool.fairness).
         self.budget = DeferredBudget(config.deferred_share)
         self.reserve = Reserve(io, path, min(config.reserve_bytes, config.segment_size))
+        # Attempts ended in memory whose FINISH is not durable yet, oldest first: (FINISH position, START
+        # position, first position of the envelope and its body). See checkpoint_plan(durable_only=True).
+        self._settling: deque[tuple[int, int, int]] = deque()
 
     # -- open = recover -----------------------------------------------------
 
@@ -475,7 +478,8 @@ class Spool:
             replacement = self._write_replacement(env, env_pos, klass, remaining, attempts=env.attempts,
                                                   in_doubt=tuple(dict.fromkeys(env.in_doubt + tuple(doubt))))
             stats.replacements += 1
-        self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        fin = self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        self._settling.append((fin, attempt.start_pos, min((env_pos, *env.body))))
 
     # -- reading --------------------------------------------------------------
 
@@ -773,7 +777,11 @@ class Spool:
         return replacement
 
     def _end(self, attempt: Attempt, replacement: int | None) -> None:
-        self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        fin = self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        self._settling.append((fin, attempt.start_pos, min((attempt.envelope_pos, *attempt.envelope.body))))
+        settled = self.writer.durable_end
+        while self._settling and self._settling[0][0] < settled:
+            self._settling.popleft()
         if attempt.envelope.body:
             self.body_cache.drop(attempt.envelope.body[0])
         del self.attempts[attempt.start_pos]
@@ -852,11 +860,27 @@ class Spool:
 
     # -- checkpoint and reclaiming space --------------------------------------
 
-    def checkpoint_plan(self) -> CheckpointPlan:
-        """Snapshot restart positions. Valid once everything appended so far is durable."""
-        head = self.writer.head
-        starts = [a.start_pos for a in self.attempts.values()]
-        envs = [min((a.envelope_pos, *a.envelope.body)) for a in self.attempts.values()]
+    def checkpoint_plan(self, *, durable_only: bool = False) -> CheckpointPlan:
+        """Snapshot restart positions. Valid once everything appended so far is durable.
+
+        ``durable_only``: valid now, naming only what is already durable; for
+        a checkpoint while records wait for room (the disk is full), so that
+        segments can still be reclaimed. Its head is the durable end, and
+        attempts that ended in memory but whose FINISH is not durable yet
+        (``_settling``) count as in flight: if those records are lost,
+        recovery must still find their STARTs, envelopes and bodies. Runners
+        never pass the durable end.
+        """
+        if durable_only:
+            head = self.writer.durable_end
+            while self._settling and self._settling[0][0] < head:
+                self._settling.popleft()
+            settling = list(self._settling)
+        else:
+            head, settling = self.writer.head, []
+        starts = [a.start_pos for a in self.attempts.values()] + [start for _, start, _ in settling]
+        envs = [min((a.envelope_pos, *a.envelope.body)) for a in self.attempts.values()] + [
+            first for _, _, first in settling]
         runners = tuple(r.pos for r in self.runners)
         working = min([head, *starts])
         garbage = min([working, *runners, *envs, *self._open_bodies.values()])
@@ -905,7 +929,10 @@ class Spool:
 
     def checkpoint(self) -> list[int]:
         plan = self.checkpoint_plan()
-        self.commit()
+        try:
+            self.commit()
+        except DiskFull:
+            plan = self.checkpoint_plan(durable_only=True)  # while records wait for room: name only what is on disk
         return self.checkpoint_write(plan)
 
     def _delete_segments_before(self, limit_seg: int, ids: list[int]) -> list[int]:

@@ -350,6 +350,25 @@ async def test_async_waiters_get_disk_full_and_a_waiting_commit_goes_through_whe
         sp.close()
 
 
+def make_garbage(sp: Spool, clock: Clock, count: int = 8) -> None:
+    """Delivered messages of 60 KB: several segments that the next checkpoint may delete."""
+    for _ in range(count):
+        sp.enqueue("a@x.example", ["r@y.example"], os.urandom(60_000))
+        sp.commit()
+        clock.now += 10
+        for a in sp.poll_due():
+            sp.record_delivery(a, [Outcome("r@y.example", Status.DELIVERED, 250, "2.0.0", "ok", "h")])
+            sp.commit()
+            sp.finish(a)
+        sp.commit()
+        clock.now += 10
+        sp.poll_due()
+
+
+def small_config(clock: Clock) -> SpoolConfig:
+    return SpoolConfig(retry_intervals=(1.0, 2.0), checkpoint_interval=math.inf, clock=clock)
+
+
 def test_a_checkpoint_on_a_disk_full_to_the_last_block_deletes_segments_with_the_reserve(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """On a real 2 MiB tmpfs: the spool's own garbage and a filler take every block."""
@@ -357,22 +376,11 @@ def test_a_checkpoint_on_a_disk_full_to_the_last_block_deletes_segments_with_the
     with small_filesystem(fs, 2 << 20) as mounted:
         assert mounted, NEEDS_ROOT
         clock = Clock()
-        cfg = SpoolConfig(retry_intervals=(1.0, 2.0), checkpoint_interval=math.inf, clock=clock)
-        sp = Spool.open(str(fs / "spool"), cfg)
+        sp = Spool.open(str(fs / "spool"), small_config(clock))
         try:
             assert sp.config.segment_size == 128 << 10 and sp.reserve.held
             assert os.path.getsize(fs / "spool" / RESERVE) == sp.reserve.size
-            for _ in range(8):  # garbage: delivered messages, several segments of them
-                sp.enqueue("a@x.example", ["r@y.example"], os.urandom(60_000))
-                sp.commit()
-                clock.now += 10
-                for a in sp.poll_due():
-                    sp.record_delivery(a, [Outcome("r@y.example", Status.DELIVERED, 250, "2.0.0", "ok", "h")])
-                    sp.commit()
-                    sp.finish(a)
-                sp.commit()
-                clock.now += 10
-                sp.poll_due()
+            make_garbage(sp, clock)
             before = list_segments(sp.io, sp.log_dir)
             fill_disk(fs / "filler")
             caplog.set_level(logging.WARNING, logger="spool")
@@ -380,5 +388,52 @@ def test_a_checkpoint_on_a_disk_full_to_the_last_block_deletes_segments_with_the
             assert gone and set(gone) <= set(before)
             assert "used the" in caplog.text and "reserve" in caplog.text
             assert sp.reserve.held, "the deleted segments gave room for the reserve again"
+        finally:
+            sp.close()
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_while_records_wait_for_room_a_checkpoint_of_what_is_durable_frees_segments(
+        tmp_path: Path, ended: bool) -> None:
+    """A stalled log on a real full tmpfs: the checkpoint names only durable positions, deletes garbage
+    with the reserve's room, and the waiting records fit afterwards; a crash instead loses nothing.
+
+    ``ended``: the waiting records end an attempt in memory (a FINISH and a replacement envelope, as
+    an admin change or a deferral writes them), so the checkpoint must still keep its START.
+    """
+    fs = tmp_path / "fs"
+    with small_filesystem(fs, 2 << 20) as mounted:
+        assert mounted, NEEDS_ROOT
+        clock = Clock()
+        root = str(fs / "spool")
+        sp = Spool.open(root, small_config(clock))
+        try:
+            make_garbage(sp, clock)
+            mid = sp.enqueue("a@x.example", ["r@y.example", "s@y.example"], b"in flight")
+            sp.commit()
+            clock.now += 10
+            (attempt,) = sp.poll_due()
+            sp.record_delivery(attempt, [Outcome("r@y.example", Status.DEFERRED, 451, "4.0.0", "later", "h")])
+            sp.commit()
+            fill_disk(fs / "filler")
+            if ended:
+                sp.finish(attempt)  # a replacement with both recipients, and a FINISH
+            else:
+                sp.record_delivery(attempt, [Outcome("s@y.example", Status.DEFERRED, 451, "4.0.0", "later", "h")])
+            sp.enqueue("b@x.example", ["t@y.example"], os.urandom(8192))  # longer than the last page's slack
+            with pytest.raises(DiskFull):
+                sp.commit()
+            gone = sp.checkpoint()  # durable only, into the reserve's room
+            assert gone
+            cp = sp.checkpoint_state
+            assert cp is not None and cp.head == sp.writer.durable_end
+            assert cp.working_start <= attempt.start_pos
+        finally:
+            sp.close()  # a crash: the records that waited are gone
+        (fs / "filler").unlink()
+        sp = Spool.open(root, small_config(clock))
+        try:
+            (msg,) = live(sp).values()
+            assert msg.message_id == mid and set(msg.envelope.recipients) == {"r@y.example", "s@y.example"}
         finally:
             sp.close()
