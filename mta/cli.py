@@ -22,7 +22,7 @@ import trio
 
 from mta.config import Config, ConfigError, load_config, parse_listen_address
 from mta.control import socket_path
-from mta.queue_ops import CHANGES, RequestError, change_op, read_op
+from mta.queue_ops import CHANGES, RequestError, change_op, parse_request, read_op
 from mta.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
 from spool import admin
 from spool.errors import SpoolError, SpoolLocked
@@ -138,15 +138,21 @@ def _via_socket(path: str, req: dict[str, Any]) -> dict[str, Any] | None:
         return None
     except OSError as exc:
         fail(f"control socket {path}: {exc}")
-    answer: dict[str, Any] = json.loads(buf)
+    try:
+        answer = json.loads(buf)
+    except ValueError:
+        fail(f"control socket {path}: no answer from the relay (see its log)")
+    if not isinstance(answer, dict):
+        fail(f"control socket {path}: the relay's answer is not a JSON object")
     return answer
 
 
-def _offline(config: Config, shard: int, req: dict[str, Any]) -> dict[str, Any]:
+def _offline(config: Config, shard: int, raw: dict[str, Any]) -> dict[str, Any]:
     """No relay runs on this shard: open its spool ourselves (this takes the lock and recovers)."""
     from mta.app import spool_config
     from spool.spool import Spool
 
+    req = parse_request(raw)  # the same checks as the control socket's, before the spool is opened
     # Recovery's per-recipient in-doubt warnings belong in the relay's log, not on an admin's terminal.
     engine_log = logging.getLogger("spool")
     level = engine_log.level
@@ -158,7 +164,7 @@ def _offline(config: Config, shard: int, req: dict[str, Any]) -> dict[str, Any]:
     finally:
         engine_log.setLevel(level)
     try:
-        if req["op"] in CHANGES:
+        if req.op in CHANGES:
             async def apply(op: str, mid: int) -> bool:
                 return sp.change(mid, op)
 
