@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -72,9 +73,13 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     With ``[server] processes`` above 1 (or shards on disk from an earlier
     run), this process supervises one child process per spool shard.
     """
+    # Crash-only, Ctrl-C included: SIGINT ends the process at once, by the signal itself (the shell shows 130),
+    # with no shutdown code and no KeyboardInterrupt traceback; SIGTERM already does so. See docs/operations.md.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     from mta.app import serve as run
     from mta.app import serve_shard
     from mta.shards import shard_count
+    from mta.startup import StartError
     from mta.supervisor import supervise
 
     config = _load(config_path)
@@ -111,11 +116,11 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     except SpoolLocked as exc:
         fail(f"{exc} (is another relay running on it?)")
     except ConfigError as exc:
-        fail(str(exc), EXIT_USAGE)
+        fail(str(exc) if exc.file else str(ConfigError(exc.problem, config.source, exc.key)), EXIT_USAGE)
+    except StartError as exc:
+        fail(str(exc.located(config.source)))
     except (SpoolError, OSError) as exc:
         fail(str(exc))
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 # -- queue administration ------------------------------------------------------
