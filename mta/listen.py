@@ -27,9 +27,9 @@ BACKLOG = 1024
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
-def bind_error(addr: ListenAddress, index: int, exc: OSError) -> ConfigError | StartError:
-    """What an operator needs to read when ``addr`` (``server.listen[index]``) cannot be bound."""
-    key = f"server.listen[{index}]"
+def bind_error(addr: ListenAddress, index: int | str, exc: OSError) -> ConfigError | StartError:
+    """What an operator needs to read when ``addr`` (``server.listen[index]``, or the key ``index``) cannot be bound."""
+    key = f"server.listen[{index}]" if isinstance(index, int) else index
     where = f"cannot listen on {addr}"
     if isinstance(exc, socket.gaierror):
         if exc.errno in _NO_SUCH_NAME:

@@ -32,7 +32,7 @@ import stat
 from collections.abc import Iterator
 from typing import NoReturn
 
-from mta.config import Config, ConfigError
+from mta.config import Config, ConfigError, ListenAddress
 from mta.security import UnsafeFile, check_control_dir, check_tls_key
 
 __all__ = ["MAX_UNIX_PATH", "StartError", "check_start", "sole_error"]
@@ -61,8 +61,9 @@ class StartError(OSError):
 def check_start(config: Config, *, listen: bool = True) -> None:
     """Refuse, in one line, a start that would fail later with a traceback or run unsafely.
 
-    ``listen``: also try each listening address (``probe_listen``); the
-    supervisor binds them itself instead.
+    ``listen``: also try each SMTP address (``probe_listen``); the
+    supervisor binds them itself instead. The metrics address is tried always
+    (each shard has its own).
 
     Raises:
         ConfigError: a setting that must change (names the file and key).
@@ -70,20 +71,23 @@ def check_start(config: Config, *, listen: bool = True) -> None:
     """
     check_tls(config)
     check_control_socket(config)
-    if listen:
-        probe_listen(config)
+    addresses: list[tuple[int | str, ListenAddress]] = list(enumerate(config.server.listen)) if listen else []
+    if config.server.metrics_listen is not None:
+        addresses.append(("server.metrics_listen", config.server.metrics_listen))
+    probe_listen(config, addresses)
 
 
-def probe_listen(config: Config) -> None:
-    """Bind (and let go) every address the relay will listen on, as trio will, before the spool is opened.
+def probe_listen(config: Config, addresses: list[tuple[int | str, ListenAddress]]) -> None:
+    """Bind (and let go) each address the relay will listen on, as trio will, before the spool is opened.
 
     So a port in use or an address this host lacks is one line before
     recovery logs anything. Something that takes the port in between still
-    gets the same line, from ``mta.listen``.
+    gets the same line, from ``mta.listen``. ``addresses``: (index in
+    ``server.listen``, or the key) and the address.
     """
     from mta.listen import bind_error
 
-    for index, addr in enumerate(config.server.listen):
+    for index, addr in addresses:
         try:
             infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             for family, type_, proto, _, sockaddr in infos:

@@ -12,8 +12,9 @@ a crash of a shard (a failed fsync ends a relay, crash-only) costs that
 shard's connections and nothing else, and all shards are alike.
 
 Crash-only both ways. There is no shutdown: SIGTERM, SIGINT (Ctrl-C) or
-kill -9 of the parent ends it where it stands, and the children follow it at once: each child asks
-the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), checks
+kill -9 of the parent ends it where it stands (``mta serve`` leaves SIGINT at
+the kernel's default action), and the children follow it at once: each child
+asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), checks
 right after asking that the parent is still the one that started it (it may
 have died before the request), and only where that request failed polls
 ``getppid()`` once a second instead (an idle shard then never wakes: on the
@@ -104,7 +105,7 @@ def reserve_addresses(addrs: tuple[ListenAddress, ...]) -> tuple[list[socket.soc
     """Bind each address with SO_REUSEPORT (not listening); return the sockets and the addresses with real ports.
 
     Raises:
-        OSError: an address cannot be bound (taken by a program without SO_REUSEPORT, say).
+        ConfigError, StartError: an address cannot be bound, in one line (``mta.listen.bind_error``).
     """
     held: list[socket.socket] = []
     resolved: list[ListenAddress] = []

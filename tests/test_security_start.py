@@ -75,6 +75,14 @@ def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path, taken_port: int, p
 
 
 @pytest.mark.parametrize("processes", [1, 2])
+def test_a_metrics_port_in_use_is_one_line_and_exit_1(tmp_path: Path, taken_port: int, processes: int) -> None:
+    config = write(tmp_path, f'listen = ["127.0.0.1:0"]\nmetrics_listen = "127.0.0.1:{taken_port}"\n'
+                             f'processes = {processes}')
+    refused(config, 1, rf"mta: {re.escape(str(config))}: server\.metrics_listen: cannot listen on "
+                       rf"127\.0\.0\.1:{taken_port}: the address is in use \(another program listens there\)")
+
+
+@pytest.mark.parametrize("processes", [1, 2])
 def test_an_address_this_host_does_not_have_is_one_line_and_exit_2(tmp_path: Path, processes: int) -> None:
     config = write(tmp_path, f'listen = ["127.0.0.1:0", "192.0.2.1:2525"]\nprocesses = {processes}')
     refused(config, 2, rf"mta: {re.escape(str(config))}: server\.listen\[1\]: cannot listen on 192\.0\.2\.1:2525: "
