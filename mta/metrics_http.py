@@ -110,7 +110,11 @@ class MetricsServer:
         def start_response(status: str, headers: list[tuple[str, str]]) -> None:
             status_headers[:] = [status, headers]
 
-        body = self.app(environ, start_response)
+        try:
+            body = self.app(environ, start_response)
+        except Exception:
+            log.exception("metrics request from %s failed", _peer(stream))
+            body, status_headers[:] = [b"the metrics could not be collected\n"], ["500 Internal Server Error", []]
         await stream.send_all(_response(status_headers[0], status_headers[1], body))
 
 

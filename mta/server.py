@@ -175,7 +175,8 @@ class _Session:
         # The client's deadline (``mta.deadlines``) enforced by one cancel scope around the whole session.
         self.deadlines = SessionDeadlines.for_session(s, trio.current_time())
         self._timer = trio.CancelScope()
-        self._command_done = True  # a command (or the connection) is complete: the next read starts a new one
+        self._command_done = True  # the connection, a DATA phase or TLS began or ended: a new command is next
+        self._command_lines = 0  # the core's ``command_lines`` when the current command deadline was set
         self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
 
     def abort_body(self) -> None:
@@ -230,8 +231,10 @@ class _Session:
         A new command's deadline starts here, when the server starts waiting
         for it; reads of parts of it do not move it (``mta.deadlines``).
         """
-        if self._command_done and not self.deadlines.in_data:
+        new_command = self._command_done or self.conn.command_lines != self._command_lines
+        if new_command and not self.deadlines.in_data:
             self._command_done = False
+            self._command_lines = self.conn.command_lines
             now = trio.current_time()
             self.deadlines.command(now)
             self._arm()
@@ -259,8 +262,6 @@ class _Session:
         """
         while True:
             ev = self.conn.next_event()
-            if not isinstance(ev, NeedData | DataChunk):
-                self._command_done = True
             if isinstance(ev, NeedData):
                 if not await self._need_data():
                     return
@@ -275,11 +276,11 @@ class _Session:
                 self.body.write(ev.data)
                 await self._drain()
             elif isinstance(ev, EndOfData):
-                self.deadlines.data_end()
+                self._data_end()
                 await self._flush()
                 await self._end_of_data()
             elif isinstance(ev, DataAborted):
-                self.deadlines.data_end()
+                self._data_end()
                 self.abort_body()
                 self.server.metrics.rejected.labels("content").inc()
             elif isinstance(ev, StartTls):
@@ -290,6 +291,10 @@ class _Session:
             elif isinstance(ev, (Quit, ConnectionClosed)):
                 await self._flush()
                 return
+
+    def _data_end(self) -> None:
+        self.deadlines.data_end()
+        self._command_done = True
 
     async def _drain(self) -> None:
         """Back-pressure: stop reading while the spool's unwritten backlog is over its flush threshold.
@@ -385,5 +390,6 @@ class _Session:
             return False
         self.stream = tls
         self.conn.tls_started()
+        self._command_done = True
         self._reset()
         return True
