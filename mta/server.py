@@ -208,7 +208,8 @@ class _Session:
             await self._farewell(R_TIMEOUT)
 
     async def _farewell(self, reply: Reply) -> None:
-        with trio.move_on_after(FAREWELL_TIMEOUT):
+        """A last reply to a client that may not be reading: it gets at most a command's time to leave."""
+        with trio.move_on_after(min(FAREWELL_TIMEOUT, self.config.server.command_timeout)):
             await self.stream.send_all(reply.to_bytes())
 
     def _arm(self) -> None:

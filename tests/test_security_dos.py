@@ -164,6 +164,33 @@ async def test_no_new_command_is_taken_after_the_session_time_limit(tmp_path: Pa
         nursery.cancel_scope.cancel()
 
 
+async def test_a_client_that_never_reads_its_replies_is_cut_at_the_command_deadline(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        relay = await start_relay(nursery, _config(tmp_path, 'command_timeout = "1s"'))
+        watch = DeliveryWatch(relay)
+        c = await RawClient.connect(relay.ports[0])
+        await c.reply()
+
+        async def flood() -> None:  # pipelined NOOPs, their replies never read: both sides' buffers fill up
+            while True:
+                await c.send(b"NOOP\r\n" * 10000)
+
+        def timeouts() -> float:
+            value = relay.metrics.registry.get_sample_value("logspool_smtp_timeouts_total", {"phase": "command"})
+            return value or 0.0
+
+        async with trio.open_nursery() as flooding:
+            flooding.start_soon(flood)
+            with trio.fail_after(30):
+                while not timeouts():  # the relay gave up on writing to it
+                    await trio.sleep(0.01)
+            flooding.cancel_scope.cancel()
+        await c.closed()
+        await c.aclose()
+        await _fresh_client_is_served(relay, watch, tmp_path, 1)
+        nursery.cancel_scope.cancel()
+
+
 # ---------------------------------------------------------------- session slots
 
 
