@@ -6,6 +6,7 @@ process where it stands; the next start recovers from the log.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import ssl
@@ -81,6 +82,7 @@ class Relay:
         self.metrics = Metrics()
         self.aspool: AsyncSpool
         self.listeners: list[trio.SocketListener] = []
+        self.metrics_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
@@ -107,7 +109,9 @@ class Relay:
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:
-                self.metrics.serve(cfg.server.metrics_listen.host, cfg.server.metrics_listen.port)
+                self.metrics_listeners = await nursery.start(functools.partial(
+                    self.metrics.serve, cfg.server.metrics_listen, max_connections=cfg.server.metrics_max_connections,
+                    timeout=cfg.server.metrics_timeout))
             addrs = ", ".join(f"{lst.socket.getsockname()[0]}:{lst.socket.getsockname()[1]}"
                               for lst in self.listeners)
             shard = f", shard {self.shard} (pid {os.getpid()})" if self.supervisor is not None else ""
