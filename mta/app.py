@@ -10,6 +10,7 @@ What can stop a start is checked first, before the spool is touched
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import ssl
@@ -19,13 +20,14 @@ import trio
 
 from mta.config import Config
 from mta.control import ControlServer
+from mta.listen import bind_error
 from mta.local_transports import DiscardTransport, MaildirTransport
 from mta.metrics import Metrics
 from mta.scheduler import Scheduler
 from mta.security import check_spool_dir
 from mta.server import SmtpServer
 from mta.shards import id_suffix, shard_config
-from mta.startup import StartError, check_start, unwrapped
+from mta.startup import check_start, unwrapped
 from mta.supervisor import follow_parent, watch_parent
 from mta.transport import Transport
 from spool.commit import AsyncSpool
@@ -86,6 +88,7 @@ class Relay:
         self.metrics = Metrics()
         self.aspool: AsyncSpool
         self.listeners: list[trio.SocketListener] = []
+        self.metrics_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
@@ -114,10 +117,11 @@ class Relay:
             if cfg.server.metrics_listen is not None:
                 where = cfg.server.metrics_listen
                 try:
-                    self.metrics.serve(where.host, where.port)
-                except OSError as exc:
-                    raise StartError(f"cannot listen on {where}: {exc.strerror or exc}", cfg.source,
-                                     "server.metrics_listen") from None
+                    self.metrics_listeners = await nursery.start(functools.partial(
+                        self.metrics.serve, where, max_connections=cfg.server.metrics_max_connections,
+                        timeout=cfg.server.metrics_timeout))
+                except OSError as exc:  # taken since check_start tried it
+                    raise bind_error(where, "server.metrics_listen", exc) from None
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
                 log.warning("open relay: mynetworks covers every address and allow_open_relay = true; anyone "
                             "can send mail anywhere through this relay")
