@@ -435,15 +435,32 @@ class SpoolConfig:
     deferred_share: float = 0.2
 
 
+_ALL_V4 = ipaddress.IPv4Network("0.0.0.0/0")
+_ALL_V6 = ipaddress.IPv6Network("::/0")
+
+
 @attrs.frozen
 class RelayConfig:
     """``[relay]``: who may relay. Defaults: mynetworks ``127.0.0.0/8`` and ``::1/128``; no relay_domains.
 
     relay_domains entries match exactly, or all subdomains when written ``.example.com``.
+    IPv4-mapped IPv6 networks (``::ffff:10.0.0.0/104``) are kept as the IPv4
+    networks they mean, as clients' mapped addresses are (``Config.in_mynetworks``).
+
+    allow_open_relay (default false): mynetworks that together cover every
+    IPv4 or every IPv6 address (``0.0.0.0/0``, ``::/0``, ``::ffff:0:0/96``,
+    two halves ...) make an open relay, and are refused unless this is true.
     """
 
     mynetworks: tuple[IPNetwork, ...]
     relay_domains: tuple[str, ...] = ()
+    allow_open_relay: bool = False
+
+    def open_to_all(self) -> bool:
+        """Whether mynetworks, taken together, hold every IPv4 address or every IPv6 address."""
+        v4 = [n for n in self.mynetworks if isinstance(n, ipaddress.IPv4Network)]
+        v6 = [n for n in self.mynetworks if isinstance(n, ipaddress.IPv6Network)]
+        return _ALL_V4 in ipaddress.collapse_addresses(v4) or _ALL_V6 in ipaddress.collapse_addresses(v6)
 
 
 @attrs.frozen
@@ -777,12 +794,20 @@ def _address(value: Any) -> str:
     return text
 
 
+_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
 def _network(value: Any) -> IPNetwork:
     text = _str(value)
     try:
-        return ipaddress.ip_network(text.strip())
+        network = ipaddress.ip_network(text.strip())
     except ValueError as e:
         raise ConfigError(f"not an IP network: {e}") from None
+    if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(_MAPPED):
+        mapped = network.network_address.ipv4_mapped
+        assert mapped is not None
+        return ipaddress.IPv4Network((mapped, network.prefixlen - 96))
+    return network
 
 
 def _readable_file(base_dir: str | None) -> Callable[[Any], str]:
@@ -894,8 +919,12 @@ def _build_relay(t: _Table) -> RelayConfig:
     relay = RelayConfig(
         mynetworks=t.list_of("mynetworks", default, _network),
         relay_domains=t.list_of("relay_domains", (), lambda v: _check_domain(_str(v))),
+        allow_open_relay=t.get("allow_open_relay", False, _expect(bool, "true or false")),
     )
     t.finish()
+    if relay.open_to_all() and not relay.allow_open_relay:
+        raise ConfigError("covers every address, which makes an open relay (anyone may send anywhere); "
+                          "set [relay] allow_open_relay = true if that is really meant", key=t.key("mynetworks"))
     return relay
 
 

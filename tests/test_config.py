@@ -509,7 +509,7 @@ SECTIONS = {
         "checkpoint_max_interval",
         "deferred_share",
     ],
-    "relay": ["mynetworks", "relay_domains"],
+    "relay": ["mynetworks", "relay_domains", "allow_open_relay"],
     "delivery": [
         "concurrency",
         "per_destination",
