@@ -56,6 +56,12 @@ def main() -> None:
     """logspool: a log-structured mail relay."""
 
 
+def _interrupted(_signum: int, _frame: object) -> None:
+    """SIGINT in ``mta serve``: one line and exit 130 at once (nothing to shut down: the next start recovers)."""
+    os.write(2, b"mta: interrupted (SIGINT); nothing to shut down, the next start recovers\n")
+    os._exit(130)
+
+
 @main.command()
 @config_option
 @click.option("--shard", type=click.IntRange(0), default=None, hidden=True,
@@ -73,9 +79,11 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     With ``[server] processes`` above 1 (or shards on disk from an earlier
     run), this process supervises one child process per spool shard.
     """
-    # Crash-only, Ctrl-C included: SIGINT ends the process at once, by the signal itself (the shell shows 130),
-    # with no shutdown code and no KeyboardInterrupt traceback; SIGTERM already does so. See docs/operations.md.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # Crash-only, Ctrl-C included: SIGINT ends the process at once, with no shutdown code and no
+    # KeyboardInterrupt traceback. The process an operator started says so in one line and exits 130 (the
+    # shell's code for Ctrl-C); a shard child (which gets the same SIGINT from the terminal) dies by the signal
+    # silently, so the line is printed once. See docs/operations.md.
+    signal.signal(signal.SIGINT, signal.SIG_DFL if shard is not None else _interrupted)
     from mta.app import serve as run
     from mta.app import serve_shard
     from mta.shards import shard_count
