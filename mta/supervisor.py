@@ -12,8 +12,8 @@ a crash of a shard (a failed fsync ends a relay, crash-only) costs that
 shard's connections and nothing else, and all shards are alike.
 
 Crash-only both ways. There is no shutdown: SIGTERM, SIGINT (Ctrl-C) or
-kill -9 of the parent ends it where it stands (``mta serve`` leaves SIGINT at
-the kernel's default action), and the children follow it at once: each child
+kill -9 of the parent ends it where it stands (on SIGINT ``mta serve`` writes
+one line and exits 130 at once), and the children follow it at once: each child
 asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), checks
 right after asking that the parent is still the one that started it (it may
 have died before the request), and only where that request failed polls
