@@ -559,5 +559,6 @@ class HeaderWalk:
         if rtype == _ENVELOPE and not flags & GARBAGE:
             self._window(seg, off, end, size)
             return off
+        self.records += 1
         self._buf = b""
         return off + size
