@@ -41,8 +41,9 @@ offset as ``spoolctl verify``.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 from spool.damage import (
     WINDOW,
@@ -71,9 +72,12 @@ from spool.record import (
 from spool.segment import SEGMENT_HEADER_SIZE, list_segments, segment_header_fields, segment_path
 
 Reporter = Callable[[Anomaly], None]
+R = TypeVar("R")
+MakeRecord = Callable[[int, int, int, int, int, bytes], R]  # (pos, type, flags, class, time, payload) -> record
 _ENVELOPE: Final = int(RecordType.ENVELOPE)
 _MAX_TYPE: Final = max(int(t) for t in RecordType)
 _unpack = HEADER.unpack_from
+_length = struct.Struct("<4xI").unpack_from  # a frame header's length field alone
 
 
 def raise_anomaly(anomaly: Anomaly) -> None:
@@ -183,12 +187,18 @@ class LogReader:
                 yield item
 
     def segment(self, seg: int, start: int | None = None, end: int | None = None, *,
-                payloads: bool = True, types: Container[int] | None = None) -> SegmentWalk:
+                payloads: bool = True, types: Container[int] | None = None) -> SegmentWalk[Frame]:
         """One segment from offset ``start`` (default: its header) to ``end`` (default: the end of the
         file, checked against the size its successor recorded). Iterate it; ``payloads=False`` yields
         anomalies only (finding where valid data ends without copying it); ``types`` yields only frames
         of those types (the others are checked and passed)."""
-        return SegmentWalk(self, seg, start, end, payloads, types)
+        return SegmentWalk(self, seg, start, end, payloads, types, Frame)
+
+    def segment_as(self, seg: int, make: MakeRecord[R], *, types: Container[int] | None = None) -> SegmentWalk[R]:
+        """``segment`` for a bulk reader that wants its own record shape: each valid frame is
+        ``make(pos, type, flags, class, time, payload)``. Why: building a ``Frame`` costs more than
+        checking the frame, and the Spark source builds columns, not objects."""
+        return SegmentWalk(self, seg, None, None, True, types, make)
 
     def tail_from(self, seg: int) -> int | None:
         """From which offset of ``seg`` a failure may be a torn tail: only in the last segment, and only
@@ -274,7 +284,7 @@ class LogReader:
         return Anomaly(Kind.DAMAGED_RECORD, seg, self.path(seg), off, end - off, reason)
 
 
-class SegmentWalk:
+class SegmentWalk(Generic[R]):
     """The verifying walk of one segment. Iterate it for frames and anomalies in file order.
 
     After (or during) the walk: ``valid_end``, the offset just past the last
@@ -284,8 +294,9 @@ class SegmentWalk:
     """
 
     def __init__(self, reader: LogReader, seg: int, start: int | None, end: int | None, payloads: bool,
-                 types: Container[int] | None = None) -> None:
+                 types: Container[int] | None, make: MakeRecord[R]) -> None:
         self.reader = reader
+        self.make = make
         self.seg = seg
         self.start = start
         self.end = end
@@ -297,34 +308,44 @@ class SegmentWalk:
         self.bytes_read = 0
         self.found = False  # the file was there (False: missing, or reclaimed while we read)
 
-    def __iter__(self) -> Iterator[Frame | Anomaly]:
-        r = self.reader
-        path = r.path(self.seg)
+    def __iter__(self) -> Iterator[R | Anomaly]:
+        r, seg = self.reader, self.seg
+        path = r.path(seg)
         try:
             fd = r.io.open_read(path)
         except FileNotFoundError:
-            if r._gone(self.seg):
-                yield r._missing(self.seg)
+            if r._gone(seg):
+                yield r._missing(seg)
             return
         self.found = True
+        src = FileSource(r.io, fd, r.io.size(fd), r.window)
         try:
-            src = FileSource(r.io, fd, r.io.size(fd), r.window)
+            size = self.data_end = src.size
+            header = self._header(src, path)
+            if header is not None:
+                yield header
+                if header.kind is not Kind.BAD_HEADER or size <= SEGMENT_HEADER_SIZE:
+                    return
+            end, late = self._bounds(path, size)
+            self.data_end = end
+            walk = FrameWalk(seg, path, src, self.valid_end, end, self.make, tail_from=r.tail_from(seg),
+                             payloads=self.payloads, types=self.types, window=r.window)
             try:
-                yield from self._walk(src, path)
+                yield from walk
             finally:
-                self.bytes_read = src.bytes_read
-                r.bytes_read += src.bytes_read
+                self.valid_end = walk.valid_end
+                r.records += walk.records
+            yield from late
         finally:
+            self.bytes_read = src.bytes_read
+            r.bytes_read += src.bytes_read
             r.io.close(fd)
 
-    def _walk(self, src: FileSource, path: str) -> Iterator[Frame | Anomaly]:
-        r, seg, size = self.reader, self.seg, src.size
-        self.data_end = size
-        header = self._header(src, path)
-        if header is not None:
-            yield header
-            if header.kind is not Kind.BAD_HEADER or size <= SEGMENT_HEADER_SIZE:
-                return
+    def _bounds(self, path: str, size: int) -> tuple[int, list[Anomaly]]:
+        """Where this walk's records end, and the anomalies of the segment's length (reported after its
+        records, in offset order): a sealed size that disagrees with the successor's, an end before
+        what is known durable."""
+        r, seg = self.reader, self.seg
         end = size if self.end is None else min(self.end, size)
         late: list[Anomaly] = []
         if self.end is None and seg != r.last:
@@ -336,15 +357,7 @@ class SegmentWalk:
             late.append(Anomaly(Kind.ENDS_EARLY, seg, path, size, pos_offset(r.durable) - size,
                                 f"the segment ends at {size} bytes, before the position {pos_offset(r.durable)} "
                                 "known durable: durable records are gone"))
-        self.data_end = end
-        walk = FrameWalk(seg, path, src, self.valid_end, end, tail_from=r.tail_from(seg),
-                         payloads=self.payloads, types=self.types, window=r.window)
-        try:
-            yield from walk
-        finally:
-            self.valid_end = walk.valid_end
-            r.records += walk.records
-        yield from late
+        return end, late
 
     def _header(self, src: FileSource, path: str) -> Anomaly | None:
         """The header's anomaly, if any. A half-created last segment (short or all zeros) is a torn tail."""
@@ -366,7 +379,7 @@ class SegmentWalk:
         return Anomaly(Kind.BAD_HEADER, seg, path, 0, min(size, SEGMENT_HEADER_SIZE), reason)
 
 
-class FrameWalk:
+class FrameWalk(Generic[R]):
     """Frames of one source from ``off`` to ``end``, checked, with each failure classified in place.
 
     ``tail_from``: failures at or after this offset may be a torn tail (None:
@@ -374,8 +387,10 @@ class FrameWalk:
     or damage with nothing valid after it ends the walk.
     """
 
-    def __init__(self, seg: int, path: str, src: Source, off: int, end: int, *, tail_from: int | None,
-                 payloads: bool = True, types: Container[int] | None = None, window: int = WINDOW) -> None:
+    def __init__(self, seg: int, path: str, src: Source, off: int, end: int, make: MakeRecord[R], *,
+                 tail_from: int | None, payloads: bool = True, types: Container[int] | None = None,
+                 window: int = WINDOW) -> None:
+        self.make = make
         self.seg = seg
         self.path = path
         self.src = src
@@ -388,50 +403,53 @@ class FrameWalk:
         self.valid_end = off
         self.records = 0
 
-    def __iter__(self) -> Iterator[Frame | Anomaly]:
-        seg, src, end, payloads, types = self.seg, self.src, self.end, self.payloads, self.types
+    def __iter__(self) -> Iterator[R | Anomaly]:
+        seg, src, end, payloads, types, make = self.seg, self.src, self.end, self.payloads, self.types, self.make
+        seg_pos = make_pos(seg, 0)
         off = self.off
-        buf, base = b"", off
-        while off < end:
-            rel = off - base
-            if rel < 0 or rel + HEADER_SIZE > len(buf):
-                buf, base = src.window(off, HEADER_SIZE)
+        buf, base, nbuf = b"", off, 0
+        records = 0
+        try:
+            while off < end:  # the hot loop of every verifying reader: keep it short
                 rel = off - base
-            failed = off + HEADER_SIZE > end
-            if not failed:
-                size = HEADER_SIZE + _unpack(buf, rel)[1]
-                failed = size > HEADER_SIZE + MAX_PAYLOAD or off + size > end
-            if not failed:
-                if rel + size > len(buf):
-                    buf, base = src.window(off, size)
-                    rel = off - base
-                try:
-                    rtype, flags, klass, t, _e = check_frame(seg, buf, rel)
-                except CorruptRecord:
-                    failed = True
-            if failed:
+                if rel + HEADER_SIZE > nbuf:
+                    buf, base = src.window(off, HEADER_SIZE)
+                    nbuf, rel = len(buf), off - base
+                size = HEADER_SIZE + _length(buf, rel)[0] if rel + HEADER_SIZE <= nbuf else 0
+                if HEADER_SIZE <= size <= HEADER_SIZE + MAX_PAYLOAD and off + size <= end:
+                    if rel + size > nbuf:
+                        buf, base = src.window(off, size)
+                        nbuf, rel = len(buf), off - base
+                    try:
+                        rtype, flags, klass, t, _e = check_frame(seg, buf, rel)
+                    except CorruptRecord:
+                        pass
+                    else:
+                        records += 1
+                        if payloads and (types is None or rtype in types):
+                            yield make(seg_pos | off, rtype, flags, klass, t, buf[rel + HEADER_SIZE : rel + size])
+                        off += size
+                        self.valid_end = off
+                        continue
                 tail_ok = self.tail_from is not None and off >= self.tail_from
                 anomaly = classify(seg, self.path, src, off, end, tail_ok=tail_ok, window=self.window)
                 yield anomaly
                 if anomaly.resume is None:
                     return
                 off = anomaly.resume
-                continue
-            self.records += 1
-            if payloads and (types is None or rtype in types):
-                yield Frame(make_pos(seg, off), rtype, flags, klass, t, buf[rel + HEADER_SIZE : rel + size])
-            off += size
-            self.valid_end = off
+        finally:
+            self.records += records
 
 
 def check_buffer(seg: int, data: bytes | memoryview, start: int, path: str, *, last: bool) -> list[Anomaly]:
     """The anomalies of the frames in ``data`` from offset ``start`` on: a segment read whole, or its tail
     read from a sector boundary. ``last``: the buffer ends the log, so its tail may be torn."""
     src = BufferSource(data)
-    return anomalies(FrameWalk(seg, path, src, start, src.size, tail_from=start if last else None, payloads=False))
+    return anomalies(FrameWalk(seg, path, src, start, src.size, Frame, tail_from=start if last else None,
+                               payloads=False))
 
 
-def anomalies(items: Iterable[Frame | Anomaly]) -> list[Anomaly]:
+def anomalies(items: Iterable[object]) -> list[Anomaly]:
     """The anomalies of a walk (run to its end), frames dropped."""
     return [a for a in items if isinstance(a, Anomaly)]
 

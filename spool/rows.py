@@ -41,7 +41,7 @@ from spool.damage import Anomaly, Kind
 from spool.errors import CorruptRecord, SpoolError
 from spool.fileio import OsFileIO
 from spool.reader import LogReader
-from spool.record import Frame, RecordType, decode_fields, pos_offset
+from spool.record import RecordType, decode_fields
 from spool.segment import SEGMENT_HEADER_SIZE, SUFFIX, parse_segment_name, segment_header_fields
 
 FORMAT_NAME: Final = "logspool"
@@ -246,6 +246,13 @@ class _Chunk:
         self.rows = 0
 
 
+_Record = tuple[tuple[int, int, int, int], int, bytes]  # (pos, flags, class, time), type, payload
+
+
+def _record(pos: int, rtype: int, flags: int, klass: int, time: int, payload: bytes) -> _Record:
+    return (pos, flags, klass, time), rtype, payload
+
+
 class _SegmentWalk:
     """Walks one segment file into chunks through the log reader; each anomaly becomes an error row
     and the walk goes on where the reader resumes. Never raises for the contents of the file (an
@@ -259,31 +266,32 @@ class _SegmentWalk:
     def __init__(self, task: SegmentTask) -> None:
         self.path = task.path
         if task.missing is not None:
-            self.items: Iterator[Frame | Anomaly] = iter([task.missing])
+            self.items: Iterator[_Record | Anomaly] = iter([task.missing])
             return
         os.close(os.open(task.path, os.O_RDONLY))  # OSError now for a file that is not there
         seg = task.segment
         paths = {seg: task.path, **({seg + 1: task.successor} if task.successor else {})}
         reader = LogReader(OsFileIO(), os.path.dirname(task.path), segments=(seg,) if task.last else (seg, seg + 1),
                            paths=paths)
-        self.items = iter(reader.segment(seg, types=_RECORD_TYPES))
+        self.items = iter(reader.segment_as(seg, _record, types=_RECORD_TYPES))
 
     def take(self, batch_rows: int) -> _Chunk | None:
         """The next chunk of up to ``batch_rows`` rows; None at the end of the file."""
         chunk = _Chunk()
-        heads, fields, path = chunk.heads, chunk.fields, self.path
+        heads, fields = chunk.heads, chunk.fields
         rows = 0
         for item in self.items:
-            if isinstance(item, Anomaly):
-                chunk.errors.append((item.pos, error_text(item)))
-            else:
-                rtype = item.rtype
+            if type(item) is tuple:
+                head, rtype, payload = item
                 try:
-                    fields[rtype].append(decode_fields(rtype, item.payload, path=path, offset=pos_offset(item.pos)))
-                except CorruptRecord as exc:
-                    chunk.errors.append((item.pos, f"undecodable payload ({exc.reason})"))
+                    fields[rtype].append(decode_fields(rtype, payload))
+                except CorruptRecord as exc:  # the checksum passed, the payload does not decode
+                    chunk.errors.append((head[0], f"undecodable payload ({exc.reason})"))
                 else:
-                    heads[rtype].append((item.pos, item.flags, item.klass, item.time))
+                    heads[rtype].append(head)
+            else:
+                assert isinstance(item, Anomaly)
+                chunk.errors.append((item.pos, error_text(item)))
             rows += 1
             if rows >= batch_rows:
                 break
