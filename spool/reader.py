@@ -147,8 +147,10 @@ class LogReader:
         elif self.durable is not None and seg <= pos_segment(self.durable) and not after:
             why = f"segment {seg} is missing, but the position {pos_segment(self.durable)}:" \
                   f"{pos_offset(self.durable)} known durable lies in or after it"
-        else:
+        elif self.expect_first is not None:
             why = f"segment {seg} is missing; the checkpoint needs every segment from {self.expect_first} on"
+        else:
+            why = f"segment {seg} is missing"
         return Anomaly(Kind.MISSING_SEGMENT, seg, self.path(seg), 0, 0, why)
 
     def _gone(self, seg: int) -> bool:
@@ -278,9 +280,7 @@ class LogReader:
         for a in found:
             if a.offset <= off < a.offset + max(a.length, 1):
                 return a
-        later = [a for a in found if a.offset >= off]
-        if later:
-            return later[0]
+        # Nothing covers it (the file changed under us): name the place where the damage was noticed.
         return Anomaly(Kind.DAMAGED_RECORD, seg, self.path(seg), off, end - off, reason)
 
 
