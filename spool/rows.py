@@ -308,7 +308,7 @@ def error_text(a: Anomaly) -> str:
             return f"corrupt record ({a.reason}); skipped {a.length} bytes to the next valid record"
         return f"corrupt record ({a.reason}); {a.length} bytes to the end of the file unread"
     if a.torn:
-        return f"torn tail: {a.length} bytes of an interrupted write at the end of the file ({a.reason})"
+        return f"torn tail: {a.length} bytes of an interrupted write at the end of the file"
     return f"{a.kind.value}: {a.reason}"
 
 
