@@ -1,11 +1,16 @@
 """The relay process: open (= recover) the spool, then serve SMTP, deliver, and answer the admin socket.
 
 Crash-only: there is no shutdown code. SIGTERM, SIGINT and kill -9 all end the
-process where it stands; the next start recovers from the log.
+process where it stands (``mta serve`` leaves both signals at the kernel's
+default action); the next start recovers from the log.
+
+What can stop a start is checked first, before the spool is touched
+(``mta.startup.check_start``), and comes out as one exception, not a group.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import ssl
@@ -15,12 +20,14 @@ import trio
 
 from mta.config import Config
 from mta.control import ControlServer
+from mta.listen import bind_error
 from mta.local_transports import DiscardTransport, MaildirTransport
 from mta.metrics import Metrics
 from mta.scheduler import Scheduler
 from mta.security import check_spool_dir
 from mta.server import SmtpServer
 from mta.shards import id_suffix, shard_config
+from mta.startup import check_start, unwrapped
 from mta.supervisor import follow_parent, watch_parent
 from mta.transport import Transport
 from spool.commit import AsyncSpool
@@ -81,6 +88,7 @@ class Relay:
         self.metrics = Metrics()
         self.aspool: AsyncSpool
         self.listeners: list[trio.SocketListener] = []
+        self.metrics_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
@@ -107,7 +115,16 @@ class Relay:
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:
-                self.metrics.serve(cfg.server.metrics_listen.host, cfg.server.metrics_listen.port)
+                where = cfg.server.metrics_listen
+                try:
+                    self.metrics_listeners = await nursery.start(functools.partial(
+                        self.metrics.serve, where, max_connections=cfg.server.metrics_max_connections,
+                        timeout=cfg.server.metrics_timeout))
+                except OSError as exc:  # taken since check_start tried it
+                    raise bind_error(where, "server.metrics_listen", exc) from None
+            if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
+                log.warning("open relay: mynetworks covers every address and allow_open_relay = true; anyone "
+                            "can send mail anywhere through this relay")
             addrs = ", ".join(f"{lst.socket.getsockname()[0]}:{lst.socket.getsockname()[1]}"
                               for lst in self.listeners)
             shard = f", shard {self.shard} (pid {os.getpid()})" if self.supervisor is not None else ""
@@ -121,11 +138,22 @@ class Relay:
 
 
 def serve(config: Config) -> None:
-    trio.run(Relay(config).run)
+    """The single-process relay.
+
+    Raises:
+        ConfigError, StartError, SpoolError, OSError: it cannot start (one exception, never a group).
+    """
+    check_start(config)
+    with unwrapped():
+        trio.run(Relay(config).run)
 
 
 def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> None:
-    """One shard's process under ``mta serve``'s supervisor (``config`` is the whole relay's)."""
+    """One shard's process under ``mta serve``'s supervisor (``config`` is the whole relay's).
+
+    The supervisor ran ``check_start`` for every shard before it started any.
+    """
     armed = follow_parent(supervisor)
-    trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor,
-                   poll_parent=not armed).run)
+    with unwrapped():
+        trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor,
+                       poll_parent=not armed).run)

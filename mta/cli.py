@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -22,7 +23,7 @@ import trio
 
 from mta.config import Config, ConfigError, load_config, parse_listen_address
 from mta.control import socket_path
-from mta.queue_ops import CHANGES, RequestError, change_op, read_op
+from mta.queue_ops import CHANGES, RequestError, change_op, parse_request, read_op
 from mta.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
 from spool import admin
 from spool.errors import SpoolError, SpoolLocked
@@ -55,6 +56,12 @@ def main() -> None:
     """logspool: a log-structured mail relay."""
 
 
+def _interrupted(_signum: int, _frame: object) -> None:
+    """SIGINT in ``mta serve``: one line and exit 130 at once (nothing to shut down: the next start recovers)."""
+    os.write(2, b"mta: interrupted (SIGINT); nothing to shut down, the next start recovers\n")
+    os._exit(130)
+
+
 @main.command()
 @config_option
 @click.option("--shard", type=click.IntRange(0), default=None, hidden=True,
@@ -72,9 +79,15 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     With ``[server] processes`` above 1 (or shards on disk from an earlier
     run), this process supervises one child process per spool shard.
     """
+    # Crash-only, Ctrl-C included: SIGINT ends the process at once, with no shutdown code and no
+    # KeyboardInterrupt traceback. The process an operator started says so in one line and exits 130 (the
+    # shell's code for Ctrl-C); a shard child (which gets the same SIGINT from the terminal) dies by the signal
+    # silently, so the line is printed once. See docs/operations.md.
+    signal.signal(signal.SIGINT, signal.SIG_DFL if shard is not None else _interrupted)
     from mta.app import serve as run
     from mta.app import serve_shard
     from mta.shards import shard_count
+    from mta.startup import StartError
     from mta.supervisor import supervise
 
     config = _load(config_path)
@@ -111,11 +124,11 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     except SpoolLocked as exc:
         fail(f"{exc} (is another relay running on it?)")
     except ConfigError as exc:
-        fail(str(exc), EXIT_USAGE)
+        fail(str(exc) if exc.file else str(ConfigError(exc.problem, config.source, exc.key)), EXIT_USAGE)
+    except StartError as exc:
+        fail(str(exc.located(config.source)))
     except (SpoolError, OSError) as exc:
         fail(str(exc))
-    except KeyboardInterrupt:
-        sys.exit(130)
 
 
 # -- queue administration ------------------------------------------------------
@@ -138,15 +151,21 @@ def _via_socket(path: str, req: dict[str, Any]) -> dict[str, Any] | None:
         return None
     except OSError as exc:
         fail(f"control socket {path}: {exc}")
-    answer: dict[str, Any] = json.loads(buf)
+    try:
+        answer = json.loads(buf)
+    except ValueError:
+        fail(f"control socket {path}: no answer from the relay (see its log)")
+    if not isinstance(answer, dict):
+        fail(f"control socket {path}: the relay's answer is not a JSON object")
     return answer
 
 
-def _offline(config: Config, shard: int, req: dict[str, Any]) -> dict[str, Any]:
+def _offline(config: Config, shard: int, raw: dict[str, Any]) -> dict[str, Any]:
     """No relay runs on this shard: open its spool ourselves (this takes the lock and recovers)."""
     from mta.app import spool_config
     from spool.spool import Spool
 
+    req = parse_request(raw)  # the same checks as the control socket's, before the spool is opened
     # Recovery's per-recipient in-doubt warnings belong in the relay's log, not on an admin's terminal.
     engine_log = logging.getLogger("spool")
     level = engine_log.level
@@ -158,7 +177,7 @@ def _offline(config: Config, shard: int, req: dict[str, Any]) -> dict[str, Any]:
     finally:
         engine_log.setLevel(level)
     try:
-        if req["op"] in CHANGES:
+        if req.op in CHANGES:
             async def apply(op: str, mid: int) -> bool:
                 return sp.change(mid, op)
 

@@ -351,14 +351,28 @@ class ServerConfig:
 
     Defaults: listen ``["127.0.0.1:2525"]``; hostname ``socket.getfqdn()``
     (or ``"localhost"``); max_message_size ``10MB``; max_recipients 1000;
-    max_sessions 100; max_sessions_per_client 20; max_errors 10 (bad commands
-    before the session is dropped); line_length_limit 1000 (RFC 5321's
-    minimum, CRLF included); normalize_bare_lf false (reject bare LF, the
-    SMTP-smuggling defence); command_timeout ``5m`` (RFC 5321 §4.5.3.2);
-    data_timeout ``10m``; tls_cert/tls_key none (no STARTTLS); control_socket
+    max_errors 10 (bad commands before the session is dropped);
+    line_length_limit 1000 (RFC 5321's minimum, CRLF included);
+    normalize_bare_lf false (reject bare LF, the SMTP-smuggling defence);
+    tls_cert/tls_key none (no STARTTLS); control_socket
     ``<spool.dir>/control.sock``; metrics_listen none (no metrics endpoint);
     processes 1 (relay processes, each owning a spool shard; ``"auto"`` is
     ``os.cpu_count()``, resolved when the config is loaded; see ``mta.shards``).
+
+    Denial of service (docs/security.md, "Denial of service", has the
+    reasoning and Postfix's equivalents): max_sessions 100;
+    reserved_sessions a tenth of max_sessions (slots only ``mynetworks``
+    clients may take); max_sessions_per_client 20 and
+    max_sessions_per_network 50 (sessions from one address, and from one
+    /network_prefix_ipv4 = /24 or /network_prefix_ipv6 = /64; ``mynetworks``
+    clients are exempt from both, as from Postfix's anvil limits);
+    command_timeout ``5m`` (for a whole command line, from when the relay
+    starts waiting for it, not per read); data_timeout ``10m`` and
+    min_data_rate 1000 bytes/s (the DATA phase starts with data_timeout to
+    spend; every byte received buys 1/min_data_rate s more, never more than
+    data_timeout ahead); session_time_limit ``1h`` (no new command after it);
+    metrics_max_connections 8 and metrics_timeout ``10s`` (the metrics
+    endpoint's concurrent requests and per-request deadline).
     """
 
     listen: tuple[ListenAddress, ...]
@@ -377,6 +391,14 @@ class ServerConfig:
     control_socket: str = ""
     metrics_listen: ListenAddress | None = None
     processes: int = 1
+    reserved_sessions: int = 10
+    max_sessions_per_network: int = 50
+    network_prefix_ipv4: int = 24
+    network_prefix_ipv6: int = 64
+    min_data_rate: int = 1000
+    session_time_limit: float = 3600.0
+    metrics_max_connections: int = 8
+    metrics_timeout: float = 10.0
 
 
 DEFAULT_RETRY_INTERVALS = (60.0, 300.0, 900.0, 1800.0, 3600.0)
@@ -413,15 +435,32 @@ class SpoolConfig:
     deferred_share: float = 0.2
 
 
+_ALL_V4 = ipaddress.IPv4Network("0.0.0.0/0")
+_ALL_V6 = ipaddress.IPv6Network("::/0")
+
+
 @attrs.frozen
 class RelayConfig:
     """``[relay]``: who may relay. Defaults: mynetworks ``127.0.0.0/8`` and ``::1/128``; no relay_domains.
 
     relay_domains entries match exactly, or all subdomains when written ``.example.com``.
+    IPv4-mapped IPv6 networks (``::ffff:10.0.0.0/104``) are kept as the IPv4
+    networks they mean, as clients' mapped addresses are (``Config.in_mynetworks``).
+
+    allow_open_relay (default false): mynetworks that together cover every
+    IPv4 or every IPv6 address (``0.0.0.0/0``, ``::/0``, ``::ffff:0:0/96``,
+    two halves ...) make an open relay, and are refused unless this is true.
     """
 
     mynetworks: tuple[IPNetwork, ...]
     relay_domains: tuple[str, ...] = ()
+    allow_open_relay: bool = False
+
+    def open_to_all(self) -> bool:
+        """Whether mynetworks, taken together, hold every IPv4 address or every IPv6 address."""
+        v4 = [n for n in self.mynetworks if isinstance(n, ipaddress.IPv4Network)]
+        v6 = [n for n in self.mynetworks if isinstance(n, ipaddress.IPv6Network)]
+        return _ALL_V4 in ipaddress.collapse_addresses(v4) or _ALL_V6 in ipaddress.collapse_addresses(v6)
 
 
 @attrs.frozen
@@ -755,12 +794,20 @@ def _address(value: Any) -> str:
     return text
 
 
+_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
 def _network(value: Any) -> IPNetwork:
     text = _str(value)
     try:
-        return ipaddress.ip_network(text.strip())
+        network = ipaddress.ip_network(text.strip())
     except ValueError as e:
         raise ConfigError(f"not an IP network: {e}") from None
+    if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(_MAPPED):
+        mapped = network.network_address.ipv4_mapped
+        assert mapped is not None
+        return ipaddress.IPv4Network((mapped, network.prefixlen - 96))
+    return network
 
 
 def _readable_file(base_dir: str | None) -> Callable[[Any], str]:
@@ -820,9 +867,22 @@ def _build_server(t: _Table, base_dir: str | None) -> ServerConfig:
         control_socket=t.get("control_socket", None, _optional(lambda v: _resolve_path(_str(v), base_dir))) or "",
         metrics_listen=t.get("metrics_listen", None, _optional(lambda v: parse_listen_address(_str(v)))),
         processes=t.get("processes", 1, _processes),
+        max_sessions_per_network=t.get("max_sessions_per_network", 50, _int(1)),
+        network_prefix_ipv4=t.get("network_prefix_ipv4", 24, _int(8, 32)),
+        network_prefix_ipv6=t.get("network_prefix_ipv6", 64, _int(16, 128)),
+        min_data_rate=t.get("min_data_rate", 1000, _positive(parse_size)),
+        session_time_limit=t.get("session_time_limit", 3600.0, _positive(parse_duration)),
+        metrics_max_connections=t.get("metrics_max_connections", 8, _int(1, 1024)),
+        metrics_timeout=t.get("metrics_timeout", 10.0, _positive(parse_duration)),
     )
+    reserved = t.get("reserved_sessions", None, _int(0))
+    if reserved is None:
+        reserved = server.max_sessions // 10
+    elif reserved >= server.max_sessions:
+        raise ConfigError(f"must be less than max_sessions ({server.max_sessions}), or clients outside mynetworks "
+                          f"could never connect; got {reserved}", key=t.key("reserved_sessions"))
     t.finish()
-    return server
+    return attrs.evolve(server, reserved_sessions=reserved)
 
 
 def _build_spool(t: _Table, base_dir: str | None, max_message_size: int) -> SpoolConfig:
@@ -859,8 +919,12 @@ def _build_relay(t: _Table) -> RelayConfig:
     relay = RelayConfig(
         mynetworks=t.list_of("mynetworks", default, _network),
         relay_domains=t.list_of("relay_domains", (), lambda v: _check_domain(_str(v))),
+        allow_open_relay=t.get("allow_open_relay", False, _expect(bool, "true or false")),
     )
     t.finish()
+    if relay.open_to_all() and not relay.allow_open_relay:
+        raise ConfigError("covers every address, which makes an open relay (anyone may send anywhere); "
+                          "set [relay] allow_open_relay = true if that is really meant", key=t.key("mynetworks"))
     return relay
 
 

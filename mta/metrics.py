@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+import trio
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from mta.config import ListenAddress
+from mta.metrics_http import MetricsServer
 from spool.record import Status
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400, float("inf"))
@@ -59,6 +62,12 @@ class Metrics:
         self.batch = Histogram("logspool_commit_batch_messages", "messages covered by one acceptance commit",
                                buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
         self.sessions = Counter("logspool_smtp_sessions", "SMTP sessions opened", registry=r)
+        self.sessions_refused = Counter("logspool_smtp_sessions_refused",
+                                        "SMTP connections refused (421 4.7.0) by a session limit", ["limit"],
+                                        registry=r)
+        self.timeouts = Counter("logspool_smtp_timeouts", "SMTP sessions ended by a deadline (421 4.4.2)",
+                                ["phase"], registry=r)
+        self.server: MetricsServer | None = None
 
     def watch_spool(self, aspool: Any) -> None:
         self.registry.register(_SpoolCollector(aspool))
@@ -68,6 +77,8 @@ class Metrics:
         if status is Status.DELIVERED:
             self.latency.observe(delay)
 
-    def serve(self, host: str, port: int) -> None:
-        """Expose /metrics over HTTP (prometheus_client's own thread)."""
-        start_http_server(port, addr=host, registry=self.registry)
+    async def serve(self, address: ListenAddress, *, max_connections: int, timeout: float,
+                    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Expose the registry over HTTP in this event loop (``mta.metrics_http``); ``started`` gives the listeners."""
+        self.server = MetricsServer(self.registry, max_connections=max_connections, timeout=timeout)
+        await self.server.serve(address, task_status=task_status)

@@ -2,9 +2,10 @@
 
 The core (``mta.smtp_server``) owns the protocol; this module owns what needs
 the outside world: the relay decision (``Config.may_relay``), routes, free
-disk space, the spool, TLS, time limits and session limits. The ``250`` after
-DATA is sent only once ``AsyncSpool.enqueue`` has returned, which is after
-the group commit's fdatasync covered the message.
+disk space, the spool, TLS, time limits (``mta.deadlines``) and session
+limits (``mta.admission``). The ``250`` after DATA is sent only once
+``AsyncSpool.enqueue`` has returned, which is after the group commit's
+fdatasync covered the message.
 
 Failures: a client that misbehaves gets a reply and, at worst, a closed
 connection. A spool failure (a failed fsync above all) is not caught: it ends
@@ -22,17 +23,20 @@ message larger than the filesystem could ever hold above the floor gets
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
 
+from mta.admission import Refusal, SessionSlots
 from mta.config import Config, NoRoute
+from mta.deadlines import SessionDeadlines
 from mta.listen import open_listeners
 from mta.metrics import Metrics
 from mta.smtp_common import Reply, received_header, received_protocol
@@ -63,10 +67,13 @@ R_NO_ROUTE = Reply(550, "5.1.2", "No route to this domain")
 R_DISK_FULL = Reply(452, "4.3.1", "Insufficient system storage, try again later")
 R_TOO_MANY_SESSIONS = Reply(421, "4.7.0", "Too many connections, try again later")
 R_TIMEOUT = Reply(421, "4.4.2", "Timeout, closing connection")
+R_SESSION_OVER = Reply(421, "4.4.2", "Session time limit reached, closing connection")
 R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
 R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
 R_TOO_BIG_FOR_DISK = Reply(552, "5.3.4", "Message too big for this system's disk")
 READ_SIZE = 65536
+# How long a last reply (421) may take to leave when the session is being ended anyway.
+FAREWELL_TIMEOUT = 5.0
 
 
 def free_bytes(path: str) -> int:
@@ -120,8 +127,7 @@ class SmtpServer:
         self.metrics = metrics
         self.ssl_context = ssl_context
         self.free_space = free_space or CachedFreeSpace(config.spool.queue_minfree)
-        self.sessions = 0
-        self.per_client: dict[str, int] = {}
+        self.slots = SessionSlots(config)
         self.reuse_port = False  # set when several relay processes share the listening addresses
 
     async def serve(self, *, task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED
@@ -155,14 +161,10 @@ class SmtpServer:
             client_ip = str(peer[0])
         except OSError:
             return
-        s = self.config.server
-        if self.sessions >= s.max_sessions or self.per_client.get(client_ip, 0) >= s.max_sessions_per_client:
-            with trio.move_on_after(5):
-                await stream.send_all(R_TOO_MANY_SESSIONS.to_bytes())
-            await trio.aclose_forcefully(stream)
+        slot = self.slots.admit(client_ip)
+        if isinstance(slot, Refusal):
+            await self._refuse(stream, client_ip, slot)
             return
-        self.sessions += 1
-        self.per_client[client_ip] = self.per_client.get(client_ip, 0) + 1
         self.metrics.sessions.inc()
         session = _Session(self, stream, client_ip)
         try:
@@ -171,13 +173,19 @@ class SmtpServer:
             pass
         finally:
             session.abort_body()
-            self.sessions -= 1
-            left = self.per_client[client_ip] - 1
-            if left:
-                self.per_client[client_ip] = left
-            else:
-                del self.per_client[client_ip]
+            self.slots.release(slot)
             await trio.aclose_forcefully(session.stream)
+
+    async def _refuse(self, stream: trio.SocketStream, client_ip: str, why: Refusal) -> None:
+        """Over a session limit: ``421 4.7.0`` and close, before any greeting."""
+        self.metrics.sessions_refused.labels(why.value).inc()
+        log.warning("connection from %s refused: session limit (%s)", client_ip, why.value)
+        with trio.move_on_after(FAREWELL_TIMEOUT):
+            try:
+                await stream.send_all(R_TOO_MANY_SESSIONS.to_bytes())
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+                pass
+        await trio.aclose_forcefully(stream)
 
 
 class _Session:
@@ -195,7 +203,11 @@ class _Session:
         self.recipients: list[str] = []
         self.body: BodyWriter | None = None
         self.mail_params: dict[str, Any] = {}
-        self._timer = trio.CancelScope()  # the read timeout: one scope per session, its deadline moved per read
+        # The client's deadline (``mta.deadlines``) enforced by one cancel scope around the whole session.
+        self.deadlines = SessionDeadlines.for_session(s, trio.current_time())
+        self._timer = trio.CancelScope()
+        self._command_done = True  # the connection, a DATA phase or TLS began or ended: a new command is next
+        self._command_lines = 0  # the core's ``command_lines`` when the current command deadline was set
         self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
 
     def abort_body(self) -> None:
@@ -221,15 +233,55 @@ class _Session:
         with self._timer:
             await self._serve()
         if self._timer.cancelled_caught:
-            await self.stream.send_all(R_TIMEOUT.to_bytes())
+            phase = "data" if self.deadlines.in_data else "command"
+            self.server.metrics.timeouts.labels(phase).inc()
+            log.info("timeout in %s from %s", phase, self.client_ip)
+            await self._farewell(R_TIMEOUT)
 
-    async def _receive(self) -> bytes | bytearray:
-        """Read under the command or data timeout (the session's one cancel scope, re-armed)."""
-        s = self.config.server
-        self._timer.deadline = trio.current_time() + (s.data_timeout if self.body is not None else s.command_timeout)
-        data = await self.stream.receive_some(READ_SIZE)
+    async def _farewell(self, reply: Reply) -> None:
+        """A last reply to a client that may not be reading: it gets at most a command's time to leave."""
+        with trio.move_on_after(min(FAREWELL_TIMEOUT, self.config.server.command_timeout)):
+            await self.stream.send_all(reply.to_bytes())
+
+    def _arm(self) -> None:
+        self._timer.deadline = self.deadlines.deadline
+
+    @contextlib.contextmanager
+    def _relay_busy(self) -> Iterator[None]:
+        """The relay's own waits (the commit, back-pressure) are not the client's time: its deadline moves on."""
+        start = trio.current_time()
         self._timer.deadline = math.inf
-        return data
+        try:
+            yield
+        finally:
+            self.deadlines.pause(trio.current_time() - start)
+            self._arm()
+
+    async def _need_data(self) -> bool:
+        """Send the replies due, then read more under the client's deadline; False: the session is over.
+
+        A new command's deadline starts here, when the server starts waiting
+        for it; reads of parts of it do not move it (``mta.deadlines``).
+        """
+        new_command = self._command_done or self.conn.command_lines != self._command_lines
+        if new_command and not self.deadlines.in_data:
+            self._command_done = False
+            self._command_lines = self.conn.command_lines
+            now = trio.current_time()
+            self.deadlines.command(now)
+            self._arm()
+            if self.deadlines.session_over(now):
+                await self._flush()
+                self.server.metrics.timeouts.labels("session").inc()
+                log.info("session time limit reached for %s", self.client_ip)
+                await self._farewell(R_SESSION_OVER)
+                return False
+        await self._flush()
+        data = await self.stream.receive_some(READ_SIZE)
+        self.deadlines.received(trio.current_time(), len(data))
+        self._arm()
+        self.conn.receive_data(data)
+        return True
 
     async def _serve(self) -> None:
         """The session's event loop.
@@ -243,8 +295,8 @@ class _Session:
         while True:
             ev = self.conn.next_event()
             if isinstance(ev, NeedData):
-                await self._flush()
-                self.conn.receive_data(await self._receive())
+                if not await self._need_data():
+                    return
             elif isinstance(ev, MailFrom):
                 self._mail(ev)
             elif isinstance(ev, RcptTo):
@@ -256,9 +308,11 @@ class _Session:
                 self.body.write(ev.data)
                 await self._drain()
             elif isinstance(ev, EndOfData):
+                self._data_end()
                 await self._flush()
                 await self._end_of_data()
             elif isinstance(ev, DataAborted):
+                self._data_end()
                 self.abort_body()
                 self.server.metrics.rejected.labels("content").inc()
             elif isinstance(ev, StartTls):
@@ -269,6 +323,10 @@ class _Session:
             elif isinstance(ev, (Quit, ConnectionClosed)):
                 await self._flush()
                 return
+
+    def _data_end(self) -> None:
+        self.deadlines.data_end()
+        self._command_done = True
 
     async def _drain(self) -> None:
         """Back-pressure: stop reading while the spool's unwritten backlog is over its flush threshold.
@@ -291,7 +349,8 @@ class _Session:
         if spool.unflushed_bytes >= spool.core.config.flush_threshold:
             await self._flush()
             try:
-                await spool.wait_flushed()
+                with self._relay_busy():
+                    await spool.wait_flushed()
             except DiskFull:
                 body.discard()
 
@@ -329,6 +388,8 @@ class _Session:
         self.conn.accept()
 
     def _data_start(self) -> None:
+        self.deadlines.data_start(trio.current_time())
+        self._arm()
         self.body = self.server.aspool.begin_body()
         tls = isinstance(self.stream, trio.SSLStream)
         proto = received_protocol(esmtp=self.conn.esmtp, tls=tls, smtputf8="SMTPUTF8" in self.mail_params)
@@ -347,7 +408,8 @@ class _Session:
         if self.mail_params:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
         try:
-            mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
+            with self._relay_busy():
+                mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
         except DiskFull as exc:
             log.warning("no room to queue a message from %s (%d bytes): %s", self.client_ip, body.size, exc)
             self._refuse_for_disk(body)  # the spool cancelled it: it is never delivered
@@ -373,11 +435,15 @@ class _Session:
         self.conn.accept()
         await self._flush()
         tls = trio.SSLStream(self.stream, ctx, server_side=True)
+        # The handshake has a whole command_timeout of its own; a 421 in plaintext would only confuse it.
+        self._timer.deadline = math.inf
         with trio.move_on_after(self.config.server.command_timeout) as scope:
             await tls.do_handshake()
         if scope.cancelled_caught:
+            log.info("timeout in the TLS handshake from %s", self.client_ip)
             return False
         self.stream = tls
         self.conn.tls_started()
+        self._command_done = True
         self._reset()
         return True

@@ -265,6 +265,7 @@ class ServerConnection:
         self._out = bytearray()
         self._pending: Decision | None = None
         self._skip_line = False  # discarding the rest of an over-long command line
+        self.command_lines = 0  # command lines consumed so far: the shell starts a command's deadline when it grows
         self._queued: list[Event] = []
         self._decoder = ContentDecoder(max_message_size, max_line_length, normalize_bare_lf)
         self._helo: str | None = None
@@ -395,6 +396,7 @@ class ServerConnection:
                 return self._at_eof()
             self._pos = i + 1
             self._skip_line = False
+            self.command_lines += 1
         end = min(len(buf), self._pos + MAX_COMMAND_LINE)
         i = buf.find(b"\n", self._pos, end)
         if i < 0:
@@ -405,6 +407,7 @@ class ServerConnection:
             return self._at_eof()
         line = bytes(buf[self._pos : i + 1])
         self._pos = i + 1
+        self.command_lines += 1
         if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
             self._error(R_BARE_NEWLINE)
             return None

@@ -11,9 +11,10 @@ loop, no spool and no SMTP, so the one thing that can end it is a signal:
 a crash of a shard (a failed fsync ends a relay, crash-only) costs that
 shard's connections and nothing else, and all shards are alike.
 
-Crash-only both ways. There is no shutdown: SIGTERM or kill -9 of the parent
-ends it where it stands, and the children follow it at once: each child asks
-the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), checks
+Crash-only both ways. There is no shutdown: SIGTERM, SIGINT (Ctrl-C) or
+kill -9 of the parent ends it where it stands (on SIGINT ``mta serve`` writes
+one line and exits 130 at once), and the children follow it at once: each child
+asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), checks
 right after asking that the parent is still the one that started it (it may
 have died before the request), and only where that request failed polls
 ``getppid()`` once a second instead (an idle shard then never wakes: on the
@@ -49,8 +50,10 @@ from typing import NoReturn
 import attrs
 
 from mta.config import DEFAULTS_SOURCE, Config, ListenAddress
+from mta.listen import bind_error
 from mta.security import check_spool_dir
-from mta.shards import SHARDS_DIR, shard_count, shard_dir
+from mta.shards import SHARDS_DIR, shard_config, shard_count, shard_dir
+from mta.startup import check_start
 
 log = logging.getLogger("mta.supervisor")
 
@@ -102,14 +105,19 @@ def reserve_addresses(addrs: tuple[ListenAddress, ...]) -> tuple[list[socket.soc
     """Bind each address with SO_REUSEPORT (not listening); return the sockets and the addresses with real ports.
 
     Raises:
-        OSError: an address cannot be bound (taken by a program without SO_REUSEPORT, say).
+        ConfigError, StartError: an address cannot be bound, in one line (``mta.listen.bind_error``).
     """
     held: list[socket.socket] = []
     resolved: list[ListenAddress] = []
-    for addr in addrs:
-        family, type_, proto, _, sockaddr = socket.getaddrinfo(
-            addr.host, addr.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, type_, proto)
+    for index, addr in enumerate(addrs):
+        try:
+            family, type_, proto, _, sockaddr = socket.getaddrinfo(
+                addr.host, addr.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(family, type_, proto)
+        except OSError as exc:
+            for s in held:
+                s.close()
+            raise bind_error(addr, index, exc) from None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
@@ -118,7 +126,9 @@ def reserve_addresses(addrs: tuple[ListenAddress, ...]) -> tuple[list[socket.soc
             sock.bind(sockaddr)
         except OSError as exc:
             sock.close()
-            raise OSError(exc.errno, f"cannot listen on {addr}: {exc.strerror}") from None
+            for s in held:
+                s.close()
+            raise bind_error(addr, index, exc) from None
         held.append(sock)
         resolved.append(attrs.evolve(addr, port=int(sock.getsockname()[1])))
     return held, resolved
@@ -143,15 +153,22 @@ class Supervisor:
         return cmd
 
     def prepare(self) -> None:
-        """Directories and addresses, before any child: what is wrong here is a one-line error at start.
+        """Checks, directories and addresses, before any child: what is wrong here is a one-line error at start.
+
+        Every shard's config is checked here (its control socket path is longer
+        than shard 0's), so no child starts only to die of it and be restarted
+        again and again.
 
         Raises:
+            ConfigError: a setting must change (see ``mta.startup``, ``mta.listen.bind_error``).
             UnsafeSpool: the spool is not private.
             OSError: a directory cannot be made or an address bound.
         """
+        for k in range(self.shards):
+            check_start(shard_config(self.config, k, self.shards), listen=False)
+        self._held, self.listen = reserve_addresses(self.config.server.listen)
         make_shard_dirs(self.config.spool.dir, self.shards)
         check_spool_dir(self.config.spool.dir)
-        self._held, self.listen = reserve_addresses(self.config.server.listen)
 
     def _start(self, child: Child) -> None:
         child.popen = subprocess.Popen(self.command(child.shard), stdin=subprocess.DEVNULL)

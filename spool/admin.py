@@ -11,6 +11,11 @@ those are active.
 Two sources: the writable ``Spool`` (inside the relay, or offline), and
 ``SpoolView``, a read-only look at a spool another process may be writing
 (the CLI's ``spoolctl``), which never takes the lock and never repairs.
+
+Both read through the log reader (``spool.reader``), every frame checked: a
+listing meets the same anomalies, at the same segment and offset, as
+``spoolctl verify`` does, and raises the first it meets in the stretch it
+reads (CorruptSegment, or FormatVersionError for a newer segment).
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import attrs
 from spool import checkpoint as ckpt
 from spool.errors import CorruptRecord, NotFound
 from spool.fileio import FileIO, OsFileIO
+from spool.reader import LogReader
 from spool.record import (
     HELD_CLASS,
     Envelope,
+    Finish,
     Frame,
     RecordType,
     Start,
@@ -37,17 +44,17 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, list_segments, read_frame_at, segment_path
+from spool.segment import SEGMENT_HEADER_SIZE, list_segments, read_frame_at, segment_path
 
 
 class LogSource(Protocol):
+    """Where a listing reads: the log directory, and how far its records are durable."""
+
     io: FileIO
     log_dir: str
 
     @property
     def durable_end(self) -> int: ...
-
-    def segment_end(self, seg: int) -> int: ...
 
     def read_frame(self, pos: int) -> Frame: ...
 
@@ -118,36 +125,24 @@ class Listable(Protocol):
 
 def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = None,
               now: float | None = None) -> Iterator[LiveMessage]:
-    """Live messages in log order from ``cursor`` (a position) on."""
+    """Live messages in log order from ``cursor`` (a position) on.
+
+    Raises the first anomaly the reader meets in the stretch it reads (see the module docstring).
+    """
     flt = flt or Filter()
     now = time.time() if now is None else now
     src = spool.source()
     active = spool.active()
     start = max(spool.live_start(), cursor or 0)
     end = src.durable_end
-    seg = pos_segment(start)
-    while seg <= pos_segment(end):
-        path = segment_path(src.log_dir, seg)
-        try:
-            seg_end = src.segment_end(seg)
-        except FileNotFoundError:
-            seg += 1  # reclaimed while we walked: it held nothing live
-            start = make_pos(seg, SEGMENT_HEADER_SIZE)
+    for frame in LogReader(src.io, src.log_dir, durable=end).frames(start, end):
+        if frame.rtype != RecordType.ENVELOPE:
             continue
-        off = max(pos_offset(start) if seg == pos_segment(start) else SEGMENT_HEADER_SIZE, SEGMENT_HEADER_SIZE)
-        reader = FrameReader(src.io, path, seg, off, seg_end)
-        try:
-            for frame in reader.frames(verify=False):
-                if frame.rtype != RecordType.ENVELOPE:
-                    continue
-                if frame.garbage and frame.pos not in active:
-                    continue
-                msg = _message(frame, active, path)
-                if flt.match(msg, now):
-                    yield msg
-        finally:
-            reader.close()
-        seg += 1
+        if frame.garbage and frame.pos not in active:
+            continue
+        msg = _message(frame, active, segment_path(src.log_dir, pos_segment(frame.pos)))
+        if flt.match(msg, now):
+            yield msg
 
 
 def _message(frame: Frame, active: Mapping[int, object], path: str) -> LiveMessage:
@@ -215,12 +210,36 @@ def shape(spool: Listable, now: float | None = None, top: int = 20) -> list[tupl
 # -- a read-only view for processes that do not own the spool ----------------
 
 
+def active_attempts(reader: LogReader, begin: int | None, end: int | None) -> dict[int, int]:
+    """Envelope position -> START position of the attempts in flight (a START without a FINISH).
+
+    Only the working suffix (from ``begin``, the checkpoint's working start;
+    None: the whole log) can hold an unfinished START, so only it is read. Damaged records are
+    passed over here: the listing or ``spoolctl verify`` reports them.
+    """
+    starts: dict[int, int] = {}
+    for item in reader.read(begin, end):
+        if not isinstance(item, Frame) or item.rtype not in (RecordType.START, RecordType.FINISH):
+            continue
+        try:
+            payload = decode_payload(item.rtype, item.payload)
+        except CorruptRecord:
+            continue
+        if isinstance(payload, Start):
+            starts[item.pos] = payload.envelope
+        elif isinstance(payload, Finish):
+            starts.pop(payload.start, None)
+    return {env: start for start, env in starts.items()}
+
+
 class SpoolView:
     """Read a spool without its lock: no recovery, no repair, no writes.
 
-    The end of the log is where the first record fails to decode in the last
-    segment (a writer may be appending right now); in-flight attempts are the
-    STARTs without a FINISH in the working suffix.
+    The end of the log is where the reader says it is (``LogReader.log_end``):
+    the end of the last segment, or the start of its torn tail (a writer may be
+    appending right now). Damaged records before it are not an end: a listing
+    walks into them and reports them. In-flight attempts are the STARTs
+    without a FINISH in the working suffix.
     """
 
     def __init__(self, path: str, io: FileIO | None = None) -> None:
@@ -233,67 +252,12 @@ class SpoolView:
         self.segments = list_segments(self.io, self.log_dir)
         if not self.segments:
             raise NotFound(f"{path}: the spool has no segments")
-        self._sizes: dict[int, int] = {}
-        last = self.segments[-1]
-        self._end_off = self._valid_end(last)
-        self.durable_end = make_pos(last, self._end_off)
-        self._active: dict[int, Start] = self._scan_active()
-
-    def _valid_end(self, seg: int) -> int:
-        start = SEGMENT_HEADER_SIZE
-        if self.checkpoint and pos_segment(self.checkpoint.head) == seg:
-            start = pos_offset(self.checkpoint.head)
-        path = segment_path(self.log_dir, seg)
-        size = os.path.getsize(path)
-        reader = FrameReader(self.io, path, seg, start, size)
-        end = start
-        try:
-            for frame in reader.frames(verify=True):
-                end = pos_offset(frame.pos) + frame.size
-        except CorruptRecord:
-            pass  # a writer's unfinished tail, or damage that `spoolctl verify` reports
-        finally:
-            reader.close()
-        return end
-
-    def _scan_active(self) -> dict[int, Start]:
-        starts: dict[int, Start] = {}
-        begin = self.checkpoint.working_start if self.checkpoint else make_pos(self.segments[0],
-                                                                                SEGMENT_HEADER_SIZE)
+        head = self.checkpoint.head if self.checkpoint else None
+        self.reader = LogReader(self.io, self.log_dir, segments=self.segments, durable=head)
+        self.durable_end, _anomalies = self.reader.log_end(head)
+        begin = self.checkpoint.working_start if self.checkpoint else 0
         begin = max(begin, make_pos(self.segments[0], SEGMENT_HEADER_SIZE))
-        for frame in self.frames(begin, self.durable_end):
-            if frame.rtype == RecordType.START:
-                s = decode_payload(frame.rtype, frame.payload)
-                assert isinstance(s, Start)
-                starts[frame.pos] = s
-            elif frame.rtype == RecordType.FINISH:
-                f = decode_payload(frame.rtype, frame.payload)
-                starts.pop(getattr(f, "start", -1), None)
-        return {s.envelope: s for s in starts.values()}
-
-    def frames(self, start: int, end: int, *, verify: bool = True) -> Iterator[Frame]:
-        seg = pos_segment(start)
-        while seg <= pos_segment(end):
-            path = segment_path(self.log_dir, seg)
-            off = pos_offset(start) if seg == pos_segment(start) else SEGMENT_HEADER_SIZE
-            try:
-                seg_end = self.segment_end(seg)
-            except FileNotFoundError:
-                seg += 1
-                continue
-            reader = FrameReader(self.io, path, seg, off, seg_end)
-            try:
-                yield from reader.frames(verify=verify)
-            finally:
-                reader.close()
-            seg += 1
-
-    def segment_end(self, seg: int) -> int:
-        if seg == pos_segment(self.durable_end):
-            return self._end_off
-        if seg not in self._sizes:
-            self._sizes[seg] = os.path.getsize(segment_path(self.log_dir, seg))
-        return self._sizes[seg]
+        self._active = active_attempts(self.reader, begin, self.durable_end)
 
     def read_frame(self, pos: int) -> Frame:
         seg = pos_segment(pos)

@@ -2,7 +2,7 @@
 
 Every command prints a table for people and, with ``--json``, JSON for programs
 (``dump --json`` prints one JSON object per record, a line each). The analyses
-live in ``spool.inspect``; this module only parses arguments and prints.
+live in ``spool.inspection`` and ``spool.verify``; this module only parses arguments and prints.
 
 Exit status: 0 success (``verify``: clean); 1 the spool has problems (``verify``
 found some, ``dump`` or ``segments`` met damage, a corrupt record stopped a
@@ -24,8 +24,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from spool import inspect
+from spool import inspection
+from spool import verify as verifier
 from spool.config import SpoolConfig
+from spool.damage import Anomaly
 from spool.errors import CorruptRecord, SpoolError
 from spool.record import RecordType, format_pos, parse_pos
 
@@ -59,7 +61,7 @@ def _run(call: Callable[[], Any]) -> int:
     except click.UsageError as exc:
         _say(exc.format_message())
         return EXIT_USAGE
-    except inspect.BadArgument as exc:
+    except inspection.BadArgument as exc:
         _say(str(exc))
         return EXIT_USAGE
     except click.ClickException as exc:
@@ -107,8 +109,8 @@ def _json_option(f: F) -> F:
 _DIR = click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=str))
 
 
-def _open(directory: str) -> inspect.LogFiles:
-    return inspect.LogFiles.open(directory)
+def _open(directory: str) -> inspection.LogFiles:
+    return inspection.LogFiles.open(directory)
 
 
 def _pos(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -124,7 +126,7 @@ def _intervals(ctx: click.Context, param: click.Parameter, value: str | None) ->
     if value is None:
         return SpoolConfig().retry_intervals
     try:
-        return inspect.parse_intervals(value)
+        return inspection.parse_intervals(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -133,7 +135,7 @@ def _types(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
     if not value:
         return None
     try:
-        return tuple(inspect.parse_type(part) for v in value for part in v.split(","))
+        return tuple(inspection.parse_type(part) for v in value for part in v.split(","))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -163,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def segments(directory: str, as_json: bool) -> int:
     """Each segment: size, records by type, live and garbage counts, first/last position, deletable."""
     files = _open(directory)
-    cp, rows = inspect.segment_table(files)
+    cp, rows = inspection.segment_table(files)
     damaged = any(r.damage and not all(d.torn for d in r.damage) for r in rows)
     if as_json:
         _print_json({"garbage_end": None if cp is None else format_pos(cp.garbage_end),
@@ -199,7 +201,7 @@ def segments(directory: str, as_json: bool) -> int:
 def checkpoint(directory: str, retry_intervals: tuple[float, ...], as_json: bool) -> int:
     """The restart positions and how far each lags the end of the log (records, bytes, seconds)."""
     files = _open(directory)
-    report = inspect.checkpoint_report(files, retry_intervals)
+    report = inspection.checkpoint_report(files, retry_intervals)
     if as_json:
         _print_json(report.as_dict())
         return 0
@@ -217,7 +219,7 @@ def checkpoint(directory: str, retry_intervals: tuple[float, ...], as_json: bool
         table.add_column(col, justify="left" if col in ("position", "at") else "right")
     for lag in report.lags:
         interval = "-" if lag.interval is None else (
-            "new mail" if lag.name == "runner 0" else inspect.format_duration(lag.interval))
+            "new mail" if lag.name == "runner 0" else inspection.format_duration(lag.interval))
         if lag.name.startswith("runner") and lag.interval is None:
             interval = "unknown"
         table.add_row(lag.name, format_pos(lag.pos) + (" (reclaimed)" if lag.reclaimed else ""), interval,
@@ -246,20 +248,20 @@ def dump(directory: str, segment: int | None, start: int | None, types: tuple[in
     """Decoded records, one per line (--json: one JSON object per line)."""
     files = _open(directory)
     damaged = False
-    for item in inspect.dump(files, segment=segment, start=start, types=types, limit=limit):
-        if isinstance(item, inspect.Damage):
+    for item in inspection.dump(files, segment=segment, start=start, types=types, limit=limit):
+        if isinstance(item, Anomaly):
             if as_json:
                 _print_json({"damage": item.as_dict()})
             else:
                 click.echo(f"{format_pos(item.pos):>14} !! {item.describe()}")
             damaged = damaged or not item.torn
             continue
-        fields = inspect.frame_fields(item, files)
+        fields = inspection.frame_fields(item, files)
         damaged = damaged or "error" in fields
         if as_json:
             _print_json(fields)
         else:
-            click.echo(inspect.frame_line(fields))
+            click.echo(inspection.frame_line(fields))
     return EXIT_PROBLEMS if damaged else 0
 
 
@@ -272,7 +274,7 @@ def dump(directory: str, segment: int | None, start: int | None, types: tuple[in
 def verify(directory: str, as_json: bool) -> int:
     """Every checksum and cross-reference; exit 0 only when clean, 1 when there are problems."""
     files = _open(directory)
-    report = inspect.verify(files)
+    report = verifier.verify(files)
     code = 0 if report.clean else EXIT_PROBLEMS
     if as_json:
         _print_json(report.as_dict())
@@ -303,7 +305,7 @@ def verify(directory: str, as_json: bool) -> int:
 def stats(directory: str, as_json: bool) -> int:
     """Live messages per runner class, held, in flight, oldest age, bytes on disk."""
     files = _open(directory)
-    st = inspect.stats(files)
+    st = inspection.stats(files)
     if as_json:
         _print_json(st.as_dict())
         return 0
@@ -316,7 +318,7 @@ def stats(directory: str, as_json: bool) -> int:
     table.add_row("  held", str(st.held))
     table.add_row("  in flight", str(st.active))
     table.add_row("oldest message age",
-                  "-" if st.oldest_age_s is None else inspect.format_duration(round(st.oldest_age_s)))
+                  "-" if st.oldest_age_s is None else inspection.format_duration(round(st.oldest_age_s)))
     table.add_row("segments", str(st.segments))
     table.add_row("bytes on disk", str(st.bytes_on_disk))
     console = _console()
@@ -343,7 +345,7 @@ def recover(directory: str, retry_intervals: tuple[float, ...], as_json: bool) -
     level = engine_log.level
     engine_log.setLevel(logging.WARNING)  # whatever the embedding process chose, recover shows these
     try:
-        rs = inspect.recover(files, SpoolConfig(retry_intervals=retry_intervals))
+        rs = inspection.recover(files, SpoolConfig(retry_intervals=retry_intervals))
     finally:
         engine_log.setLevel(level)
         engine_log.removeHandler(handler)

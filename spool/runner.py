@@ -6,10 +6,13 @@ log is in time order, so the runner may pass every record older than
 ``now - interval(k)``: each live envelope of class k that it passes is due.
 It stops at the first younger record and wakes when that one comes due.
 
-The scan decides from the 16-byte header alone (type, garbage flag, class,
-time): garbage records, other classes' envelopes and message bodies are passed
-without decoding, and a body larger than the read window is skipped with a
-seek, never read. Only a candidate envelope is checksummed and decoded.
+The scan reads through the log reader's header-only walk
+(``spool.reader.HeaderWalk``): it decides from the 16-byte header alone (type,
+garbage flag, class, time), so garbage records, other classes' envelopes and
+message bodies are passed without decoding, and a body larger than the read
+window is skipped with a seek, never read. Only a candidate envelope is
+checksummed and decoded. Damage the walk meets raises CorruptSegment naming
+the segment and offset that the reader names (as ``spoolctl verify`` does).
 
 Idle runners cost nothing. A runner remembers why its last pass stopped: at
 the end of the durable log (then only a longer log can give it work), at a
@@ -30,25 +33,10 @@ from typing import Protocol
 
 import attrs
 
-from spool.errors import CorruptRecord, CorruptSegment
-from spool.fileio import FileIO, read_exact
-from spool.record import (
-    GARBAGE,
-    HEADER,
-    HEADER_SIZE,
-    HELD_CLASS,
-    RecordType,
-    decode_frame,
-    make_pos,
-    pos_offset,
-    pos_segment,
-)
-from spool.segment import SEGMENT_HEADER_SIZE, segment_path
-
-WINDOW = 1 << 20
-_ENVELOPE = int(RecordType.ENVELOPE)
-_MAX_TYPE = max(int(t) for t in RecordType)
-_unpack = HEADER.unpack_from
+from spool.fileio import FileIO
+from spool.reader import HeaderWalk, LogReader
+from spool.record import HELD_CLASS, Frame, make_pos, pos_offset, pos_segment
+from spool.segment import SEGMENT_HEADER_SIZE
 
 
 class LogBounds(Protocol):
@@ -80,35 +68,21 @@ class Runner:
         self.wake_at: float | None = None
         # The durable end at which the last pass found nothing more to read (None: it did not reach the end).
         self._end_seen: int | None = None
-        self.records_scanned = 0
         self.passes = 0
-        self.bytes_read = 0
-        self._fd = -1
-        self._fd_seg = -1
-        self._buf = b""
-        self._buf_start = 0
+        self._classes = frozenset((klass, HELD_CLASS) if sweeper else (klass,))
+        # Damage raises CorruptSegment naming what the reader names (its default reporter).
+        self._walk = HeaderWalk(LogReader(io, log_dir))
+
+    @property
+    def records_scanned(self) -> int:
+        return self._walk.records
+
+    @property
+    def bytes_read(self) -> int:
+        return self._walk.bytes_read
 
     def close(self) -> None:
-        if self._fd >= 0:
-            self.io.close(self._fd)
-            self._fd = -1
-            self._fd_seg = -1
-
-    def _open(self, seg: int) -> None:
-        if self._fd_seg != seg:
-            self.close()
-            self._fd = self.io.open_read(segment_path(self.log_dir, seg))
-            self._fd_seg = seg
-            self._buf = b""
-            self._buf_start = 0
-
-    def _window(self, seg: int, off: int, end: int, need: int) -> None:
-        """Make the buffer start at ``off`` with at least ``need`` bytes (bounded by end)."""
-        self._open(seg)
-        size = min(max(need, WINDOW), end - off)
-        self._buf = read_exact(self.io, self._fd, size, off)
-        self._buf_start = off
-        self.bytes_read += len(self._buf)
+        self._walk.close()
 
     def idle(self, durable_end: int, now: float) -> bool:
         """Would a pass now find nothing? True only when neither the log nor the clock moved enough."""
@@ -133,10 +107,10 @@ class Runner:
             return []
         self.passes += 1
         cutoff = now - self.interval
-        out: list[Candidate] = []
+        found: list[Frame] = []
         self.wake_at = None
         self._end_seen = None
-        while len(out) < limit:
+        while len(found) < limit:
             seg, off = pos_segment(self.pos), pos_offset(self.pos)
             end = log.segment_end(seg)
             if off >= end:
@@ -145,66 +119,10 @@ class Runner:
                     continue
                 self._end_seen = durable
                 break
-            if end - off < HEADER_SIZE:
-                raise CorruptSegment(f"{end - off} stray bytes where a record header should be",
-                                     segment_path(self.log_dir, seg), off)
-            rel = off - self._buf_start
-            if self._fd_seg != seg or rel < 0 or rel + HEADER_SIZE > len(self._buf):
-                self._window(seg, off, end, HEADER_SIZE)
-                rel = 0
-            stop, off = self._scan_window(seg, off, end, cutoff, limit, skip, out)
+            off, too_new = self._walk.select(seg, off, end, until=cutoff, classes=self._classes, skip=skip,
+                                             limit=limit, out=found)
             self.pos = make_pos(seg, off)
-            if stop:
+            if too_new is not None:
+                self.wake_at = too_new + self.interval
                 break
-        return out
-
-    def _scan_window(self, seg: int, off: int, end: int, cutoff: float, limit: int, skip: Container[int],
-                     out: list[Candidate]) -> tuple[bool, int]:
-        """The hot loop. Returns (stopped for time or limit, new offset)."""
-        buf = self._buf
-        base = self._buf_start
-        rel = off - base
-        avail = min(len(buf), end - base)
-        mine = self.klass
-        sweeper = self.sweeper
-        scanned = 0
-        try:
-            while rel + HEADER_SIZE <= avail:
-                _crc, length, rtype, flags, klass, res, t = _unpack(buf, rel)
-                if not 0 < rtype <= _MAX_TYPE or res or flags & ~GARBAGE:
-                    # Zeroed or overwritten bytes: never pass them as if they were records.
-                    raise CorruptSegment(f"no valid record header (type {rtype})", segment_path(self.log_dir, seg),
-                                         base + rel)
-                if t > cutoff:
-                    self.wake_at = t + self.interval
-                    return True, base + rel
-                size = HEADER_SIZE + length
-                if rel + size > avail:
-                    if base + rel + size > end:
-                        raise CorruptSegment(f"length {length} runs past the end of the log",
-                                             segment_path(self.log_dir, seg), base + rel)
-                    if rtype != _ENVELOPE or flags & GARBAGE:
-                        rel += size  # skip a large body without reading it
-                        self._buf = b""
-                        return False, base + rel
-                    self._window(seg, base + rel, end, size)
-                    return False, base + rel
-                scanned += 1
-                if rtype == _ENVELOPE and not flags & GARBAGE and (
-                        klass == mine or (sweeper and klass == HELD_CLASS)):
-                    pos = make_pos(seg, base + rel)
-                    if pos not in skip:
-                        try:
-                            frame = decode_frame(seg, buf[rel:rel + size], 0)
-                        except CorruptRecord as exc:
-                            raise CorruptSegment(str(exc).split(": ", 1)[-1], segment_path(self.log_dir, seg),
-                                                 base + rel) from None
-                        out.append(Candidate(pos, klass, t, frame.payload))
-                        if len(out) >= limit:
-                            return True, base + rel + size
-                rel += size
-            if base + rel < end:
-                self._window(seg, base + rel, end, HEADER_SIZE)
-            return False, base + rel
-        finally:
-            self.records_scanned += scanned
+        return [Candidate(f.pos, f.klass, f.time, f.payload) for f in found]

@@ -1,4 +1,4 @@
-"""Segment files: the header, naming, reading frames, and finding a torn tail.
+"""Segment files: the header, naming, listing, and reading one record at a position.
 
 A segment is ``header record*``. The 32-byte header::
 
@@ -11,13 +11,11 @@ A segment is ``header record*``. The 32-byte header::
     24     4    created    seconds since the Unix epoch
     28     4    crc        CRC-32C of bytes 0..27
 
-Torn tail rules (docs/format.md "Recovery"): only the last segment of the log
-may end in a torn write, because a segment is fsynced whole before the next is
-created. At the first frame that fails, the tail is *torn* (cut off) when no
-valid frame follows it and the failure looks like an interrupted write: a short
-header, a length running past the end of the file, or bytes that are zero from
-a 512-byte boundary onward. Anything else is corruption and stops the open
-with the file and offset.
+Walking a segment, and deciding where the log ends and what is damaged, is
+``spool.reader``'s job (with ``spool.damage``); this module keeps the format.
+``find_end``, ``FrameReader`` and ``check_sealed_size`` below are thin
+delegates to the reader for recovery and the log writer, which call them by
+these names until they read through ``spool.reader`` themselves.
 """
 
 from __future__ import annotations
@@ -31,27 +29,14 @@ from crc32c import crc32c
 
 from spool.errors import CorruptRecord, CorruptSegment, FormatVersionError
 from spool.fileio import FileIO, read_exact
-from spool.record import (
-    GARBAGE,
-    HEADER,
-    HEADER_SIZE,
-    MAX_PAYLOAD,
-    Frame,
-    check_frame,
-    checksum,
-    decode_frame,
-    make_pos,
-)
+from spool.record import HEADER, HEADER_SIZE, Frame, decode_frame
 
 MAGIC: Final = b"LSPOOLSG"
 FORMAT_VERSION: Final = 2
 SEGMENT_HEADER = struct.Struct("<8sHHIQII")
 SEGMENT_HEADER_SIZE: Final = SEGMENT_HEADER.size  # 32
-SECTOR: Final = 512
-READ_CHUNK: Final = 1 << 20
+SECTOR: Final = 512  # torn-write rules count sector boundaries from the start of the file
 SUFFIX: Final = ".seg"
-_VALID_TYPES = frozenset(range(1, 6))
-_unpack_header = HEADER.unpack_from
 
 
 def segment_name(segment_id: int) -> str:
@@ -108,161 +93,62 @@ def decode_segment_header(buf: bytes, path: str, expect_id: int | None = None) -
 
 
 def check_sealed_size(io: FileIO, log_dir: str, seg: int, size: int) -> None:
-    """Compare a sealed segment's size with what its successor's header recorded.
+    """Compare a sealed segment's size with what its successor's header recorded (``LogReader.sealed_size``).
 
     Raises CorruptSegment when they differ (a truncated or extended file). A
     successor that is missing or holds no header yet proves nothing either way.
     """
-    nxt = segment_path(log_dir, seg + 1)
-    try:
-        fd = io.open_read(nxt)
-    except FileNotFoundError:
-        return
-    try:
-        head = read_exact(io, fd, SEGMENT_HEADER_SIZE, 0)
-    finally:
-        io.close(fd)
-    if len(head) < SEGMENT_HEADER_SIZE or head.count(0) == len(head):
-        return
-    _id, _created, prev = segment_header_fields(head, nxt, seg + 1)
-    if prev and prev != size:
-        raise CorruptSegment(f"the segment is {size} bytes but segment {seg + 1} records it sealed at {prev} "
-                             f"bytes: it was truncated or overwritten", segment_path(log_dir, seg), min(size, prev))
+    from spool.reader import LogReader
 
-
-def _plausible_frame_at(seg_id: int, data: bytes | memoryview, off: int) -> bool:
-    if len(data) - off < HEADER_SIZE:
-        return False
-    crc, length, rtype, flags, _k, reserved, _t = HEADER.unpack_from(data, off)
-    if rtype not in _VALID_TYPES or reserved or flags & ~GARBAGE or length > MAX_PAYLOAD:
-        return False
-    end = off + HEADER_SIZE + length
-    if end > len(data):
-        return False
-    view = memoryview(data)
-    return bool(checksum(seg_id, view[off : off + HEADER_SIZE], view[off + HEADER_SIZE : end]) == crc)
-
-
-def valid_frame_after(seg_id: int, data: bytes | memoryview, start: int) -> int | None:
-    """Offset of the first frame after ``start`` whose checksum passes, if any.
-
-    Only used on the error path: it tells a torn tail (nothing valid follows)
-    from a damaged record in the middle of the log.
-    """
-    for off in range(start + 1, len(data) - HEADER_SIZE + 1):
-        if _plausible_frame_at(seg_id, data, off):
-            return off
-    return None
-
-
-def _looks_torn(data: bytes | memoryview, off: int) -> bool:
-    """Does the failure at ``off`` look like an interrupted write?"""
-    remaining = len(data) - off
-    if remaining < HEADER_SIZE:
-        return True
-    length = HEADER.unpack_from(data, off)[1]
-    frame_end = off + HEADER_SIZE + length
-    if frame_end > len(data):
-        return True
-    tail = bytes(data[off:])
-    stripped = tail.rstrip(b"\0")
-    if not stripped:
-        return True
-    first_zero = off + len(stripped)
-    boundary = -(-first_zero // SECTOR) * SECTOR
-    return bool(boundary < frame_end)
+    anomaly = LogReader(io, log_dir, segments=()).sealed_size(seg, size)
+    if anomaly is not None:
+        raise anomaly.error()
 
 
 def find_end(seg_id: int, data: bytes | memoryview, start: int, path: str, *, last: bool) -> int:
-    """Validate frames from ``start``; return the offset where valid data ends.
+    """Validate frames of ``data`` from ``start``; return the offset where valid data ends.
 
-    Raises CorruptSegment for damage that is not a torn tail of the last segment.
+    Raises CorruptSegment for anything but a torn tail of the last segment
+    (the reader's classification: ``spool.reader.check_buffer``).
     """
-    off = start
-    n = len(data)
-    while off < n:
-        try:
-            off = check_frame(seg_id, data, off)[4]
-        except CorruptRecord as exc:
-            reason = exc.reason
-            later = valid_frame_after(seg_id, data, off)
-            if later is not None:
-                raise CorruptSegment(
-                    f"{reason}; valid records follow at offset {later}, so this is not a torn tail",
-                    path,
-                    off,
-                ) from None
-            if last and _looks_torn(data, off):
-                return off
-            raise CorruptSegment(reason, path, off) from None
-    return off
+    from spool.reader import check_buffer
+
+    for anomaly in check_buffer(seg_id, data, start, path, last=last):
+        if not anomaly.torn:
+            raise anomaly.error()
+        return anomaly.offset
+    return len(data)
 
 
 class FrameReader:
-    """Sequential reader of one segment file through a 1 MiB window.
+    """Frames of one segment from ``start`` to ``end``, checked; the first anomaly is raised.
 
-    Why a window: runners and recovery walk segments of 64 MiB; holding whole
-    segments would make memory grow with the queue.
+    A delegate to ``spool.reader``'s verifying walk (a 1 MiB window) for
+    recovery's scan. ``verify`` is accepted for the old signature: every frame
+    is checked.
     """
 
     def __init__(self, io: FileIO, path: str, seg_id: int, start: int, end: int) -> None:
-        self.io = io
-        self.path = path
+        from spool.reader import LogReader
+
+        io.close(io.open_read(path))  # FileNotFoundError here, as the open of old did
+        self._reader = LogReader(io, os.path.dirname(path), segments=())
+        self._walk = self._reader.segment(seg_id, start, end)
         self.seg_id = seg_id
-        self.pos = start
-        self.end = end
-        self.fd = io.open_read(path)
-        self.buf = b""
-        self.buf_start = start
-        self.bytes_read = 0
+        self.path = path
+
+    @property
+    def bytes_read(self) -> int:
+        return self._reader.bytes_read
 
     def close(self) -> None:
-        if self.fd >= 0:
-            self.io.close(self.fd)
-            self.fd = -1
-
-    def _fill(self, need: int) -> None:
-        """Make buf hold at least ``need`` bytes from self.pos (or up to end)."""
-        rel = self.pos - self.buf_start
-        if rel + need <= len(self.buf):
-            return
-        want = max(need, READ_CHUNK)
-        want = min(want, self.end - self.pos)
-        data = read_exact(self.io, self.fd, want, self.pos)
-        self.bytes_read += len(data)
-        self.buf = data
-        self.buf_start = self.pos
+        """Nothing to release: the walk closes its file when it ends."""
 
     def frames(self, *, verify: bool = True) -> Iterator[Frame]:
-        """Yield frames up to ``end``. ``verify`` checks checksums (CorruptSegment).
-
-        Each frame is checked and cut straight out of the window: one header
-        unpack, one checksum and one payload copy per record.
-        """
-        seg, end = self.seg_id, self.end
-        while self.pos < end:
-            pos = self.pos
-            buf = self.buf
-            rel = pos - self.buf_start
-            if len(buf) - rel < HEADER_SIZE:
-                self._fill(HEADER_SIZE)
-                buf, rel = self.buf, 0
-                if len(buf) < HEADER_SIZE:
-                    raise CorruptSegment("truncated header before the end of the log", self.path, pos)
-            _crc, length, rtype, flags, klass, _res, time = _unpack_header(buf, rel)
-            size = HEADER_SIZE + length
-            if length > MAX_PAYLOAD or pos + size > end:
-                raise CorruptSegment(f"length {length} runs past the end of the log", self.path, pos)
-            if rel + size > len(buf):
-                self._fill(size)
-                buf, rel = self.buf, 0
-            if verify:
-                try:
-                    check_frame(seg, buf, rel)
-                except CorruptRecord as exc:
-                    raise CorruptSegment(exc.reason, self.path, pos) from None
-            self.pos = pos + size
-            yield Frame(make_pos(seg, pos), rtype, flags, klass, time, buf[rel + HEADER_SIZE : rel + size])
+        for item in self._walk:
+            if not isinstance(item, Frame):
+                raise item.error()
+            yield item
 
 
 def read_frame_at(io: FileIO, fd: int, path: str, seg_id: int, offset: int) -> Frame:

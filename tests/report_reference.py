@@ -1,6 +1,6 @@
 """The report's figures computed in plain Python, for the tests to compare.
 
-This reads the segments with the spool's own ``FrameReader`` (not the Spark
+This reads the segments with the spool's own log reader (not the Spark
 data source) and follows the definitions in mta/report.py's docstring with
 dictionaries and lists, so that a mistake in a Spark join or aggregation shows
 up as a difference.
@@ -30,8 +30,9 @@ from mta.report import (
     QueueShapeRow,
 )
 from spool.fileio import OsFileIO
-from spool.record import Delivery, Envelope, Finish, RecordType, Start, StartKind, decode_payload
-from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, parse_segment_name
+from spool.reader import LogReader
+from spool.record import Delivery, Envelope, Finish, RecordType, Start, StartKind, decode_payload, make_pos
+from spool.segment import SEGMENT_HEADER_SIZE, parse_segment_name
 
 
 @attrs.frozen
@@ -56,13 +57,10 @@ def plain_records(spool_dirs: dict[str, str], ends: dict[str, int] | None = None
             seg_id = parse_segment_name(os.path.basename(path))
             assert seg_id is not None
             end = (ends or {}).get(path, os.path.getsize(path))
-            reader = FrameReader(io, path, seg_id, SEGMENT_HEADER_SIZE, end)
-            try:
-                for fr in reader.frames():
-                    if fr.rtype != RecordType.DATA:
-                        out.append(Rec(relay, fr.pos, fr.rtype, fr.time, decode_payload(fr.rtype, fr.payload)))
-            finally:
-                reader.close()
+            reader = LogReader(io, os.path.dirname(path), segments=(seg_id,))
+            for fr in reader.frames(make_pos(seg_id, SEGMENT_HEADER_SIZE), make_pos(seg_id, end)):
+                if fr.rtype != RecordType.DATA:
+                    out.append(Rec(relay, fr.pos, fr.rtype, fr.time, decode_payload(fr.rtype, fr.payload)))
     return out
 
 

@@ -44,6 +44,14 @@ command_timeout = "2m"
 data_timeout = 90
 control_socket = "run/ctl.sock"
 metrics_listen = "127.0.0.1:9125"
+reserved_sessions = 2
+max_sessions_per_network = 5
+network_prefix_ipv4 = 16
+network_prefix_ipv6 = 48
+min_data_rate = "2k"
+session_time_limit = "30m"
+metrics_max_connections = 3
+metrics_timeout = "5s"
 
 [spool]
 dir = "q"
@@ -206,6 +214,15 @@ def test_no_file_gives_a_working_relay(tmp_path: Path, monkeypatch: pytest.Monke
     assert config.delivery.bounce_sender == f"MAILER-DAEMON@{config.server.hostname}"
     assert config.delivery.delay_warning is None
     assert config.server.tls_cert is None and config.server.metrics_listen is None
+    s = config.server
+    assert (s.reserved_sessions, s.max_sessions_per_network) == (10, 50)
+    assert (s.network_prefix_ipv4, s.network_prefix_ipv6) == (24, 64)
+    assert (s.command_timeout, s.data_timeout, s.min_data_rate, s.session_time_limit) == (300, 600, 1000, 3600)
+
+
+def test_reserved_sessions_default_to_a_tenth_of_max_sessions() -> None:
+    assert parse_config("[server]\nmax_sessions = 35").server.reserved_sessions == 3
+    assert parse_config("[server]\nmax_sessions = 5").server.reserved_sessions == 0
 
 
 def test_every_key_is_read(tmp_path: Path) -> None:
@@ -217,6 +234,9 @@ def test_every_key_is_read(tmp_path: Path) -> None:
     assert (s.command_timeout, s.data_timeout) == (120.0, 90.0)
     assert s.control_socket == str(tmp_path / "run" / "ctl.sock")
     assert s.metrics_listen == ListenAddress("127.0.0.1", 9125)
+    assert (s.reserved_sessions, s.max_sessions_per_network) == (2, 5)
+    assert (s.network_prefix_ipv4, s.network_prefix_ipv6) == (16, 48)
+    assert (s.min_data_rate, s.session_time_limit, s.metrics_max_connections, s.metrics_timeout) == (2048, 1800, 3, 5)
     assert q.dir == str(tmp_path / "q") and q.archive_dir == "/srv/archive"
     assert (q.segment_size, q.retry_intervals) == (512 << 10, (1.0, 300.0, 3600.0))
     assert (q.max_queue_lifetime, q.active_limit, q.queue_minfree) == (2 * 86400, 12, 1 << 30)
@@ -335,6 +355,10 @@ def test_config_is_frozen_and_hashable() -> None:
         ('[server]\ntls_cert = "/nonexistent/cert.pem"', "server.tls_cert", "no such file"),
         ('[server]\nmetrics_listen = "9125"', "server.metrics_listen", "HOST:PORT"),
         ("[server]\nprocesses = 0", "server.processes", "between 1"),
+        ("[server]\nmax_sessions = 5\nreserved_sessions = 5", "server.reserved_sessions", "less than max_sessions"),
+        ("[server]\nnetwork_prefix_ipv4 = 33", "server.network_prefix_ipv4", "between 8 and 32"),
+        ("[server]\nmin_data_rate = 0", "server.min_data_rate", "greater than zero"),
+        ("[server]\nmetrics_max_connections = 0", "server.metrics_max_connections", "between 1"),
         ('[server]\nprocesses = "many"', "server.processes", "integer or 'auto'"),
         ("[server]\nprocesses = 2.0", "server.processes", "expected an integer"),
         ("server = 5", "server", "expected a table"),
@@ -462,6 +486,14 @@ SECTIONS = {
         "processes",
         "command_timeout",
         "data_timeout",
+        "reserved_sessions",
+        "max_sessions_per_network",
+        "network_prefix_ipv4",
+        "network_prefix_ipv6",
+        "min_data_rate",
+        "session_time_limit",
+        "metrics_max_connections",
+        "metrics_timeout",
     ],
     "spool": [
         "dir",
@@ -477,7 +509,7 @@ SECTIONS = {
         "checkpoint_max_interval",
         "deferred_share",
     ],
-    "relay": ["mynetworks", "relay_domains"],
+    "relay": ["mynetworks", "relay_domains", "allow_open_relay"],
     "delivery": [
         "concurrency",
         "per_destination",

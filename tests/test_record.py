@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import cbor2
 import pytest
@@ -13,9 +12,9 @@ from crc32c import crc32c
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import spool.segment
 from spool.errors import CorruptRecord, CorruptSegment
 from spool.fileio import OsFileIO
+from spool.reader import LogReader
 from spool.record import (
     FLAGS_OFFSET,
     GARBAGE,
@@ -41,7 +40,7 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, encode_segment_header, segment_name
+from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, segment_name
 
 FAST = settings(max_examples=30, deadline=None)
 
@@ -293,7 +292,7 @@ def test_frame_from_one_segment_fails_in_another(seg: int, other: int, rec: Payl
         decode_frame(other, frame)
 
 
-# -- whole buffer versus FrameReader over a file -----------------------------------------
+# -- whole buffer versus the log reader over a file -----------------------------------------
 
 
 def decode_all(seg: int, data: bytes, start: int) -> list[Frame]:
@@ -306,12 +305,9 @@ def decode_all(seg: int, data: bytes, start: int) -> list[Frame]:
     return frames
 
 
-def read_with_reader(path: Path, seg: int, end: int, *, verify: bool) -> list[Frame]:
-    reader = FrameReader(OsFileIO(), str(path), seg, SEGMENT_HEADER_SIZE, end)
-    try:
-        return list(reader.frames(verify=verify))
-    finally:
-        reader.close()
+def read_with_reader(path: Path, seg: int, *, window: int = 1 << 20) -> list[Frame]:
+    reader = LogReader(OsFileIO(), str(path.parent), segments=(seg,), window=window)
+    return list(reader.frames(make_pos(seg, SEGMENT_HEADER_SIZE)))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -320,7 +316,7 @@ def read_with_reader(path: Path, seg: int, end: int, *, verify: bool) -> list[Fr
     recs=st.lists(st.tuples(records, frame_args), max_size=12),
     chunk=st.sampled_from([1, 16, 17, 100, 1 << 20]),
 )
-def test_frame_reader_over_a_file_equals_decoding_the_whole_buffer(
+def test_the_log_reader_over_a_file_equals_decoding_the_whole_buffer(
     tmp_path: Path, seg: int, recs: list[tuple[Payload, dict[str, int]]], chunk: int
 ) -> None:
     data = encode_segment_header(seg, 0) + b"".join(frame_of(seg, r, **kw) for r, kw in recs)
@@ -329,9 +325,7 @@ def test_frame_reader_over_a_file_equals_decoding_the_whole_buffer(
     expected = decode_all(seg, data, SEGMENT_HEADER_SIZE)
     assert [decode_payload(f.rtype, f.payload) for f in expected] == [r for r, _ in recs]
     # A small window makes frames straddle the reader's buffer boundaries.
-    with mock.patch.object(spool.segment, "READ_CHUNK", chunk):
-        assert read_with_reader(path, seg, len(data), verify=True) == expected
-        assert read_with_reader(path, seg, len(data), verify=False) == expected
+    assert read_with_reader(path, seg, window=chunk) == expected
 
 
 def test_frame_reader_reports_a_bad_frame_with_path_and_offset(tmp_path: Path) -> None:
@@ -343,7 +337,7 @@ def test_frame_reader_reports_a_bad_frame_with_path_and_offset(tmp_path: Path) -
     path = tmp_path / segment_name(seg)
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptSegment) as info:
-        read_with_reader(path, seg, len(data), verify=True)
+        read_with_reader(path, seg)
     assert (info.value.path, info.value.offset) == (str(path), bad_off)
     assert str(path) in str(info.value)
 

@@ -16,7 +16,7 @@ from mta.report import JAVA_MISSING, Figures, ReportError, make_session, run_rep
 from mta.report_cli import report
 from mta.report_text import render_text
 from spool.record import pos_offset
-from spool.spark_source import segment_rows
+from spool.rows import segment_rows
 from tests.spark_fixture import T0, fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
 # The first test here pays for the session-scoped SparkSession and the report job

@@ -147,7 +147,9 @@ async def test_idle_clients_time_out_in_commands_and_in_data(tmp_path: Path) -> 
 
 
 async def test_sessions_are_limited_in_total_and_per_client(tmp_path: Path) -> None:
-    cfg = relay_config(str(tmp_path), LOCAL, extra="max_sessions = 2\nmax_sessions_per_client = 1\n")
+    # Outsiders only (mynetworks is elsewhere): clients in mynetworks are exempt from the per-client limit.
+    cfg = relay_config(str(tmp_path), LOCAL, extra='max_sessions = 2\nmax_sessions_per_client = 1\n'
+                       'reserved_sessions = 0\n[relay]\nmynetworks = ["10.0.0.0/8"]\n')
     async with trio.open_nursery() as nursery:
         relay = await start_relay(nursery, cfg)
         port = relay.ports[0]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from spool.record import HEADER_SIZE, Delivery, Envelope, Finish, Start, pos_offset
-from spool.spark_source import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
+from spool.rows import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
 from tests.report_reference import plain_records
 from tests.spark_fixture import fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
@@ -114,15 +114,18 @@ def test_a_torn_tail_is_reported_as_torn(spark: Any, fleet: dict[str, str], tmp_
     assert len(rows) - 1 == len(rows_before) - 1
 
 
-def test_an_unreadable_segment_header_gives_one_error_row(spark: Any, fleet: dict[str, str], tmp_path: Any) -> None:
+def test_a_damaged_segment_header_gives_one_error_row_and_its_records_are_read(spark: Any, fleet: dict[str, str],
+                                                                            tmp_path: Any) -> None:
+    """Every frame carries its own length and a checksum salted with the segment id (the file name's):
+    a damaged header hides nothing behind it (spool.reader resynchronises at the first frame)."""
     segs = _copy_spool(fleet["mx2"], str(tmp_path / "mx2"))
     with open(segs[0], "r+b") as f:
         f.write(b"NOTASPOOL")
     rows = load(spark, str(tmp_path / "mx2"))
     errors = [r for r in rows if r.rtype == ERROR_TYPE]
     assert len(errors) == 1 and errors[0].file == segs[0] and "bad magic" in errors[0].error
-    assert len(rows) - 1 == len([p for p in plain_records({"mx2": fleet["mx2"]})
-                                 if p.pos >> 32 != int(os.path.basename(segs[0])[:16], 16)])
+    assert errors[0].error.startswith("damaged segment header") and pos_offset(errors[0].pos) == 0
+    assert len(rows) - 1 == len(plain_records({"mx2": fleet["mx2"]}))
 
 
 def test_batches_give_rows_in_file_order_with_every_field(fleet: dict[str, str]) -> None:
@@ -167,3 +170,19 @@ def test_the_garbage_collector_runs_again_between_batches_and_after_an_error(fle
     with pytest.raises(OSError):
         next(segment_batches(gone, "mx1"))
     assert gc.isenabled()
+
+
+def test_spool_imports_without_pyspark() -> None:
+    """Only the data source itself needs pyspark: the walk, spoolctl and the engine import without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib; sys.modules['pyspark'] = None; import spool; "
+            "need = [m.name for m in pkgutil.iter_modules(spool.__path__) if m.name != 'spark_source' "
+            "and not importlib.import_module('spool.' + m.name) is None]; print(len(need))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) >= 15  # every module of spool but spark_source imported
+    blocked = subprocess.run([sys.executable, "-c", "import sys; sys.modules['pyspark'] = None; "
+                              "import spool.spark_source"], capture_output=True, text=True, check=False, timeout=60)
+    assert blocked.returncode != 0 and "pyspark" in blocked.stderr  # the check above can fail

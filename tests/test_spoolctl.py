@@ -19,10 +19,11 @@ import attrs
 import pytest
 from click.testing import CliRunner, Result
 
-from spool import admin, inspect
+from spool import admin
 from spool.cli import cli, main
 from spool.config import SpoolConfig
 from spool.fileio import OsFileIO
+from spool.inspection import LogFiles
 from spool.record import (
     FLAGS_OFFSET,
     HEADER_SIZE,
@@ -38,6 +39,7 @@ from spool.record import (
 )
 from spool.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
 from spool.spool import BODY_SLACK, Attempt, Spool
+from spool.verify import verify
 
 T0 = 1_700_000_000
 
@@ -480,7 +482,7 @@ def test_verify_references_of_the_wrong_type(made: Made) -> None:
     nowhere = sp._append(RecordType.START, Start(make_pos(99, SEGMENT_HEADER_SIZE), 0))
     sp.commit()
     for recent in (1 << 16, 1):  # the in-memory window and the positioned-read path agree
-        report = inspect.verify(inspect.LogFiles.open(made.path), recent=recent)
+        report = verify(LogFiles.open(made.path), recent=recent)
         assert not report.clean
         got = {p.pos: p.message for p in report.problems}
         assert set(got) == {bad_start, mid_record, nowhere}
@@ -638,8 +640,12 @@ def test_verify_reports_a_live_body_in_a_reclaimed_segment(tmp_path: Path) -> No
     os.rename(segment_path(os.path.join(path, "log"), 1), str(tmp_path / "gone.seg"))
     out = run_json("verify", path, code=1)
     msgs = [(p["position"], p["message"]) for p in out["problems"]]
-    assert msgs == [(format_pos(msg.pos), f"ENVELOPE body chunk -> {format_pos(msg.envelope.body[0])}: a live "
+    # The checkpoint says segment 1 must still exist (nothing reclaims it before garbage_end - 2 - body_span):
+    # its absence is a missing segment, and the live message whose body it held is named too.
+    assert msgs == [("1:0", "segment 1 is missing; the checkpoint needs every segment from 1 on"),
+                    (format_pos(msg.pos), f"ENVELOPE body chunk -> {format_pos(msg.envelope.body[0])}: a live "
                      "message's data lies in segment 1, which was already reclaimed")]
+    assert out["problems"][0]["kind"] == "segment" and out["problems"][0]["anomaly"] == "missing_segment"
 
 
 def test_recover_reports_the_removed_half_created_segment_as_tail_cut(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ Builds a spool-shaped log (per message: DATA, ENVELOPE, START, DELIVERY,
 FINISH, and a replacement ENVELOPE for one message in four) with the spool's
 own encoder, then times:
 
-- ``plain``: one process walking every segment with ``FrameReader`` and
+- ``plain``: one process walking every segment with the log reader and
   ``decode_payload`` (the spool's sequential reader), counting records;
 - ``inproc``: the data source's own read path (``segment_batches``) in this
   process, without Spark: what Spark adds is the difference;
@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spool.fileio import OsFileIO
+from spool.reader import LogReader
 from spool.record import (
     Delivery,
     Envelope,
@@ -53,7 +54,7 @@ from spool.record import (
     encode_frame,
     make_pos,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, FrameReader, encode_segment_header, parse_segment_name, segment_path
+from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, parse_segment_name, segment_path
 
 DOMAINS = ["ok.example", "grey.example", "bad.example", "far.example"]
 
@@ -109,20 +110,17 @@ def plain_reader(directory: str) -> int:
     for path in sorted(glob.glob(os.path.join(directory, "log", "*.seg"))):
         seg_id = parse_segment_name(os.path.basename(path))
         assert seg_id is not None
-        reader = FrameReader(io, path, seg_id, SEGMENT_HEADER_SIZE, os.path.getsize(path))
-        try:
-            for frame in reader.frames():
-                if frame.rtype != RecordType.DATA:
-                    decode_payload(frame.rtype, frame.payload)
-                    n += 1
-        finally:
-            reader.close()
+        reader = LogReader(io, os.path.dirname(path), segments=(seg_id,))
+        for frame in reader.frames(make_pos(seg_id, SEGMENT_HEADER_SIZE)):
+            if frame.rtype != RecordType.DATA:
+                decode_payload(frame.rtype, frame.payload)
+                n += 1
     return n
 
 
 def inproc_reader(directory: str) -> int:
     """The data source's own read path (``segment_batches``) in this process, without Spark."""
-    from spool.spark_source import segment_batches
+    from spool.rows import segment_batches
 
     return sum(b.num_rows for path in sorted(glob.glob(os.path.join(directory, "log", "*.seg")))
                for b in segment_batches(path, "bench"))

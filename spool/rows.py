@@ -1,0 +1,414 @@
+"""Rows of segment files for analytics: the columns, the walk and the Arrow batches, without Spark.
+
+Theory of operation. The Spark data source (``spool.spark_source``, the only
+module that imports pyspark) gives each worker one segment file; this module
+turns it into Arrow record batches, one row per record, in file order. The
+frames are read through the log reader (``spool.reader``: there is no second
+implementation of the format or of its damage rules here), and the columns
+are built in bulk (see "decoding one segment" below), because making a record
+object and a row tuple per record cost several times the CBOR decoding
+(docs/bench_spark.md). pyarrow is imported where batches are built, so that
+``spool`` imports without the analytics extra.
+
+DATA records (message bodies) are checksummed like every frame but give no
+row: analytics never needs the bytes.
+
+Damage does not stop the job. Every anomaly the reader names becomes an
+*error row* (``rtype`` 0, ``pos`` where the anomaly begins, ``error`` saying
+what) and the walk carries on where the reader resumes: after a damaged
+record at the next frame whose checksum passes, after a damaged segment
+header at the first frame. The driver knows where each file stands in its
+log (``plan``): the newest segment of a log may end in a torn tail, every
+other one is checked against the size its successor recorded, and a gap in a
+directory's sequence of segments gives an error row for each missing one.
+The relay name is the ``relay`` option, or else taken from the directory:
+``NAME/log/*.seg``, ``NAME/archive/*.seg`` and ``NAME/*.seg`` all give ``NAME``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, Final
+
+import attrs
+
+from spool.damage import Anomaly, Kind
+from spool.errors import CorruptRecord, SpoolError
+from spool.fileio import OsFileIO
+from spool.reader import LogReader
+from spool.record import RecordType, decode_fields
+from spool.segment import SEGMENT_HEADER_SIZE, SUFFIX, parse_segment_name, segment_header_fields
+
+FORMAT_NAME: Final = "logspool"
+ERROR_TYPE: Final = 0  # rtype of an error row; real record types start at 1
+DEFAULT_BATCH_ROWS: Final = 65536
+
+SCHEMA_DDL: Final = (
+    "relay STRING, file STRING, pos BIGINT, rtype INT, garbage BOOLEAN, klass INT, time BIGINT, "
+    "message_id BIGINT, sender STRING, recipients ARRAY<STRING>, body_size BIGINT, arrival_ms BIGINT, "
+    "attempts INT, replaces BIGINT, held BOOLEAN, "
+    "ref BIGINT, time_ms BIGINT, kind INT, replacement BIGINT, duration_ms BIGINT, "
+    "outcomes ARRAY<STRUCT<recipient: STRING, status: INT, code: INT, enhanced: STRING, reply: STRING, "
+    "next_hop: STRING>>, "
+    "error STRING"
+)
+"""One row per record. Envelope columns are null on other types and so on:
+``ref`` is what the record names (START: its envelope; DELIVERY and FINISH:
+their start). ``time`` is the frame header's append time in seconds."""
+
+
+def _arrow_schema() -> Any:
+    import pyarrow as pa
+
+    outcome = pa.struct(
+        [
+            ("recipient", pa.string()),
+            ("status", pa.int32()),
+            ("code", pa.int32()),
+            ("enhanced", pa.string()),
+            ("reply", pa.string()),
+            ("next_hop", pa.string()),
+        ]
+    )
+    return pa.schema(
+        [
+            ("relay", pa.string()),
+            ("file", pa.string()),
+            ("pos", pa.int64()),
+            ("rtype", pa.int32()),
+            ("garbage", pa.bool_()),
+            ("klass", pa.int32()),
+            ("time", pa.int64()),
+            ("message_id", pa.int64()),
+            ("sender", pa.string()),
+            ("recipients", pa.list_(pa.string())),
+            ("body_size", pa.int64()),
+            ("arrival_ms", pa.int64()),
+            ("attempts", pa.int32()),
+            ("replaces", pa.int64()),
+            ("held", pa.bool_()),
+            ("ref", pa.int64()),
+            ("time_ms", pa.int64()),
+            ("kind", pa.int32()),
+            ("replacement", pa.int64()),
+            ("duration_ms", pa.int64()),
+            ("outcomes", pa.list_(outcome)),
+            ("error", pa.string()),
+        ]
+    )
+
+
+# -- finding segment files ---------------------------------------------------
+
+
+SPOOL_SUBDIRS: Final = ("log", "archive")
+
+
+def relay_name_for(file: str) -> str:
+    """``NAME/log/0000….seg``, ``NAME/archive/0000….seg`` and ``NAME/0000….seg``
+    belong to relay ``NAME``."""
+    parent = os.path.dirname(os.path.abspath(file))
+    if os.path.basename(parent) in SPOOL_SUBDIRS:
+        parent = os.path.dirname(parent)
+    return os.path.basename(parent) or "-"
+
+
+def _segments_in(directory: str) -> list[str]:
+    """A spool directory gives its ``log/`` and ``archive/``; any other directory, itself."""
+    subdirs = [os.path.join(directory, d) for d in SPOOL_SUBDIRS if os.path.isdir(os.path.join(directory, d))]
+    out: list[str] = []
+    for d in subdirs or [directory]:
+        out.extend(os.path.join(d, n) for n in os.listdir(d) if parse_segment_name(n) is not None)
+    return out
+
+
+@attrs.frozen
+class SegmentTask:
+    """One segment file to read and where it stands in its log (picklable: a Spark partition carries it).
+
+    ``last``: the newest segment of its log, whose tail may be torn.
+    ``successor``: the next segment's file, whose header records this one's
+    sealed size. ``missing``: the segment is not there at all (the reader's
+    anomaly for it), and the task gives one error row.
+    """
+
+    path: str
+    segment: int
+    last: bool = True
+    successor: str | None = None
+    missing: Anomaly | None = None
+
+    @classmethod
+    def alone(cls, path: str) -> SegmentTask:
+        """A file read on its own: the last of its log, with no successor to check it against."""
+        return cls(path, _segment_id(path))
+
+
+def _segment_id(path: str) -> int:
+    """The id in the file's name, or (a file named otherwise) in its header, or 0."""
+    seg = parse_segment_name(os.path.basename(path))
+    if seg is not None:
+        return seg
+    try:
+        with open(path, "rb") as f:
+            return segment_header_fields(f.read(SEGMENT_HEADER_SIZE), path)[0]
+    except (OSError, SpoolError):
+        return 0
+
+
+def _log_of(file: str) -> str:
+    """The directory that holds a file's whole log: a spool directory for ``log/`` and ``archive/``."""
+    parent = os.path.dirname(os.path.abspath(file))
+    return os.path.dirname(parent) if os.path.basename(parent) in SPOOL_SUBDIRS else parent
+
+
+def plan(patterns: Iterable[str]) -> list[SegmentTask]:
+    """Every segment file that ``patterns`` name, as tasks sorted by path, plus one task per segment
+    missing from the sequence of a directory that was named whole.
+
+    A pattern is a segment file, a directory of segments, a spool directory
+    (with ``log/`` and ``archive/``), or a glob of any of these. Files of one
+    log are placed against each other (last, successor) whichever way they
+    were named; gaps count only where a whole directory was named (a hand-picked
+    set of files may leave out what it likes).
+    """
+    found: dict[str, bool] = {}  # file -> it came from a directory named whole
+    for pattern in patterns:
+        for m in sorted(glob.glob(os.path.expanduser(pattern))):
+            if os.path.isdir(m):
+                found.update((os.path.abspath(f), True) for f in _segments_in(m))
+            elif m.endswith(SUFFIX) and os.path.isfile(m):
+                found.setdefault(os.path.abspath(m), False)
+    logs: dict[str, dict[int, str]] = {}
+    whole: set[str] = set()
+    for file, from_dir in found.items():
+        key = _log_of(file)
+        logs.setdefault(key, {})[_segment_id(file)] = file
+        if from_dir:
+            whole.add(key)
+    tasks: list[SegmentTask] = []
+    for key, files in logs.items():
+        ids = sorted(files)
+        tasks.extend(SegmentTask(files[s], s, s == ids[-1], files.get(s + 1)) for s in ids)
+        if key in whole:
+            reader = LogReader(OsFileIO(), os.path.dirname(files[ids[0]]), segments=ids, paths=files)
+            tasks.extend(SegmentTask(a.path, a.segment, False, None, a) for a in reader.missing())
+    return sorted(tasks, key=lambda t: (t.path, t.segment))
+
+
+def expand_paths(patterns: Iterable[str]) -> list[str]:
+    """Every segment file that ``patterns`` name (see ``plan``), sorted, without repeats.
+
+    A pattern that matches nothing contributes nothing; the caller decides
+    whether an empty result is an error.
+    """
+    return [t.path for t in plan(patterns) if t.missing is None]
+
+
+def paths_from_options(options: dict[str, str]) -> list[str]:
+    """``load(p)`` passes ``path``; ``load([p, q])`` passes ``paths`` as a JSON list."""
+    out: list[str] = []
+    if options.get("paths"):
+        value = json.loads(options["paths"])
+        out.extend([value] if isinstance(value, str) else value)
+    if options.get("path"):
+        out.append(options["path"])
+    return out
+
+
+# -- decoding one segment ----------------------------------------------------
+#
+# Columns are built in bulk: the walk appends each record's header fields and
+# its payload's field tuple (spool.record.decode_fields: the codec's own checks,
+# no record objects) to lists per record type; a batch is then one Arrow array
+# per column and type, the types' parts concatenated and put back in file order
+# by Arrow (sort by pos). Per record, Python does only the frame check, the CBOR
+# decode with its schema checks and two appends.
+
+_RECORD_TYPES: Final = (int(RecordType.ENVELOPE), int(RecordType.START), int(RecordType.DELIVERY),
+                        int(RecordType.FINISH))
+
+
+class _Chunk:
+    """Up to ``batch_rows`` rows of one segment, by record type, not yet Arrow."""
+
+    __slots__ = ("errors", "fields", "heads", "rows")
+
+    def __init__(self) -> None:
+        self.heads: dict[int, list[tuple[int, int, int, int]]] = {t: [] for t in _RECORD_TYPES}
+        self.fields: dict[int, list[tuple[Any, ...]]] = {t: [] for t in _RECORD_TYPES}
+        self.errors: list[tuple[int, str]] = []
+        self.rows = 0
+
+
+_Record = tuple[tuple[int, int, int, int], int, bytes]  # (pos, flags, class, time), type, payload
+
+
+def _record(pos: int, rtype: int, flags: int, klass: int, time: int, payload: bytes) -> _Record:
+    return (pos, flags, klass, time), rtype, payload
+
+
+class _SegmentWalk:
+    """Walks one segment file into chunks through the log reader; each anomaly becomes an error row
+    and the walk goes on where the reader resumes. Never raises for the contents of the file (an
+    unreadable file still raises OSError).
+
+    A class, not a generator: a suspended generator would keep the chunk it
+    just yielded alive until resumed, and the collector, once re-enabled,
+    would scan every tuple of it (see ``_collector_paused``).
+    """
+
+    def __init__(self, task: SegmentTask) -> None:
+        self.path = task.path
+        if task.missing is not None:
+            self.items: Iterator[_Record | Anomaly] = iter([task.missing])
+            return
+        os.close(os.open(task.path, os.O_RDONLY))  # OSError now for a file that is not there
+        seg = task.segment
+        paths = {seg: task.path, **({seg + 1: task.successor} if task.successor else {})}
+        reader = LogReader(OsFileIO(), os.path.dirname(task.path), segments=(seg,) if task.last else (seg, seg + 1),
+                           paths=paths)
+        self.items = iter(reader.segment_as(seg, _record, types=_RECORD_TYPES))
+
+    def take(self, batch_rows: int) -> _Chunk | None:
+        """The next chunk of up to ``batch_rows`` rows; None at the end of the file."""
+        chunk = _Chunk()
+        heads, fields = chunk.heads, chunk.fields
+        rows = 0
+        for item in self.items:
+            if type(item) is tuple:
+                head, rtype, payload = item
+                try:
+                    fields[rtype].append(decode_fields(rtype, payload))
+                except CorruptRecord as exc:  # the checksum passed, the payload does not decode
+                    chunk.errors.append((head[0], f"undecodable payload ({exc.reason})"))
+                else:
+                    heads[rtype].append(head)
+            else:
+                assert isinstance(item, Anomaly)
+                chunk.errors.append((item.pos, error_text(item)))
+            rows += 1
+            if rows >= batch_rows:
+                break
+        if not rows:
+            return None
+        chunk.rows = rows
+        return chunk
+
+
+def error_text(a: Anomaly) -> str:
+    """The ``error`` column for an anomaly the reader met (``spool.damage.Kind``)."""
+    if a.kind is Kind.DAMAGED_RECORD:
+        if a.resume is not None:
+            return f"corrupt record ({a.reason}); skipped {a.length} bytes to the next valid record"
+        return f"corrupt record ({a.reason}); {a.length} bytes to the end of the file unread"
+    if a.torn:
+        return f"torn tail: {a.length} bytes of an interrupted write at the end of the file"
+    return f"{a.kind.value}: {a.reason}"
+
+
+# Which field of each type's decode_fields tuple fills which column.
+_COLUMNS: Final[dict[int, tuple[tuple[str, int], ...]]] = {
+    int(RecordType.ENVELOPE): (("message_id", 0), ("sender", 1), ("recipients", 2), ("body_size", 4),
+                               ("arrival_ms", 5), ("attempts", 6), ("replaces", 7), ("held", 8)),
+    int(RecordType.START): (("ref", 0), ("time_ms", 1), ("kind", 2)),
+    int(RecordType.DELIVERY): (("ref", 0), ("time_ms", 1), ("outcomes", 2), ("duration_ms", 3)),
+    int(RecordType.FINISH): (("ref", 0), ("time_ms", 1), ("replacement", 2)),
+}
+
+
+def _part(pa: Any, schema: Any, n: int, given: dict[str, Any]) -> Any:
+    """A batch of ``n`` rows: the ``given`` columns (Python lists or arrays), nulls elsewhere."""
+    arrays = []
+    for field in schema:
+        v = given.get(field.name)
+        if v is None:
+            arrays.append(pa.nulls(n, field.type))
+        elif isinstance(v, list | tuple):
+            arrays.append(pa.array(v, field.type))
+        else:
+            arrays.append(v)
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _to_batch(pa: Any, schema: Any, chunk: _Chunk, relay: str, path: str) -> Any:
+    import pyarrow.compute as pc
+
+    parts = []
+    for rtype in _RECORD_TYPES:
+        heads = chunk.heads[rtype]
+        if not heads:
+            continue
+        n = len(heads)
+        pos, flags, klass, time = zip(*heads)
+        flag_array = pa.array(flags, pa.int32())
+        given: dict[str, Any] = {
+            "pos": pos, "rtype": pa.repeat(pa.scalar(rtype, pa.int32()), n),
+            "garbage": pc.not_equal(pc.bit_wise_and(flag_array, 1), 0), "klass": klass, "time": time,
+        }
+        columns = list(zip(*chunk.fields[rtype]))
+        given.update((name, columns[i]) for name, i in _COLUMNS[rtype])
+        parts.append(_part(pa, schema, n, given))
+    if chunk.errors:
+        pos, message = zip(*chunk.errors)
+        parts.append(_part(pa, schema, len(pos), {"pos": pos, "rtype": [ERROR_TYPE] * len(pos), "error": message}))
+    batch = parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+    batch = batch.take(pc.sort_indices(batch.column("pos")))
+    n = batch.num_rows
+    batch = batch.set_column(0, "relay", pa.repeat(pa.scalar(relay, pa.string()), n))
+    return batch.set_column(1, "file", pa.repeat(pa.scalar(path, pa.string()), n))
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a batch is built.
+
+    Why: a chunk is hundreds of thousands of small tuples and strings that
+    the collector scans again and again as they accumulate (measured 2 to 6 of
+    about 15 us per row, docs/bench_spark.md) and never finds garbage in: they
+    form no cycles and are freed by reference counting once the batch is built.
+    The collector runs as usual whenever control is outside this block (Spark's
+    serializer, other code in the worker).
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def segment_batches(path: str | SegmentTask, relay: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[Any]:
+    """Arrow record batches for one segment file (see :data:`SCHEMA_DDL`), rows in file order.
+
+    ``path`` alone reads the file as the last of its log (a torn tail is
+    possible, there is no successor to check its size against); a
+    ``SegmentTask`` says where the file stands in its log.
+    """
+    import pyarrow as pa
+
+    schema = _arrow_schema()
+    task = path if isinstance(path, SegmentTask) else SegmentTask.alone(path)
+    walk = _SegmentWalk(task)
+    while True:
+        with _collector_paused():
+            chunk = walk.take(batch_rows)
+            if chunk is None:
+                return
+            batch = _to_batch(pa, schema, chunk, relay, task.path)
+            del chunk  # its tuples go now, by reference counting, while the collector is still paused
+        yield batch
+
+
+def segment_rows(path: str | SegmentTask, relay: str = "") -> Iterator[dict[str, Any]]:
+    """The rows of one segment file as dicts, in file order (for tests and debugging)."""
+    for batch in segment_batches(path, relay):
+        yield from batch.to_pylist()
+
+
