@@ -3,21 +3,30 @@
 ``python -m fault_injection faults [--sweep N] [--seed S] [--no-real-fs]``
 
 ``FaultyFileIO`` wraps another FileIO and fails the n-th call of one kind of
-operation. Each case runs a delivery workload over
-``FaultyFileIO(RecordingFileIO(real files))`` until the fault surfaces, then:
+operation (once). Each case runs a delivery workload over
+``FaultyFileIO(RecordingFileIO(real files))`` on a ``RetryingSpool``, which
+does what the relay does when the disk is full or a checkpoint fails: it
+commits (or checkpoints) again later. Then:
 
-1. the fault surfaced as an exception (a short write must not: ``write_all``
-   loops over it), and an ENOSPC/EIO stayed that errno;
-2. after a failed fsync of the log the engine raised ``SyncFailed`` and is
-   poisoned: no further write or fsync reaches the disk, and a new enqueue or
-   commit raises ``SpoolError`` (PostgreSQL's fsyncgate: never retry and carry on);
-3. every crash state the recording allows at that point (the failed fsync made
+1. a short write must not surface at all (``write_all`` loops over it);
+2. ENOSPC never poisons the log (docs/design.md, "A full disk"): it surfaces
+   as DiskFull (errno ENOSPC) to whoever waited, or is absorbed by the engine
+   (a garbage mark, the reserve, a write nobody waited for, retried later);
+   the workload runs to its end and the spool ends healthy: no write or mark
+   still waiting, the reserve whole, no segment left behind the checkpoint;
+3. EIO keeps its errno. On the log's writes and on any fsync of the log or a
+   directory the engine raised (``SyncFailed`` for an fsync) and is poisoned:
+   no further write or fsync reaches the disk, and a new enqueue, commit or
+   checkpoint raises ``SpoolError`` (PostgreSQL's fsyncgate: never retry and
+   carry on). Elsewhere (a checkpoint's temporary file, which is thrown away;
+   a segment deletion) it is absorbed, retried, and the spool ends healthy;
+4. every crash state the recording allows at that point (the failed fsync made
    nothing durable; the kernel may have dropped the unsynced pages) recovers,
    and the ledger holds: nothing acknowledged is lost, nothing recorded comes back.
 
-``real_full_fs`` fills a size-limited tmpfs for real: enqueues fail with ENOSPC,
-the spool reopens, and after the filesystem grows every acknowledged message
-is there.
+``real_full_fs`` fills a size-limited tmpfs for real: enqueues fail with
+DiskFull, the same spool goes on once the filesystem grows, reopens on a full
+disk, and every acknowledged message is there and no refused one is.
 """
 
 from __future__ import annotations
@@ -33,18 +42,21 @@ from collections import Counter
 import attrs
 
 from fault_injection import crashstates, scratch_dir
-from fault_injection.ledger import Ledger, check
+from fault_injection.ledger import Ledger, check, listed
 from fault_injection.powercut import check_state
 from fault_injection.recording import RecordingFileIO
 from fault_injection.workloads import FakeClock, Scenario, commit_logged, deliver_round, enqueue_logged, make_config
+from spool import checkpoint as ckpt
 from spool.config import SpoolConfig
-from spool.errors import SpoolError, SyncFailed
+from spool.errors import CheckpointFailed, DiskFull, SpoolError, SyncFailed
 from spool.fileio import FileIO, OsFileIO
-from spool.spool import Spool
+from spool.record import pos_segment
+from spool.segment import list_segments
+from spool.spool import BODY_SLACK, Spool
 
-OPS = ("open", "write", "fdatasync", "fsync", "fsync_dir", "rename", "unlink", "truncate")
-KINDS = {"write": ("ENOSPC", "EIO", "short"), "open": ("ENOSPC",), "fdatasync": ("EIO",), "fsync": ("EIO",),
-         "fsync_dir": ("EIO",), "rename": ("EIO",), "unlink": ("EIO",), "truncate": ("EIO",)}
+OPS = ("open", "write", "allocate", "fdatasync", "fsync", "fsync_dir", "rename", "unlink", "truncate")
+KINDS = {"write": ("ENOSPC", "EIO", "short"), "open": ("ENOSPC",), "allocate": ("ENOSPC",), "fdatasync": ("EIO",),
+         "fsync": ("EIO",), "fsync_dir": ("EIO",), "rename": ("EIO",), "unlink": ("EIO",), "truncate": ("EIO",)}
 SYNC_OPS = ("fdatasync", "fsync", "fsync_dir")
 
 
@@ -67,7 +79,7 @@ class FaultyFileIO:
         self.counts: Counter[str] = Counter()
         self.fired = False
         self.short_pending = False
-        self.failed_sync = False
+        self.failed_sync = False  # an EIO fault fired (a failed fsync above all): what follows is recorded
         self.after_sync_failure: list[str] = []
 
     def _hit(self, op: str) -> bool:
@@ -78,7 +90,7 @@ class FaultyFileIO:
         f = self.fault
         if f is not None and not self.fired and f.op == op and self.counts[op] == f.nth:
             self.fired = True
-            if op in SYNC_OPS:
+            if f.kind == "EIO":
                 self.failed_sync = True
             return True
         return False
@@ -133,6 +145,11 @@ class FaultyFileIO:
         if self._hit("truncate"):
             self._raise()
         self.inner.truncate(fd, length)
+
+    def allocate(self, fd: int, length: int) -> None:
+        if self._hit("allocate"):
+            self._raise()
+        self.inner.allocate(fd, length)
 
     def rename(self, src: str, dst: str) -> None:
         if self._hit("rename"):
@@ -196,6 +213,33 @@ class FaultReport:
         return out
 
 
+class RetryingSpool(Spool):
+    """The engine as the relay drives it: a commit that found no room, or a failed checkpoint, is tried again.
+
+    (The relay waits for room, or backs off; here the fault fires once, so
+    trying again at once finds the disk healthy.) What it caught is kept in
+    ``caught``.
+    """
+
+    def __init__(self, path: str, config: SpoolConfig, io: FileIO) -> None:
+        super().__init__(path, config, io)
+        self.caught: list[BaseException] = []
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        except DiskFull as exc:
+            self.caught.append(exc)
+            super().commit()
+
+    def checkpoint(self) -> list[int]:
+        try:
+            return super().checkpoint()
+        except (DiskFull, CheckpointFailed) as exc:
+            self.caught.append(exc)
+            return super().checkpoint()
+
+
 def _workload(sp: Spool, rio: RecordingFileIO, rng: random.Random, clock: FakeClock) -> None:
     for step in range(18):
         for _ in range(rng.randint(1, 2)):
@@ -214,7 +258,7 @@ def dry_run_counts(seed: int = 0) -> Counter[str]:
         clock = FakeClock()
         rio = RecordingFileIO(root)
         fio = FaultyFileIO(rio)
-        sp = Spool.open(root, make_config(clock), io=fio)
+        sp = RetryingSpool.open(root, make_config(clock), io=fio)
         try:
             _workload(sp, rio, random.Random(seed), clock)
         finally:
@@ -234,13 +278,16 @@ def run_case(fault: Fault, seed: int = 0, per_point: int = 16) -> CaseResult:
         rio = RecordingFileIO(root)
         fio = FaultyFileIO(rio, fault)
         exc: BaseException | None = None
-        sp: Spool | None = None
+        sp: RetryingSpool | None = None
         try:
-            sp = Spool.open(root, make_config(clock), io=fio)
+            sp = RetryingSpool.open(root, make_config(clock), io=fio)
+            assert isinstance(sp, RetryingSpool)
             _workload(sp, rio, random.Random(seed), clock)
         except Exception as e:
             exc = e
         _judge(res, fault, fio, exc, sp)
+        if sp is not None and exc is None and sp.writer.poisoned is None:
+            _check_healthy(res, sp, rio)
         if sp is not None:
             sp.close()
         scn = Scenario(f"fault {fault.text()}", rio.rec, [], clock.now)
@@ -250,8 +297,21 @@ def run_case(fault: Fault, seed: int = 0, per_point: int = 16) -> CaseResult:
     return res
 
 
-def _judge(res: CaseResult, fault: Fault, fio: FaultyFileIO, exc: BaseException | None, sp: Spool | None) -> None:
-    res.surfaced = "nothing" if exc is None else f"{type(exc).__name__}({exc})"[:120]
+def _with_errno(exc: BaseException | None, code: int) -> bool:
+    while exc is not None and not (isinstance(exc, OSError) and exc.errno == code):
+        exc = exc.__cause__ or exc.__context__
+    return exc is not None
+
+
+def _judge(res: CaseResult, fault: Fault, fio: FaultyFileIO, exc: BaseException | None,
+           sp: RetryingSpool | None) -> None:
+    caught = sp.caught if sp is not None else []
+    shown = exc if exc is not None else (caught[0] if caught else None)
+    res.surfaced = "nothing" if shown is None else f"{type(shown).__name__}({shown})"[:120]
+    if exc is None and caught:
+        res.surfaced = f"{res.surfaced}, retried"
+    elif shown is None and fio.fired and fault.kind != "short":
+        res.surfaced = "nothing: absorbed and retried by the engine"
     if not fio.fired:
         res.problems.append("the fault never fired (the workload made fewer calls)")
         return
@@ -259,42 +319,70 @@ def _judge(res: CaseResult, fault: Fault, fio: FaultyFileIO, exc: BaseException 
         if exc is not None:
             res.problems.append(f"a short write surfaced as {res.surfaced}; write_all should have finished it")
         return
-    if exc is None:
-        res.problems.append("the fault was swallowed: the workload went on as if nothing had happened")
-        return
     want = errno.ENOSPC if fault.kind == "ENOSPC" else errno.EIO
-    cause: BaseException | None = exc
-    while cause is not None and not (isinstance(cause, OSError) and cause.errno == want):
-        cause = cause.__cause__ or cause.__context__
-    if cause is None:
+    if shown is not None and not _with_errno(shown, want):
         res.problems.append(f"the fault surfaced as {res.surfaced}, without the original {fault.kind}")
-    if fault.op in SYNC_OPS and sp is not None and sp.writer.poisoned is not None:
-        if not isinstance(exc, SyncFailed):
-            res.problems.append(f"a failed log fsync surfaced as {type(exc).__name__}, not SyncFailed")
+    if fault.kind == "ENOSPC":
+        if sp is not None and sp.writer.poisoned is not None:
+            res.problems.append("a full disk poisoned the log writer: ENOSPC must be retried, not fatal")
+        elif exc is not None and sp is not None:
+            res.problems.append(f"a full disk stopped the workload: {res.surfaced}")
+        return  # a fault in the first open (no room for the first segment) may surface as it is
+    if sp is None:
+        return
+    if sp.writer.poisoned is not None:
+        if fault.op in SYNC_OPS and not isinstance(exc, SyncFailed):
+            res.problems.append(f"a failed fsync surfaced as {type(exc).__name__}, not SyncFailed")
         _probe_refuses(res, fio, sp)
-    elif fault.op in SYNC_OPS and sp is not None and isinstance(exc, SyncFailed):
-        res.problems.append("SyncFailed was raised but the log writer is not poisoned")
+    elif fault.op in SYNC_OPS and (isinstance(exc, SyncFailed) or exc is not None):
+        res.problems.append(f"{res.surfaced} was raised but the log writer is not poisoned")
+    elif exc is not None:
+        res.problems.append(f"EIO stopped the workload without poisoning the writer: {res.surfaced}")
+    elif fault.op in SYNC_OPS and not any(isinstance(c, CheckpointFailed) for c in caught):
+        res.problems.append("a failed fsync was absorbed, but it was not a checkpoint's temporary file")
+
+
+def _check_healthy(res: CaseResult, sp: Spool, rio: RecordingFileIO) -> None:
+    """After a fault the engine absorbed: nothing still waits, and a commit and a checkpoint work."""
+    w = sp.writer
+    if w.full is not None or w.waiting_marks:
+        res.problems.append(f"still waiting at the end: full={w.full!r}, {w.waiting_marks} marks")
+    try:
+        commit_logged(sp, rio)
+        sp.checkpoint()
+    except Exception as e:
+        res.problems.append(f"after the fault, commit or checkpoint raised {type(e).__name__}({e})")
+        return
+    if not sp.reserve.held:
+        res.problems.append("the reserve is not allocated again")
+    cp = ckpt.load(sp.io, sp.path)
+    if cp is not None:
+        limit = pos_segment(cp.garbage_end) - cp.body_span - BODY_SLACK
+        left = [seg for seg in list_segments(sp.io, sp.log_dir) if seg < limit]
+        if left:
+            res.problems.append(f"segments {left} lie behind the checkpoint and were not deleted")
 
 
 def _probe_refuses(res: CaseResult, fio: FaultyFileIO, sp: Spool) -> None:
-    """After a failed fsync: enqueue and commit must fail, and nothing more reaches the disk."""
+    """After a poisoning fault (a failed fsync, EIO on a log write): enqueue, commit and checkpoint fail,
+    and nothing more reaches the disk."""
     before = len(fio.after_sync_failure)
     try:
         sp.enqueue("probe@example.org", ["probe@example.org"], b"after the failed fsync")
         sp.commit()
-        res.problems.append("the spool accepted and committed a message after a failed fsync")
+        res.problems.append("the spool accepted and committed a message after a poisoning fault")
     except SpoolError:
         pass
     except Exception as e:
-        res.problems.append(f"after a failed fsync, enqueue raised {type(e).__name__}, not SpoolError")
+        res.problems.append(f"after a poisoning fault, enqueue raised {type(e).__name__}, not SpoolError")
     try:
         sp.checkpoint()
-        res.problems.append("the spool wrote a checkpoint after a failed fsync")
+        res.problems.append("the spool wrote a checkpoint after a poisoning fault")
     except SpoolError:
         pass
     writes = [op for op in fio.after_sync_failure[:] if op != "open"]
     if writes:
-        res.problems.append(f"after the failed fsync the engine still called {sorted(set(writes))} "
+        res.problems.append(f"after the poisoning fault the engine still called {sorted(set(writes))} "
                             f"({len(fio.after_sync_failure) - before} during the probe): a retry")
 
 
@@ -354,49 +442,81 @@ def real_full_fs(size_kib: int = 1024) -> tuple[str, bool]:
         os.rmdir(mnt)
 
 
+def _fill(sp: Spool, led: Ledger, rng: random.Random, refused: set[int], count: int = 10_000) -> DiskFull | None:
+    """Enqueue 6 KB messages, one commit each, until one finds no room (it is cancelled, as the relay does)."""
+    for _ in range(count):
+        rcpts = (f"r{len(led.enqueued)}@example.org",)
+        body = rng.randbytes(6000)
+        msg = sp.append_message("s@example.org", rcpts, body)
+        led.enqueued[msg.message_id] = (rcpts, body)
+        try:
+            sp.commit()
+        except DiskFull as e:
+            sp.cancel(msg)
+            refused.add(msg.message_id)
+            return e
+        led.acked.add(msg.message_id)
+    return None
+
+
+def _grow(mnt: str, size_kib: int) -> str:
+    grown = _mount(["mount", "-o", f"remount,size={size_kib}k", mnt])
+    return "" if grown.returncode == 0 else f"FAILED: could not grow the tmpfs: {grown.stderr.strip()}"
+
+
+def _check(sp: Spool, led: Ledger, refused: set[int], when: str) -> str:
+    res = check(sp, led)
+    back = sorted(refused & set(listed(sp)))
+    if not res.ok:
+        return f"FAILED: {when}: {res.violations[:3]}"
+    if back:
+        return f"FAILED: {when}: messages refused with DiskFull are live: {[f'{m:X}' for m in back[:3]]}"
+    return ""
+
+
 def _fill_and_recover(mnt: str, size_kib: int) -> tuple[str, bool]:
+    """Fill, grow and go on in the same process; fill again, reopen on the full disk; grow, reopen."""
     root = os.path.join(mnt, "spool")
     cfg = SpoolConfig(segment_size=64 * 1024, retry_intervals=(1.0,), checkpoint_interval=float("inf"))
     led = Ledger()
     rng = random.Random(7)
-    sp = Spool.open(root, cfg)
-    failure: BaseException | None = None
-    try:
-        for i in range(10_000):
-            rcpts = (f"r{i}@example.org",)
-            body = rng.randbytes(6000)
-            try:
-                mid = sp.enqueue("s@example.org", rcpts, body)
-                led.enqueued[mid] = (rcpts, body)
-                sp.commit()
-            except OSError as e:
-                failure = e
-                break
-            led.acked.add(mid)
-    finally:
-        sp.close()
-    if not isinstance(failure, OSError) or failure.errno != errno.ENOSPC:
-        return f"FAILED: filling the disk ended with {failure!r}, not ENOSPC", False
-    on_full = "reopened on the full disk"
-    try:
-        sp = Spool.open(root, cfg, io=OsFileIO())
-        res = check(sp, led)
-        sp.close()
-        if not res.ok:
-            return f"FAILED: on the full disk: {res.violations[:3]}", False
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            return f"FAILED: reopening on the full disk raised {e!r}", False
-        on_full = "reopening on the full disk failed cleanly with ENOSPC"
-    grown = _mount(["mount", "-o", f"remount,size={size_kib * 4}k", mnt])
-    if grown.returncode != 0:
-        return f"FAILED: could not grow the tmpfs: {grown.stderr.strip()}", False
+    refused: set[int] = set()
     sp = Spool.open(root, cfg)
     try:
-        res = check(sp, led)
+        failure = _fill(sp, led, rng, refused)
+        if failure is None or failure.errno != errno.ENOSPC:
+            return f"FAILED: filling the disk ended with {failure!r}, not DiskFull(ENOSPC)", False
+        first = len(led.acked)
+        if sp.writer.poisoned is not None:
+            return "FAILED: ENOSPC poisoned the log writer", False
+        problem = _grow(mnt, size_kib * 2)
+        if problem:
+            return problem, False
+        sp.commit()  # the kept batch (with the cancelled message, marked garbage) fits now
+        failure = _fill(sp, led, rng, refused)
+        if failure is None:
+            return "FAILED: the grown disk never filled", False
+        second = len(led.acked) - first
+    finally:
+        sp.close()  # as a crash would: what waited for room is gone
+    sp = Spool.open(root, cfg, io=OsFileIO())  # recovery on the full disk
+    try:
+        problem = _check(sp, led, refused, "on the full disk")
     finally:
         sp.close()
-    if not res.ok:
-        return f"FAILED: after growing the disk: {res.violations[:3]}", False
-    return (f"tmpfs of {size_kib} KiB filled: {len(led.acked)} messages acknowledged, then enqueue failed with "
-            f"ENOSPC; {on_full}; after growing it every acknowledged message was there"), True
+    if problem:
+        return problem, False
+    problem = _grow(mnt, size_kib * 4)
+    if problem:
+        return problem, False
+    sp = Spool.open(root, cfg)
+    try:
+        problem = _check(sp, led, refused, "after growing the disk")
+    finally:
+        sp.close()
+    if problem:
+        return problem, False
+    return (f"tmpfs of {size_kib} KiB filled: {first} messages acknowledged, then a commit found no room "
+            f"(DiskFull, the writer not poisoned); grown to {size_kib * 2} KiB the same spool went on "
+            f"({second} more acknowledged before it was full again); reopened on the full disk; after growing it "
+            f"every acknowledged message was there and none of the {len(refused)} refused ones"), True

@@ -242,6 +242,13 @@ class RecordingFileIO:
         self.inner.truncate(fd, length)
         self.rec.ops.append(Truncate(self.fd_ino[fd], length))
 
+    def allocate(self, fd: int, length: int) -> None:
+        """Recorded as a truncate that extends the file with zeros (what it reads as); never shrinks."""
+        before = self.inner.size(fd)
+        self.inner.allocate(fd, length)
+        if length > before:
+            self.rec.ops.append(Truncate(self.fd_ino[fd], length))
+
     def rename(self, src: str, dst: str) -> None:
         sp, sn, ino = self._lookup(src)
         dp, dn, _old = self._lookup(dst)

@@ -24,6 +24,15 @@ reports it, so a crash can lose neither without the other. When every job of
 a message is done, ``finish`` writes the replacement envelope (remaining
 recipients, next class) with no fsync of its own.
 
+A full disk. A DELIVERY record that cannot be written (DiskFull) stays
+appended at its position; the worker waits for the spool to have room and
+commits again, and only then finishes the message: the outcome is durable
+before the next step, as always. Meanwhile workers start no new delivery and
+the feeder claims nothing (``AsyncSpool.next_due`` waits too), so the
+scheduler pauses and resumes by itself. A crash while it waits makes the
+recipients in doubt: a remote's 250 not yet recorded may be delivered again,
+the known duplicate window.
+
 Dead destinations. When every recipient of a batch failed to even connect,
 the destination is backed off (doubling from 2 s up to 5 min); while it is,
 its jobs are deferred at once without a connection attempt, as Postfix's
@@ -47,6 +56,7 @@ from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, Smt
 from mta.metrics import Metrics
 from mta.transport import Destination, Job, Transport
 from spool.commit import AsyncSpool
+from spool.errors import DiskFull
 from spool.record import Outcome, Status
 from spool.spool import Attempt
 
@@ -204,6 +214,9 @@ class Scheduler:
                 await self._idle.park()
                 self._waking -= 1
                 continue
+            if self.aspool.disk_full:  # an outcome could not be recorded now: start nothing until there is room
+                await self.aspool.wait_for_space()
+                continue
             dest, state = picked
             batch = [state.queue.popleft() for _ in range(min(self.batch, len(state.queue)))]
             self.pending -= len(batch)
@@ -279,9 +292,24 @@ class Scheduler:
         for i, (tracker, _job, outcomes) in enumerate(done):
             if i not in recorded:
                 self._append(tracker, outcomes, int(duration * 1000))
-        await self.aspool.commit()
+        await self._commit_outcomes(len(done))
         for tracker, job, outcomes in done:
             self._after_durable(tracker, job, outcomes, duration)
+
+    async def _commit_outcomes(self, count: int) -> None:
+        """Commit the appended outcomes; while the disk is full, wait for room and commit again.
+
+        The records stay appended at their positions (spool.log), so the same
+        commit covers them once it fits; nothing is finished before that.
+        """
+        while True:
+            try:
+                await self.aspool.commit()
+                return
+            except DiskFull as exc:
+                log.warning("outcomes of %d messages not yet durable (%s): delivery pauses until there is room",
+                            count, exc)
+                await self.aspool.wait_for_space()
 
     def _append(self, tracker: Tracker, outcomes: list[Outcome], duration_ms: int) -> None:
         """Append a DELIVERY record, after the DSN for its failures (no fsync; the commit follows).

@@ -10,6 +10,15 @@ fdatasync covered the message.
 Failures: a client that misbehaves gets a reply and, at worst, a closed
 connection. A spool failure (a failed fsync above all) is not caught: it ends
 the relay, crash-only, and the next start recovers.
+
+Disk space: new mail is refused with ``452 4.3.1`` while the spool's disk is
+short (``_disk_ok``: free space less what the spool has not yet written below
+``queue_minfree``, a write waiting for room, or the spool's reserve not whole),
+checked at MAIL, at every chunk of DATA (a message being received is then read
+to its end and dropped) and before the enqueue. A commit that finds the disk
+full (DiskFull) gets the same reply, and the spool cancels the message. A
+message larger than the filesystem could ever hold above the floor gets
+``552 5.3.4`` instead, so that its sender stops retrying.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from mta.smtp_server import (
     StartTls,
 )
 from spool.commit import AsyncSpool
+from spool.errors import DiskFull
 from spool.spool import BodyWriter
 
 log = logging.getLogger("mta.smtpd")
@@ -60,6 +70,7 @@ R_TIMEOUT = Reply(421, "4.4.2", "Timeout, closing connection")
 R_SESSION_OVER = Reply(421, "4.4.2", "Session time limit reached, closing connection")
 R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
 R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
+R_TOO_BIG_FOR_DISK = Reply(552, "5.3.4", "Message too big for this system's disk")
 READ_SIZE = 65536
 # How long a last reply (421) may take to leave when the session is being ended anyway.
 FAREWELL_TIMEOUT = 5.0
@@ -68,6 +79,12 @@ FAREWELL_TIMEOUT = 5.0
 def free_bytes(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def filesystem_bytes(path: str) -> int:
+    """The size of the filesystem holding ``path`` (what the spool could ever use, with nothing else on it)."""
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize
 
 
 class CachedFreeSpace:
@@ -122,7 +139,21 @@ class SmtpServer:
                 nursery.start_soon(trio.serve_listeners, self.handle, [listener])
 
     def _disk_ok(self) -> bool:
-        return self.free_space(self.aspool.core.path) >= self.config.spool.queue_minfree
+        """Room for new mail? The spool must have no write waiting for room and its reserve whole, and the
+        free space, less what the spool holds in memory and has yet to write, must be above ``queue_minfree``.
+        """
+        spool = self.aspool
+        if not spool.space_ok:
+            return False
+        return self.free_space(spool.core.path) - spool.unflushed_bytes >= self.config.spool.queue_minfree
+
+    def _disk_refusal(self, size: int) -> Reply:
+        """``452``, or ``552`` for a message of ``size`` bytes that could never fit above the floor."""
+        try:
+            room = filesystem_bytes(self.aspool.core.path) - self.config.spool.queue_minfree
+        except OSError:
+            return R_DISK_FULL
+        return R_TOO_BIG_FOR_DISK if 0 < room < size else R_DISK_FULL
 
     async def handle(self, stream: trio.SocketStream) -> None:
         try:
@@ -303,12 +334,25 @@ class _Session:
         Why: the body goes to the log as it arrives, but the committer writes in
         a worker thread; a client faster than the disk would otherwise pile the
         message up in memory, the very thing streaming is for.
+
+        Disk space, at every chunk: once the disk is short (``_disk_ok``) or
+        full (the spool's writes wait for room), the message stops going to the
+        spool; the rest of it is read and counted, and refused at its end.
         """
+        body = self.body
+        if body is None or body.discarding:
+            return
         spool = self.server.aspool
+        if not self.server._disk_ok():
+            body.discard()
+            return
         if spool.unflushed_bytes >= spool.core.config.flush_threshold:
             await self._flush()
-            with self._relay_busy():
-                await spool.wait_flushed()
+            try:
+                with self._relay_busy():
+                    await spool.wait_flushed()
+            except DiskFull:
+                body.discard()
 
     def _reset(self) -> None:
         self.abort_body()
@@ -357,15 +401,19 @@ class _Session:
         body, self.body = self.body, None
         assert body is not None
         self._transaction(False)  # arrived: from here the commit waits for this message, not for the session
-        if not self.server._disk_ok():
-            body.abort()
-            self.conn.reject(R_DISK_FULL)
+        if body.discarding or not self.server._disk_ok():
+            self._refuse_for_disk(body)
             return
         extra: dict[str, Any] = {"client": self.client_ip}
         if self.mail_params:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
-        with self._relay_busy():
-            mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
+        try:
+            with self._relay_busy():
+                mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
+        except DiskFull as exc:
+            log.warning("no room to queue a message from %s (%d bytes): %s", self.client_ip, body.size, exc)
+            self._refuse_for_disk(body)  # the spool cancelled it: it is never delivered
+            return
         self.server.metrics.accepted.inc()
         queue_id = self.server.aspool.core.queue_id(mid)
         if log.isEnabledFor(logging.INFO):  # skip building the arguments when nobody listens
@@ -373,6 +421,11 @@ class _Session:
                      len(self.recipients), self.client_ip)
         self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {queue_id}"))
         self.recipients = []
+
+    def _refuse_for_disk(self, body: BodyWriter) -> None:
+        body.abort()
+        self.server.metrics.rejected.labels("disk").inc()
+        self.conn.reject(self.server._disk_refusal(body.size))
 
     async def _starttls(self) -> bool:
         ctx = self.server.ssl_context

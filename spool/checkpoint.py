@@ -20,6 +20,16 @@ has reached back behind its envelope; deletion keeps that many more segments.
 Written as temp file, fsync, rename, fsync of the directory: a crash leaves
 either the old checkpoint or the new one, never a mix. A stale checkpoint only
 costs more scanning; that is why positions may lag but never lead.
+
+Failures. A temporary file that cannot be written or synced (no room above
+all) is removed and the previous checkpoint stands: ``store`` raises DiskFull
+or CheckpointFailed, and the caller tries again later. Retrying is safe here,
+unlike a failed fsync of the log, because the failed file is thrown away and
+the next attempt writes a new one; nothing that was promised depends on it.
+A failed fsync of the directory after the rename is fatal (SyncFailed): then
+nobody knows which checkpoint a crash would leave, and segments may only be
+deleted behind a durable one. A temporary file left by a crash is removed at
+the next start (``remove_temp``).
 """
 
 from __future__ import annotations
@@ -32,13 +42,14 @@ import attrs
 import cbor2
 from crc32c import crc32c
 
-from spool.errors import CorruptRecord, FormatVersionError
+from spool.errors import CheckpointFailed, CorruptRecord, DiskFull, FormatVersionError, SyncFailed, no_space
 from spool.fileio import FileIO, read_exact, write_all
 from spool.segment import FORMAT_VERSION
 
 MAGIC = b"LSPOOLCP"
 _HEAD = struct.Struct("<8sHHII")
 NAME = "checkpoint"
+TEMP = NAME + ".tmp"
 
 
 class CorruptCheckpoint(CorruptRecord):
@@ -101,14 +112,51 @@ def load(io: FileIO, spool_dir: str) -> Checkpoint | None:
 
 
 def store(io: FileIO, spool_dir: str, cp: Checkpoint) -> None:
-    """Atomically replace the checkpoint; durable when this returns."""
+    """Atomically replace the checkpoint; durable when this returns.
+
+    Raises DiskFull (no room) or CheckpointFailed (another error) with the
+    previous checkpoint in place and no temporary file left; SyncFailed when
+    the directory's fsync failed after the rename.
+    """
     path = os.path.join(spool_dir, NAME)
-    tmp = path + ".tmp"
-    fd = io.open(tmp, create=True, truncate=True)
+    tmp = os.path.join(spool_dir, TEMP)
     try:
-        write_all(io, fd, cp.to_bytes(), 0)
-        io.fsync(fd)
-    finally:
-        io.close(fd)
-    io.rename(tmp, path)
-    io.fsync_dir(spool_dir)
+        fd = io.open(tmp, create=True, truncate=True)
+        try:
+            write_all(io, fd, cp.to_bytes(), 0)
+            io.fsync(fd)
+        finally:
+            io.close(fd)
+        io.rename(tmp, path)
+    except OSError as exc:
+        _discard(io, tmp)
+        if no_space(exc):
+            raise DiskFull(exc.errno, f"no room for the checkpoint in {spool_dir}: {exc.strerror}") from None
+        raise CheckpointFailed(exc.errno, f"writing the checkpoint in {spool_dir} failed: {exc}") from exc
+    try:
+        io.fsync_dir(spool_dir)
+    except OSError as exc:
+        raise SyncFailed(f"fsync of {spool_dir} after storing the checkpoint failed: {exc}; the process must "
+                         "restart and recover") from exc
+
+
+def _discard(io: FileIO, tmp: str) -> None:
+    """Remove a temporary checkpoint that failed (best effort: the next start removes it too)."""
+    try:
+        if io.exists(tmp):
+            io.unlink(tmp)
+    except OSError:
+        pass
+
+
+def remove_temp(io: FileIO, spool_dir: str) -> bool:
+    """Remove a temporary checkpoint left by a crash or a failed store; True if there was one.
+
+    It is never read: the rename that would have made it the checkpoint did
+    not happen. Removing it gives back its space before recovery writes.
+    """
+    tmp = os.path.join(spool_dir, TEMP)
+    if not io.exists(tmp):
+        return False
+    io.unlink(tmp)
+    return True

@@ -36,12 +36,27 @@ thread hop).
 Crash-only. An exception in the committer (a failed fsync above all) is not
 handled: it ends the nursery and the process, and the next start recovers.
 
+No room. A batch whose write finds the disk full (ENOSPC, EDQUOT) is put back
+and tried again with a growing delay (``SPACE_RETRY_MIN`` to
+``SPACE_RETRY_MAX``) until it fits; meanwhile ``space_ok`` is False, every
+waiter for durability (``commit``, ``write_through``, ``wait_flushed``) gets
+DiskFull at once, and ``wait_for_space`` returns when a write succeeds again.
+``enqueue`` cancels its message before re-raising, so the SMTP side answers
+452 and the message is never delivered; the scheduler waits and commits again
+(its records are still appended, at their positions). A checkpoint that fails
+(no room, or its temporary file) is logged and retried with the same backoff:
+a stale checkpoint only costs recovery a longer scan. The spool's reserve
+(``spool.reserve``), if a checkpoint gave it up, is allocated again by a task
+that retries likewise.
+
 Resource handling: ``run()`` must be started in a nursery (``await
 nursery.start(aspool.run)``); it owns the committer and checkpointer tasks.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
@@ -51,9 +66,17 @@ from trio.testing import wait_all_tasks_blocked
 
 from spool import admin
 from spool.config import SpoolConfig
+from spool.errors import CheckpointFailed, DiskFull
 from spool.fileio import FileIO
 from spool.record import HELD_CLASS, Outcome
 from spool.spool import Attempt, BodyWriter, Spool
+
+log = logging.getLogger("spool")
+# After a write or a checkpoint found no room: the first retry after SPACE_RETRY_MIN seconds, then twice as
+# long each time up to SPACE_RETRY_MAX (so mail is accepted again within that long of space returning).
+SPACE_RETRY_MIN = 0.05
+SPACE_RETRY_MAX = 2.0
+CHECKPOINT_RETRY_MAX = 30.0
 
 # Bodies up to this size are read in the event loop's thread (from the page cache: a few
 # microseconds), bigger ones chunk by chunk in a worker thread.
@@ -116,6 +139,12 @@ class AsyncSpool:
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
         self._expect_round = 0
         self._expected_changed = trio.Event()
+        self._space = trio.Event()  # set (and replaced) whenever space_ok may have become True
+        self._disk_state = trio.Event()  # set (and replaced) at every change of room and every checkpoint attempt
+        self._full_since: float | None = None
+        self._reserve_lost = trio.Event()
+        self.space_failures = 0  # writes that found no room
+        self.checkpoint_failures = 0
 
     @classmethod
     async def open(cls, path: str, config: SpoolConfig | None = None, io: FileIO | None = None) -> AsyncSpool:
@@ -127,13 +156,94 @@ class AsyncSpool:
             nursery.start_soon(self._committer)
             nursery.start_soon(self._lazy_committer)
             nursery.start_soon(self._checkpointer)
+            nursery.start_soon(self._reserve_keeper)
             self._running = True
+            if self.core.writer.full is not None:  # recovery's records found no room: try until they fit
+                self._want_sync = True
+                self._kick.set()
             task_status.started()
+
+    # -- room on disk -----------------------------------------------------------
+
+    @property
+    def space_ok(self) -> bool:
+        """May new mail be taken? Not while a write waits for room, nor while the reserve is not whole."""
+        return self.core.writer.full is None and self.core.reserve.held
+
+    @property
+    def disk_full(self) -> bool:
+        """A write found no room and waits to be retried (deliveries pause; see ``wait_for_space``)."""
+        return self.core.writer.full is not None
+
+    def _raise_if_full(self) -> None:
+        full = self.core.writer.full
+        if full is not None:
+            raise DiskFull(errno.ENOSPC, f"the spool's disk is full: {full}")
+
+    async def wait_for_space(self) -> None:
+        """Return once no write waits for room (at once if none does)."""
+        while self.core.writer.full is not None:
+            await self._space.wait()
+
+    def _space_changed(self) -> None:
+        event, self._space = self._space, trio.Event()
+        event.set()
+        self._disk_changed()
+
+    def _disk_changed(self) -> None:
+        event, self._disk_state = self._disk_state, trio.Event()
+        event.set()
+
+    async def disk_event(self) -> None:
+        """Return at the next change of room on disk or checkpoint attempt.
+
+        For whoever watches ``disk_full``, ``space_failures``,
+        ``checkpoint_failures`` or ``checkpoint_state`` (tests, above all)
+        without polling.
+        """
+        await self._disk_state.wait()
+
+    async def _no_room(self, delay: float) -> float:
+        """A write found no room: tell the waiters, say it once, wait ``delay``; returns the next delay."""
+        self.space_failures += 1
+        if self._full_since is None:
+            self._full_since = trio.current_time()
+            log.warning("%s: %s; new mail is refused and deliveries wait; %d bytes wait in memory, retried until "
+                        "they fit", self.core.path, self.core.writer.full, self.core.writer.pending_bytes)
+        synced, self._synced = self._synced, trio.Event()
+        synced.set()  # every waiter sees writer.full and raises DiskFull
+        self._disk_changed()
+        await trio.sleep(delay)
+        return min(delay * 2, SPACE_RETRY_MAX)
+
+    def _room_again(self) -> None:
+        """A write that had found no room (here, or in recovery before the relay ran) went through."""
+        since = "" if self._full_since is None else f" after {trio.current_time() - self._full_since:.1f} s"
+        log.warning("%s: room on disk again%s: the waiting records are written, mail is accepted", self.core.path,
+                    since)
+        self._full_since = None
+        self._space_changed()
+
+    async def _reserve_keeper(self) -> None:
+        """Allocate the reserve again whenever it is not whole (after a checkpoint used it, or at a full start)."""
+        reserve = self.core.reserve
+        while True:
+            if reserve.held:
+                await self._reserve_lost.wait()
+                self._reserve_lost = trio.Event()
+                continue
+            delay = SPACE_RETRY_MIN
+            while not await trio.to_thread.run_sync(reserve.ensure):
+                await trio.sleep(delay)
+                delay = min(delay * 2, SPACE_RETRY_MAX)
+            log.info("%s: the spool's reserve is allocated again", self.core.path)
+            self._space_changed()
 
     # -- durability -----------------------------------------------------------
 
     async def _committer(self) -> None:
         writer = self.core.writer
+        delay = SPACE_RETRY_MIN
         while True:
             await self._kick.wait()
             self._kick = trio.Event()
@@ -144,12 +254,22 @@ class AsyncSpool:
                     await self._gather()
                 before = writer.records
                 sync, self._want_sync = self._want_sync, False
+                was_full = writer.full is not None
                 batch = writer.take_batch(sync=sync)
                 self._writing = batch.size
                 try:
                     await trio.to_thread.run_sync(writer.write_batch, batch)
+                except DiskFull:
+                    writer.restore(batch)
+                    self._want_sync = self._want_sync or sync
+                    self._writing = 0
+                    delay = await self._no_room(delay)
+                    continue
                 finally:
                     self._writing = 0
+                if was_full:
+                    delay = SPACE_RETRY_MIN
+                    self._room_again()
                 self.batch_sizes.append(before)
                 if len(self.batch_sizes) > 1024:
                     del self.batch_sizes[:512]
@@ -208,10 +328,15 @@ class AsyncSpool:
         changed.set()
 
     async def commit(self) -> None:
-        """Return once everything appended before the call is durable."""
+        """Return once everything appended before the call is durable.
+
+        Raises DiskFull while a write waits for room: the records stay appended
+        and become durable when it fits (``wait_for_space``, then commit again).
+        """
         writer = self.core.writer
         ticket = writer.head
         while writer.durable_end < ticket:
+            self._raise_if_full()
             self._want_sync = True
             self._kick.set()
             await self._synced.wait()
@@ -226,6 +351,7 @@ class AsyncSpool:
         writer = self.core.writer
         ticket = writer.head
         while writer.durable_end < ticket:
+            self._raise_if_full()
             self._lazy.set()
             await self._synced.wait()
 
@@ -238,6 +364,7 @@ class AsyncSpool:
         writer = self.core.writer
         ticket = writer.head
         while writer.written_end < ticket:
+            self._raise_if_full()
             self._kick.set()
             await self._synced.wait()
 
@@ -277,6 +404,7 @@ class AsyncSpool:
         """
         limit = self.core.config.flush_threshold
         while self.unflushed_bytes >= limit:
+            self._raise_if_full()
             self._kick.set()
             self._wake_window()
             await self._synced.wait()
@@ -288,15 +416,28 @@ class AsyncSpool:
 
     async def enqueue(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
                       extra: dict[str, Any] | None = None) -> int:
-        """Append and wait for durability: the caller may answer 250 when this returns."""
-        mid = self.core.enqueue(sender, recipients, body, extra=extra)
-        await self.commit()
-        return mid
+        """Append and wait for durability: the caller may answer 250 when this returns.
+
+        Raises DiskFull (the caller answers 452) with the message cancelled:
+        it will not be delivered once the disk has room again.
+        """
+        msg = self.core.append_message(sender, recipients, body, extra=extra)
+        try:
+            await self.commit()
+        except DiskFull:
+            self.core.cancel(msg)
+            raise
+        return msg.message_id
 
     async def enqueue_many(self, messages: Iterable[tuple[str, Iterable[str], bytes]]) -> list[int]:
-        ids = [self.core.enqueue(s, r, b) for s, r, b in messages]
-        await self.commit()
-        return ids
+        appended = [self.core.append_message(s, r, b) for s, r, b in messages]
+        try:
+            await self.commit()
+        except DiskFull:
+            for msg in appended:
+                self.core.cancel(msg)
+            raise
+        return [m.message_id for m in appended]
 
     # -- delivery ---------------------------------------------------------------
 
@@ -308,21 +449,14 @@ class AsyncSpool:
         """
         core = self.core
         while True:
+            await self.wait_for_space()  # no claims while the disk is full: deliveries pause
             changed = self._changed
             before = [r.pos for r in core.runners]
             attempts = core.poll_due(limit=limit)
             if [r.pos for r in core.runners] != before:
                 self._moved.set()
             if attempts:
-                # The STARTs reach the log's file before any delivery begins: then a killed
-                # process leaves a record of every attempt that may have reached a remote, and
-                # recovery can name its recipients as in doubt. A START needs no fsync of its own
-                # (DESIGN §2): the DELIVERY commit that follows covers it. With sync_claims, a
-                # power cut leaves them too, at one more fsync per batch of claims.
-                if core.config.sync_claims:
-                    await self.commit()
-                else:
-                    await self.write_through()
+                await self._claims_written()
                 return attempts
             wake = core.next_wake() if core.has_room else None
             if wake is None:
@@ -333,6 +467,26 @@ class AsyncSpool:
             # in case the wall clock is set back.
             with trio.move_on_after(min(60.0, max(0.0, wake - core.config.clock()) + 0.001)):
                 await changed.wait()
+
+    async def _claims_written(self) -> None:
+        """The STARTs reach the log's file before any delivery begins.
+
+        Then a killed process leaves a record of every attempt that may have
+        reached a remote, and recovery can name its recipients as in doubt. A
+        START needs no fsync of its own (DESIGN §2): the DELIVERY commit that
+        follows covers it. With sync_claims, a power cut leaves them too, at
+        one more fsync per batch of claims. When the disk is full the claims
+        wait in memory, like the deliveries they start.
+        """
+        while True:
+            try:
+                if self.core.config.sync_claims:
+                    await self.commit()
+                else:
+                    await self.write_through()
+                return
+            except DiskFull:
+                await self.wait_for_space()
 
     async def record_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0) -> None:
         """Append the outcomes and wait until they are durable (before the message's next step)."""
@@ -376,37 +530,52 @@ class AsyncSpool:
     async def find(self, message_id: int) -> admin.LiveMessage:
         return await trio.to_thread.run_sync(admin.find, self.core, message_id)
 
-    async def hold(self, message_id: int) -> None:
+    async def _find_for_change(self, message_id: int) -> admin.LiveMessage:
+        """``find``, refused with DiskFull while the disk is full: then no admin change is even begun."""
+        self._raise_if_full()
         msg = await self.find(message_id)
+        self._raise_if_full()
+        return msg
+
+    async def _admin_commit(self) -> None:
+        """Commit an admin change; if the disk filled meanwhile, say that the change waits for room."""
+        try:
+            await self.commit()
+        except DiskFull as exc:
+            raise DiskFull(exc.errno, f"{exc.strerror}; the change is made and will be written when there is "
+                                      "room") from None
+
+    async def hold(self, message_id: int) -> None:
+        msg = await self._find_for_change(message_id)
         if msg.held:
             return
         attempt = self.core.claim_for_admin(msg.pos)
         self.core.admin_replace(attempt, klass=HELD_CLASS, held=True)
-        await self.commit()
+        await self._admin_commit()
 
     async def release(self, message_id: int) -> None:
-        msg = await self.find(message_id)
+        msg = await self._find_for_change(message_id)
         if not msg.held:
             return
         attempt = self.core.claim_for_admin(msg.pos)
         self.core.admin_replace(attempt, klass=0, held=False)
-        await self.commit()
+        await self._admin_commit()
         self._signal_change()
 
     async def delete(self, message_id: int) -> None:
-        msg = await self.find(message_id)
+        msg = await self._find_for_change(message_id)
         attempt = self.core.claim_for_admin(msg.pos)
         self.core.admin_delete(attempt)
-        await self.commit()
+        await self._admin_commit()
 
     async def flush(self, message_id: int) -> None:
         """Make a deferred message due now (the new-mail runner takes it)."""
-        msg = await self.find(message_id)
+        msg = await self._find_for_change(message_id)
         if msg.held or msg.klass == 0:
             return
         attempt = self.core.claim_for_admin(msg.pos)
         self.core.admin_replace(attempt, klass=0, held=False)
-        await self.commit()
+        await self._admin_commit()
         self._signal_change()
 
     # -- checkpoints ------------------------------------------------------------
@@ -424,6 +593,7 @@ class AsyncSpool:
             return
         writer = self.core.writer
         last_bytes, last_time = writer.appended_bytes, trio.current_time()
+        delay = SPACE_RETRY_MIN
         while True:
             seen = writer.appended_bytes
             await trio.sleep(interval)
@@ -432,8 +602,26 @@ class AsyncSpool:
             self._moved = trio.Event()
             self.checkpoint_passes += 1
             last_bytes, last_time = writer.appended_bytes, trio.current_time()
-            await self.checkpoint()
+            while not await self._try_checkpoint(delay):
+                await trio.sleep(delay)
+                delay = min(delay * 2, CHECKPOINT_RETRY_MAX)
+            delay = SPACE_RETRY_MIN
             await self._moved.wait()
+
+    async def _try_checkpoint(self, delay: float) -> bool:
+        """``checkpoint``; a failure other than a failed fsync is logged (retried in ``delay``), never raised."""
+        try:
+            await self.checkpoint()
+        except (DiskFull, CheckpointFailed) as exc:
+            self.checkpoint_failures += 1
+            log.warning("%s: checkpoint not written (%s); retrying in %.2g s (a stale checkpoint only costs "
+                        "recovery a longer scan)", self.core.path, exc, delay)
+            return False
+        finally:
+            if not self.core.reserve.held:
+                self._reserve_lost.set()
+            self._disk_changed()
+        return True
 
     def _checkpoint_due(self, seen: int, last_bytes: int, last_time: float) -> bool:
         """Is a checkpoint due, one interval after the log had ``seen`` bytes appended?
@@ -452,12 +640,20 @@ class AsyncSpool:
                 or trio.current_time() - last_time >= config.checkpoint_max_interval)
 
     async def checkpoint(self) -> list[int]:
-        """Write restart positions (if they moved) and reclaim segments behind them."""
-        plan = self.core.checkpoint_plan()
+        """Write restart positions (if they moved) and reclaim segments behind them.
+
+        While records wait for room, the positions name only what is durable
+        (``Spool.checkpoint_plan(durable_only=True)``): segments are reclaimed
+        even then, and the reserve lets the checkpoint be written on a disk
+        full to the last block; the space it frees lets the waiting records in.
+        """
+        full = self.disk_full
+        plan = self.core.checkpoint_plan(durable_only=full)
         key = (plan.checkpoint.head, plan.checkpoint.working_start, plan.checkpoint.runners)
         if key == self._last_plan:
             return []
-        await self._ride_along()
+        if not full:
+            await self._ride_along()
         gone = await trio.to_thread.run_sync(self.core.checkpoint_write, plan)
         self._last_plan = key
         return gone

@@ -79,6 +79,13 @@ class SpoolConfig:
     # Appended to this spool's queue ids wherever the engine names a message (``-K`` for shard K of a
     # relay with several processes), so that ids stay unique across the spools of one host.
     id_suffix: str = ""
+    # Room kept for reclaiming room (spool.reserve): a preallocated file that only a checkpoint which deletes
+    # segments may give up, when the disk is full to the last block. 0: none. At most one segment (a
+    # checkpoint needs one block; deleting one segment gives the reserve back).
+    reserve_bytes: int = 256 * 1024
+    # At open, cut segment_size (and checkpoint_bytes, reserve_bytes) to fit a filesystem too small for them
+    # (fit_to_filesystem): a segment is deleted only when several newer ones exist.
+    fit_to_disk: bool = True
     clock: Callable[[], float] = time.time
 
     def __attrs_post_init__(self) -> None:
@@ -100,6 +107,8 @@ class SpoolConfig:
             raise ValueError("body_cache must not be negative")
         if not 0.0 <= self.deferred_share <= 1.0:
             raise ValueError("deferred_share must be between 0 and 1")
+        if self.reserve_bytes < 0:
+            raise ValueError("reserve_bytes must not be negative")
 
     @property
     def classes(self) -> int:
@@ -111,3 +120,29 @@ class SpoolConfig:
 
     def next_class(self, klass: int) -> int:
         return min(klass + 1, self.classes - 1)
+
+
+# The filesystem must hold this many segments. The spool deletes a segment only once it lies more than
+# BODY_SLACK (2) + body_span segments behind the garbage end, which is itself in or behind the head's
+# segment: with a backlog-free log about 4 segments stay; 16 keep that to a quarter of the disk.
+SEGMENTS_PER_FILESYSTEM = 16
+
+
+def fit_to_filesystem(config: SpoolConfig, fs_bytes: int) -> SpoolConfig:
+    """``config`` with segments small enough for a filesystem of ``fs_bytes`` (unchanged if they are).
+
+    Why: a 64 MiB segment on a 100 MiB disk can never be deleted (deletion
+    needs newer segments past it, and they do not fit), so the spool fills the
+    disk with garbage and refuses mail for good. Segments of at most 1/16 of
+    the filesystem (in 4 KiB steps, at least MIN_SEGMENT_SIZE) always leave
+    room to rotate and delete. ``checkpoint_bytes`` and ``reserve_bytes`` are
+    cut to one such segment too: under steady load the byte bound paces
+    checkpoints, and a segment is reclaimed only behind one.
+    """
+    if not config.fit_to_disk or fs_bytes <= 0:
+        return config
+    limit = max(MIN_SEGMENT_SIZE, fs_bytes // SEGMENTS_PER_FILESYSTEM // MIN_SEGMENT_SIZE * MIN_SEGMENT_SIZE)
+    if config.segment_size <= limit:
+        return config
+    return attrs.evolve(config, segment_size=limit, checkpoint_bytes=min(config.checkpoint_bytes, limit),
+                        reserve_bytes=min(config.reserve_bytes, limit))

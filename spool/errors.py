@@ -6,6 +6,8 @@ so callers that only know Python's exceptions still catch them sensibly.
 
 from __future__ import annotations
 
+import errno
+
 
 class SpoolError(Exception):
     """Root of every error the spool raises on purpose."""
@@ -50,3 +52,33 @@ class MessageBusy(SpoolError, RuntimeError):
 
 class SyncFailed(SpoolError, OSError):
     """fsync failed. The process must not retry and carry on (fsyncgate): it crashes and recovers."""
+
+
+# errno values that mean "no room": the disk (ENOSPC) or the user's quota (EDQUOT) is full.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def no_space(exc: BaseException) -> bool:
+    """Is ``exc`` an OSError saying that the disk or the quota is full?"""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE
+
+
+class DiskFull(SpoolError, OSError):
+    """A write found no room (ENOSPC or EDQUOT). Unlike a failed fsync this is not fatal.
+
+    Nothing half-written is kept: the log cuts its files back to where the
+    failed write began and writes the same bytes at the same positions once
+    space returns (``LogWriter``), and a checkpoint that did not fit is simply
+    not there (the previous one stands). Whoever waited for durability gets
+    this exception and decides what to tell its peer (``452`` to an SMTP
+    client; a delivery waits for space and tries again). ``errno`` is the
+    original one.
+    """
+
+
+class CheckpointFailed(SpoolError, OSError):
+    """A checkpoint could not be written (its temporary file failed). The previous one stands.
+
+    A checkpoint is an optimisation: a stale one only costs recovery a longer
+    scan. The caller logs this and tries again later.
+    """

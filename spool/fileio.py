@@ -37,6 +37,14 @@ class FileIO(Protocol):
 
     def truncate(self, fd: int, length: int) -> None: ...
 
+    def allocate(self, fd: int, length: int) -> None:
+        """Give the file blocks for its first ``length`` bytes (zeros), so that the space is held.
+
+        Raises OSError(ENOSPC) when there is no room. Used for the spool's
+        reserve (``spool.reserve``).
+        """
+        ...
+
     def rename(self, src: str, dst: str) -> None: ...
 
     def unlink(self, path: str) -> None: ...
@@ -84,6 +92,9 @@ class OsFileIO:
 
     def truncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
+
+    def allocate(self, fd: int, length: int) -> None:
+        os.posix_fallocate(fd, 0, length)
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)

@@ -20,17 +20,31 @@ only the last one. So only the last segment can ever have a torn tail, and
 
 A failed fsync poisons the writer: PostgreSQL's fsyncgate showed that a retried
 fsync can report success for pages the kernel already dropped, so the only safe
-course is to crash and recover from what is really on disk.
+course is to crash and recover from what is really on disk. So does EIO on a
+write: what reached the file is unknown.
+
+A write that finds no room (ENOSPC, EDQUOT) does not poison. It wrote nothing
+that a later sync could make durable by surprise: the files are cut back to
+where the failed batch began in each of them (a short write may have extended
+one), the batch is put back in front of whatever was appended since
+(``restore``), and the same bytes are written at the same positions when space
+returns. Positions already handed out stay valid, so in-memory state (attempts,
+outcomes, bodies being received) stays consistent with the log; records wait
+in memory meanwhile, and the callers keep that bounded (the relay refuses new
+mail and pauses deliveries while ``full`` is set). A message whose commit
+failed this way is cancelled by its caller (``cancel``: its envelope is
+written with the garbage flag set).
 """
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections import OrderedDict
 
 import attrs
 
-from spool.errors import SpoolError, SyncFailed
+from spool.errors import DiskFull, SpoolError, SyncFailed, no_space
 from spool.fileio import FileIO, write_all
 from spool.record import (
     FLAGS_OFFSET,
@@ -97,6 +111,11 @@ class LogWriter:
         self._unsynced: set[int] = set()  # segments with unsynced record bytes (a commit syncs them)
         self._dir_dirty = False
         self.poisoned: BaseException | None = None
+        # Why the last write found no room (None once a write succeeds again): see the module docstring.
+        self.full: str | None = None
+        # Garbage marks whose one-byte write found no room (copy-on-write filesystems): written with the next
+        # batch or checkpoint, and counted as pending meanwhile, so that no runner claims their envelopes.
+        self._late_marks: list[int] = []
         self.closed_sizes: dict[int, int] = {}
 
     # -- append side (event loop thread) -------------------------------------
@@ -160,8 +179,26 @@ class LogWriter:
         self._mark_set.add(pos)
 
     def mark_pending(self, pos: int) -> bool:
-        """Is a mark on ``pos`` still waiting for its START to be durable?"""
-        return pos in self._mark_set
+        """Is a mark on ``pos`` still waiting for its START to be durable (or for room to be written)?"""
+        return pos in self._mark_set or pos in self._late_marks
+
+    @property
+    def waiting_marks(self) -> int:
+        """Garbage marks whose write found no room and waits for the next batch or checkpoint."""
+        return len(self._late_marks)
+
+    def cancel(self, pos: int) -> None:
+        """Set the garbage flag of a record appended but not durable (a message whose commit failed).
+
+        In the buffer if the record is still there; and in any case once the
+        next commit is durable, like any mark (the record may be in a batch
+        being written right now, or already written).
+        """
+        seg, off = pos_segment(pos), pos_offset(pos)
+        for cseg, coff, data in self._chunks:
+            if cseg == seg and coff <= off < coff + len(data):
+                data[off - coff + FLAGS_OFFSET] |= GARBAGE
+        self.mark_after_sync(pos)
 
     def take_batch(self, *, sync: bool = True) -> Batch:
         batch = Batch(self._chunks, self.head, self._marks if sync else [], sync, self._pending_bytes)
@@ -171,6 +208,19 @@ class LogWriter:
             self._marks = []
             self._mark_set = set()
         return batch
+
+    def restore(self, batch: Batch) -> None:
+        """Put back a batch whose write found no room, ahead of what was appended since (appending thread).
+
+        Its positions were handed out, so its bytes must land exactly there;
+        everything appended after it follows it in the log. The buffers are
+        copied: the failed write's memoryviews may still hold the old ones.
+        """
+        self._chunks[:0] = [(seg, off, bytearray(data)) for seg, off, data in batch.chunks]
+        self._pending_bytes += batch.size
+        if batch.sync:
+            self._marks[:0] = batch.marks
+            self._mark_set.update(batch.marks)
 
     # -- I/O side (one thread at a time) --------------------------------------
 
@@ -200,28 +250,23 @@ class LogWriter:
             raise SyncFailed(f"fdatasync failed: {exc}; the process must restart and recover") from exc
 
     def write_batch(self, batch: Batch) -> None:
-        """Write, sync (if asked), then apply the marks that waited for that sync."""
+        """Write, sync (if asked), then apply the marks that waited for that sync.
+
+        Raises DiskFull when a write finds no room: the files are cut back and
+        the caller must ``restore`` the batch (from the appending thread).
+        SyncFailed (and any other OSError) poisons the writer.
+        """
         with self.io_lock:
             if self.poisoned is not None:
                 raise SpoolError("the log is unusable after an I/O failure") from self.poisoned
-            try:
-                for seg, off, data in batch.chunks:
-                    if off == 0:
-                        # The new header records the previous segment's sealed size: that segment, and any
-                        # older one with unsynced bytes, must be on disk before the header can be.
-                        self._sync_segments(below=seg)
-                        self._sync_dir()
-                    fd = self._fd(seg, create=off == 0)
-                    if off == 0:
-                        self._dir_dirty = True
-                    write_all(self.io, fd, data, off)
-                    self._dirty.add(seg)
-                    self._unsynced.add(seg)
-            except SyncFailed:
-                raise
-            except OSError as exc:
-                self.poisoned = exc
-                raise
+            for seg, off, data in batch.chunks:
+                if off == 0:
+                    # The new header records the previous segment's sealed size: that segment, and any
+                    # older one with unsynced bytes, must be on disk before the header can be.
+                    self._sync_segments(below=seg)
+                    self._sync_dir()
+                self._write_chunk(seg, off, data)
+            self.full = None
             if batch.chunks:
                 self.written_end = batch.end
             if not batch.sync:
@@ -232,8 +277,59 @@ class LogWriter:
             self._sync_dir()
             self.durable_end = self.written_end
             self.commits += 1
-            for pos in batch.marks:
+            self._late_marks.extend(batch.marks)
+            self._apply_late_marks()
+
+    def _write_chunk(self, seg: int, off: int, data: bytearray) -> None:
+        try:
+            fd = self._fd(seg, create=off == 0)
+            if off == 0:
+                self._dir_dirty = True
+            write_all(self.io, fd, data, off)
+        except SyncFailed:
+            raise
+        except OSError as exc:
+            if not no_space(exc):
+                self.poisoned = exc
+                raise
+            self._cut_back(seg, off)
+            self.full = f"{exc.strerror or exc} writing {segment_path(self.log_dir, seg)}"
+            raise DiskFull(exc.errno, f"the spool's disk is full: {self.full}") from None
+        self._dirty.add(seg)
+        self._unsynced.add(seg)
+
+    def _cut_back(self, seg: int, off: int) -> None:
+        """Undo whatever part of a failed write reached the file (a short write extends it).
+
+        Nothing past ``off`` in this segment was written by an earlier batch,
+        and no reader looks past ``durable_end``. A new segment keeps its (now
+        empty) file; a crash before the retry leaves an empty last segment,
+        which recovery removes. Failing to cut back poisons the writer: the
+        file would hold bytes nobody accounts for.
+        """
+        fd = self._fds.get(seg)
+        if fd is None:
+            return  # the file could not even be created
+        try:
+            self.io.truncate(fd, off)
+        except OSError as exc:
+            self.poisoned = exc
+            raise SpoolError(f"cutting back a write that found no room failed: {exc}") from exc
+
+    def _apply_late_marks(self) -> None:
+        """Write the marks waiting for this point; any that find no room wait for the next batch."""
+        marks, self._late_marks = self._late_marks, []
+        for i, pos in enumerate(marks):
+            try:
                 self._mark(pos)
+            except FileNotFoundError:
+                continue  # its segment was already reclaimed: nothing left to mark
+            except OSError as exc:
+                if not no_space(exc):
+                    self.poisoned = exc
+                    raise
+                self._late_marks = marks[i:]
+                return
 
     def _sync_segments(self, *, below: int) -> None:
         """fdatasync, oldest first, every segment below ``below`` that holds unsynced record bytes."""
@@ -258,17 +354,25 @@ class LogWriter:
         self._dirty.add(pos_segment(pos))
 
     def mark_now(self, pos: int) -> None:
-        """Set a mark on a record already known durable (recovery, admin)."""
+        """Set a mark on a record already known durable (recovery, admin); later if it finds no room."""
         with self.io_lock:
             if self.poisoned is not None:
                 raise SpoolError("the log is unusable after an I/O failure; restart to recover") from self.poisoned
-            self._mark(pos)
+            self._late_marks.append(pos)
+            self._apply_late_marks()
 
     def sync_all(self) -> None:
-        """fdatasync every segment with marks or data not yet synced (checkpoint)."""
+        """fdatasync every segment with marks or data not yet synced (checkpoint).
+
+        Raises DiskFull while a mark still waits for room: a checkpoint must
+        not move the working suffix past the START that explains it.
+        """
         with self.io_lock:
             if self.poisoned is not None:
                 raise SpoolError("the log is unusable after an I/O failure; restart to recover") from self.poisoned
+            self._apply_late_marks()
+            if self._late_marks:
+                raise DiskFull(errno.ENOSPC, f"{len(self._late_marks)} garbage marks wait for room")
             for seg in sorted(self._dirty):
                 self._sync_fd(self._fd(seg))
             self._dirty.clear()

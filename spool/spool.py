@@ -22,6 +22,14 @@ as the client was slow). The spool records the longest such reach it has seen
 BODY_SLACK + body_span segments; a replacement envelope shares its body when
 that stays within the slack and copies it to the head otherwise, so deferred
 mail never pins old segments.
+
+A full disk (docs/design.md, "A full disk"): a commit that finds no room raises
+DiskFull and keeps its records for the next try (``spool.log``); a message
+whose commit failed is cancelled (``cancel``). Recovery on a full disk
+completes with its replacement envelopes and FINISH records waiting in memory,
+and skips its checkpoint. Segments are cut to the filesystem's size at open
+(``spool.config.fit_to_filesystem``), and a reserve file keeps room for the
+checkpoint that deletes segments (``spool.reserve``).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -37,11 +45,11 @@ import attrs
 
 from spool import checkpoint as ckpt
 from spool import recovery
-from spool.config import SpoolConfig
-from spool.errors import CorruptRecord, MessageBusy, SpoolError, SpoolLocked
+from spool.config import SpoolConfig, fit_to_filesystem
+from spool.errors import CheckpointFailed, CorruptRecord, DiskFull, MessageBusy, SpoolError, SpoolLocked, SyncFailed
 from spool.fairness import DeferredBudget
 from spool.fileio import FileIO, OsFileIO, write_all
-from spool.log import LogWriter
+from spool.log import Batch, LogWriter
 from spool.record import (
     GARBAGE,
     HELD_CLASS,
@@ -58,6 +66,7 @@ from spool.record import (
     make_pos,
     pos_segment,
 )
+from spool.reserve import Reserve
 from spool.runner import Candidate, Runner
 from spool.segment import (
     SEGMENT_HEADER_SIZE,
@@ -159,9 +168,13 @@ class BodyWriter:
         self.chunks: list[int] = []
         self.size = 0
         self.closed = False
+        self.discarding = False
         self.kept: list[bytes] | None = [] if spool.body_cache.item_limit > 0 else None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.discarding:
+            self.size += len(data)
+            return
         if self.closed:
             raise SpoolError("body already closed")
         self._buf += data
@@ -198,6 +211,26 @@ class BodyWriter:
         self.closed = True
         self._spool._open_bodies.pop(id(self), None)
 
+    def discard(self) -> None:
+        """Abort, and count (not store) whatever is still written: the sender's data goes on arriving.
+
+        For a receiver that must refuse the message at its end (the disk
+        filled up meanwhile) but has to read it to the end first.
+        """
+        self.abort()
+        self.discarding = True
+        self._buf.clear()
+        self.kept = None
+
+
+@attrs.frozen
+class Appended:
+    """A message appended and not yet durable: what ``Spool.cancel`` needs if its commit fails."""
+
+    message_id: int
+    pos: int
+    body: tuple[int, ...]
+
 
 @attrs.frozen
 class CheckpointPlan:
@@ -228,6 +261,10 @@ class Spool:
         self.body_cache = BodyCache(config.body_cache)
         # Deferred claims while new mail flows (spool.fairness).
         self.budget = DeferredBudget(config.deferred_share)
+        self.reserve = Reserve(io, path, min(config.reserve_bytes, config.segment_size))
+        # Attempts ended in memory whose FINISH is not durable yet, oldest first: (FINISH position, START
+        # position, first position of the envelope and its body). See checkpoint_plan(durable_only=True).
+        self._settling: deque[tuple[int, int, int]] = deque()
 
     # -- open = recover -----------------------------------------------------
 
@@ -237,6 +274,7 @@ class Spool:
         """Open (creating if needed) and recover. Raises SpoolLocked, CorruptSegment, ..."""
         sp = cls(path, config or SpoolConfig(), io or OsFileIO())
         sp.io.makedirs(sp.log_dir)
+        sp._fit_to_filesystem()
         if lock:
             sp._take_lock()
         try:
@@ -255,6 +293,23 @@ class Spool:
             raise SpoolLocked(f"{self.path}: another process has this spool open") from None
         self._lock_fd = fd
 
+    def _fit_to_filesystem(self) -> None:
+        """Cut segments (and the reserve) to a small filesystem, and say so (spool.config.fit_to_filesystem)."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return
+        fs_bytes = st.f_blocks * st.f_frsize
+        fitted = fit_to_filesystem(self.config, fs_bytes)
+        if fitted is self.config:
+            return
+        log.warning("%s: segment_size %d bytes is more than 1/16 of its %d-byte filesystem, where segments could "
+                    "not be deleted: using segments of %d bytes, a checkpoint at least every %d bytes appended and a "
+                    "reserve of %d bytes", self.path, self.config.segment_size, fs_bytes, fitted.segment_size,
+                    fitted.checkpoint_bytes, fitted.reserve_bytes)
+        self.config = fitted
+        self.reserve = Reserve(self.io, self.path, min(fitted.reserve_bytes, fitted.segment_size))
+
     def _now(self) -> float:
         return self.config.clock()
 
@@ -264,6 +319,8 @@ class Spool:
     def _recover(self) -> None:
         t0 = self._now()
         stats = self.recovery_stats
+        if ckpt.remove_temp(self.io, self.path):
+            log.info("%s: removed a temporary checkpoint left by an interrupted write", self.path)
         cp = ckpt.load(self.io, self.path)
         self._checkpoint = cp
         ids = list_segments(self.io, self.log_dir)
@@ -298,16 +355,30 @@ class Spool:
         self._check_sealed(min(r.pos for r in self.runners), last)
         for open_attempt in sorted(found.unfinished.values(), key=lambda a: a.start_pos):
             self._close_recovered(open_attempt, found.replaced)
-        self.commit()
+        try:
+            self.commit()
+        except DiskFull as exc:
+            # Safe to go on: what waits is only replacement envelopes and FINISH records (and garbage
+            # marks), which need no fsync of their own; a crash before they are written recovers the
+            # same attempts again. Runners see them once written (docs/design.md, "A full disk").
+            log.warning("recovered %s on a full disk (%s): %d bytes of replacement envelopes and FINISH records "
+                        "wait in memory until there is room", self.path, exc, self.writer.pending_bytes)
         stats.seconds = self._now() - t0
         log.info("recovered %s: %s; read %d records, %d bytes; %d in flight, %d in doubt",
                  self.path, recovery.describe(cp), stats.records_read, stats.bytes_read, stats.in_flight,
                  stats.in_doubt)
+        if not self.reserve.ensure():
+            log.warning("%s: no room for the spool's %d-byte reserve yet", self.path, self.reserve.size)
+        if self.writer.full is not None:
+            return
         # Not needed for correctness (the old checkpoint stays valid: positions may lag, never lead),
         # but after a crash it bounds the next start's scan to what is in flight then, instead of
         # rescanning this suffix at every start of a crash loop. After a clean stop it is identical
         # to the stored one, and checkpoint_write skips it.
-        self.checkpoint()
+        try:
+            self.checkpoint()
+        except (DiskFull, CheckpointFailed) as exc:
+            log.warning("%s: checkpoint after recovery not written (%s); the previous one stands", self.path, exc)
 
     def _check_sealed(self, start: int, last: int) -> None:
         """Every sealed segment the runners will still read is as long as its successor says.
@@ -407,7 +478,8 @@ class Spool:
             replacement = self._write_replacement(env, env_pos, klass, remaining, attempts=env.attempts,
                                                   in_doubt=tuple(dict.fromkeys(env.in_doubt + tuple(doubt))))
             stats.replacements += 1
-        self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        fin = self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        self._settling.append((fin, attempt.start_pos, min((env_pos, *env.body))))
 
     # -- reading --------------------------------------------------------------
 
@@ -458,8 +530,11 @@ class Spool:
         if self.writer.pending_bytes >= self.config.flush_threshold // 2:
             if self.flush_hook is not None:
                 self.flush_hook()
-            else:
-                self.writer.write_batch(self.writer.take_batch(sync=False))
+            elif self.writer.full is None:
+                try:
+                    self._write(self.writer.take_batch(sync=False))
+                except DiskFull:
+                    pass  # kept for the commit, which reports it
 
     def begin_body(self) -> BodyWriter:
         return BodyWriter(self)
@@ -510,6 +585,23 @@ class Spool:
     def enqueue(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
                 extra: dict[str, Any] | None = None, arrival_ms: int | None = None) -> int:
         """Append a new message (body then envelope); returns its queue id. Not durable until commit."""
+        return self.append_message(sender, recipients, body, extra=extra, arrival_ms=arrival_ms).message_id
+
+    def cancel(self, message: Appended) -> None:
+        """Withdraw a message whose commit failed (DiskFull): it must not be delivered once written.
+
+        Its envelope gets the garbage flag (in the buffer, and on disk after the
+        next commit); its body is garbage with it. A crash in between can still
+        leave it live: the sender was told to try again, so that is a
+        duplicate, never a loss.
+        """
+        self.writer.cancel(message.pos)
+        if message.body:
+            self.body_cache.drop(message.body[0])
+
+    def append_message(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
+                       extra: dict[str, Any] | None = None, arrival_ms: int | None = None) -> Appended:
+        """``enqueue``, returning what ``cancel`` needs as well as the queue id."""
         rcpts = tuple(recipients)
         if not rcpts:
             raise ValueError("a message needs at least one recipient")
@@ -521,7 +613,7 @@ class Spool:
                        extra=extra or {})
         pos = self._append(RecordType.ENVELOPE, env, 0)
         self._note_span(pos, chunks)
-        return mid
+        return Appended(mid, pos, chunks)
 
     def enqueue_many(self, messages: Iterable[tuple[str, Iterable[str], bytes]]) -> list[int]:
         """The batch API: many messages, one commit (like Nerve's SendPack)."""
@@ -530,9 +622,20 @@ class Spool:
         return ids
 
     def commit(self) -> None:
-        """Make everything appended so far durable (one fdatasync)."""
-        if self.writer.has_pending:
-            self.writer.write_batch(self.writer.take_batch())
+        """Make everything appended so far durable (one fdatasync).
+
+        Raises DiskFull with everything still appended (the next commit tries
+        again); the caller cancels the messages it had hoped to acknowledge.
+        """
+        if self.writer.has_pending or self.writer.full is not None:
+            self._write(self.writer.take_batch())
+
+    def _write(self, batch: Batch) -> None:
+        try:
+            self.writer.write_batch(batch)
+        except DiskFull:
+            self.writer.restore(batch)
+            raise
 
     # -- runners ------------------------------------------------------------
 
@@ -674,7 +777,11 @@ class Spool:
         return replacement
 
     def _end(self, attempt: Attempt, replacement: int | None) -> None:
-        self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        fin = self._append(RecordType.FINISH, Finish(attempt.start_pos, self._now_ms(), replacement))
+        self._settling.append((fin, attempt.start_pos, min((attempt.envelope_pos, *attempt.envelope.body))))
+        settled = self.writer.durable_end
+        while self._settling and self._settling[0][0] < settled:
+            self._settling.popleft()
         if attempt.envelope.body:
             self.body_cache.drop(attempt.envelope.body[0])
         del self.attempts[attempt.start_pos]
@@ -753,11 +860,27 @@ class Spool:
 
     # -- checkpoint and reclaiming space --------------------------------------
 
-    def checkpoint_plan(self) -> CheckpointPlan:
-        """Snapshot restart positions. Valid once everything appended so far is durable."""
-        head = self.writer.head
-        starts = [a.start_pos for a in self.attempts.values()]
-        envs = [min((a.envelope_pos, *a.envelope.body)) for a in self.attempts.values()]
+    def checkpoint_plan(self, *, durable_only: bool = False) -> CheckpointPlan:
+        """Snapshot restart positions. Valid once everything appended so far is durable.
+
+        ``durable_only``: valid now, naming only what is already durable; for
+        a checkpoint while records wait for room (the disk is full), so that
+        segments can still be reclaimed. Its head is the durable end, and
+        attempts that ended in memory but whose FINISH is not durable yet
+        (``_settling``) count as in flight: if those records are lost,
+        recovery must still find their STARTs, envelopes and bodies. Runners
+        never pass the durable end.
+        """
+        if durable_only:
+            head = self.writer.durable_end
+            while self._settling and self._settling[0][0] < head:
+                self._settling.popleft()
+            settling = list(self._settling)
+        else:
+            head, settling = self.writer.head, []
+        starts = [a.start_pos for a in self.attempts.values()] + [start for _, start, _ in settling]
+        envs = [min((a.envelope_pos, *a.envelope.body)) for a in self.attempts.values()] + [
+            first for _, _, first in settling]
         runners = tuple(r.pos for r in self.runners)
         working = min([head, *starts])
         garbage = min([working, *runners, *envs, *self._open_bodies.values()])
@@ -773,20 +896,43 @@ class Spool:
         if self.writer.durable_end < plan.head:
             raise SpoolError("checkpoint before its head is durable")
         self.writer.sync_all()
+        ids = list_segments(self.io, self.log_dir)
+        limit = pos_segment(plan.checkpoint.garbage_end) - plan.checkpoint.body_span - BODY_SLACK
         if self._checkpoint is None or not plan.checkpoint.same_restart(self._checkpoint):
             # Two fsyncs (the file, then the directory after the rename). A checkpoint whose
             # positions equal the stored one's would only renew its time and sequence, which
             # nothing reads back: skipped, so an idle spool, and every open after a clean stop,
             # writes none.
-            ckpt.store(self.io, self.path, plan.checkpoint)
-            self._checkpoint = plan.checkpoint
-        ids = list_segments(self.io, self.log_dir)
-        return self._delete_segments_before(pos_segment(plan.checkpoint.garbage_end) - plan.checkpoint.body_span
-                                            - BODY_SLACK, ids)
+            self._store_checkpoint(plan.checkpoint, frees=any(s < limit for s in ids))
+        gone = self._delete_segments_before(limit, ids)
+        self.reserve.ensure()
+        return gone
+
+    def _store_checkpoint(self, cp: ckpt.Checkpoint, *, frees: bool) -> None:
+        """Store ``cp``; when it finds no room and would free segments, into the reserve's room.
+
+        Raises DiskFull or CheckpointFailed (the previous checkpoint stands),
+        SyncFailed (the writer is poisoned too: crash and recover).
+        """
+        try:
+            try:
+                ckpt.store(self.io, self.path, cp)
+            except DiskFull:
+                if not (frees and self.reserve.held):
+                    raise
+                self.reserve.release()
+                ckpt.store(self.io, self.path, cp)
+        except SyncFailed as exc:
+            self.writer.poisoned = exc
+            raise
+        self._checkpoint = cp
 
     def checkpoint(self) -> list[int]:
         plan = self.checkpoint_plan()
-        self.commit()
+        try:
+            self.commit()
+        except DiskFull:
+            plan = self.checkpoint_plan(durable_only=True)  # while records wait for room: name only what is on disk
         return self.checkpoint_write(plan)
 
     def _delete_segments_before(self, limit_seg: int, ids: list[int]) -> list[int]:
@@ -796,17 +942,34 @@ class Spool:
         archive = self.config.archive_dir
         if archive:
             self.io.makedirs(archive)
+        done: list[int] = []
         for seg in gone:
             self.writer.forget(seg) if hasattr(self, "writer") else None
             path = segment_path(self.log_dir, seg)
+            try:
+                if archive:
+                    self.io.rename(path, os.path.join(archive, os.path.basename(path)))
+                else:
+                    self.io.unlink(path)
+            except OSError as exc:
+                # Not fatal: the segment stays garbage behind a durable checkpoint, and the next
+                # checkpoint (or start) deletes it. An archive on a full disk fails here with ENOSPC.
+                log.warning("could not %s segment %s: %s; trying again at the next checkpoint",
+                            "archive" if archive else "delete", path, exc)
+                break
+            done.append(seg)
+        if not done:
+            return done
+        try:
             if archive:
-                self.io.rename(path, os.path.join(archive, os.path.basename(path)))
-            else:
-                self.io.unlink(path)
-        if archive:
-            self.io.fsync_dir(archive)
-        self.io.fsync_dir(self.log_dir)
-        return gone
+                self.io.fsync_dir(archive)
+            self.io.fsync_dir(self.log_dir)
+        except OSError as exc:
+            if hasattr(self, "writer"):
+                self.writer.poisoned = exc
+            raise SyncFailed(f"directory fsync after deleting segments failed: {exc}; the process must restart "
+                             "and recover") from exc
+        return done
 
     @property
     def checkpoint_state(self) -> ckpt.Checkpoint | None:

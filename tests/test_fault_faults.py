@@ -12,7 +12,7 @@ import pytest
 from fault_injection import faults
 from fault_injection.ledger import Ledger, check
 from spool.config import SpoolConfig
-from spool.errors import SpoolError, SyncFailed
+from spool.errors import DiskFull, SpoolError, SyncFailed
 from spool.fileio import OsFileIO
 from spool.spool import Spool
 
@@ -62,7 +62,7 @@ def test_failed_fsync_poisons_the_spool_and_reopen_keeps_what_was_acknowledged(t
         sp.close()
 
 
-def test_enospc_fails_the_enqueue_and_keeps_earlier_messages(tmp_path: Path) -> None:
+def test_enospc_fails_the_commit_keeps_earlier_messages_and_does_not_poison(tmp_path: Path) -> None:
     fio = faults.FaultyFileIO(OsFileIO())
     sp = Spool.open(str(tmp_path), _config(), io=fio)
     led = Ledger()
@@ -71,10 +71,13 @@ def test_enospc_fails_the_enqueue_and_keeps_earlier_messages(tmp_path: Path) -> 
         sp.commit()
         led.acked.add(mid)
         fio.fault = faults.Fault("write", fio.counts["write"] + 1, "ENOSPC")
-        _enqueue(sp, led, 2)
-        with pytest.raises(OSError) as info:
+        mid = _enqueue(sp, led, 2)
+        with pytest.raises(DiskFull) as info:
             sp.commit()
         assert info.value.errno == errno.ENOSPC
+        assert sp.writer.poisoned is None
+        sp.commit()  # the fault fired once: the same records fit now
+        led.acked.add(mid)
     finally:
         sp.close()
     sp = Spool.open(str(tmp_path), _config())
@@ -88,7 +91,7 @@ def test_enospc_fails_the_enqueue_and_keeps_earlier_messages(tmp_path: Path) -> 
 def test_every_fault_kind_once_then_every_crash_state_recovers() -> None:
     report = faults.run_all(seed=0, real_fs=False)
     kinds = {(c.fault.op, c.fault.kind) for c in report.cases}
-    assert {("write", "ENOSPC"), ("write", "EIO"), ("write", "short"), ("fdatasync", "EIO"),
+    assert {("write", "ENOSPC"), ("write", "EIO"), ("write", "short"), ("fdatasync", "EIO"), ("allocate", "ENOSPC"),
             ("fsync", "EIO"), ("fsync_dir", "EIO"), ("rename", "EIO"), ("unlink", "EIO")} <= kinds
     assert report.ok, [line for line in report.lines() if "FAIL" in line or line.startswith("      ")]
 

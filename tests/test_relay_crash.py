@@ -66,6 +66,7 @@ class GatedHop:
         self._in_life = 0
         # Called when a message is held: a test may kill the relay right there, with no task switch.
         self.on_hold: Any = None
+        self.reply_text = ""  # the 250's text, if not "taken <Message-ID>" (LF between lines)
 
     async def start(self, nursery: trio.Nursery) -> None:
         listeners = await nursery.start(functools.partial(trio.serve_tcp, self._handle, 0, host="127.0.0.1"))
@@ -106,7 +107,7 @@ class GatedHop:
             self._wake()
             await gate.wait()
         self._wake()
-        conn.accept(Reply(250, "2.0.0", f"taken {mid}"))
+        conn.accept(Reply(250, "2.0.0", self.reply_text or f"taken {mid}"))
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         conn = ServerConnection("hop.test")
