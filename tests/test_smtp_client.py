@@ -15,7 +15,14 @@ from relay_support import relay_config
 
 from mta import smtp_client as C
 from mta import smtp_server as S
-from mta.smtp_common import DEFAULT_MAX_MESSAGE_SIZE, ContentDecoder, LocalProtocolError, RemoteProtocolError, Reply
+from mta.smtp_common import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    R_DATA_NUL,
+    ContentDecoder,
+    LocalProtocolError,
+    RemoteProtocolError,
+    Reply,
+)
 
 EHLO_PIPELINING = b"250-mx.test\r\n250-PIPELINING\r\n250-SIZE 1000\r\n250-8BITMIME\r\n250 STARTTLS\r\n"
 
@@ -210,7 +217,11 @@ def test_encoded_body_always_decodes_to_its_crlf_normalised_self(chunks: list[by
     wire = b"".join(enc.encode(c) for c in chunks) + enc.end()
     dec = ContentDecoder(DEFAULT_MAX_MESSAGE_SIZE, 10**9, normalize=False)
     pos, content, done = dec.decode(bytearray(wire), 0, len(wire) + 10)
-    assert done and pos == len(wire) and dec.refusal is None
+    assert done and pos == len(wire)
+    if b"\x00" in b"".join(chunks):  # never legal in content: refused, but the end is still found
+        assert dec.refusal == R_DATA_NUL
+        return
+    assert dec.refusal is None
     body = b"".join(chunks).replace(b"\r\n", b"\n").replace(b"\r", b"\n").replace(b"\n", b"\r\n")
     if body and not body.endswith(b"\r\n"):
         body += b"\r\n"

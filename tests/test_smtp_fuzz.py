@@ -12,6 +12,7 @@ from mta import smtp_server as S
 from mta.smtp_common import (
     R_DATA_BARE_NEWLINE,
     R_DATA_LONG_LINE,
+    R_DATA_NUL,
     R_TOO_BIG,
     ContentDecoder,
     RemoteProtocolError,
@@ -130,8 +131,8 @@ def test_data_ends_exactly_at_the_first_crlf_dot_crlf(wire: bytes, normalize: bo
     assert done and pos == k + 3
     message = wire[: k + 3]
     bare = re.search(rb"\r(?!\n)|(?<!\r)\n", message) is not None
-    assert (dec.refusal is not None) == (bare and not normalize)
-    if not bare:
+    assert (dec.refusal is not None) == ((bare and not normalize) or b"\x00" in message)
+    if not bare and b"\x00" not in message:
         lines = message[:-3].split(b"\r\n")[:-1] if k > 0 else []
         assert content == b"".join((line[1:] if line.startswith(b".") else line) + b"\r\n" for line in lines)
 
@@ -209,11 +210,14 @@ class LineByLineDecoder:
         return pos, out, done
 
     def _content(self, data: bytes | bytearray) -> None:
-        self.size += len(data)
-        if self.size > self.max_size and self.refusal is None:
-            self.refusal = R_TOO_BIG
-        if self.refusal is None:
-            self._out += data
+        for byte in data:  # one byte at a time: the first refusal in stream order wins
+            self.size += 1
+            if self.refusal is None and byte == 0:
+                self.refusal = R_DATA_NUL
+            if self.size > self.max_size and self.refusal is None:
+                self.refusal = R_TOO_BIG
+            if self.refusal is None:
+                self._out.append(byte)
 
     def _line_end(self, real: bool) -> None:
         if self._line_len + 2 > self.max_line and self.refusal is None:
@@ -287,7 +291,8 @@ def feed_decoder(dec: ContentDecoder | LineByLineDecoder, chunks: list[bytes], l
 
 
 content_pieces = st.sampled_from(
-    [b"\r\n", b".", b"..", b"\r", b"\n", b"\r\n.\r\n", b"\r\n..\r\n", b"\n.\r\n", b"x" * 37, b"y" * 99, b"z"]
+    [b"\r\n", b".", b"..", b"\x00", b"\r\n\x00.\r\n", b"\r", b"\n", b"\r\n.\r\n", b"\r\n..\r\n", b"\n.\r\n",
+     b"x" * 37, b"y" * 99, b"z"]
 )
 content_streams = st.lists(st.one_of(content_pieces, st.binary(max_size=12)), max_size=40).map(b"".join)
 
