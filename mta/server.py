@@ -7,8 +7,13 @@ DATA is sent only once ``AsyncSpool.enqueue`` has returned, which is after
 the group commit's fdatasync covered the message.
 
 Failures: a client that misbehaves gets a reply and, at worst, a closed
-connection. A spool failure (a failed fsync above all) is not caught: it ends
-the relay, crash-only, and the next start recovers.
+connection. An unexpected exception in a session (a bug its input reached)
+ends that session only: it is logged once with its traceback and the
+client's address, and the client gets ``421 4.3.0`` if it still listens
+(``_Session.fail``; ``_serve_connection`` is the last line for what happens
+outside a session). A spool failure (a failed fsync above all, or anything
+once the log writer is poisoned: ``mta.containment.is_fatal``) is not
+contained: it ends the relay, crash-only, and the next start recovers.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import trio
 
 from mta.config import Config, NoRoute
+from mta.containment import is_fatal, local_error
 from mta.listen import open_listeners
 from mta.metrics import Metrics
 from mta.smtp_common import Reply, received_header, received_protocol
@@ -55,6 +61,7 @@ R_TOO_MANY_SESSIONS = Reply(421, "4.7.0", "Too many connections, try again later
 R_TIMEOUT = Reply(421, "4.4.2", "Timeout, closing connection")
 R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
 R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
+R_LOCAL_ERROR = Reply(421, "4.3.0", "Local error, closing connection; try again later")
 READ_SIZE = 65536
 
 
@@ -113,7 +120,21 @@ class SmtpServer:
         async with trio.open_nursery() as nursery:
             task_status.started(listeners)
             for listener in listeners:
-                nursery.start_soon(trio.serve_listeners, self.handle, [listener])
+                nursery.start_soon(trio.serve_listeners, self._serve_connection, [listener])
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        """The last boundary of one connection: nothing raised while serving it ends the listener.
+
+        Sessions contain their own failures (``handle``); this catches what
+        happens around them (a peer gone before it was answered, say).
+        """
+        try:
+            await self.handle(stream)
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):  # before the network errors: SyncFailed is an OSError
+                raise
+            if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
+                log.error("connection failed: %s", local_error(exc), exc_info=exc)
 
     def _disk_ok(self) -> bool:
         return self.free_space(self.aspool.core.path) >= self.config.spool.queue_minfree
@@ -138,6 +159,10 @@ class SmtpServer:
             await session.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, ConnectionError):
             pass
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):
+                raise
+            await session.fail(exc)
         finally:
             session.abort_body()
             self.sessions -= 1
@@ -185,6 +210,21 @@ class _Session:
         out = self.conn.data_to_send()
         if out:
             await self.stream.send_all(out)
+
+    async def fail(self, exc: Exception) -> None:
+        """The session's boundary: an unexpected exception ends this session only.
+
+        Logged once, with its traceback and the client's address; the client
+        gets the replies already decided and then ``421 4.3.0``, if the
+        connection still takes them (within 5 s).
+        """
+        log.error("session from %s ended by an unexpected error: %s", self.client_ip, local_error(exc),
+                  exc_info=exc)
+        with trio.move_on_after(5):
+            try:
+                await self.stream.send_all(self.conn.data_to_send() + R_LOCAL_ERROR.to_bytes())
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+                pass
 
     async def run(self) -> None:
         with self._timer:
