@@ -86,7 +86,7 @@ class DestState:
 
 def destination_for(config: Config, recipient: str) -> Destination | NoRoute:
     domain = recipient.rpartition("@")[2].lower()
-    route = config.route_for(domain)
+    route = config.route_for_recipient(recipient)
     if isinstance(route, NoRoute):
         return route
     if isinstance(route, SmtpRoute):

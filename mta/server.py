@@ -312,15 +312,20 @@ class _Session:
         self.conn.accept()
 
     def _rcpt(self, ev: RcptTo) -> None:
-        domain = ev.address.rpartition("@")[2].lower()
-        if not domain or not self.config.may_relay(self.client_ip, domain):
-            self.server.metrics.rejected.labels("relay").inc()
-            self.conn.reject(R_RELAY_DENIED)
-            return
-        if isinstance(self.config.route_for(domain), NoRoute):
-            self.conn.reject(R_NO_ROUTE)
-            return
-        self.recipients.append(ev.address)
+        address = self.config.postmaster_alias(ev.address)
+        if address is None:
+            address = ev.address
+            domain = address.rpartition("@")[2].lower()
+            if not domain or not self.config.may_relay(self.client_ip, domain):
+                self.server.metrics.rejected.labels("relay").inc()
+                self.conn.reject(R_RELAY_DENIED)
+                return
+            if isinstance(self.config.route_for(domain), NoRoute):
+                self.conn.reject(R_NO_ROUTE)
+                return
+        # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
+        if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
+            self.recipients.append(address)
         self._transaction(True)
         self.conn.accept()
 
