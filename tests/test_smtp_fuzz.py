@@ -118,6 +118,30 @@ def test_any_stream_in_any_chunking_gives_the_same_valid_replies(
             assert reply.enhanced is not None and reply.enhanced[0] == str(reply.code)[0]
 
 
+ARG_TEMPLATES = [
+    (b"EHLO ", b"c.example"), (b"HELO ", b"c.example"), (b"MAIL FROM:", b"<a@x.example> SIZE=10 BODY=8BITMIME"),
+    (b"MAIL FROM:", b"<> SMTPUTF8"), (b"RCPT TO:", b"<b@y.example>"), (b"RCPT TO:", b"<postmaster>"),
+    (b"RCPT TO:", b"<b@y.example> NOTIFY=NEVER"), (b"VRFY ", b"b"), (b"NOOP ", b"x"), (b"HELP ", b"MAIL"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(ARG_TEMPLATES), st.integers(0, 255).filter(lambda v: v not in (10, 13)),
+                          st.integers(0, 64), st.binary(max_size=3).map(lambda b: b.translate(None, b"\r\n"))),
+                max_size=20))
+def test_any_byte_in_any_argument_is_answered_and_never_echoed_raw(
+        edits: list[tuple[tuple[bytes, bytes], int, int, bytes]]) -> None:
+    """Issue 12: a NUL in MAIL FROM made the core raise while it echoed the address. (CR and LF: line tests.)"""
+    wire = b"EHLO c.example\r\n"
+    for (prefix, arg), value, at, extra in edits:
+        k = at % (len(arg) + 1)
+        wire += prefix + arg[:k] + bytes([value]) + extra + arg[k:] + b"\r\n"
+    _events, out = drive([wire], {"max_errors": 1000})
+    assert all(0x20 <= b <= 0x7E for b in out.replace(b"\r\n", b"")), out
+    replies = ReplyParser().feed(out)
+    assert len(replies) == 2 + len(edits)  # greeting, EHLO, one reply per line: nothing raised, nothing skipped
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=300).map(lambda b: b.replace(b"a", b"\r\n").replace(b"b", b".")), st.booleans())
 def test_data_ends_exactly_at_the_first_crlf_dot_crlf(wire: bytes, normalize: bool) -> None:
@@ -210,12 +234,12 @@ class LineByLineDecoder:
         return pos, out, done
 
     def _content(self, data: bytes | bytearray) -> None:
-        for byte in data:  # one byte at a time: the first refusal in stream order wins
-            self.size += 1
-            if self.refusal is None and byte == 0:
-                self.refusal = R_DATA_NUL
+        for byte in data:  # one byte at a time: the first refusal in stream order wins; a byte over the
+            self.size += 1  # size limit is over-size, whatever it holds
             if self.size > self.max_size and self.refusal is None:
                 self.refusal = R_TOO_BIG
+            if self.refusal is None and byte == 0:
+                self.refusal = R_DATA_NUL
             if self.refusal is None:
                 self._out.append(byte)
 
