@@ -179,9 +179,10 @@ def split(ch: Chooser, wire: bytes) -> list[bytes]:
 
 
 def byte_sweep(value: int) -> Session:
-    """One session with byte ``value`` in the middle of every template's argument, and in DATA content."""
-    lines = [prefix + arg[: len(arg) // 2] + bytes([value]) + arg[len(arg) // 2 :] + b"\r\n"
-             for prefix, arg in TEMPLATES if arg]
+    """One session with byte ``value`` near the start, in the middle and near the end of every template's
+    argument (so in addresses and in ESMTP parameters), and in DATA content."""
+    lines = [prefix + arg[:k] + bytes([value]) + arg[k:] + b"\r\n"
+             for prefix, arg in TEMPLATES if arg for k in sorted({1, len(arg) // 2, len(arg) - 1})]
     valid = b"EHLO fuzz.example\r\nMAIL FROM:<a@example.org>\r\nRCPT TO:<b@far.example>\r\nDATA\r\n"
     content = b"Subject: sweep\r\n\r\nx" + bytes([value]) + b"y\r\n" + bytes([value]) + b".\r\n.\r\n"
     return Session([b"".join(lines), valid, content, b"QUIT\r\n"], "quit")

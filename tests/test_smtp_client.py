@@ -22,6 +22,7 @@ from mta.smtp_common import (
     LocalProtocolError,
     RemoteProtocolError,
     Reply,
+    ReplyParser,
 )
 
 EHLO_PIPELINING = b"250-mx.test\r\n250-PIPELINING\r\n250-SIZE 1000\r\n250-8BITMIME\r\n250 STARTTLS\r\n"
@@ -369,3 +370,10 @@ async def test_transport_pipelines_the_envelope_and_sends_the_body_with_its_dot_
     envelope = b"MAIL FROM:<a@x.example> SIZE=%d\r\nRCPT TO:<b@y.example>\r\nRCPT TO:<c@y.example>\r\nDATA\r\n"
     assert writes[0] == envelope % job.size
     assert len(writes) == 2 and writes[1].endswith(b"\r\n..dot\r\n.\r\n")
+
+
+def test_control_characters_in_a_next_hops_reply_are_escaped_not_raised() -> None:
+    """A hostile next hop cannot make the client core raise (Reply refuses control characters)."""
+    (reply,) = ReplyParser().feed(b"550-5.1.1 no\x00such\r\n550 5.1.1 user\x1b[2J\x7f\r\n")
+    assert (reply.code, reply.enhanced) == (550, "5.1.1")
+    assert reply.text == "no\\x00such\nuser\\x1b[2J\\x7f"
