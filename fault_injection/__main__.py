@@ -1,4 +1,4 @@
-"""``python -m fault_injection {powercut,kill9,faults,corrupt}``: the crash and fault harnesses.
+"""``python -m fault_injection {powercut,kill9,faults,corrupt,smtpfuzz}``: the crash and fault harnesses.
 
 Exit status 0 when every case passed, 1 when any failed (the failures are
 printed with what is needed to replay them), 2 for a usage error.
@@ -73,6 +73,13 @@ def _corrupt(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _smtpfuzz(args: argparse.Namespace) -> int:
+    from fault_injection import smtpfuzz
+
+    _stats, ok = smtpfuzz.run(minutes=args.minutes, seed=args.seed, progress=lambda line: print(line, flush=True))
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fault_injection", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="show the engine's recovery log")
@@ -106,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--cases", type=int, default=40)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=_corrupt)
+
+    z = sub.add_parser("smtpfuzz", help="hostile SMTP sessions against a relay in this process; it must keep serving")
+    z.add_argument("--minutes", type=float, default=5.0)
+    z.add_argument("--seed", type=int, default=0)
+    z.set_defaults(func=_smtpfuzz)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL,

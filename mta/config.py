@@ -56,6 +56,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from mta.smtp_common import parse_mailbox
 from spool.config import MAX_SEGMENT_SIZE, MIN_SEGMENT_SIZE
 
 __all__ = [
@@ -441,8 +442,10 @@ _ALL_V6 = ipaddress.IPv6Network("::/0")
 
 @attrs.frozen
 class RelayConfig:
-    """``[relay]``: who may relay. Defaults: mynetworks ``127.0.0.0/8`` and ``::1/128``; no relay_domains.
+    """``[relay]``: who may relay, and who the postmaster is.
 
+    Defaults: mynetworks ``127.0.0.0/8`` and ``::1/128``; no relay_domains;
+    postmaster ``postmaster@<hostname>``; postmaster_maildir ``var/maildir``.
     relay_domains entries match exactly, or all subdomains when written ``.example.com``.
     IPv4-mapped IPv6 networks (``::ffff:10.0.0.0/104``) are kept as the IPv4
     networks they mean, as clients' mapped addresses are (``Config.in_mynetworks``).
@@ -450,6 +453,13 @@ class RelayConfig:
     allow_open_relay (default false): mynetworks that together cover every
     IPv4 or every IPv6 address (``0.0.0.0/0``, ``::/0``, ``::ffff:0:0/96``,
     two halves ...) make an open relay, and are refused unless this is true.
+
+    ``postmaster`` is where mail to ``<postmaster>`` and ``<postmaster@HOSTNAME>``
+    goes (RFC 5321 §4.5.1: accepted from anyone); it is routed like any other
+    address, except that when no route is named for its domain and that
+    domain is the relay's own hostname it is delivered into the Maildir
+    ``postmaster_maildir/<local part>/`` (never by a ``"*"`` route, which
+    would send it back to this relay).
     """
 
     mynetworks: tuple[IPNetwork, ...]
@@ -461,6 +471,8 @@ class RelayConfig:
         v4 = [n for n in self.mynetworks if isinstance(n, ipaddress.IPv4Network)]
         v6 = [n for n in self.mynetworks if isinstance(n, ipaddress.IPv6Network)]
         return _ALL_V4 in ipaddress.collapse_addresses(v4) or _ALL_V6 in ipaddress.collapse_addresses(v6)
+    postmaster: str = ""
+    postmaster_maildir: str = ""
 
 
 @attrs.frozen
@@ -527,6 +539,32 @@ class Config:
         if route is None:
             route = self.routes.get("*")
         return route if route is not None else NoRoute(_normalize_domain(domain))
+
+    def postmaster_alias(self, address: str) -> str | None:
+        """The configured postmaster if ``address`` is ``postmaster`` or ``postmaster@HOSTNAME``, else None.
+
+        The local part is matched without regard to case (RFC 5321 §4.5.1), so is the host name.
+        """
+        local, at, domain = address.rpartition("@")
+        if not at:
+            local, domain = address, ""
+        if local.lower() != "postmaster":
+            return None
+        if domain and _normalize_domain(domain) != _normalize_domain(self.server.hostname):
+            return None
+        return self.relay.postmaster
+
+    def route_for_recipient(self, address: str) -> Route | NoRoute:
+        """How one recipient is delivered: the route for its domain (``route_for``), but see ``postmaster``.
+
+        The postmaster address at the relay's own hostname, with no route
+        named for that domain, goes into ``postmaster_maildir``.
+        """
+        domain = address.rpartition("@")[2]
+        if address.lower() == self.relay.postmaster.lower() and _match_domain(domain, self.routes) is None \
+                and _normalize_domain(domain) == _normalize_domain(self.server.hostname):
+            return MaildirRoute(self.relay.postmaster_maildir)
+        return self.route_for(domain)
 
     def is_local(self, domain: str) -> bool:
         """Whether a route *named for this domain* delivers to a Maildir.
@@ -795,6 +833,11 @@ def _address(value: Any) -> str:
 
 
 _MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+def _mailbox(value: Any) -> str:
+    text = _str(value)
+    if not parse_mailbox(text):
+        raise ConfigError(f"expected a mailbox like 'hostmaster@example.com', got {text!r}")
+    return text
 
 
 def _network(value: Any) -> IPNetwork:
@@ -833,12 +876,16 @@ def _build(data: Mapping[str, Any], source: str, base_dir: str | None) -> Config
     spool = _build_spool(root.table("spool"), base_dir, server.max_message_size)
     if not server.control_socket:
         server = attrs.evolve(server, control_socket=os.path.join(spool.dir, "control.sock"))
-    relay = _build_relay(root.table("relay"))
+    relay = _build_relay(root.table("relay"), server.hostname, base_dir)
     delivery = _build_delivery(root.table("delivery"), server.hostname, base_dir)
     routes = _build_routes(root, base_dir)
     log = _build_log(root.table("log"))
     root.finish()
-    return Config(server, spool, relay, delivery, log, routes, source)
+    config = Config(server, spool, relay, delivery, log, routes, source)
+    if isinstance(config.route_for_recipient(relay.postmaster), NoRoute):
+        raise ConfigError(f"no route delivers {relay.postmaster!r}: add a route for its domain",
+                          key="relay.postmaster")
+    return config
 
 
 def _build_server(t: _Table, base_dir: str | None) -> ServerConfig:
@@ -914,12 +961,15 @@ def _build_spool(t: _Table, base_dir: str | None, max_message_size: int) -> Spoo
     return spool
 
 
-def _build_relay(t: _Table) -> RelayConfig:
+def _build_relay(t: _Table, hostname: str, base_dir: str | None) -> RelayConfig:
     default = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
     relay = RelayConfig(
         mynetworks=t.list_of("mynetworks", default, _network),
         relay_domains=t.list_of("relay_domains", (), lambda v: _check_domain(_str(v))),
         allow_open_relay=t.get("allow_open_relay", False, _expect(bool, "true or false")),
+        postmaster=t.get("postmaster", f"postmaster@{hostname}", _mailbox),
+        postmaster_maildir=t.get("postmaster_maildir", _resolve_path("var/maildir", base_dir),
+                                 lambda v: _resolve_path(_str(v), base_dir)),
     )
     t.finish()
     if relay.open_to_all() and not relay.allow_open_relay:

@@ -37,6 +37,15 @@ Dead destinations. When every recipient of a batch failed to even connect,
 the destination is backed off (doubling from 2 s up to 5 min); while it is,
 its jobs are deferred at once without a connection attempt, as Postfix's
 qmgr does with a dead site.
+
+Containment. An unexpected exception while one message or batch is routed,
+read, handed to its transport, or while its bounce is built, defers those
+messages only: each gets a DEFERRED outcome whose reply says ``local error:``
+and why (recorded like any other), with one log line and its traceback; the
+workers, the feeder and the relay go on. A spool failure that must end the
+process (``mta.containment.is_fatal``) is re-raised, never contained. The
+spool bookkeeping around it (appending outcomes, committing, finishing) is
+shared state, where a bug ends the process.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import trio
 
 from mta import dsn as dsnmod
 from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute
+from mta.containment import is_fatal, local_error
 from mta.metrics import Metrics
 from mta.transport import Destination, Job, Transport
 from spool.commit import AsyncSpool
@@ -86,7 +96,7 @@ class DestState:
 
 def destination_for(config: Config, recipient: str) -> Destination | NoRoute:
     domain = recipient.rpartition("@")[2].lower()
-    route = config.route_for(domain)
+    route = config.route_for_recipient(recipient)
     if isinstance(route, NoRoute):
         return route
     if isinstance(route, SmtpRoute):
@@ -150,18 +160,29 @@ class Scheduler:
             return
         groups: dict[Destination, list[str]] = {}
         unroutable: list[str] = []
+        failed: list[Outcome] = []  # routing raised: deferred, with the reason
+        qid = self.aspool.core.queue_id(env.message_id)
         for rcpt in attempt.remaining:
-            dest = destination_for(self.config, rcpt)
+            try:
+                dest = destination_for(self.config, rcpt)
+            except Exception as exc:
+                if is_fatal(exc, self.aspool.core):
+                    raise
+                log.error("%s: routing <%s> failed, deferred: %s", qid, rcpt, local_error(exc), exc_info=exc)
+                failed.append(Outcome(rcpt, Status.DEFERRED, 0, "4.3.0", f"{local_error(exc)} (routing)", ""))
+                continue
             if isinstance(dest, NoRoute):
                 unroutable.append(rcpt)
             else:
                 groups.setdefault(dest, []).append(rcpt)
-        tracker.outstanding = len(groups) + (1 if unroutable else 0)
-        qid = self.aspool.core.queue_id(env.message_id)
+        tracker.outstanding = len(groups) + (1 if unroutable else 0) + (1 if failed else 0)
         if unroutable:
             outs = [Outcome(r, Status.BOUNCED, 550, "5.1.2", "no route to this domain", "") for r in unroutable]
             self._nursery.start_soon(self._complete, tracker, Job(qid, env.sender, tuple(unroutable), (), 0), outs)
-        if not groups and not unroutable:
+        if failed:
+            job = Job(qid, env.sender, tuple(o.recipient for o in failed), (), 0)
+            self._nursery.start_soon(self._complete, tracker, job, failed)
+        if not groups and not unroutable and not failed:
             self._nursery.start_soon(self._finish_only, tracker)
         for dest, rcpts in groups.items():
             job = Job(qid, env.sender, tuple(rcpts), (), env.body_size, dict(env.extra))
@@ -237,10 +258,7 @@ class Scheduler:
             await self._complete_all([(tracker, job, [Outcome(r, Status.DEFERRED, 0, "4.4.1", reply, str(dest))
                                                       for r in job.recipients]) for job, tracker in batch])
             return
-        jobs = []
-        for job, tracker in batch:
-            job.body = await self.aspool.read_body(tracker.attempt)
-            jobs.append(job)
+        jobs = [job for job, _tracker in batch]
         started = last = time.monotonic()
         early: dict[int, list[Outcome]] = {}
 
@@ -250,25 +268,33 @@ class Scheduler:
             if i in early:
                 return
             now = time.monotonic()
-            early[i] = outcomes
-            self._append(batch[i][1], outcomes, int((now - last) * 1000))
+            early[i] = self._append(batch[i][1], outcomes, int((now - last) * 1000))
             last = now
 
-        transport = self.transports[dest.kind]
-        try:
-            results = await transport.deliver(dest, jobs, on_outcome)
-        except Exception as exc:  # a transport bug must not lose the attempt: defer it
-            log.exception("transport %s failed", dest.kind)
-            results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", f"local error: {exc}", str(dest))
+        local_failure = False
+        try:  # the batch's boundary: reading, the transport, its callbacks
+            for job, tracker in batch:
+                job.body = await self.aspool.read_body(tracker.attempt)
+            results = await self.transports[dest.kind].deliver(dest, jobs, on_outcome)
+            if len(results) != len(jobs):
+                raise RuntimeError(f"transport {dest.kind} returned {len(results)} results for {len(jobs)} messages")
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):
+                raise
+            local_failure = True  # our fault, not the destination's: no backoff
+            qids = ", ".join(job.queue_id for job in jobs)
+            log.error("delivery of %s to %s failed, deferred: %s", qids, dest, local_error(exc), exc_info=exc)
+            results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
                         for r in job.recipients] for job in jobs]
         results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
         duration = time.monotonic() - started
-        unreachable = all(o.code == 0 and o.status is Status.DEFERRED for outs in results for o in outs)
+        unreachable = not local_failure and all(o.code == 0 and o.status is Status.DEFERRED
+                                                for outs in results for o in outs)
         if unreachable:
             state.failures += 1
             state.backoff_until = time.time() + min(BACKOFF_MAX, BACKOFF_MIN * 2 ** (state.failures - 1))
             state.last_error = results[0][0].reply if results and results[0] else ""
-        else:
+        elif not local_failure:
             state.failures = 0
             state.backoff_until = 0.0
         for job, _tracker in batch:
@@ -289,9 +315,8 @@ class Scheduler:
         ``recorded``: the indexes in ``done`` whose outcomes were appended as
         they came (``on_outcome``); they only wait for the commit here.
         """
-        for i, (tracker, _job, outcomes) in enumerate(done):
-            if i not in recorded:
-                self._append(tracker, outcomes, int(duration * 1000))
+        done = [(tracker, job, outcomes if i in recorded else self._append(tracker, outcomes, int(duration * 1000)))
+                for i, (tracker, job, outcomes) in enumerate(done)]
         await self._commit_outcomes(len(done))
         for tracker, job, outcomes in done:
             self._after_durable(tracker, job, outcomes, duration)
@@ -311,18 +336,32 @@ class Scheduler:
                             count, exc)
                 await self.aspool.wait_for_space()
 
-    def _append(self, tracker: Tracker, outcomes: list[Outcome], duration_ms: int) -> None:
+    def _append(self, tracker: Tracker, outcomes: list[Outcome], duration_ms: int) -> list[Outcome]:
         """Append a DELIVERY record, after the DSN for its failures (no fsync; the commit follows).
 
         The DSN comes first in the log, so no crash keeps the bounce without
         its DSN: a log cut anywhere keeps both, or neither, or only the DSN
-        (and the recipient, still in doubt, is tried again).
+        (and the recipient, still in doubt, is tried again). Returns the
+        outcomes as recorded: a DSN that cannot be built turns its bounces
+        into deferrals.
         """
         attempt = tracker.attempt
         failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
         if failed and dsnmod.should_bounce(attempt.envelope.sender) and not attempt.envelope.extra.get("dsn"):
-            self._enqueue_dsn(attempt, failed)
+            try:
+                self._enqueue_dsn(attempt, failed)
+            except Exception as exc:
+                if is_fatal(exc, self.aspool.core):
+                    raise
+                # No bounce without its DSN: the failed recipients are deferred and tried again later.
+                qid = self.aspool.core.queue_id(attempt.envelope.message_id)
+                log.error("%s: building the DSN failed, recipients deferred: %s", qid, local_error(exc),
+                          exc_info=exc)
+                reason = f"{local_error(exc)} (building the DSN)"
+                outcomes = [Outcome(o.recipient, Status.DEFERRED, 0, "4.3.0", f"{reason}; was: {o.reply}",
+                                    o.next_hop) if o in failed else o for o in outcomes]
         self.aspool.append_delivery(attempt, outcomes, duration_ms)
+        return outcomes
 
     def _after_durable(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float) -> None:
         """Log and report the (durable) outcomes; finish the message when all its jobs are in."""
@@ -332,7 +371,12 @@ class Scheduler:
         for o in outcomes:
             self._log(job.queue_id, env, o, now, duration)
             for observe in self.observers:
-                observe(job.queue_id, o)
+                try:
+                    observe(job.queue_id, o)
+                except Exception as exc:  # a reader of outcomes must not stop the message's next step
+                    if is_fatal(exc, self.aspool.core):
+                        raise
+                    log.error("%s: an outcome observer failed: %s", job.queue_id, local_error(exc), exc_info=exc)
             if o.status is Status.DEFERRED:
                 tracker.last_error = o.reply
         tracker.outstanding -= 1

@@ -8,8 +8,13 @@ limits (``mta.admission``). The ``250`` after DATA is sent only once
 fdatasync covered the message.
 
 Failures: a client that misbehaves gets a reply and, at worst, a closed
-connection. A spool failure (a failed fsync above all) is not caught: it ends
-the relay, crash-only, and the next start recovers.
+connection. An unexpected exception in a session (a bug its input reached)
+ends that session only: it is logged once with its traceback and the
+client's address, and the client gets ``421 4.3.0`` if it still listens
+(``_Session.fail``; ``_serve_connection`` is the last line for what happens
+outside a session). A spool failure (a failed fsync above all, or anything
+once the log writer is poisoned: ``mta.containment.is_fatal``) is not
+contained: it ends the relay, crash-only, and the next start recovers.
 
 Disk space: new mail is refused with ``452 4.3.1`` while the spool's disk is
 short (``_disk_ok``: free space less what the spool has not yet written below
@@ -36,6 +41,7 @@ import trio
 
 from mta.admission import Refusal, SessionSlots
 from mta.config import Config, NoRoute
+from mta.containment import is_fatal, local_error
 from mta.deadlines import SessionDeadlines
 from mta.listen import open_listeners
 from mta.metrics import Metrics
@@ -71,6 +77,7 @@ R_SESSION_OVER = Reply(421, "4.4.2", "Session time limit reached, closing connec
 R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
 R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
 R_TOO_BIG_FOR_DISK = Reply(552, "5.3.4", "Message too big for this system's disk")
+R_LOCAL_ERROR = Reply(421, "4.3.0", "Local error, closing connection; try again later")
 READ_SIZE = 65536
 # How long a last reply (421) may take to leave when the session is being ended anyway.
 FAREWELL_TIMEOUT = 5.0
@@ -136,7 +143,21 @@ class SmtpServer:
         async with trio.open_nursery() as nursery:
             task_status.started(listeners)
             for listener in listeners:
-                nursery.start_soon(trio.serve_listeners, self.handle, [listener])
+                nursery.start_soon(trio.serve_listeners, self._serve_connection, [listener])
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        """The last boundary of one connection: nothing raised while serving it ends the listener.
+
+        Sessions contain their own failures (``handle``); this catches what
+        happens around them (a peer gone before it was answered, say).
+        """
+        try:
+            await self.handle(stream)
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):  # before the network errors: SyncFailed is an OSError
+                raise
+            if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
+                log.error("connection failed: %s", local_error(exc), exc_info=exc)
 
     def _disk_ok(self) -> bool:
         """Room for new mail? The spool must have no write waiting for room and its reserve whole, and the
@@ -171,6 +192,10 @@ class SmtpServer:
             await session.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, ConnectionError):
             pass
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):
+                raise
+            await session.fail(exc)
         finally:
             session.abort_body()
             self.slots.release(slot)
@@ -228,6 +253,21 @@ class _Session:
         out = self.conn.data_to_send()
         if out:
             await self.stream.send_all(out)
+
+    async def fail(self, exc: Exception) -> None:
+        """The session's boundary: an unexpected exception ends this session only.
+
+        Logged once, with its traceback and the client's address; the client
+        gets the replies already decided and then ``421 4.3.0``, if the
+        connection still takes them (within 5 s).
+        """
+        log.error("session from %s ended by an unexpected error: %s", self.client_ip, local_error(exc),
+                  exc_info=exc)
+        with trio.move_on_after(5):
+            try:
+                await self.stream.send_all(self.conn.data_to_send() + R_LOCAL_ERROR.to_bytes())
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+                pass
 
     async def run(self) -> None:
         with self._timer:
@@ -367,23 +407,33 @@ class _Session:
             self.conn.reject(R_DISK_FULL)
             return
         size = ev.params.get("SIZE")
-        if isinstance(size, str) and size.isdigit() and int(size) > self.config.server.max_message_size:
-            self.conn.reject(R_TOO_BIG)
-            return
+        if isinstance(size, str) and size.isdigit():
+            if int(size) > self.config.server.max_message_size:
+                self.conn.reject(R_TOO_BIG)
+                return
+            if self.server._disk_refusal(int(size)) is R_TOO_BIG_FOR_DISK:  # a declared size that can never fit
+                self.server.metrics.rejected.labels("disk").inc()
+                self.conn.reject(R_TOO_BIG_FOR_DISK)
+                return
         self.sender = ev.address
         self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
         self.conn.accept()
 
     def _rcpt(self, ev: RcptTo) -> None:
-        domain = ev.address.rpartition("@")[2].lower()
-        if not domain or not self.config.may_relay(self.client_ip, domain):
-            self.server.metrics.rejected.labels("relay").inc()
-            self.conn.reject(R_RELAY_DENIED)
-            return
-        if isinstance(self.config.route_for(domain), NoRoute):
-            self.conn.reject(R_NO_ROUTE)
-            return
-        self.recipients.append(ev.address)
+        address = self.config.postmaster_alias(ev.address)
+        if address is None:
+            address = ev.address
+            domain = address.rpartition("@")[2].lower()
+            if not domain or not self.config.may_relay(self.client_ip, domain):
+                self.server.metrics.rejected.labels("relay").inc()
+                self.conn.reject(R_RELAY_DENIED)
+                return
+            if isinstance(self.config.route_for(domain), NoRoute):
+                self.conn.reject(R_NO_ROUTE)
+                return
+        # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
+        if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
+            self.recipients.append(address)
         self._transaction(True)
         self.conn.accept()
 

@@ -55,9 +55,38 @@ def _check_code(instance: object, attribute: object, value: int) -> None:
         raise ValueError(f"reply code {value} out of range")
 
 
+# C0 controls, DEL and C1 controls: never in a reply we send, never in a command we obey.
+_CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_REPLY_CONTROL_RE: Final = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # LF separates a reply's lines
+
+
+def has_control(text: str) -> bool:
+    """True if ``text`` holds a C0 or C1 control character or DEL (TAB, CR, LF and NUL included)."""
+    return _CONTROL_RE.search(text) is not None
+
+
+def printable(text: str, limit: int = 64) -> str:
+    """Peer-supplied text as it may appear in a reply or a log line: printable ASCII, at most ``limit`` long.
+
+    Everything else is shown escaped (``\\x00``, ``\\u202e``) and a longer
+    text is cut with ``...``, so an answer can name what a peer sent without
+    ever sending its bytes back.
+    """
+    out: list[str] = []
+    n = 0
+    for c in text:
+        piece = c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii")
+        if n + len(piece) > limit:
+            out.append("...")
+            break
+        out.append(piece)
+        n += len(piece)
+    return "".join(out)
+
+
 def _check_text(instance: object, attribute: object, value: str) -> None:
-    if "\r" in value or "\x00" in value:
-        raise ValueError("reply text may not hold CR or NUL; separate lines with LF")
+    if _REPLY_CONTROL_RE.search(value):
+        raise ValueError("reply text may not hold control characters; separate lines with LF")
 
 
 @attrs.frozen
@@ -115,7 +144,7 @@ class SmtpProtocolError(Exception):
 
     def __init__(self, message: str, reply: Reply | None = None) -> None:
         super().__init__(message)
-        self.reply = reply if reply is not None else Reply(500, "5.5.2", message)
+        self.reply = reply if reply is not None else Reply(500, "5.5.2", printable(message, 200))
 
 
 class LocalProtocolError(SmtpProtocolError, RuntimeError):
@@ -189,7 +218,7 @@ def _build_reply(code: int, texts: list[str]) -> Reply:
             if i == 0:
                 enhanced = m.group(1)
             t = t[m.end() :]
-        out.append(t.replace("\r", ""))
+        out.append(_REPLY_CONTROL_RE.sub(lambda m: printable(m.group()), t.replace("\r", "")))
     return Reply(code, enhanced, "\n".join(out))
 
 
@@ -198,6 +227,7 @@ def _build_reply(code: int, texts: list[str]) -> Reply:
 R_TOO_BIG: Final = Reply(552, "5.3.4", "Message size exceeds fixed limit")
 R_DATA_BARE_NEWLINE: Final = Reply(550, "5.6.11", "Bare CR or LF in message content; use CRLF")
 R_DATA_LONG_LINE: Final = Reply(550, "5.5.2", "Message has a line longer than allowed")
+R_DATA_NUL: Final = Reply(550, "5.6.0", "NUL character in message content")
 _BARE_RE: Final = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 
 
@@ -222,8 +252,11 @@ class ContentDecoder:
 
     Only CRLF.CRLF ends the message (SMTP smuggling). A bare CR or LF sets
     ``refusal`` (550 5.6.11), or with ``normalize`` becomes CRLF; either way the
-    line after it is never a terminator and is not unstuffed. Over-size and
-    over-long lines also set ``refusal``; from then on content is only scanned
+    line after it is never a terminator and is not unstuffed. A NUL anywhere
+    sets ``refusal`` (550 5.6.0), whatever ``normalize`` says: RFC 5322 and
+    8BITMIME forbid it, and a next hop that drops NULs would read the line
+    ``NUL.`` as the end of the data. Over-size and over-long lines also set
+    ``refusal``; from then on content is only scanned
     for its end, not returned, so a doomed message costs no disk. ``size`` is
     the content size so far while there is no refusal.
 
@@ -281,8 +314,11 @@ class ContentDecoder:
                 if e > pos:
                     data = bytes(memoryview(buf)[pos:e]).replace(b"\r\n.", b"\r\n")
                     self.size += len(data)
-                    self._produced += len(data)
-                    self._parts.append(data)
+                    if b"\x00" in data:
+                        self.refusal = R_DATA_NUL
+                    else:
+                        self._produced += len(data)
+                        self._parts.append(data)
                     self._line_start = self._real_line_start = True
                     self._line_len, pos = 0, e
                     continue
@@ -332,9 +368,15 @@ class ContentDecoder:
         return e
 
     def _content(self, data: bytes | bytearray) -> None:
+        """Count ``data`` and keep it, unless it dooms the message: the first refusal in stream order wins."""
+        room = self.max_size - self.size  # bytes of data before the one that is over the limit
         self.size += len(data)
-        if self.size > self.max_size and self.refusal is None:
-            self.refusal = R_TOO_BIG
+        if self.refusal is None:
+            nul = data.find(b"\x00", 0, max(0, room))
+            if nul >= 0:
+                self.refusal = R_DATA_NUL
+            elif self.size > self.max_size:
+                self.refusal = R_TOO_BIG
         if self.refusal is None:
             self._parts.append(data)
             self._produced += len(data)
@@ -427,6 +469,8 @@ def parse_mailbox(box: str) -> bool:
 
 def _parse_path(arg: str, what: str, status: str, allow_null: bool) -> tuple[str, str]:
     inside, rest = _split_path(arg, what, status)
+    if has_control(inside):
+        raise RemoteProtocolError("control character in path", Reply(501, status, "Control character in address"))
     if rest and not rest.startswith(" "):
         raise RemoteProtocolError("junk after path", Reply(501, status, f"Syntax: {what} <address>"))
     if len(inside.encode()) + 2 > MAX_PATH:
@@ -439,7 +483,7 @@ def _parse_path(arg: str, what: str, status: str, allow_null: bool) -> tuple[str
     if not allow_null and inside.lower() == "postmaster":
         return inside, rest
     if not parse_mailbox(inside):
-        raise RemoteProtocolError("bad mailbox", Reply(501, status, f"Bad address syntax: <{inside[:64]}>"))
+        raise RemoteProtocolError("bad mailbox", Reply(501, status, f"Bad address syntax: <{printable(inside)}>"))
     return inside, rest
 
 
@@ -449,12 +493,16 @@ def parse_params(text: str) -> Params:
     for word in text.split(" "):
         if not word:
             continue
+        if has_control(word):
+            raise RemoteProtocolError("control character", Reply(501, "5.5.4", "Control character in parameter"))
         key, eq, value = word.partition("=")
         if not _PARAM_KEY_RE.match(key) or (eq and not _PARAM_VALUE_RE.match(value)):
-            raise RemoteProtocolError("bad parameter", Reply(501, "5.5.4", f"Bad parameter syntax: {word[:40]}"))
+            raise RemoteProtocolError("bad parameter",
+                                      Reply(501, "5.5.4", f"Bad parameter syntax: {printable(word, 40)}"))
         key = key.upper()
         if key in params:
-            raise RemoteProtocolError("duplicate parameter", Reply(501, "5.5.4", f"Duplicate parameter {key}"))
+            raise RemoteProtocolError("duplicate parameter",
+                                      Reply(501, "5.5.4", f"Duplicate parameter {printable(key, 40)}"))
         params[key] = value if eq else None
     return params
 

@@ -30,6 +30,13 @@ to its end and refused by the core; the shell sees ``DataAborted``.
 
 Enhanced status codes go on every 2xx/4xx/5xx reply except the greeting and
 the replies to HELO/EHLO, which RFC 2034 §3 excludes.
+
+No reply carries the client's bytes as they came. A command whose argument
+holds a control character (C0, DEL, C1; NUL and TAB included) is refused
+whole (``501``: ``5.1.7``/``5.1.3`` for a MAIL/RCPT address, else ``5.5.4``),
+and a reply that names bad input shows it escaped and cut short
+(``smtp_common.printable``). Bytes that are not UTF-8 get ``500 5.5.2``; a
+non-ASCII address without SMTPUTF8 gets ``553 5.6.7``.
 """
 
 from __future__ import annotations
@@ -52,8 +59,10 @@ from mta.smtp_common import (
     Params,
     RemoteProtocolError,
     Reply,
+    has_control,
     parse_mail_from,
     parse_rcpt_to,
+    printable,
 )
 
 # ---------------------------------------------------------------- events
@@ -222,6 +231,7 @@ R_NO_RCPT: Final = Reply(554, "5.5.1", "No valid recipients")
 R_TOO_MANY_RCPTS: Final = Reply(452, "4.5.3", "Too many recipients")
 R_NEED_UTF8: Final = Reply(553, "5.6.7", "Non-ASCII address needs SMTPUTF8")
 R_DATA_GO: Final = Reply(354, None, "End data with <CR><LF>.<CR><LF>")
+R_CONTROL_IN_ARGUMENT: Final = Reply(501, "5.5.4", "Control character in argument")
 
 
 class ServerConnection:
@@ -438,6 +448,8 @@ class ServerConnection:
         return NeedData()
 
     def _dispatch(self, verb: str, arg: str) -> Event | None:
+        if verb not in ("MAIL", "RCPT") and has_control(arg):  # MAIL and RCPT say where (address or parameter)
+            raise RemoteProtocolError("control character", R_CONTROL_IN_ARGUMENT)
         if verb in ("EHLO", "HELO"):
             return self._hello(verb, arg)
         if verb in ("RSET", "QUIT", "DATA", "STARTTLS") and arg.strip(" "):
@@ -506,7 +518,8 @@ class ServerConnection:
                 if value is not None:
                     raise RemoteProtocolError("bad SMTPUTF8", Reply(501, "5.5.4", "SMTPUTF8 takes no value"))
             else:
-                raise RemoteProtocolError("unknown param", Reply(555, "5.5.4", f"Unsupported parameter {key}"))
+                raise RemoteProtocolError("unknown param",
+                                          Reply(555, "5.5.4", f"Unsupported parameter {printable(key, 40)}"))
         if not address.isascii() and "SMTPUTF8" not in params:
             raise RemoteProtocolError("utf8 sender", R_NEED_UTF8)
         self._smtputf8 = "SMTPUTF8" in params
@@ -516,7 +529,8 @@ class ServerConnection:
         address, params = parse_rcpt_to(arg)
         if params:
             key = next(iter(params))
-            raise RemoteProtocolError("unknown param", Reply(555, "5.5.4", f"Unsupported parameter {key}"))
+            raise RemoteProtocolError("unknown param",
+                                      Reply(555, "5.5.4", f"Unsupported parameter {printable(key, 40)}"))
         if not address.isascii() and not self._smtputf8:
             raise RemoteProtocolError("utf8 rcpt", R_NEED_UTF8)
         if self._rcpt_count >= self.max_recipients:

@@ -306,6 +306,39 @@ def test_may_relay_is_never_open(tmp_path: Path) -> None:
     assert not catch_all.may_relay(stranger, "victim.test")
 
 
+def test_postmaster_defaults_to_a_maildir_under_the_relays_own_name(tmp_path: Path) -> None:
+    config = parse_config('[server]\nhostname = "relay.example"\n[routes]\n"*" = "mx"\n', "x.toml",
+                          base_dir=str(tmp_path))
+    assert config.relay.postmaster == "postmaster@relay.example"
+    assert config.relay.postmaster_maildir == str(tmp_path / "var" / "maildir")
+    for address in ("postmaster", "PostMaster", "postmaster@relay.example", "POSTMASTER@Relay.Example."):
+        assert config.postmaster_alias(address) == "postmaster@relay.example", address
+    for address in ("postmaster@other.example", "postmistress@relay.example", "x@relay.example"):
+        assert config.postmaster_alias(address) is None, address
+    # Never by "*" = mx: that would send it to this relay again.
+    assert config.route_for_recipient("postmaster@relay.example") == MaildirRoute(str(tmp_path / "var" / "maildir"))
+    assert config.route_for_recipient("someone@relay.example") == MxRoute()
+
+
+def test_a_configured_postmaster_is_routed_like_any_other_address(tmp_path: Path) -> None:
+    text = ('[server]\nhostname = "relay.example"\n[relay]\npostmaster = "hostmaster@ops.example"\n'
+            '[routes]\n"ops.example" = "smtp://10.0.0.9"\n')
+    config = parse_config(text, "x.toml", base_dir=str(tmp_path))
+    assert config.postmaster_alias("postmaster") == "hostmaster@ops.example"
+    assert config.route_for_recipient("hostmaster@ops.example") == SmtpRoute("10.0.0.9", 25, TlsMode.OPPORTUNISTIC)
+    # A route named for the relay's own name is used for its postmaster too.
+    named = parse_config('[server]\nhostname = "relay.example"\n[routes]\n"relay.example" = "maildir:/srv/mail"\n',
+                         "x.toml")
+    assert named.route_for_recipient("postmaster@relay.example") == MaildirRoute("/srv/mail")
+
+
+def test_a_postmaster_no_route_delivers_is_refused_at_load() -> None:
+    error = error_for('[relay]\npostmaster = "ops@nowhere.example"\n[routes]\n"a.test" = "discard"\n')
+    assert error.key == "relay.postmaster" and "no route" in error.problem
+    error = error_for('[relay]\npostmaster = "not an address"\n')
+    assert error.key == "relay.postmaster"
+
+
 def test_v4_mapped_client_matches_v4_network() -> None:
     config = parse_config("", "x.toml")
     assert config.may_relay("::ffff:127.0.0.1", "gmail.com")
@@ -509,7 +542,7 @@ SECTIONS = {
         "checkpoint_max_interval",
         "deferred_share",
     ],
-    "relay": ["mynetworks", "relay_domains", "allow_open_relay"],
+    "relay": ["mynetworks", "relay_domains", "allow_open_relay", "postmaster", "postmaster_maildir"],
     "delivery": [
         "concurrency",
         "per_destination",
@@ -602,6 +635,7 @@ def test_arbitrary_values_give_config_or_config_error(data: dict[str, dict[str, 
         assert config.server.listen and config.spool.retry_intervals
         config.route_for("example.com")
         config.may_relay("192.0.2.1", "example.com")
+        assert not isinstance(config.route_for_recipient(config.relay.postmaster), NoRoute)
         # What the config accepts, the engine accepts: a bad value is the config's one-line error,
         # never a ValueError from deep inside the spool at start (segment_size "1k" once was).
         spool_config(config)

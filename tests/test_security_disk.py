@@ -158,6 +158,13 @@ def send(port: int, rcpt: str | list[str], subject: str, size: int = 0) -> int:
         return s.data(body)[0]
 
 
+def mail_with_size(port: int, size: int) -> int:
+    """MAIL FROM with a declared SIZE: its code."""
+    with smtplib.SMTP("127.0.0.1", port, timeout=60) as s:
+        s.ehlo()
+        return s.mail("a@example.org", [f"SIZE={size}"])[0]
+
+
 def subjects(messages: list[Received]) -> list[str]:
     out = []
     for m in messages:
@@ -417,7 +424,11 @@ async def test_a_small_disk_with_the_default_segment_size_keeps_rotating_and_del
 
 
 async def test_a_message_larger_than_the_disk_could_ever_hold_gets_552(tmp_path: Path) -> None:
-    """7.5 MB into an 8 MiB filesystem with a 1 MiB floor: 552 5.3.4 (never fits), not 452 (try later)."""
+    """7.5 MB into an 8 MiB filesystem with a 1 MiB floor: 552 5.3.4 (never fits), not 452 (try later).
+
+    smtplib's ``send`` does not declare SIZE, so the refusal comes at the end of DATA; a declared SIZE is
+    refused at MAIL.
+    """
     fs = tmp_path / "spool"
     with small_filesystem(fs) as mounted:
         assert mounted, NEEDS_ROOT
@@ -430,6 +441,8 @@ async def test_a_message_larger_than_the_disk_could_ever_hold_gets_552(tmp_path:
             relay = await start_relay(nursery, cfg)
             watch = DeliveryWatch(relay)
             port = relay.ports[0]
+            # Declared at MAIL, it is refused there, before any data; undeclared, at the end of DATA.
+            assert await trio.to_thread.run_sync(mail_with_size, port, 7_500_000) == 552
             assert await trio.to_thread.run_sync(send, port, "big@far.example", "big", 7_500_000) == 552
             # What it wrote before it crossed the floor is garbage, reclaimed once the runners pass it.
             floor = relay.config.spool.queue_minfree

@@ -15,7 +15,15 @@ from relay_support import relay_config
 
 from mta import smtp_client as C
 from mta import smtp_server as S
-from mta.smtp_common import DEFAULT_MAX_MESSAGE_SIZE, ContentDecoder, LocalProtocolError, RemoteProtocolError, Reply
+from mta.smtp_common import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    R_DATA_NUL,
+    ContentDecoder,
+    LocalProtocolError,
+    RemoteProtocolError,
+    Reply,
+    ReplyParser,
+)
 
 EHLO_PIPELINING = b"250-mx.test\r\n250-PIPELINING\r\n250-SIZE 1000\r\n250-8BITMIME\r\n250 STARTTLS\r\n"
 
@@ -210,7 +218,11 @@ def test_encoded_body_always_decodes_to_its_crlf_normalised_self(chunks: list[by
     wire = b"".join(enc.encode(c) for c in chunks) + enc.end()
     dec = ContentDecoder(DEFAULT_MAX_MESSAGE_SIZE, 10**9, normalize=False)
     pos, content, done = dec.decode(bytearray(wire), 0, len(wire) + 10)
-    assert done and pos == len(wire) and dec.refusal is None
+    assert done and pos == len(wire)
+    if b"\x00" in b"".join(chunks):  # never legal in content: refused, but the end is still found
+        assert dec.refusal == R_DATA_NUL
+        return
+    assert dec.refusal is None
     body = b"".join(chunks).replace(b"\r\n", b"\n").replace(b"\r", b"\n").replace(b"\n", b"\r\n")
     if body and not body.endswith(b"\r\n"):
         body += b"\r\n"
@@ -358,3 +370,10 @@ async def test_transport_pipelines_the_envelope_and_sends_the_body_with_its_dot_
     envelope = b"MAIL FROM:<a@x.example> SIZE=%d\r\nRCPT TO:<b@y.example>\r\nRCPT TO:<c@y.example>\r\nDATA\r\n"
     assert writes[0] == envelope % job.size
     assert len(writes) == 2 and writes[1].endswith(b"\r\n..dot\r\n.\r\n")
+
+
+def test_control_characters_in_a_next_hops_reply_are_escaped_not_raised() -> None:
+    """A hostile next hop cannot make the client core raise (Reply refuses control characters)."""
+    (reply,) = ReplyParser().feed(b"550-5.1.1 no\x00such\r\n550 5.1.1 user\x1b[2J\x7f\r\n")
+    assert (reply.code, reply.enhanced) == (550, "5.1.1")
+    assert reply.text == "no\\x00such\nuser\\x1b[2J\\x7f"

@@ -12,6 +12,7 @@ from mta import smtp_server as S
 from mta.smtp_common import (
     R_DATA_BARE_NEWLINE,
     R_DATA_LONG_LINE,
+    R_DATA_NUL,
     R_TOO_BIG,
     ContentDecoder,
     RemoteProtocolError,
@@ -117,6 +118,30 @@ def test_any_stream_in_any_chunking_gives_the_same_valid_replies(
             assert reply.enhanced is not None and reply.enhanced[0] == str(reply.code)[0]
 
 
+ARG_TEMPLATES = [
+    (b"EHLO ", b"c.example"), (b"HELO ", b"c.example"), (b"MAIL FROM:", b"<a@x.example> SIZE=10 BODY=8BITMIME"),
+    (b"MAIL FROM:", b"<> SMTPUTF8"), (b"RCPT TO:", b"<b@y.example>"), (b"RCPT TO:", b"<postmaster>"),
+    (b"RCPT TO:", b"<b@y.example> NOTIFY=NEVER"), (b"VRFY ", b"b"), (b"NOOP ", b"x"), (b"HELP ", b"MAIL"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(ARG_TEMPLATES), st.integers(0, 255).filter(lambda v: v not in (10, 13)),
+                          st.integers(0, 64), st.binary(max_size=3).map(lambda b: b.translate(None, b"\r\n"))),
+                max_size=20))
+def test_any_byte_in_any_argument_is_answered_and_never_echoed_raw(
+        edits: list[tuple[tuple[bytes, bytes], int, int, bytes]]) -> None:
+    """Issue 12: a NUL in MAIL FROM made the core raise while it echoed the address. (CR and LF: line tests.)"""
+    wire = b"EHLO c.example\r\n"
+    for (prefix, arg), value, at, extra in edits:
+        k = at % (len(arg) + 1)
+        wire += prefix + arg[:k] + bytes([value]) + extra + arg[k:] + b"\r\n"
+    _events, out = drive([wire], {"max_errors": 1000})
+    assert all(0x20 <= b <= 0x7E for b in out.replace(b"\r\n", b"")), out
+    replies = ReplyParser().feed(out)
+    assert len(replies) == 2 + len(edits)  # greeting, EHLO, one reply per line: nothing raised, nothing skipped
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=300).map(lambda b: b.replace(b"a", b"\r\n").replace(b"b", b".")), st.booleans())
 def test_data_ends_exactly_at_the_first_crlf_dot_crlf(wire: bytes, normalize: bool) -> None:
@@ -130,8 +155,8 @@ def test_data_ends_exactly_at_the_first_crlf_dot_crlf(wire: bytes, normalize: bo
     assert done and pos == k + 3
     message = wire[: k + 3]
     bare = re.search(rb"\r(?!\n)|(?<!\r)\n", message) is not None
-    assert (dec.refusal is not None) == (bare and not normalize)
-    if not bare:
+    assert (dec.refusal is not None) == ((bare and not normalize) or b"\x00" in message)
+    if not bare and b"\x00" not in message:
         lines = message[:-3].split(b"\r\n")[:-1] if k > 0 else []
         assert content == b"".join((line[1:] if line.startswith(b".") else line) + b"\r\n" for line in lines)
 
@@ -209,11 +234,14 @@ class LineByLineDecoder:
         return pos, out, done
 
     def _content(self, data: bytes | bytearray) -> None:
-        self.size += len(data)
-        if self.size > self.max_size and self.refusal is None:
-            self.refusal = R_TOO_BIG
-        if self.refusal is None:
-            self._out += data
+        for byte in data:  # one byte at a time: the first refusal in stream order wins; a byte over the
+            self.size += 1  # size limit is over-size, whatever it holds
+            if self.size > self.max_size and self.refusal is None:
+                self.refusal = R_TOO_BIG
+            if self.refusal is None and byte == 0:
+                self.refusal = R_DATA_NUL
+            if self.refusal is None:
+                self._out.append(byte)
 
     def _line_end(self, real: bool) -> None:
         if self._line_len + 2 > self.max_line and self.refusal is None:
@@ -287,7 +315,8 @@ def feed_decoder(dec: ContentDecoder | LineByLineDecoder, chunks: list[bytes], l
 
 
 content_pieces = st.sampled_from(
-    [b"\r\n", b".", b"..", b"\r", b"\n", b"\r\n.\r\n", b"\r\n..\r\n", b"\n.\r\n", b"x" * 37, b"y" * 99, b"z"]
+    [b"\r\n", b".", b"..", b"\x00", b"\r\n\x00.\r\n", b"\r", b"\n", b"\r\n.\r\n", b"\r\n..\r\n", b"\n.\r\n",
+     b"x" * 37, b"y" * 99, b"z"]
 )
 content_streams = st.lists(st.one_of(content_pieces, st.binary(max_size=12)), max_size=40).map(b"".join)
 
