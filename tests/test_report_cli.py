@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from mta.cli import main
-from mta.report import JAVA_MISSING
+from mta.report.session import JAVA_MISSING
 from spool.config import SpoolConfig
 from spool.spool import Spool
 

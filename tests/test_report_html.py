@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from mta.report_html import DAY_MS, HOUR_MS, hourly, nice_step, svg_bars
+from mta.report.html_page import DAY_MS, HOUR_MS, hourly, nice_step, svg_bars
 
 T = 1_700_000_000_000 - 1_700_000_000_000 % DAY_MS  # a midnight, UTC
 NS = "{http://www.w3.org/2000/svg}"

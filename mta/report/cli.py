@@ -11,7 +11,9 @@ import time
 
 import click
 
-from mta.report import JAVA_MISSING, ReportError, java_available
+from mta.report.errors import ReportError
+from mta.report.session import JAVA_MISSING, java_available
+from spool.rows import expand_paths
 
 
 def parse_time(text: str) -> int:
@@ -56,8 +58,6 @@ def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, unt
     Raises ReportError (one line: also when Java is missing) or OSError
     (``--out`` cannot be made).
     """
-    from spool.spark_source import expand_paths
-
     if since_ms is not None and until_ms is not None and since_ms >= until_ms:
         raise ReportError("--since must be before --until")
     for pattern in inputs:
@@ -104,7 +104,8 @@ def report(inputs: tuple[str, ...], out: str, master: str, since_ms: int | None,
     _STARTED[0] = time.monotonic()
     try:
         check_arguments(inputs, out, since_ms, until_ms)
-        from mta.report import make_session, run_report
+        from mta.report.job import run_report
+        from mta.report.session import make_session
 
         _progress(f"starting Spark ({master})")
         spark = make_session(master)

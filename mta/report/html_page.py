@@ -10,8 +10,8 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from mta.report import LATENCY_LABELS, PERCENTILES, QSHAPE_LABELS, STATUS_NAMES, Figures
-from mta.report_text import fmt_delay, fmt_time
+from mta.report.figures import LATENCY_LABELS, PERCENTILES, QSHAPE_LABELS, STATUS_NAMES, Figures
+from mta.report.text import fmt_delay, fmt_time
 
 COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f")
 CHAR_W = 7.0  # a generous average advance of an 11 px sans-serif character, for layout
