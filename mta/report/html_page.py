@@ -1,8 +1,9 @@
 """The report as one self-contained HTML page with inline SVG charts.
 
-Why SVG written here rather than matplotlib: the charts are plain bar charts,
-and a page with no dependency and no image files can be mailed or archived
-as it is.
+The charts are drawn by ``mta.report.charts`` (matplotlib) and put in the
+page as ``<svg>`` elements, not image files or links: a page with no files
+beside it and no external reference can be mailed or archived as it is, and
+opens with no network.
 """
 
 from __future__ import annotations
@@ -10,122 +11,12 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
+from mta.report.charts import CSS_CLASS, Series, bar_chart
 from mta.report.figures import LATENCY_LABELS, PERCENTILES, QSHAPE_LABELS, STATUS_NAMES, Figures
 from mta.report.text import fmt_delay, fmt_time
 
-COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f")
-CHAR_W = 7.0  # a generous average advance of an 11 px sans-serif character, for layout
-MAX_LABEL = 32  # longer labels (domains) are cut, with an ellipsis; the bar's tooltip has the whole
 DAY_MS = 86_400_000
 HOUR_MS = 3_600_000
-
-
-def _text_w(text: str) -> float:
-    return len(text) * CHAR_W
-
-
-def nice_step(peak: int, ticks: int = 5) -> int:
-    """The smallest 1, 2 or 5 times a power of ten that covers ``peak`` in at most ``ticks`` steps."""
-    magnitude = 1
-    while True:
-        for m in (1, 2, 5):
-            if m * magnitude * ticks >= peak:
-                return m * magnitude
-        magnitude *= 10
-
-
-def svg_bars(title: str, labels: Sequence[str], series: Sequence[tuple[str, Sequence[int]]], *,
-             sublabels: dict[int, str] | None = None, width: int = 720, plot_h: int = 180) -> str:
-    """A grouped bar chart: one group per label, one bar per series.
-
-    The layout is computed from the labels rather than fixed, because the
-    charts are meant to be read as pictures (in the docs, in a mail): labels
-    are drawn level when they fit under their group, thinned out when short
-    but crowded, and slanted only when long, with the margins grown so that
-    nothing is clipped. ``sublabels`` (group index -> text) is a second row
-    under the labels, e.g. the date where a day starts under hour labels.
-    The legend sits on the title's row, away from the labels.
-    """
-    e = html.escape
-    sublabels = sublabels or {}
-    peak = max([0, *(v for _n, vals in series for v in vals)])
-    step = nice_step(max(1, peak))
-    y_max = step * max(1, -(-peak // step))
-    left = max(40.0, _text_w(str(y_max)) + 12)
-    right, top = 12.0, 34.0
-    n = max(1, len(labels))
-    plot_w = width - left - right
-    group_w = plot_w / n
-    shown = [lab if len(lab) <= MAX_LABEL else lab[:MAX_LABEL - 1] + "\u2026" for lab in labels]
-    widest = max([0.0, *(_text_w(lab) for lab in shown)])
-    slant = widest > 3 * group_w  # would need more than every third label dropped: slant instead
-    if slant:
-        every = max(1, -(-n // 24))
-        cos, sin = 0.819, 0.574  # 35 degrees
-        first_w = _text_w(shown[0]) if shown else 0.0
-        left = max(left, first_w * cos - group_w / 2 + 8)
-        plot_w = width - left - right
-        group_w = plot_w / n
-        label_band = widest * sin + 16
-    else:
-        every = max(1, -(-int(widest + 8) // max(1, int(group_w))))
-        label_band = 18.0
-    sub_band = 16.0 if sublabels else 0.0
-    height = int(top + plot_h + label_band + sub_band + 6)
-    base = top + plot_h
-    bar_w = max(1.0, group_w * 0.8 / max(1, len(series)))
-    show_values = n <= 12
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" role="img" aria-label="{e(title)}" '
-             f'font-family="sans-serif" font-size="11">',
-             f'<rect width="{width}" height="{height}" fill="#fff"/>',
-             f'<text x="10" y="16" font-size="13" font-weight="bold">{e(title)}</text>']
-    if not any(v for _n, vals in series for v in vals):
-        parts.append(f'<text x="{left + plot_w / 2:.1f}" y="{top + plot_h / 2:.1f}" text-anchor="middle" '
-                     f'fill="#888">no data</text>')
-    for y_val in range(0, y_max + 1, step):
-        y = base - plot_h * y_val / y_max
-        if y_val:
-            parts.append(f'<line x1="{left:.1f}" y1="{y:.1f}" x2="{left + plot_w:.1f}" y2="{y:.1f}" stroke="#e4e4e4"/>')
-        parts.append(f'<text x="{left - 5:.1f}" y="{y + 4:.1f}" text-anchor="end">{y_val}</text>')
-    for g, label in enumerate(labels):
-        x0 = left + g * group_w + group_w * 0.1
-        cx = left + g * group_w + group_w / 2
-        for s, (name, vals) in enumerate(series):
-            h = plot_h * vals[g] / y_max
-            x = x0 + s * bar_w
-            parts.append(f'<rect x="{x:.1f}" y="{base - h:.1f}" width="{bar_w:.1f}" height="{h:.1f}" '
-                         f'fill="{COLORS[s % len(COLORS)]}"><title>{e(name)} {e(label)}: {vals[g]}</title></rect>')
-            if show_values and vals[g]:
-                parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{base - h - 3:.1f}" text-anchor="middle" '
-                             f'font-size="10" fill="#444">{vals[g]}</text>')
-        if g % every == 0:
-            if slant:
-                parts.append(f'<text x="{cx:.1f}" y="{base + 14}" text-anchor="end" '
-                             f'transform="rotate(-35 {cx:.1f} {base + 14})">{e(shown[g])}</text>')
-            else:
-                parts.append(f'<text x="{cx:.1f}" y="{base + 14}" text-anchor="middle">{e(shown[g])}</text>')
-        if g in sublabels and not _crowded(g, sublabels, group_w):
-            gx = left + g * group_w
-            parts.append(f'<line x1="{gx:.1f}" y1="{base}" x2="{gx:.1f}" y2="{base + label_band + 2:.1f}" '
-                         f'stroke="#999"/>'
-                         f'<text x="{min(gx + 3, width - right - _text_w(sublabels[g])):.1f}" '
-                         f'y="{base + label_band + 12:.1f}">{e(sublabels[g])}</text>')
-    parts.append(f'<line x1="{left:.1f}" y1="{base}" x2="{left + plot_w:.1f}" y2="{base}" stroke="#333"/>')
-    x = width - right
-    for s, (name, _vals) in reversed(list(enumerate(series))):
-        x -= _text_w(name) + 26
-        parts.append(f'<rect x="{x:.1f}" y="7" width="10" height="10" fill="{COLORS[s % len(COLORS)]}"/>'
-                     f'<text x="{x + 14:.1f}" y="16">{e(name)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
-
-
-def _crowded(g: int, sublabels: dict[int, str], group_w: float) -> bool:
-    """Whether sublabel ``g`` would run into the next one (a first day with
-    only an hour or two of mail): the later one, a whole day, is kept."""
-    later = [h for h in sublabels if h > g]
-    return bool(later) and (min(later) - g) * group_w < _text_w(sublabels[g]) + 6
 
 
 def hourly(per_hour: Sequence[tuple[int, int, int]]) -> tuple[list[str], dict[int, str], list[int], list[int]]:
@@ -170,15 +61,17 @@ def render_html(f: Figures) -> str:
     t = f.totals
     labels, days, received, delivered = hourly(f.per_hour)
     per_day = bool(f.per_hour) and f.per_hour[-1][0] - f.per_hour[0][0] > 14 * DAY_MS
-    volume = svg_bars("Volume per day (UTC)" if per_day else "Volume per hour (UTC)", labels,
-                      [("received", received), ("delivered", delivered)], sublabels=days)
-    latency = svg_bars("Delivery latency (recipients)", LATENCY_LABELS, [("delivered", f.latency_hist)])
+    volume = bar_chart("Volume per day (UTC)" if per_day else "Volume per hour (UTC)", labels,
+                       [Series("received", received), Series("delivered", delivered)], sublabels=days).svg("volume")
+    latency = bar_chart("Delivery latency (recipients)", LATENCY_LABELS,
+                        [Series("delivered", f.latency_hist)]).svg("latency")
     # Domains where something went wrong, worst first; the fully delivered ones would be empty groups.
     troubled = [d for d in f.domains if d.deferred or d.bounced or d.expired]
     deferring = sorted(troubled, key=lambda d: (-d.deferred, -d.bounced - d.expired, d.domain))[:15]
-    deferrals = svg_bars("Deferrals by domain (recipient attempts)", [d.domain for d in deferring],
-                         [("deferred", [d.deferred for d in deferring]), ("bounced", [d.bounced for d in deferring]),
-                          ("expired", [d.expired for d in deferring])])
+    deferrals = bar_chart("Deferrals by domain (recipient attempts)", [d.domain for d in deferring],
+                          [Series("deferred", [d.deferred for d in deferring]),
+                           Series("bounced", [d.bounced for d in deferring]),
+                           Series("expired", [d.expired for d in deferring])]).svg("deferrals")
     totals = [("received (messages)", t["received"]), ("recipients", t["recipients"]), ("bytes", t["bytes"]),
               *((s, t[s]) for s in STATUS_NAMES), ("messages deferred", t["deferred_messages"]),
               ("still queued", t["queued"]), ("held", t["held"])]
@@ -203,7 +96,7 @@ def render_html(f: Figures) -> str:
         sections.append(_table("Damaged segments", ["file", "offset", "what"], f.errors))
     style = ("body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin-bottom:1em}"
              "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}td:first-child{text-align:left}"
-             ".charts svg{display:block;margin:1em 0}")
+             f"svg.{CSS_CLASS}{{display:block;margin:1em 0;max-width:100%;height:auto}}")
     period = f"{fmt_time(f.first_ms)} .. {fmt_time(f.last_ms)}"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>logspool delivery report</title>'
             f"<style>{style}</style></head><body>\n<h1>logspool delivery report</h1>\n"

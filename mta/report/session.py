@@ -9,6 +9,7 @@ checks import this module without the Spark extra.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -23,6 +24,15 @@ def java_available() -> bool:
     if home and os.access(os.path.join(home, "bin", "java"), os.X_OK):
         return True
     return shutil.which("java") is not None
+
+
+SPARK_EXTRA: Final = ("pyspark", "pyarrow", "matplotlib")
+"""What the report imports beyond the relay's own dependencies: the ``spark`` extra."""
+
+
+def missing_libraries() -> list[str]:
+    """The libraries of the ``spark`` extra that cannot be imported, without importing any."""
+    return [name for name in SPARK_EXTRA if importlib.util.find_spec(name) is None]
 
 
 JAVA_MISSING: Final = (
