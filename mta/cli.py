@@ -471,7 +471,7 @@ def queue_shape(config_path: str | None, top: int, as_json: bool) -> None:
 
 def _register_report() -> None:
     try:
-        from mta.report_cli import report
+        from mta.report.cli import report
     except ImportError:  # the Spark extra is not installed
         return
     main.add_command(report)

@@ -1,7 +1,7 @@
 """The report's figures computed in plain Python, for the tests to compare.
 
 This reads the segments with the spool's own log reader (not the Spark
-data source) and follows the definitions in mta/report.py's docstring with
+data source) and follows the definitions in mta/report/job.py's docstring with
 dictionaries and lists, so that a mistake in a Spark join or aggregation shows
 up as a difference.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from mta.report import (
+from mta.report.figures import (
     LATENCY_EDGES_S,
     LATENCY_LABELS,
     PERCENTILES,

@@ -108,7 +108,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session", name="spark")
 def spark_session_fixture() -> Iterator[Any]:
     """One local SparkSession for every Spark test (it takes seconds to start)."""
-    from mta.report import make_session
+    from mta.report.session import make_session
 
     # Two shuffle partitions: the tables hold a few thousand rows, and every
     # extra partition is one more task to schedule on a shared 2-core machine.

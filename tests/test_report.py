@@ -12,9 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 import tests.report_reference as ref
-from mta.report import JAVA_MISSING, Figures, ReportError, make_session, run_report
-from mta.report_cli import report
-from mta.report_text import render_text
+from mta.report.cli import report
+from mta.report.errors import ReportError
+from mta.report.figures import Figures
+from mta.report.job import run_report
+from mta.report.session import JAVA_MISSING, make_session
+from mta.report.text import render_text
 from spool.record import pos_offset
 from spool.rows import segment_rows
 from tests.spark_fixture import T0, fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)

@@ -5,13 +5,15 @@ seconds; the whole command on Spark is tested in test_report.py)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
 
 from mta.cli import main
-from mta.report import JAVA_MISSING
+from mta.report.session import JAVA_MISSING
 from spool.config import SpoolConfig
 from spool.spool import Spool
 
@@ -140,3 +142,24 @@ def test_no_java(spool_dir: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch)
     assert result.exit_code == 2
     assert error_line(result) == f"mta report: {JAVA_MISSING}"
     assert "starting Spark" not in result.stderr and not os.path.exists(tmp_path / "o")
+
+
+def test_without_the_spark_extra_the_relay_runs_and_the_report_says_what_to_install(spool_dir: str,
+                                                                                    tmp_path: Any) -> None:
+    """A relay installed without extras: ``mta`` works and ``mta report`` is one line naming the
+    missing libraries (matplotlib draws the page's charts), before any JVM and before --out is made."""
+    out = str(tmp_path / "o")
+    code = ("import sys\n"
+            "for m in ('pyspark', 'pyarrow', 'matplotlib'): sys.modules[m] = None\n"
+            "from mta.cli import main\n"
+            "main(['report', '--input', sys.argv[1], '--out', sys.argv[2]])\n")
+    proc = subprocess.run([sys.executable, "-c", code, spool_dir, out], capture_output=True, text=True,
+                          check=False, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == ("mta report: not installed: pyspark, pyarrow, matplotlib "
+                                   "(pip install 'logspool[spark]')")
+    assert not os.path.exists(out)
+    relay = subprocess.run([sys.executable, "-c", code.replace("'report', '--input', sys.argv[1], '--out', "
+                                                               "sys.argv[2]", "'--help'")],
+                           capture_output=True, text=True, check=False, timeout=60)
+    assert relay.returncode == 0 and "serve" in relay.stdout, relay.stderr

@@ -1,11 +1,17 @@
-"""The report page's charts, without Spark: their axes and what they leave out."""
+"""The report page without Spark: the volume chart's axis, and the charts as the page holds them."""
 
 from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
 
-from mta.report_html import DAY_MS, HOUR_MS, hourly, nice_step, svg_bars
+import pytest
+
+import tests.report_reference as ref
+from mta.report.charts import CSS_CLASS, Series, bar_chart, svg_elements
+from mta.report.figures import LATENCY_LABELS, Figures
+from mta.report.html_page import DAY_MS, HOUR_MS, hourly, render_html
+from tests.spark_fixture import fleet_fixture  # noqa: F401  (shared fixture; it needs no Spark)
 
 T = 1_700_000_000_000 - 1_700_000_000_000 % DAY_MS  # a midnight, UTC
 NS = "{http://www.w3.org/2000/svg}"
@@ -30,28 +36,34 @@ def test_a_long_period_is_drawn_per_day() -> None:
     assert days[0] == "2023-11" and days[17] == "2023-12"
 
 
-def test_chart_is_well_formed_and_scaled_to_a_round_top() -> None:
-    svg = svg_bars("Deferrals", ["a.example", "b.example"], [("deferred", [395, 12]), ("bounced", [0, 92])])
-    root = ET.fromstring(svg)  # parses: the page and the docs' pictures are the same XML
-    bars = [r for r in root.iter(f"{NS}rect") if r.find(f"{NS}title") is not None]
-    assert len(bars) == 4
-    heights = {r.find(f"{NS}title").text: float(r.get("height", "0")) for r in bars}  # type: ignore[union-attr]
-    # The default 180 px plot, topped at 400: heights in proportion to the values.
-    assert abs(heights["deferred a.example: 395"] - 180 * 395 / 400) <= 0.051
-    assert abs(heights["bounced b.example: 92"] - 180 * 92 / 400) <= 0.051 and heights["bounced a.example: 0"] == 0
-    assert "400" in texts(svg) and "395" in texts(svg)  # y axis to 400 in steps of 100, values on the bars
-    assert nice_step(395) == 100 and nice_step(7) == 2 and nice_step(0) == 1
+@pytest.fixture(scope="module")
+def figures(fleet: dict[str, str]) -> Figures:
+    """The fleet's figures by the plain computation (the Spark job's equal, tested in test_report.py)."""
+    return ref.figures(ref.plain_records(fleet))
 
 
-def test_long_labels_are_cut_and_kept_whole_in_the_tooltip() -> None:
-    name = "mail.a-very-long-subdomain-of-the-recipient.example.co.uk"
-    svg = svg_bars("Deferrals", [name] * 10, [("deferred", list(range(1, 11)))])
-    shown = [t for t in texts(svg) if t.startswith("mail.")]
-    assert shown and all(len(t) <= 32 and t.endswith("\u2026") for t in shown)
-    assert f"deferred {name}: 1" in svg
-    assert all(float(x) >= 0 for x in re.findall(r' x="(-?[\d.]+)"', svg))  # nothing starts left of the picture
-
-
-def test_an_empty_chart_says_so() -> None:
-    svg = svg_bars("Volume per hour (UTC)", [], [("received", []), ("delivered", [])])
-    assert "no data" in texts(svg)
+def test_the_pages_charts_are_the_chart_modules_inline_svg_and_fetch_nothing(figures: Figures) -> None:
+    page = render_html(figures)
+    charts = list(svg_elements(page))
+    assert len(charts) == 3 and all(f'class="{CSS_CLASS}"' in c.split(">", 1)[0] for c in charts)
+    assert all(f'<style type="text/css">.{CSS_CLASS} *{{' in c for c in charts)  # matplotlib's rule, scoped
+    # Made by mta.report.charts, byte for byte (the same data gives the same SVG).
+    latency = bar_chart("Delivery latency (recipients)", LATENCY_LABELS, [Series("delivered", figures.latency_hist)])
+    assert latency.svg("latency").rstrip() in charts
+    deferrals = charts[2]
+    down = next(d for d in figures.domains if d.domain == "down.example")
+    assert f"<title>deferred down.example: {down.deferred}</title>" in deferrals  # a bar's tooltip
+    # Inline and self-contained: no XML prolog in the page, every reference a fragment of the same chart,
+    # no element that loads anything, and no URL but the two SVG namespace names.
+    assert "<?xml" not in page and "<!DOCTYPE svg" not in page
+    ids = re.findall(r'\bid="([^"]+)"', page)
+    assert len(ids) == len(set(ids)) > 100  # three charts in one page share no id
+    for chart in charts:
+        root = ET.fromstring(chart)
+        own = {e.get("id") for e in root.iter()}
+        refs = re.findall(r'(?:href="|url\()([^")]*)', chart)
+        assert refs and all(r.startswith("#") and r[1:] in own for r in refs)
+    assert not re.search(r"<(?:image|script|link|iframe|object|embed|foreignObject)\b|@import|\bsrc=", page)
+    urls = set(re.findall(r"[a-z][a-z0-9+.-]*://[^\s\"'<>)]*", page, flags=re.I))
+    assert urls == {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
+    assert all(f'xmlns="{u}"' in page or f'xmlns:xlink="{u}"' in page for u in urls)  # names, not fetched

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from mta.report.charts import svg_elements
 from tests.spark_fixture import run_relay
 
 RELAYS = ("mx1", "mx2")
@@ -47,14 +47,14 @@ def extract_charts(report_html: str, docs: str) -> list[str]:
     docs show them as images; GitHub renders an SVG file, not inline SVG)."""
     with open(report_html, encoding="utf-8") as f:
         page = f.read()
-    charts = re.findall(r"<svg\b.*?</svg>", page, flags=re.S)
+    charts = list(svg_elements(page))
     if len(charts) != len(CHART_FILES):
         raise SystemExit(f"example_report: {report_html} holds {len(charts)} charts, expected {len(CHART_FILES)}")
     written = []
     for name, svg in zip(CHART_FILES, charts):
         path = os.path.join(docs, name)
         with open(path, "w", encoding="utf-8") as f:
-            f.write(svg + "\n")
+            f.write(svg.rstrip() + "\n")
         written.append(path)
     return written
 

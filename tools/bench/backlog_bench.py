@@ -38,9 +38,9 @@ Issue 7, second half. Two measurements (DESIGN §6: benchmarks, never timed test
    worked, and drains).
 
 Temp dirs are on the real disk (``common.bench_root``: $BENCH_DIR, else the
-temp dir unless it is tmpfs) and are removed. Charts (SVG) need matplotlib,
-an optional extra (``pip install -e .[bench]``); without it the script says so
-in one line and writes none. The last line printed is one JSON object.
+temp dir unless it is tmpfs) and are removed. Charts (SVG, drawn through
+mta/report/charts.py) need matplotlib, an optional extra (``pip install -e
+.[bench]``); without it the script says so in one line and writes none. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -339,18 +339,17 @@ def measure_fairness(backlog_path: str, rounds: int, enqueuers: int, duration: f
 def charts(result: dict[str, Any], out_dir: str, tag: str = "") -> list[str]:
     """Two SVGs: recovery and RSS against queue size; accepted/s per round with and without backlog."""
     try:
-        import matplotlib
+        from mta.report.charts import Chart
     except ImportError:
         say("matplotlib is not installed (pip install -e '.[bench]'): no charts written")
         return []
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     written = []
     rec = result.get("recovery", {})
     if rec:
         sizes = sorted(int(n) for n in rec)
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        chart = Chart.new(10, 4, "Recovery time and peak RSS against queue size")
+        ax1, ax2 = chart.figure.subplots(1, 2)
         ax1.plot(sizes, [rec[str(n)]["open_s"] * 1000 for n in sizes], "o-", label="wall")
         ax1.plot(sizes, [rec[str(n)]["cpu_s"] * 1000 for n in sizes], "s--", label="CPU")
         ax1.plot(sizes, [max(rec[str(n)]["open_s"] - rec[str(n)]["sync_s"], 1e-4) * 1000 for n in sizes], "^:",
@@ -366,16 +365,15 @@ def charts(result: dict[str, Any], out_dir: str, tag: str = "") -> list[str]:
         ax2.set(xscale="log", xlabel="deferred messages in the queue", ylabel="MB", title="Peak RSS (median)")
         ax2.set_ylim(0, base * 1.8)
         ax2.legend(fontsize="small")
-        fig.tight_layout()
         path = os.path.join(out_dir, f"bench_backlog_recovery{tag}.svg")
-        fig.savefig(path)
-        plt.close(fig)
+        chart.write(path)
         written.append(path)
     fair = result.get("fairness")
     if fair:
         rounds = fair["rounds"]
         n = len(rounds["empty"])
-        fig, ax = plt.subplots(figsize=(7, 5))
+        chart = Chart.new(7, 5, "New mail accepted per second with and without a due backlog")
+        ax = chart.figure.subplots()
         xs = list(range(n))
         bars = [("empty", "empty queue (A)")]
         if "backlog_off" in rounds:
@@ -395,10 +393,8 @@ def charts(result: dict[str, Any], out_dir: str, tag: str = "") -> list[str]:
                title=f"New mail with and without a due backlog ({result['enqueuers']} enqueuers)")
         ax.margins(y=0.2)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), fontsize="small")
-        fig.tight_layout()
         path = os.path.join(out_dir, f"bench_backlog_fairness{tag}.svg")
-        fig.savefig(path)
-        plt.close(fig)
+        chart.write(path)
         written.append(path)
     return written
 

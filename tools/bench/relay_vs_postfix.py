@@ -4,12 +4,14 @@
     .venv/bin/python tools/bench/relay_vs_postfix.py --quick    # fewer messages, fewer cells
     .venv/bin/python tools/bench/relay_vs_postfix.py --messages 2000 --reps 3 --sizes 4096 --sessions 20
     .venv/bin/python tools/bench/relay_vs_postfix.py --profile /tmp/relay   # + py-spy of logspool under load
+    .venv/bin/python tools/bench/relay_vs_postfix.py --chart-from run.json --svg chart.svg   # redraw a run's chart
 
 Needs (checked first; nothing is installed): root, Postfix (``postfix``,
 ``postconf``, ``smtp-source``, ``smtp-sink``, the ``postfix`` user and
 ``postdrop`` group), ``strace`` (unless ``--no-strace``), the relay in
-``.venv/bin/mta``; optionally matplotlib for the chart (else a plain SVG is
-written) and ``.venv/bin/py-spy`` for ``--profile``.
+``.venv/bin/mta``; optionally matplotlib for the chart (``pip install -e
+'.[bench]'``; without it no chart is written) and ``.venv/bin/py-spy`` for
+``--profile``.
 
 What it does: starts a PRIVATE Postfix (tools/bench/postfix_instance.py: its
 own config/queue/data dirs in a temp dir, smtpd on 127.0.0.1:PORT only,
@@ -60,6 +62,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # mta, spool
 from postfix_instance import PostfixError, PostfixInstance, check_installed, process_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -434,56 +437,32 @@ def table(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def chart_title(doc: dict[str, Any]) -> str:
+    machine = doc["machine"]
+    return (f"logspool vs Postfix {doc['postfix_version']}, {doc['date']}, load "
+            f"{machine['loadavg_start'][0]:.0f}-{machine['loadavg_end'][0]:.0f} on {machine['cores']} cores")
+
+
 def chart(cells: list[dict[str, Any]], path: str, title: str) -> str:
-    labels = [f"{c['size'] // 1024} KB\n{c['sessions']} sess" for c in cells]
-    series = {mta: [c[mta]["median"].get("e2e_per_s") or 0 for c in cells] for mta in ("postfix", "logspool")}
-    accepted = {mta: [c[mta]["median"].get("accepted_per_s") or 0 for c in cells] for mta in ("postfix", "logspool")}
+    """Accepted and end-to-end msg/s (medians) per cell, Postfix beside logspool, as an SVG file.
+
+    Returns how it went, for the log line: drawn, or why not (matplotlib is an optional extra).
+    """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        return _plain_svg(labels, series, path, title)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4.2))
-    width = 0.2
-    xs = range(len(cells))
+        from mta.report.charts import Series, bar_chart
+    except ImportError:
+        return "not written: matplotlib is not installed (pip install -e '.[bench]')"
+    labels = [f"{c['size'] // 1024} KB\n{c['sessions']} sess" for c in cells]
     colors = {"postfix": "#4c72b0", "logspool": "#dd8452"}
-    for i, mta in enumerate(("postfix", "logspool")):
-        ax.bar([x + (i - 1) * 2 * width + width / 2 for x in xs], accepted[mta], width, color=colors[mta],
-               alpha=0.45, label=f"{mta} accepted")
-        ax.bar([x + (i - 1) * 2 * width + 3 * width / 2 for x in xs], series[mta], width, color=colors[mta],
-               label=f"{mta} end-to-end")
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("messages/s (median)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="svg")
-    plt.close(fig)
-    return "matplotlib"
-
-
-def _plain_svg(labels: list[str], series: dict[str, list[float]], path: str, title: str) -> str:
-    w, h, pad, bw = 120 * len(labels) + 80, 320, 50, 30
-    top = max([v for vs in series.values() for v in vs] + [1])
-    colors = {"postfix": "#4c72b0", "logspool": "#dd8452"}
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
-             f'font-size="11"><text x="10" y="16">{title} (end-to-end msg/s, median)</text>']
-    for i, label in enumerate(labels):
-        for j, (mta, vs) in enumerate(series.items()):
-            bh = (h - 2 * pad) * vs[i] / top
-            x = pad + 120 * i + j * (bw + 4)
-            parts.append(f'<rect x="{x}" y="{h - pad - bh:.1f}" width="{bw}" height="{bh:.1f}" '
-                         f'fill="{colors[mta]}"/><text x="{x}" y="{h - pad - bh - 3:.1f}">{vs[i]:.0f}</text>')
-        parts.append(f'<text x="{pad + 120 * i}" y="{h - pad + 15}">{label.replace(chr(10), ", ")}</text>')
-    for j, mta in enumerate(series):
-        parts.append(f'<rect x="{w - 110}" y="{24 + 16 * j}" width="10" height="10" fill="{colors[mta]}"/>'
-                     f'<text x="{w - 95}" y="{33 + 16 * j}">{mta}</text>')
-    parts.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
-    return "plain SVG"
+    series = []
+    for mta in ("postfix", "logspool"):
+        for key, kind, alpha in (("accepted_per_s", "accepted", 0.45), ("e2e_per_s", "end-to-end", 1.0)):
+            series.append(Series(f"{mta} {kind}", [c[mta]["median"].get(key) or 0 for c in cells], colors[mta],
+                                 alpha))
+    drawn = bar_chart(title, labels, series, ylabel="messages/s (median)", values=False,
+                      width_in=max(6.0, 1.6 * len(cells)), height_in=4.2, title_pt=9)
+    drawn.write(path)
+    return "written"
 
 
 # --------------------------------------------------------------------------- profiling
@@ -611,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cell-timeout", type=float, default=900, help="seconds per run before giving up")
     ap.add_argument("--json", help="also write the JSON document here")
     ap.add_argument("--svg", default=os.path.join(ROOT, "docs", "bench_relay.svg"), help="chart path ('' = none)")
+    ap.add_argument("--chart-from", metavar="JSON", help="only draw the chart (--svg) of a recorded run's JSON "
+                    "document; needs nothing else")
     ap.add_argument("--profile", metavar="PREFIX", help="after the runs, py-spy the relay under load: "
                     "PREFIX.collapsed, PREFIX.svg")
     ap.add_argument("--profile-messages", type=int, default=1000)
@@ -623,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=1,
                     help="logspool relay processes ([server] processes; Postfix runs as many as it likes)")
     args = ap.parse_args(argv)
+    if args.chart_from:
+        return redraw(args.chart_from, args.svg)
     if args.quick:
         args.messages = args.messages or 100
         args.sizes = args.sizes or [4096]
@@ -718,11 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["e2e_ratio_20s_4k"] = key["ratio"]["e2e_per_s"] if key else None
     if profile:
         doc["profile"] = profile
-    title = (f"logspool vs Postfix {doc['postfix_version']}, {doc['date']}, load "
-             f"{machine['loadavg_start'][0]:.0f}-{machine['loadavg_end'][0]:.0f} on {machine['cores']} cores")
     if args.svg and cells:
-        how = chart(cells, args.svg, title)
-        print(f"chart ({how}): {args.svg}", file=sys.stderr)
+        print(f"chart {chart(cells, args.svg, chart_title(doc))}: {args.svg}", file=sys.stderr)
     if not cells:
         return 0
     text = json.dumps(doc, indent=1)
@@ -736,6 +716,23 @@ def main(argv: list[str] | None = None) -> int:
     ratio = doc["e2e_ratio_20s_4k"]
     print(f"end-to-end ratio logspool/Postfix at 20 sessions, 4 KB: {ratio if ratio is not None else 'n/a'}")
     return 0
+
+
+def redraw(json_path: str, svg_path: str) -> int:
+    """The chart of a recorded run, from its JSON document (``--json``), without running anything."""
+    try:
+        with open(json_path, encoding="utf-8") as f:
+            doc = json.load(f)
+        cells, title = doc["cells"], chart_title(doc)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        print(f"relay_vs_postfix: --chart-from {json_path}: not a recorded run ({exc})", file=sys.stderr)
+        return 2
+    if not svg_path or not cells:
+        print("relay_vs_postfix: --chart-from needs --svg PATH and a run with cells", file=sys.stderr)
+        return 2
+    how = chart(cells, svg_path, title)
+    print(f"chart {how}: {svg_path}", file=sys.stderr)
+    return 0 if how == "written" else 1
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -11,7 +11,7 @@ own encoder, then times:
 - ``inproc``: the data source's own read path (``segment_batches``) in this
   process, without Spark: what Spark adds is the difference;
 - for each ``--configs`` entry (default local[1] and local[2] with
-  mta.report's JVM options, then local[2] with the JVM's defaults), a child
+  mta.report.session's JVM options, then local[2] with the JVM's defaults), a child
   process with its own SparkSession (JVM options are fixed per JVM) times
   ``spark.read.format("logspool")`` written to Spark's ``noop`` sink (every row
   produced and handed to the JVM), each run right after a plain-reader run, so
@@ -136,7 +136,7 @@ def spark_child(directory: str, master: str, jvm: str, expect: int, repeat: int)
     """One SparkSession (in its own process: JVM options are fixed per JVM). Each
     repeat times the plain reader and then the data source, so every Spark figure
     has a plain figure measured next to it (A B A B)."""
-    from mta.report import make_session
+    from mta.report.session import make_session
 
     conf = {"spark.ui.showConsoleProgress": "false"}
     if jvm == "default":
@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="reuse or keep the generated log here")
     ap.add_argument("--configs", default="local[1]:report,local[2]:report,local[2]:default",
-                    help="MASTER:JVM,... in the order run; JVM is 'report' (mta.report.LOCAL_JAVA_OPTIONS) "
+                    help="MASTER:JVM,... in the order run; JVM is 'report' (mta.report.session.LOCAL_JAVA_OPTIONS) "
                          "or 'default' (the JVM's own)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -11,7 +11,9 @@ import time
 
 import click
 
-from mta.report import JAVA_MISSING, ReportError, java_available
+from mta.report.errors import ReportError
+from mta.report.session import JAVA_MISSING, java_available, missing_libraries
+from spool.rows import expand_paths
 
 
 def parse_time(text: str) -> int:
@@ -53,11 +55,10 @@ def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, unt
     Every ``--input`` must name segments: a typo among several inputs would
     otherwise leave a relay out of the report without a word.
 
-    Raises ReportError (one line: also when Java is missing) or OSError
+    Raises ReportError (one line: also when Java or a library of the ``spark``
+    extra is missing) or OSError
     (``--out`` cannot be made).
     """
-    from spool.spark_source import expand_paths
-
     if since_ms is not None and until_ms is not None and since_ms >= until_ms:
         raise ReportError("--since must be before --until")
     for pattern in inputs:
@@ -68,6 +69,9 @@ def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, unt
         raise ReportError(f"no segment files (*.seg) under: {pattern}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ReportError(f"--out {out}: exists and is not a directory")
+    missing = missing_libraries()
+    if missing:
+        raise ReportError(f"not installed: {', '.join(missing)} (pip install 'logspool[spark]')")
     if not java_available():  # make_session says so too; here it comes before --out is made
         raise ReportError(JAVA_MISSING)
     os.makedirs(out, exist_ok=True)
@@ -104,7 +108,8 @@ def report(inputs: tuple[str, ...], out: str, master: str, since_ms: int | None,
     _STARTED[0] = time.monotonic()
     try:
         check_arguments(inputs, out, since_ms, until_ms)
-        from mta.report import make_session, run_report
+        from mta.report.job import run_report
+        from mta.report.session import make_session
 
         _progress(f"starting Spark ({master})")
         spark = make_session(master)

@@ -9,8 +9,9 @@ turns its file into Arrow record batches with ``spool.rows`` (which reads
 through the spool's log reader, ``spool.reader``), one row per record and one
 error row per anomaly, in file order.
 
-This is the only module of ``spool`` that imports pyspark: the rest of the
-package, the pure-Python walk included, imports without it.
+It lives with the report rather than in ``spool``, because it is the only
+piece of the pipeline that imports pyspark: ``spool``, the pure-Python walk
+(``spool.rows``) included, imports without it.
 
 Options: ``path`` / ``paths`` (as ``load()`` passes them), ``relay``,
 ``batchRows`` (rows per Arrow batch, default 65536).
@@ -25,19 +26,16 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from spool.rows import (
     DEFAULT_BATCH_ROWS,
-    ERROR_TYPE,
     FORMAT_NAME,
     SCHEMA_DDL,
     SegmentTask,
-    expand_paths,
     paths_from_options,
     plan,
     relay_name_for,
     segment_batches,
 )
 
-__all__ = ["ERROR_TYPE", "FORMAT_NAME", "SCHEMA_DDL", "LogspoolDataSource", "LogspoolReader", "SegmentPartition",
-           "expand_paths", "relay_name_for", "segment_batches"]
+__all__ = ["LogspoolDataSource", "LogspoolReader", "SegmentPartition"]
 
 
 # -- the Spark data source ---------------------------------------------------

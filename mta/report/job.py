@@ -1,7 +1,7 @@
 """The delivery report job: segments → Parquet tables → pflogsumm-style figures.
 
 Theory of operation. The segments are decoded **once**, by the ``logspool``
-data source (spool/spark_source.py), into ``records/`` (one row per log
+data source (``mta.report.spark_source``), into ``records/`` (one row per log
 record, damaged spots included as error rows). Three tables are built from
 it and written as Parquet:
 
@@ -14,9 +14,10 @@ it and written as Parquet:
   ``until``): the newest envelope of the message has no FINISH.
 
 Every figure of the report is then computed by Spark from those Parquet
-files (:func:`compute_figures`) into a :class:`Figures` value, which the text
-and HTML renderers only format. The tests compute the same ``Figures`` with
-plain Python over the same records and compare them field by field.
+files (:func:`compute_figures`) into a ``Figures`` value (``mta.report.figures``),
+which the text and HTML renderers only format. The tests compute the same
+``Figures`` with plain Python over the same records and compare them field by
+field. The Spark session itself is made in ``mta.report.session``.
 
 Joins go by ``(relay, position)``: positions are unique within one spool,
 not across a fleet. A START whose envelope is not in the input (it lies in a
@@ -31,155 +32,27 @@ those made at or after it.
 from __future__ import annotations
 
 import os
-import shutil
-import sys
-import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
-import attrs
-
-STATUS_NAMES: Final = ("delivered", "deferred", "bounced", "expired", "deleted")
-LATENCY_EDGES_S: Final = (1, 10, 60, 300, 1800, 3600, 4 * 3600, 86400)
-LATENCY_LABELS: Final = ("<1s", "1-10s", "10s-1m", "1-5m", "5-30m", "30m-1h", "1-4h", "4h-1d", ">1d")
-QSHAPE_EDGES_MIN: Final = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
-QSHAPE_LABELS: Final = ("0-5", "5-10", "10-20", "20-40", "40-80", "80-160", "160-320", "320-640", "640-1280", "1280+")
-TOP_N: Final = 10
-PERCENTILES: Final = (0.5, 0.9, 0.99)
+from mta.report.errors import ReportError
+from mta.report.figures import (
+    LATENCY_EDGES_S,
+    LATENCY_LABELS,
+    PERCENTILES,
+    QSHAPE_EDGES_MIN,
+    QSHAPE_LABELS,
+    STATUS_NAMES,
+    TOP_N,
+    DomainRow,
+    Figures,
+    QueueShapeRow,
+)
+from mta.report.html_page import render_html
+from mta.report.text import render_text
+from spool.rows import expand_paths
 
 Progress = Callable[[str], None]
-
-
-class ReportError(Exception):
-    """Something the operator must fix (no Java, no segments, no pyspark); one line."""
-
-
-@attrs.frozen
-class DomainRow:
-    domain: str
-    delivered: int
-    deferred: int
-    bounced: int
-    expired: int
-    avg_delay_s: float | None  # over delivered recipients
-    max_delay_s: float | None
-
-
-@attrs.frozen
-class QueueShapeRow:
-    domain: str
-    total: int
-    buckets: tuple[int, ...]  # recipients per QSHAPE_LABELS age bucket (minutes)
-
-
-@attrs.frozen
-class Figures:
-    """Everything the report shows. Lists are in display order."""
-
-    first_ms: int | None
-    last_ms: int | None
-    totals: dict[str, int]
-    states: dict[str, int]  # messages per final state
-    domains: tuple[DomainRow, ...]
-    latency: tuple[float | None, ...]  # PERCENTILES of delivery delay, seconds
-    latency_hist: tuple[int, ...]  # per LATENCY_LABELS
-    retries: tuple[tuple[int, int], ...]  # (attempts, messages)
-    top_deferrals: tuple[tuple[str, int], ...]
-    top_bounces: tuple[tuple[str, int], ...]
-    top_sender_domains: tuple[tuple[str, int, int], ...]  # (domain, messages, bytes)
-    top_recipient_domains: tuple[tuple[str, int], ...]
-    per_hour: tuple[tuple[int, int, int], ...]  # (hour start ms, received, delivered)
-    queue_shape: tuple[QueueShapeRow, ...]
-    errors: tuple[tuple[str, int, str], ...]  # (file, offset, what)
-
-
-# -- the Spark session -------------------------------------------------------
-
-
-def java_available() -> bool:
-    home = os.environ.get("JAVA_HOME")
-    if home and os.access(os.path.join(home, "bin", "java"), os.X_OK):
-        return True
-    return shutil.which("java") is not None
-
-
-JAVA_MISSING: Final = (
-    "Java not found: Spark needs a Java 17 or 21 runtime. Install one "
-    "(Debian/Ubuntu: sudo apt-get install default-jre-headless, or `make sysdeps`) or set JAVA_HOME."
-)
-
-
-def local_cores(master: str) -> int | None:
-    """The thread count of a ``local``, ``local[N]`` or ``local[*]`` master; None for a cluster."""
-    if master == "local":
-        return 1
-    if not master.startswith("local["):
-        return None
-    n = master[len("local["):].split("]", 1)[0].split(",", 1)[0]
-    if n == "*":
-        return os.cpu_count() or 1
-    return max(1, int(n)) if n.isdigit() else 1
-
-
-LOCAL_JAVA_OPTIONS: Final = "-XX:+UseSerialGC -XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:-UsePerfData"
-"""JVM options for local mode. Measured on the project's 2-core machine: most of
-a local report's JVM time is start-up (loading and compiling Spark's classes),
-not the data. The C1 compiler alone and the serial collector need far less CPU
-than C2 plus G1's background threads, which matters when the cores are shared;
-the data-heavy part of the job runs in the Python workers anyway."""
-
-
-def make_session(master: str = "local[*]", app: str = "logspool-report", conf: dict[str, str] | None = None) -> Any:
-    """A SparkSession with the logspool data source registered.
-
-    Local mode binds to loopback (``SPARK_LOCAL_IP=127.0.0.1`` unless set):
-    otherwise Spark picks a non-loopback address that may not even route.
-    It also sizes shuffles to the local cores (Spark's default of 200 shuffle
-    partitions means 200 tiny tasks per join or aggregation, each with its
-    scheduling cost, for tables of a few thousand rows) and starts the JVM with
-    :data:`LOCAL_JAVA_OPTIONS`. Workers run this interpreter, so they import
-    the same ``spool`` package. ``conf`` overrides any of these.
-
-    Raises ReportError when Java or pyspark is missing.
-    """
-    if not java_available():
-        raise ReportError(JAVA_MISSING)
-    # pyspark 4.x warns on every run that it "does not yet fully support pandas >= 3.0.0"; the job
-    # uses pandas for nothing of its own, and an operator cannot act on the warning.
-    warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas", category=FutureWarning)
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError:
-        raise ReportError("pyspark is not installed: pip install 'logspool[spark]'") from None
-    cores = local_cores(master)
-    settings = {
-        "spark.ui.enabled": "false",
-        "spark.ui.showConsoleProgress": "false",
-        "spark.sql.session.timeZone": "UTC",
-        # A starved machine can take longer than the 10 s default heartbeat to
-        # bring the scheduler up; the early heartbeat then fails noisily.
-        "spark.executor.heartbeatInterval": "60s",
-        "spark.network.timeout": "600s",
-    }
-    if cores is not None:
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        settings.update({
-            "spark.sql.shuffle.partitions": str(2 * cores),
-            "spark.default.parallelism": str(cores),
-            "spark.driver.extraJavaOptions": LOCAL_JAVA_OPTIONS,
-        })
-    settings.update(conf or {})
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder = SparkSession.builder.master(master).appName(app)
-    for k, v in settings.items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    from spool.spark_source import LogspoolDataSource
-
-    spark.dataSource.register(LogspoolDataSource)
-    return spark
 
 
 # -- building the tables -----------------------------------------------------
@@ -390,10 +263,6 @@ def run_report(spark: Any, inputs: Sequence[str], out: str, *, since_ms: int | N
 
     Raises ReportError when the inputs hold no segment file.
     """
-    from mta.report_html import render_html
-    from mta.report_text import render_text
-    from spool.spark_source import expand_paths
-
     files = expand_paths(inputs)
     if not files:
         raise ReportError(f"no segment files (*.seg) under: {', '.join(inputs)}")

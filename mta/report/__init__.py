@@ -1,0 +1,20 @@
+"""The delivery report: spool segments → Spark → Parquet tables → a text report and an HTML page.
+
+Everything here serves ``mta report`` and only it; the relay never imports
+this package, and ``pip install logspool`` without the ``spark`` extra leaves
+it unusable but harmless (the command says what to install).
+
+Modules, and the direction of their imports (each imports only those to its
+right on its line, so there is no cycle):
+
+- ``cli``: the click command; argument checks before any JVM starts → ``session``, ``errors``
+- ``job``: decode once, build the tables, compute the figures, write the reports
+  → ``figures``, ``text``, ``html_page``, ``errors`` (and ``spool.rows``)
+- ``session``: the SparkSession, local mode tuned for small machines → ``spark_source``, ``errors``
+- ``spark_source``: the ``logspool`` PySpark data source over segment files → ``spool.rows``
+- ``html_page``: the report as one self-contained HTML page → ``charts``, ``text``, ``figures``
+- ``text``: the report as plain text, pflogsumm-style → ``figures``
+- ``charts``: bar charts as inline SVG, drawn by matplotlib (the benchmarks use it too)
+- ``figures``: the ``Figures`` value and the label tables everything above shares
+- ``errors``: ``ReportError``, one line for the operator
+"""
