@@ -41,7 +41,7 @@ typecheck: $(DEV_STAMP)
 
 # The Spark tests share one local SparkSession; they take several minutes on a
 # 2-core machine (most of it the JVM starting and planning), and run with the rest.
-SPARK_TESTS := tests/test_report.py tests/test_spark_source.py
+SPARK_TESTS := tests/report
 
 pytest: $(DEV_STAMP) sysdeps
 	$(BIN)/pytest -q --durations=25

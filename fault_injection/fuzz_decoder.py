@@ -3,7 +3,7 @@
 ``python -m fault_injection.fuzz_decoder [-runs=N] [-max_total_time=S] [CORPUS_DIR ...]``
 
 Hypothesis already throws damaged segments and checkpoints at the engine
-(tests/test_fault_corrupt.py); libFuzzer adds what random damage rarely
+(tests/fault/test_fault_corrupt.py); libFuzzer adds what random damage rarely
 reaches: inputs that pass one check and fail a deeper one, such as a frame
 whose checksum is right but whose CBOR payload breaks the schema. The first
 input byte picks the target; the rest is the bytes on disk. A target may

@@ -46,8 +46,8 @@ import threading
 import time
 import zlib
 
-from mta.smtp_common import Reply
-from mta.smtp_server import (
+from mta.smtp.common import Reply
+from mta.smtp.server import (
     ConnectionClosed,
     DataAborted,
     DataChunk,

@@ -1,10 +1,10 @@
 """Server-level SMTP fuzzing: hostile sessions against a running relay, which must keep serving everyone.
 
 ``python -m fault_injection smtpfuzz --minutes N [--seed S]`` (the long run;
-``tests/test_relay_fuzz.py`` runs a short one, driven by hypothesis, in
+``tests/relay/test_relay_fuzz.py`` runs a short one, driven by hypothesis, in
 ``make test``).
 
-The core's fuzz tests (``tests/test_smtp_fuzz.py``) feed bytes to the sans-IO
+The core's fuzz tests (``tests/smtp/test_smtp_fuzz.py``) feed bytes to the sans-IO
 server state machine. This harness fuzzes what surrounds it: the trio shell,
 the policy, the spool, the scheduler and the delivery, over real TCP on
 127.0.0.1, against a relay running in this process (``RelayThread``).
@@ -50,9 +50,9 @@ from typing import Protocol
 import attrs
 import trio
 
-from mta.app import Relay
 from mta.config import parse_config
-from mta.smtp_common import ReplyParser, SmtpProtocolError
+from mta.process.relay import Relay
+from mta.smtp.common import ReplyParser, SmtpProtocolError
 from spool.record import Outcome, Status
 
 

@@ -21,10 +21,10 @@ import attrs
 import click
 import trio
 
+from mta.admin.control import socket_path
+from mta.admin.queue_ops import CHANGES, RequestError, change_op, parse_request, read_op
 from mta.config import Config, ConfigError, load_config, parse_listen_address
-from mta.control import socket_path
-from mta.queue_ops import CHANGES, RequestError, change_op, parse_request, read_op
-from mta.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
+from mta.process.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
 from spool import admin
 from spool.errors import SpoolError, SpoolLocked
 
@@ -84,11 +84,11 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     # shell's code for Ctrl-C); a shard child (which gets the same SIGINT from the terminal) dies by the signal
     # silently, so the line is printed once. See docs/operations.md.
     signal.signal(signal.SIGINT, signal.SIG_DFL if shard is not None else _interrupted)
-    from mta.app import serve as run
-    from mta.app import serve_shard
-    from mta.shards import shard_count
-    from mta.startup import StartError
-    from mta.supervisor import supervise
+    from mta.process.relay import serve as run
+    from mta.process.relay import serve_shard
+    from mta.process.shards import shard_count
+    from mta.process.startup import StartError
+    from mta.process.supervisor import supervise
 
     config = _load(config_path)
     if listen:
@@ -103,7 +103,7 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
         count = shards if shards is not None else shard_count(config)
     except OSError as exc:
         fail(str(exc))
-    from mta.app import spool_config
+    from mta.process.relay import spool_config
 
     try:
         spool_config(config)  # the engine's own checks, before any process or socket: one line, not a traceback
@@ -162,7 +162,7 @@ def _via_socket(path: str, req: dict[str, Any]) -> dict[str, Any] | None:
 
 def _offline(config: Config, shard: int, raw: dict[str, Any]) -> dict[str, Any]:
     """No relay runs on this shard: open its spool ourselves (this takes the lock and recovers)."""
-    from mta.app import spool_config
+    from mta.process.relay import spool_config
     from spool.spool import Spool
 
     req = parse_request(raw)  # the same checks as the control socket's, before the spool is opened
@@ -228,7 +228,7 @@ def _empty_answer(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def _request(config: Config, req: dict[str, Any]) -> dict[str, Any]:
-    """Spread a request over every spool shard and merge the answers (see ``mta.shards``)."""
+    """Spread a request over every spool shard and merge the answers (see ``mta.process.shards``)."""
     try:
         shards = all_shards(config)
     except (ConfigError, OSError) as exc:

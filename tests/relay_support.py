@@ -17,10 +17,10 @@ from typing import Any
 import attrs
 import trio
 
-from mta.app import Relay
 from mta.config import Config, parse_config
-from mta.smtp_common import Reply
-from mta.smtp_server import (
+from mta.process.relay import Relay
+from mta.smtp.common import Reply
+from mta.smtp.server import (
     ConnectionClosed,
     DataAborted,
     DataChunk,

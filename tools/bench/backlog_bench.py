@@ -72,7 +72,7 @@ RCPTS = spool_bench.RCPTS
 BODY = b"m" * 100
 DEFERRED = spool_bench.DEFERRED
 DELIVERED = Outcome(RCPTS[0], Status.DELIVERED, 250, "2.0.0", "250 2.0.0 ok", "mx.example.net")
-CLAIM_LIMIT = 256  # what mta/scheduler.py asks next_due for at most
+CLAIM_LIMIT = 256  # what mta/delivery/scheduler.py asks next_due for at most
 BUILD_CHUNK = 10_000
 # Claims per commit while building. Why not the whole chunk: LogWriter.mark_pending is
 # a list membership test, so claiming k messages before a commit costs O(k^2).

@@ -27,9 +27,9 @@ import trio
 from common import fmt, median, say
 
 from mta.config import parse_config
-from mta.local_transports import DiscardTransport
-from mta.metrics import Metrics
-from mta.scheduler import Scheduler
+from mta.delivery.local import DiscardTransport
+from mta.delivery.scheduler import Scheduler
+from mta.observe.metrics import Metrics
 from spool.commit import AsyncSpool
 from spool.config import SpoolConfig
 from spool.fileio import OsFileIO

@@ -39,8 +39,8 @@ from typing import Any
 import common
 from common import median, say, table
 
-import mta.smtp_client
-import mta.smtp_server
+import mta.smtp.client
+import mta.smtp.server
 
 KIB = 1024
 
@@ -69,20 +69,20 @@ def chunked(data: bytes, size: int) -> list[bytes]:
 
 
 def load_baseline(root: str) -> tuple[ModuleType, ModuleType]:
-    """``mta.smtp_server`` and ``mta.smtp_client`` as found under ``root``, beside the current ones."""
+    """``mta.smtp.server`` and ``mta.smtp.client`` as found under ``root``, beside the current ones."""
     ours = {k: v for k, v in sys.modules.items() if k == "mta" or k.startswith("mta.")}
     for k in ours:
         del sys.modules[k]
     sys.path.insert(0, root)
     try:
-        import mta.smtp_client as client
-        import mta.smtp_server as server
+        import mta.smtp.client as client
+        import mta.smtp.server as server
     finally:
         sys.path.remove(root)
         for k in [k for k in sys.modules if k == "mta" or k.startswith("mta.")]:
             del sys.modules[k]
         sys.modules.update(ours)
-    if server.__file__ == mta.smtp_server.__file__:
+    if server.__file__ == mta.smtp.server.__file__:
         raise SystemExit(f"--baseline {root}: no mta package there")
     return server, client
 
@@ -187,7 +187,7 @@ def main() -> None:
     args = ap.parse_args()
     common.exit_on_sigterm()
 
-    variants = {"current": (mta.smtp_server, mta.smtp_client)}
+    variants = {"current": (mta.smtp.server, mta.smtp.client)}
     if args.baseline:
         variants["baseline"] = load_baseline(args.baseline)
     cases = make_cases()

@@ -1,0 +1,185 @@
+"""The control socket: how ``mta queue ...`` reaches a running relay.
+
+A Unix socket (mode 0600, in the spool directory by default) speaking one
+JSON object per line: one request, one answer, then the connection closes.
+Only the relay writes the spool, so every change an operator makes goes
+through here and into the log like any other record.
+
+Every request is checked field by field (``mta.admin.queue_ops.parse_request``)
+before anything runs: a line that is not UTF-8 JSON, a number that overflows
+(``1e400``), a field of the wrong type or range, or a line over 64 KiB gets
+``{"ok": false, "error": ...}``. One request is the unit that fails: an
+unexpected exception while serving it is logged once with its traceback and
+answered with an error, and the relay goes on (``ControlServer.handle``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+
+from mta.admin.queue_ops import CHANGES, Request, RequestError, change_op, parse_request, read_op, shown
+from mta.config import Config
+from spool import admin
+from spool.commit import AsyncSpool
+from spool.errors import SpoolError
+
+log = logging.getLogger("mta.control")
+MAX_REQUEST = 64 * 1024
+MAX_DISCARD = 16 * MAX_REQUEST  # what is read and dropped of an over-long request before its error is answered
+REQUEST_TIMEOUT = 30.0  # a client that has not sent its line and read its answer by then is dropped
+
+
+def socket_path(config: Config) -> str:
+    return config.server.control_socket or os.path.join(config.spool.dir, "control.sock")
+
+
+async def read_line(stream: trio.abc.ReceiveStream) -> bytes:
+    """The first line (without its LF), or all that came before EOF.
+
+    An over-long line is read to its end (up to ``MAX_DISCARD`` bytes) and
+    dropped before the error is answered, so a client that writes its whole
+    request before it reads gets the answer rather than a reset connection.
+
+    Raises:
+        RequestError: more than ``MAX_REQUEST`` bytes without a line end.
+    """
+    buf = bytearray()
+    while b"\n" not in buf and len(buf) <= MAX_REQUEST:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            break
+        buf += chunk
+    line, newline, _ = bytes(buf).partition(b"\n")
+    if len(line) <= MAX_REQUEST:
+        return line
+    seen = len(buf)
+    while not newline and seen <= MAX_DISCARD:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            break
+        newline = b"\n" if b"\n" in chunk else b""
+        seen += len(chunk)
+    raise RequestError(f"request too large (over {MAX_REQUEST} bytes)")
+
+
+def _no_constant(name: str) -> Any:
+    raise RequestError(f"{name} is not a number here")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise RequestError(f"number out of range: {shown(text)}")
+    return value
+
+
+def decode(raw: bytes) -> Any:
+    """One UTF-8 JSON value; NaN, Infinity and numbers that overflow a float (``1e400``) are refused.
+
+    Raises:
+        RequestError: anything that is not such a value.
+    """
+    try:
+        return json.loads(raw.decode("utf-8"), parse_float=_finite, parse_constant=_no_constant)
+    except RequestError:
+        raise
+    except RecursionError:
+        raise RequestError("request nested too deeply") from None
+    except ValueError as exc:  # bad UTF-8, bad JSON, an integer of thousands of digits
+        raise RequestError(f"not a JSON request: {exc}") from None
+
+
+def encode(answer: dict[str, Any]) -> bytes:
+    return json.dumps(answer, allow_nan=False).encode() + b"\n"
+
+
+def internal_error(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "error": f"internal error ({type(exc).__name__}); see the relay's log"}
+
+
+class ControlServer:
+    """One shard's control socket: its ids are ``HEX-K`` for shard K >= 1 (``mta.process.shards``)."""
+
+    def __init__(self, aspool: AsyncSpool, config: Config, shard: int = 0) -> None:
+        self.aspool = aspool
+        self.path = socket_path(config)
+        self.shard = shard
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            os.unlink(self.path)  # left by a previous life of the relay: we hold the spool lock now
+        except FileNotFoundError:
+            pass
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Linux gives the socket file the mode of the unbound socket: 0600 from its first instant,
+        # whatever the umask (the chmod after bind covers systems that ignore this).
+        os.fchmod(sock.fileno(), 0o600)
+        await sock.bind(self.path)
+        os.chmod(self.path, 0o600)
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+        task_status.started()
+        await trio.serve_listeners(self.handle, [listener])
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """One request, one answer: the boundary where a control request fails alone.
+
+        Whatever goes wrong inside one request (a bug included) is logged once
+        with its traceback and answered with an error; the relay goes on.
+        """
+        try:
+            with trio.move_on_after(REQUEST_TIMEOUT):
+                await stream.send_all(encode(await self.serve_one(stream)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client left before its answer
+        except Exception as exc:
+            log.exception("control request failed; the relay goes on")
+            with trio.move_on_after(1):
+                try:
+                    await stream.send_all(encode(internal_error(exc)))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def serve_one(self, stream: trio.abc.ReceiveStream) -> dict[str, Any]:
+        """The answer to the one request on ``stream``; the client's mistakes are answers, not exceptions."""
+        try:
+            req = parse_request(decode(await read_line(stream)))
+            return {"ok": True, **await self.dispatch(req)}
+        except (RequestError, SpoolError) as exc:
+            return {"ok": False, "error": str(exc)}
+
+    async def dispatch(self, req: Request) -> dict[str, Any]:
+        core = self.aspool.core
+        await self.aspool.commit()  # what finished a moment ago is durable, so the walk sees it
+        if req.op in CHANGES:
+            return await change_op(req, self._apply, self._deferred_ids, self.shard)
+        return await trio.to_thread.run_sync(lambda: read_op(core, req, core.read_body, self.shard))
+
+    async def _apply(self, op: str, mid: int) -> bool:
+        msg = await self.aspool.find(mid)
+        if (op == "hold" and msg.held) or (op == "release" and not msg.held) or \
+                (op == "flush" and (msg.held or msg.klass == 0)):
+            return False
+        await getattr(self.aspool, op)(mid)
+        return True
+
+    async def _deferred_ids(self) -> AsyncIterator[int]:
+        core = self.aspool.core
+        cursor: int | None = None
+        while True:
+            msgs, cursor = await trio.to_thread.run_sync(admin.page, core, None, cursor, 1000)
+            for m in msgs:
+                if m.state == "queued" and m.klass > 0:
+                    yield m.message_id
+            if cursor is None:
+                return

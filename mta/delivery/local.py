@@ -1,0 +1,50 @@
+"""Transports that stay on this machine: maildir (the embedded default) and discard (benchmarks)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from mta.delivery import maildir
+from mta.delivery.transport import Destination, Job, OnOutcome
+from spool.record import Outcome, Status
+
+
+class MaildirTransport:
+    """Delivers into ``PATH/<localpart>/new`` and reports success only once it is durable there."""
+
+    def __init__(self, hostname: str) -> None:
+        self.hostname = hostname
+
+    async def deliver(self, destination: Destination, jobs: Sequence[Job],
+                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
+        results = []
+        for i, job in enumerate(jobs):
+            outcomes = await trio.to_thread.run_sync(self._deliver_job, destination.target, job)
+            if on_outcome is not None:
+                on_outcome(i, outcomes)
+            results.append(outcomes)
+        return results
+
+    def _deliver_job(self, root: str, job: Job) -> list[Outcome]:
+        outs: list[Outcome] = []
+        hop = f"maildir:{root}"
+        for rcpt in job.recipients:
+            try:
+                maildir.deliver(root, rcpt, job.sender, job.body, hostname=self.hostname)
+            except maildir.InvalidMailbox as exc:
+                outs.append(Outcome(rcpt, Status.BOUNCED, exc.code, exc.status, str(exc), hop))
+            except OSError as exc:
+                outs.append(Outcome(rcpt, Status.DEFERRED, 451, "4.3.0", f"maildir write failed: {exc}", hop))
+            else:
+                outs.append(Outcome(rcpt, Status.DELIVERED, 250, "2.0.0", "delivered to maildir", hop))
+        return outs
+
+
+class DiscardTransport:
+    async def deliver(self, destination: Destination, jobs: Sequence[Job],
+                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
+        """All at once, with no I/O: nothing for ``on_outcome`` to shorten."""
+        return [[Outcome(r, Status.DELIVERED, 250, "2.0.0", "discarded", "discard") for r in job.recipients]
+                for job in jobs]

@@ -1,0 +1,411 @@
+"""The delivery scheduler: one subscriber to the spool's runners, a bounded pool of workers.
+
+Theory of operation. A feeder task takes due messages from the spool (new and
+deferred alternately, the spool's own fairness) only while fewer than
+``max_pending`` jobs wait, so memory is bounded by the pool, not the queue.
+Each message's recipients are grouped by destination (transport + next hop);
+each group is a *job* in that destination's queue. Workers (``concurrency``
+of them, never one per message) pick the destination whose oldest job is
+oldest among those below their per-destination limit, and take up to
+``max_messages_per_connection`` jobs for it at once, so one SMTP connection
+carries several messages.
+
+Wake-ups. Idle workers park in one ``ParkingLot``. New work unparks one
+worker, and only if no other is already on its way; a worker that takes a
+batch and sees more work it could take wakes the next one. So a dispatch
+costs one task switch, not one per idle worker, and a burst of work fans out
+to as many workers as it can use. A worker that ends a batch looks for more
+itself before it parks.
+
+Outcomes. For each job the worker appends its outcomes as a DELIVERY record
+and waits for the commit: the outcome is durable before the message's next
+step. A bounce (DSN) is enqueued in the same commit as the DELIVERY that
+reports it, so a crash can lose neither without the other. When every job of
+a message is done, ``finish`` writes the replacement envelope (remaining
+recipients, next class) with no fsync of its own.
+
+A full disk. A DELIVERY record that cannot be written (DiskFull) stays
+appended at its position; the worker waits for the spool to have room and
+commits again, and only then finishes the message: the outcome is durable
+before the next step, as always. Meanwhile workers start no new delivery and
+the feeder claims nothing (``AsyncSpool.next_due`` waits too), so the
+scheduler pauses and resumes by itself. A crash while it waits makes the
+recipients in doubt: a remote's 250 not yet recorded may be delivered again,
+the known duplicate window.
+
+Dead destinations. When every recipient of a batch failed to even connect,
+the destination is backed off (doubling from 2 s up to 5 min); while it is,
+its jobs are deferred at once without a connection attempt, as Postfix's
+qmgr does with a dead site.
+
+Containment. An unexpected exception while one message or batch is routed,
+read, handed to its transport, or while its bounce is built, defers those
+messages only: each gets a DEFERRED outcome whose reply says ``local error:``
+and why (recorded like any other), with one log line and its traceback; the
+workers, the feeder and the relay go on. A spool failure that must end the
+process (``mta.process.containment.is_fatal``) is re-raised, never contained. The
+spool bookkeeping around it (appending outcomes, committing, finishing) is
+shared state, where a bug ends the process.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import logging
+import math
+import time
+from collections.abc import Callable, Collection, Mapping
+
+import attrs
+import trio
+
+from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute
+from mta.delivery import dsn as dsnmod
+from mta.delivery.transport import Destination, Job, Transport
+from mta.observe.metrics import Metrics
+from mta.process.containment import is_fatal, local_error
+from spool.commit import AsyncSpool
+from spool.errors import DiskFull
+from spool.record import Outcome, Status
+from spool.spool import Attempt
+
+log = logging.getLogger("mta.delivery")
+
+BACKOFF_MIN = 2.0
+BACKOFF_MAX = 300.0
+
+
+@attrs.define(eq=False)
+class Tracker:
+    """One claimed message: how many of its jobs are still out."""
+
+    attempt: Attempt
+    outstanding: int = 0
+    last_error: str = ""
+
+
+@attrs.define(eq=False)
+class DestState:
+    queue: collections.deque[tuple[Job, Tracker]] = attrs.field(factory=collections.deque)
+    active: int = 0
+    failures: int = 0
+    backoff_until: float = 0.0
+    last_error: str = ""
+
+
+def destination_for(config: Config, recipient: str) -> Destination | NoRoute:
+    domain = recipient.rpartition("@")[2].lower()
+    route = config.route_for_recipient(recipient)
+    if isinstance(route, NoRoute):
+        return route
+    if isinstance(route, SmtpRoute):
+        return Destination("smtp", f"{route.host}:{route.port}", route.tls.value)
+    if isinstance(route, MxRoute):
+        return Destination("mx", domain)
+    if isinstance(route, MaildirRoute):
+        return Destination("maildir", route.path)
+    if isinstance(route, DiscardRoute):
+        return Destination("discard", "")
+    raise TypeError(f"unknown route {route!r}")
+
+
+class Scheduler:
+    def __init__(self, aspool: AsyncSpool, config: Config, transports: Mapping[str, Transport],
+                 metrics: Metrics, clock: trio.abc.Clock | None = None) -> None:
+        self.aspool = aspool
+        self.config = config
+        self.transports = transports
+        self.metrics = metrics
+        self.dests: dict[Destination, DestState] = {}
+        self.pending = 0
+        d = config.delivery
+        self.concurrency = d.concurrency
+        self.per_destination = d.per_destination
+        self.batch = max(1, d.max_messages_per_connection)
+        self.max_pending = max(4 * self.concurrency, 64)
+        self._idle = trio.lowlevel.ParkingLot()
+        self._waking = 0  # workers unparked that have not yet looked for work
+        self._room = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        # Called with (queue id, outcome) once an outcome is durable: the delivery
+        # log and metrics are two readers; tests wait on it instead of sleeping.
+        self.observers: list[Callable[[str, Outcome], None]] = []
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for _ in range(self.concurrency):
+                nursery.start_soon(self._worker)
+            nursery.start_soon(self._feeder)
+            task_status.started()
+
+    # -- feeding ------------------------------------------------------------
+
+    async def _feeder(self) -> None:
+        while True:
+            room = self.max_pending - self.pending
+            if room <= 0:
+                await self._room.wait()
+                continue
+            for attempt in await self.aspool.next_due(limit=min(room, 256)):
+                self._dispatch(attempt)
+
+    def _dispatch(self, attempt: Attempt) -> None:
+        assert self._nursery is not None
+        tracker = Tracker(attempt)
+        env = attempt.envelope
+        if attempt.expired:
+            self._nursery.start_soon(self._expire, tracker)
+            return
+        groups: dict[Destination, list[str]] = {}
+        unroutable: list[str] = []
+        failed: list[Outcome] = []  # routing raised: deferred, with the reason
+        qid = self.aspool.core.queue_id(env.message_id)
+        for rcpt in attempt.remaining:
+            try:
+                dest = destination_for(self.config, rcpt)
+            except Exception as exc:
+                if is_fatal(exc, self.aspool.core):
+                    raise
+                log.error("%s: routing <%s> failed, deferred: %s", qid, rcpt, local_error(exc), exc_info=exc)
+                failed.append(Outcome(rcpt, Status.DEFERRED, 0, "4.3.0", f"{local_error(exc)} (routing)", ""))
+                continue
+            if isinstance(dest, NoRoute):
+                unroutable.append(rcpt)
+            else:
+                groups.setdefault(dest, []).append(rcpt)
+        tracker.outstanding = len(groups) + (1 if unroutable else 0) + (1 if failed else 0)
+        if unroutable:
+            outs = [Outcome(r, Status.BOUNCED, 550, "5.1.2", "no route to this domain", "") for r in unroutable]
+            self._nursery.start_soon(self._complete, tracker, Job(qid, env.sender, tuple(unroutable), (), 0), outs)
+        if failed:
+            job = Job(qid, env.sender, tuple(o.recipient for o in failed), (), 0)
+            self._nursery.start_soon(self._complete, tracker, job, failed)
+        if not groups and not unroutable and not failed:
+            self._nursery.start_soon(self._finish_only, tracker)
+        for dest, rcpts in groups.items():
+            job = Job(qid, env.sender, tuple(rcpts), (), env.body_size, dict(env.extra))
+            state = self.dests.setdefault(dest, DestState())
+            state.queue.append((job, tracker))
+            self.pending += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake one idle worker if there is work for it and none is already on its way."""
+        if self._waking or not self._idle or self._pick() is None:
+            return
+        self._waking += len(self._idle.unpark(count=1))
+
+    def _make_room(self) -> None:
+        event, self._room = self._room, trio.Event()
+        event.set()
+
+    async def _finish_only(self, tracker: Tracker) -> None:
+        self.aspool.finish(tracker.attempt)
+
+    async def _expire(self, tracker: Tracker) -> None:
+        env = tracker.attempt.envelope
+        rcpts = tuple(tracker.attempt.remaining)
+        lifetime = self.config.spool.max_queue_lifetime
+        text = f"message expired after {lifetime / 86400:g} days in the queue"
+        if tracker.attempt.envelope.extra.get("last_error"):
+            text += f"; last error: {tracker.attempt.envelope.extra['last_error']}"
+        outs = [Outcome(r, Status.EXPIRED, 0, "4.4.7", text, "") for r in rcpts]
+        tracker.outstanding = 1
+        await self._complete(tracker, Job(self.aspool.core.queue_id(env.message_id), env.sender, rcpts, (), 0), outs)
+
+    # -- delivering -----------------------------------------------------------
+
+    def _pick(self) -> tuple[Destination, DestState] | None:
+        """The destination below its limit whose oldest waiting job is the oldest."""
+        best: tuple[Destination, DestState] | None = None
+        for dest, state in self.dests.items():
+            if not state.queue or state.active >= self.per_destination:
+                continue
+            if best is None or state.queue[0][1].attempt.envelope.arrival_ms < \
+                    best[1].queue[0][1].attempt.envelope.arrival_ms:
+                best = (dest, state)
+        return best
+
+    async def _worker(self) -> None:
+        while True:
+            picked = self._pick()
+            if picked is None:
+                await self._idle.park()
+                self._waking -= 1
+                continue
+            if self.aspool.disk_full:  # an outcome could not be recorded now: start nothing until there is room
+                await self.aspool.wait_for_space()
+                continue
+            dest, state = picked
+            batch = [state.queue.popleft() for _ in range(min(self.batch, len(state.queue)))]
+            self.pending -= len(batch)
+            self._make_room()
+            state.active += 1
+            self._wake()  # more work than this batch: the next worker takes it
+            try:
+                await self._deliver(dest, state, batch)
+            finally:
+                state.active -= 1
+                if not state.queue and not state.active:
+                    self.dests.pop(dest, None)
+
+    async def _deliver(self, dest: Destination, state: DestState, batch: list[tuple[Job, Tracker]]) -> None:
+        now = time.time()
+        if now < state.backoff_until:
+            reply = f"destination {dest} not reachable, retry postponed: {state.last_error}"
+            await self._complete_all([(tracker, job, [Outcome(r, Status.DEFERRED, 0, "4.4.1", reply, str(dest))
+                                                      for r in job.recipients]) for job, tracker in batch])
+            return
+        jobs = [job for job, _tracker in batch]
+        started = last = time.monotonic()
+        early: dict[int, list[Outcome]] = {}
+
+        def on_outcome(i: int, outcomes: list[Outcome]) -> None:
+            """Record a job's outcomes the moment the next hop has answered for it (transport.py)."""
+            nonlocal last
+            if i in early:
+                return
+            now = time.monotonic()
+            early[i] = self._append(batch[i][1], outcomes, int((now - last) * 1000))
+            last = now
+
+        local_failure = False
+        try:  # the batch's boundary: reading, the transport, its callbacks
+            for job, tracker in batch:
+                job.body = await self.aspool.read_body(tracker.attempt)
+            results = await self.transports[dest.kind].deliver(dest, jobs, on_outcome)
+            if len(results) != len(jobs):
+                raise RuntimeError(f"transport {dest.kind} returned {len(results)} results for {len(jobs)} messages")
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):
+                raise
+            local_failure = True  # our fault, not the destination's: no backoff
+            qids = ", ".join(job.queue_id for job in jobs)
+            log.error("delivery of %s to %s failed, deferred: %s", qids, dest, local_error(exc), exc_info=exc)
+            results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
+                        for r in job.recipients] for job in jobs]
+        results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
+        duration = time.monotonic() - started
+        unreachable = not local_failure and all(o.code == 0 and o.status is Status.DEFERRED
+                                                for outs in results for o in outs)
+        if unreachable:
+            state.failures += 1
+            state.backoff_until = time.time() + min(BACKOFF_MAX, BACKOFF_MIN * 2 ** (state.failures - 1))
+            state.last_error = results[0][0].reply if results and results[0] else ""
+        elif not local_failure:
+            state.failures = 0
+            state.backoff_until = 0.0
+        for job, _tracker in batch:
+            job.body = ()
+        await self._complete_all([(tracker, job, outs) for (job, tracker), outs in zip(batch, results, strict=True)],
+                                 duration, recorded=set(early))
+
+    async def _complete(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float = 0.0) -> None:
+        await self._complete_all([(tracker, job, outcomes)], duration)
+
+    async def _complete_all(self, done: list[tuple[Tracker, Job, list[Outcome]]], duration: float = 0.0,
+                            recorded: Collection[int] = ()) -> None:
+        """Make the outcomes durable (with any DSNs) in one commit, then log them and finish what is done.
+
+        One commit for a connection's messages, not one each: the durability
+        rule is about order (outcome durable before the message's next step,
+        the FINISH), and it holds for all of them after the one fsync.
+        ``recorded``: the indexes in ``done`` whose outcomes were appended as
+        they came (``on_outcome``); they only wait for the commit here.
+        """
+        done = [(tracker, job, outcomes if i in recorded else self._append(tracker, outcomes, int(duration * 1000)))
+                for i, (tracker, job, outcomes) in enumerate(done)]
+        await self._commit_outcomes(len(done))
+        for tracker, job, outcomes in done:
+            self._after_durable(tracker, job, outcomes, duration)
+
+    async def _commit_outcomes(self, count: int) -> None:
+        """Commit the appended outcomes; while the disk is full, wait for room and commit again.
+
+        The records stay appended at their positions (spool.log), so the same
+        commit covers them once it fits; nothing is finished before that.
+        """
+        while True:
+            try:
+                await self.aspool.commit()
+                return
+            except DiskFull as exc:
+                log.warning("outcomes of %d messages not yet durable (%s): delivery pauses until there is room",
+                            count, exc)
+                await self.aspool.wait_for_space()
+
+    def _append(self, tracker: Tracker, outcomes: list[Outcome], duration_ms: int) -> list[Outcome]:
+        """Append a DELIVERY record, after the DSN for its failures (no fsync; the commit follows).
+
+        The DSN comes first in the log, so no crash keeps the bounce without
+        its DSN: a log cut anywhere keeps both, or neither, or only the DSN
+        (and the recipient, still in doubt, is tried again). Returns the
+        outcomes as recorded: a DSN that cannot be built turns its bounces
+        into deferrals.
+        """
+        attempt = tracker.attempt
+        failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
+        if failed and dsnmod.should_bounce(attempt.envelope.sender) and not attempt.envelope.extra.get("dsn"):
+            try:
+                self._enqueue_dsn(attempt, failed)
+            except Exception as exc:
+                if is_fatal(exc, self.aspool.core):
+                    raise
+                # No bounce without its DSN: the failed recipients are deferred and tried again later.
+                qid = self.aspool.core.queue_id(attempt.envelope.message_id)
+                log.error("%s: building the DSN failed, recipients deferred: %s", qid, local_error(exc),
+                          exc_info=exc)
+                reason = f"{local_error(exc)} (building the DSN)"
+                outcomes = [Outcome(o.recipient, Status.DEFERRED, 0, "4.3.0", f"{reason}; was: {o.reply}",
+                                    o.next_hop) if o in failed else o for o in outcomes]
+        self.aspool.append_delivery(attempt, outcomes, duration_ms)
+        return outcomes
+
+    def _after_durable(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float) -> None:
+        """Log and report the (durable) outcomes; finish the message when all its jobs are in."""
+        attempt = tracker.attempt
+        env = attempt.envelope
+        now = time.time()
+        for o in outcomes:
+            self._log(job.queue_id, env, o, now, duration)
+            for observe in self.observers:
+                try:
+                    observe(job.queue_id, o)
+                except Exception as exc:  # a reader of outcomes must not stop the message's next step
+                    if is_fatal(exc, self.aspool.core):
+                        raise
+                    log.error("%s: an outcome observer failed: %s", job.queue_id, local_error(exc), exc_info=exc)
+            if o.status is Status.DEFERRED:
+                tracker.last_error = o.reply
+        tracker.outstanding -= 1
+        if tracker.outstanding <= 0:
+            extra = {"last_error": tracker.last_error} if tracker.last_error else None
+            self.aspool.finish(attempt, extra=extra)
+
+    def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome]) -> None:
+        env = attempt.envelope
+        headers = dsnmod.extract_headers(self.aspool.core.read_body(env))
+        failures = [dsnmod.RecipientFailure(
+            recipient=o.recipient, status=o.enhanced or ("5.0.0" if o.status is Status.BOUNCED else "4.4.7"),
+            action="failed", diagnostic=f"smtp; {o.code} {o.enhanced} {o.reply}".replace("  ", " ") if o.code
+            else f"x-logspool; {o.reply}", remote_mta=o.next_hop) for o in failed]
+        message = dsnmod.build_dsn(
+            reporting_mta=self.config.server.hostname, original_sender=env.sender,
+            original_envelope_id=None, arrival_time=dt.datetime.fromtimestamp(env.arrival_ms / 1000, dt.UTC),
+            failed=failures,
+            original_headers=headers, from_address=self.config.delivery.bounce_sender)
+        qid = self.aspool.core.queue_id(env.message_id)
+        self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": qid})
+        self.metrics.bounced_dsn.inc()
+
+    def _log(self, qid: str, env: object, o: Outcome, now: float, duration: float) -> None:
+        arrival = getattr(env, "arrival_ms", 0) / 1000
+        delay = max(0.0, now - arrival)
+        status = {Status.DELIVERED: "sent", Status.DEFERRED: "deferred", Status.BOUNCED: "bounced",
+                  Status.EXPIRED: "expired", Status.DELETED: "deleted"}[o.status]
+        log.info("%s: to=<%s>, relay=%s, delay=%.2f, dsn=%s, status=%s (%s%s)", qid, o.recipient,
+                 o.next_hop or "none", delay, o.enhanced or "-", status,
+                 f"{o.code} " if o.code else "", o.reply)
+        self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0)

@@ -1,0 +1,351 @@
+"""The SMTP transport: the trio shell around the sans-IO client core.
+
+One ``deliver`` call takes a batch of messages for one destination and sends
+them over as few connections as it can: hops are tried in order (MX
+preference, or the fixed next hop), and a connection carries every message of
+the batch unless it breaks, in which case the rest go to the next hop.
+
+A connection that ends a batch in good order is kept for a while
+(``ConnectionCache``, ``[delivery] connection_cache_time``) and carries the
+next batch to the same hop, after an RSET shows it is still alive.
+
+Outcomes map from replies: 2xx delivered, 4xx deferred, 5xx bounced. Failing
+to connect, a timeout or a broken connection is a deferral with code 0, which
+the scheduler reads as "destination unreachable" for its backoff. The TLS
+outcome (none, opportunistic, verified) is part of each outcome's next-hop
+text, so the delivery log records it.
+"""
+
+from __future__ import annotations
+
+import math
+import ssl
+from collections.abc import Sequence
+
+import trio
+
+from mta.config import Config
+from mta.delivery import mx
+from mta.delivery.transport import Destination, Job, OnOutcome, body_chunks
+from mta.smtp.client import (
+    ClientConnection,
+    CommandReply,
+    DataReply,
+    EhloReply,
+    Greeting,
+    MessageReply,
+    NeedData,
+)
+from mta.smtp.client import ConnectionClosed as ServerClosed
+from mta.smtp.client import Event as ClientEvent
+from mta.smtp.common import LocalProtocolError, RemoteProtocolError, Reply
+from spool.record import Outcome, Status
+
+# Body bytes gathered before a send_all: one write per this much, instead of one per stored chunk.
+SEND_SIZE = 65536
+
+
+class HopFailed(Exception):
+    """This hop cannot take the mail now; ``reply`` is what it said, if anything."""
+
+    def __init__(self, message: str, reply: Reply | None = None) -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+def outcome_for(rcpt: str, reply: Reply, hop: str) -> Outcome:
+    if reply.is_positive:
+        status = Status.DELIVERED
+    elif reply.is_transient:
+        status = Status.DEFERRED
+    else:
+        status = Status.BOUNCED
+    text = " ".join(line.strip() for line in reply.lines)
+    return Outcome(rcpt, status, reply.code, reply.enhanced or "", text, hop)
+
+
+def client_ssl_context(tls_mode: str, ca_file: str | None = None) -> ssl.SSLContext:
+    """TLS 1.2 or later; the certificate is checked (chain and host name) only for ``verify``.
+
+    ``ca_file`` is trusted in addition to the system's CAs (a private smarthost's CA).
+    """
+    ctx = ssl.create_default_context()
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls_mode != "verify":
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    elif ca_file:
+        ctx.load_verify_locations(cafile=ca_file)
+    return ctx
+
+
+class _Session:
+    """One client connection: greeting, EHLO, maybe STARTTLS, then transactions."""
+
+    def __init__(self, stream: trio.abc.Stream, host: str, config: Config) -> None:
+        self.stream = stream
+        self.host = host
+        self.config = config
+        self.conn = ClientConnection()
+        self.tls = "none"
+        self.sent = 0  # messages this connection has carried
+
+    async def alive(self) -> bool:
+        """RSET and its 250: is a connection that sat idle still usable? Never raises."""
+        try:
+            self.conn.rset()
+            ev = await self._event(min(30.0, self.config.delivery.command_timeout))
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                RemoteProtocolError, LocalProtocolError, ssl.SSLError):
+            return False
+        return isinstance(ev, CommandReply) and ev.reply.is_positive and self.conn.idle
+
+    async def _event(self, timeout: float) -> ClientEvent:
+        while True:
+            ev = self.conn.next_event()
+            if not isinstance(ev, NeedData):
+                return ev
+            out = self.conn.data_to_send()
+            with trio.fail_after(timeout):
+                if out:
+                    await self.stream.send_all(out)
+                data = await self.stream.receive_some(65536)
+            self.conn.receive_data(data)
+
+    async def open(self, tls_mode: str, server_name: str) -> None:
+        t = self.config.delivery.command_timeout
+        ev = await self._event(t)
+        if not isinstance(ev, Greeting) or not ev.reply.is_positive:
+            raise HopFailed(f"{self.host} greeting", getattr(ev, "reply", None))
+        await self._hello(t)
+        caps = self.conn.capabilities
+        if tls_mode == "none":
+            return
+        if caps is None or not caps.starttls:
+            if tls_mode in ("require", "verify"):
+                raise HopFailed(f"{self.host} does not offer STARTTLS and the route requires TLS")
+            return
+        self.conn.starttls()
+        ev = await self._event(t)
+        if not isinstance(ev, CommandReply) or not ev.reply.is_positive:
+            if tls_mode in ("require", "verify"):
+                raise HopFailed(f"{self.host} refused STARTTLS", getattr(ev, "reply", None))
+            return
+        await self.stream.send_all(self.conn.data_to_send())
+        ctx = client_ssl_context(tls_mode, self.config.delivery.tls_ca_file)
+        tls_stream = trio.SSLStream(self.stream, ctx, server_hostname=server_name)
+        try:
+            with trio.fail_after(t):
+                await tls_stream.do_handshake()
+        except (ssl.SSLError, trio.BrokenResourceError) as exc:
+            # trio reports a failed handshake as BrokenResourceError; the reason (an
+            # unverifiable certificate, say) is its cause and belongs in the log.
+            reason = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
+            raise HopFailed(f"TLS handshake with {self.host} failed: {reason}") from None
+        self.stream = tls_stream
+        self.conn.tls_started()
+        self.tls = "verified" if tls_mode == "verify" else "encrypted"
+        await self._hello(t)
+
+    async def _hello(self, timeout: float) -> None:
+        self.conn.ehlo(self.config.server.hostname)
+        ev = await self._event(timeout)
+        if isinstance(ev, EhloReply) and ev.reply.is_positive:
+            return
+        self.conn.helo(self.config.server.hostname)
+        ev = await self._event(timeout)
+        if not isinstance(ev, EhloReply) or not ev.reply.is_positive:
+            raise HopFailed(f"{self.host} refused HELO", getattr(ev, "reply", None))
+
+    async def send(self, job: Job, hop: str) -> list[Outcome]:
+        t = self.config.delivery.command_timeout
+        caps = self.conn.capabilities
+        params: dict[str, str | None] = {}
+        if caps is not None and caps.size is not None:
+            params["SIZE"] = str(job.size)
+        body_param = (job.extra.get("params") or {}) if isinstance(job.extra.get("params"), dict) else {}
+        if isinstance(body_param, dict) and body_param.get("SMTPUTF8") and caps is not None and caps.smtputf8:
+            params["SMTPUTF8"] = None
+        if isinstance(body_param, dict) and str(body_param.get("BODY", "")).upper() == "8BITMIME" \
+                and caps is not None and caps.eightbitmime:
+            params["BODY"] = "8BITMIME"
+        self.conn.mail(job.sender, params)
+        for rcpt in job.recipients:
+            self.conn.rcpt(rcpt)
+        self.conn.data()
+        while True:
+            ev = await self._event(t)
+            if isinstance(ev, DataReply) and ev.go_ahead:
+                with trio.fail_after(self.config.delivery.data_timeout):
+                    async for chunk in body_chunks(job.body):  # big stored bodies are read in a worker thread
+                        self.conn.send_body(chunk)
+                        if self.conn.buffered >= SEND_SIZE:
+                            await self.stream.send_all(self.conn.data_to_send())
+                    self.conn.end_data()
+                    await self.stream.send_all(self.conn.data_to_send())  # the rest and the final dot, together
+            elif isinstance(ev, MessageReply):
+                return [outcome_for(o.address, o.reply, hop) for o in ev.outcomes]
+            elif isinstance(ev, ServerClosed):
+                raise HopFailed(f"{self.host} closed the connection")
+            elif not isinstance(ev, CommandReply | DataReply) and hasattr(ev, "reply") and \
+                    ev.reply.code == 421:
+                raise HopFailed(f"{self.host} is closing", ev.reply)
+
+    async def close(self) -> None:
+        try:
+            with trio.move_on_after(5):
+                self.conn.quit()
+                await self.stream.send_all(self.conn.data_to_send())
+        except (trio.BrokenResourceError, trio.ClosedResourceError, LocalProtocolError, ssl.SSLError, OSError):
+            pass
+        await trio.aclose_forcefully(self.stream)
+
+
+CacheKey = tuple[Destination, str, int]  # the destination (its TLS mode included), the hop's address and port
+
+
+class ConnectionCache:
+    """Idle connections to next hops, kept ``idle_limit`` seconds for the next batch to the same hop.
+
+    Why: a relay that hands a smarthost one message at a time would otherwise
+    pay a TCP connect, the greeting, EHLO (and a TLS handshake) and QUIT for
+    every message: about an eighth of the relay's CPU with a lone client
+    (docs/bench_relay.md), and as much again on the next hop. Postfix keeps
+    such connections 2 s (smtp_connection_cache_time_limit); so do we.
+
+    Nothing is cached until ``run`` runs: it closes (QUIT) what has been idle
+    too long, so a connection is never left open on a quiet relay. A connection
+    taken from the cache is checked with RSET first (``_Session.alive``); one
+    that fails is closed and a new one opened, which costs the round trip and
+    nothing else: no message was sent on it. At most ``per_key`` connections
+    wait per hop.
+
+    Resource handling: connections in the cache belong to it; ``take`` hands
+    one over to the caller, who closes it or gives it back with ``put``.
+    """
+
+    def __init__(self, idle_limit: float, per_key: int) -> None:
+        self.idle_limit = idle_limit
+        self.per_key = per_key
+        self.running = False
+        self.reused = 0  # connections taken from the cache and found alive (tests, benchmarks)
+        self._idle: dict[CacheKey, list[tuple[float, _Session]]] = {}
+        self._changed = trio.Event()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    def put(self, key: CacheKey, session: _Session) -> bool:
+        """Keep ``session`` (True), or refuse it (False: the caller closes it)."""
+        if not self.running or self.idle_limit <= 0 or len(self._idle.get(key, ())) >= self.per_key:
+            return False
+        self._idle.setdefault(key, []).append((trio.current_time(), session))
+        self._changed.set()
+        return True
+
+    def take(self, key: CacheKey) -> _Session | None:
+        """The connection to this hop that was idle the shortest time, if it is still within the limit."""
+        waiting = self._idle.get(key)
+        if not waiting or trio.current_time() - waiting[-1][0] >= self.idle_limit:
+            return None  # an expired one stays for run() to close
+        return waiting.pop()[1]
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Close connections idle for ``idle_limit``; caching is on while this runs."""
+        self.running = True
+        task_status.started()
+        try:
+            while True:
+                now = trio.current_time()
+                expired: list[_Session] = []
+                for key, waiting in list(self._idle.items()):
+                    keep = [(t, sess) for t, sess in waiting if now - t < self.idle_limit]
+                    expired += [sess for t, sess in waiting if now - t >= self.idle_limit]
+                    if keep:
+                        self._idle[key] = keep
+                    else:
+                        del self._idle[key]
+                for session in expired:
+                    await session.close()
+                oldest = min((t for waiting in self._idle.values() for t, _ in waiting), default=None)
+                self._changed = trio.Event()
+                with trio.move_on_at(math.inf if oldest is None else oldest + self.idle_limit):
+                    await self._changed.wait()
+        finally:
+            self.running = False
+
+
+class SmtpTransport:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        r = config.delivery.resolver
+        self.resolver = mx.make_resolver(r.host if r else None, r.port if r else 53)
+        d = config.delivery
+        self.cache = ConnectionCache(d.connection_cache_time, d.per_destination)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The connection cache's keeper; without it every batch opens and closes its own connection."""
+        await self.cache.run(task_status=task_status)
+
+    async def _connect(self, destination: Destination, hop: mx.Hop, key: CacheKey) -> _Session:
+        """A live connection to ``hop``, ready for MAIL: from the cache if one is alive, else a new one."""
+        while (cached := self.cache.take(key)) is not None:
+            if await cached.alive():
+                self.cache.reused += 1
+                return cached
+            await cached.close()
+        with trio.fail_after(self.config.delivery.connect_timeout):
+            stream = await trio.open_tcp_stream(hop.address, hop.port)
+        session = _Session(stream, hop.host, self.config)
+        try:
+            await session.open(destination.tls, hop.host)
+        except BaseException:
+            await session.close()
+            raise
+        return session
+
+    async def _hops(self, dest: Destination) -> list[mx.Hop]:
+        if dest.kind == "smtp":
+            host, _, port = dest.target.rpartition(":")
+            return [mx.Hop(host, host, int(port))]
+        return await mx.lookup(self.resolver, dest.target, port=self.config.delivery.mx_port)
+
+    async def deliver(self, destination: Destination, jobs: Sequence[Job],
+                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
+        results: list[list[Outcome] | None] = [None] * len(jobs)
+        try:
+            hops = await self._hops(destination)
+        except mx.LookupError_ as exc:
+            status, code, enh = (Status.BOUNCED, 550, "5.1.2") if exc.permanent else (Status.DEFERRED, 0, "4.4.3")
+            return [[Outcome(r, status, code, enh, str(exc), str(destination)) for r in job.recipients]
+                    for job in jobs]
+        last_error = "no hop tried"
+        for hop in hops:
+            todo = [i for i, r in enumerate(results) if r is None]
+            if not todo:
+                break
+            label = f"{hop.host}[{hop.address}]:{hop.port}"
+            key = (destination, hop.address, hop.port)
+            session: _Session | None = None
+            try:
+                session = await self._connect(destination, hop, key)
+                for i in todo:
+                    outcomes = results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
+                    session.sent += 1
+                    if on_outcome is not None:
+                        on_outcome(i, outcomes)  # final: a job answered at one hop is not tried at the next
+                if session.conn.idle and session.sent < self.config.delivery.max_messages_per_connection \
+                        and self.cache.put(key, session):
+                    session = None  # the cache has it now
+            except HopFailed as exc:
+                last_error = f"{exc}" + (f": {exc.reply}" if exc.reply else "")
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                    RemoteProtocolError, LocalProtocolError, ssl.SSLError) as exc:
+                last_error = f"{label}: {type(exc).__name__}: {exc}".rstrip(": ")
+            finally:
+                if session is not None:
+                    await session.close()
+        return [r if r is not None else
+                [Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", f"delivery failed: {last_error}", str(destination))
+                 for rcpt in job.recipients]
+                for r, job in zip(results, jobs, strict=True)]

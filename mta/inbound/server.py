@@ -1,0 +1,499 @@
+"""The SMTP server shell: sockets, timeouts and policy around the sans-IO core.
+
+The core (``mta.smtp.server``) owns the protocol; this module owns what needs
+the outside world: the relay decision (``Config.may_relay``), routes, free
+disk space, the spool, TLS, time limits (``mta.inbound.deadlines``) and session
+limits (``mta.inbound.admission``). The ``250`` after DATA is sent only once
+``AsyncSpool.enqueue`` has returned, which is after the group commit's
+fdatasync covered the message.
+
+Failures: a client that misbehaves gets a reply and, at worst, a closed
+connection. An unexpected exception in a session (a bug its input reached)
+ends that session only: it is logged once with its traceback and the
+client's address, and the client gets ``421 4.3.0`` if it still listens
+(``_Session.fail``; ``_serve_connection`` is the last line for what happens
+outside a session). A spool failure (a failed fsync above all, or anything
+once the log writer is poisoned: ``mta.process.containment.is_fatal``) is not
+contained: it ends the relay, crash-only, and the next start recovers.
+
+Disk space: new mail is refused with ``452 4.3.1`` while the spool's disk is
+short (``_disk_ok``: free space less what the spool has not yet written below
+``queue_minfree``, a write waiting for room, or the spool's reserve not whole),
+checked at MAIL, at every chunk of DATA (a message being received is then read
+to its end and dropped) and before the enqueue. A commit that finds the disk
+full (DiskFull) gets the same reply, and the spool cancels the message. A
+message larger than the filesystem could ever hold above the floor gets
+``552 5.3.4`` instead, so that its sender stops retrying.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import trio
+
+from mta.config import Config, NoRoute
+from mta.inbound.admission import Refusal, SessionSlots
+from mta.inbound.deadlines import SessionDeadlines
+from mta.inbound.listen import open_listeners
+from mta.observe.metrics import Metrics
+from mta.process.containment import is_fatal, local_error
+from mta.smtp.common import Reply, received_header, received_protocol
+from mta.smtp.server import (
+    ConnectionClosed,
+    DataAborted,
+    DataChunk,
+    DataStart,
+    Ehlo,
+    EndOfData,
+    Helo,
+    MailFrom,
+    NeedData,
+    Quit,
+    RcptTo,
+    Rset,
+    ServerConnection,
+    StartTls,
+)
+from spool.commit import AsyncSpool
+from spool.errors import DiskFull
+from spool.spool import BodyWriter
+
+log = logging.getLogger("mta.smtpd")
+
+R_RELAY_DENIED = Reply(554, "5.7.1", "Relay access denied")
+R_NO_ROUTE = Reply(550, "5.1.2", "No route to this domain")
+R_DISK_FULL = Reply(452, "4.3.1", "Insufficient system storage, try again later")
+R_TOO_MANY_SESSIONS = Reply(421, "4.7.0", "Too many connections, try again later")
+R_TIMEOUT = Reply(421, "4.4.2", "Timeout, closing connection")
+R_SESSION_OVER = Reply(421, "4.4.2", "Session time limit reached, closing connection")
+R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
+R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
+R_TOO_BIG_FOR_DISK = Reply(552, "5.3.4", "Message too big for this system's disk")
+R_LOCAL_ERROR = Reply(421, "4.3.0", "Local error, closing connection; try again later")
+READ_SIZE = 65536
+# How long a last reply (421) may take to leave when the session is being ended anyway.
+FAREWELL_TIMEOUT = 5.0
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def filesystem_bytes(path: str) -> int:
+    """The size of the filesystem holding ``path`` (what the spool could ever use, with nothing else on it)."""
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize
+
+
+class CachedFreeSpace:
+    """``free_bytes`` that reuses a reading for up to ``ttl`` seconds while the disk has plenty.
+
+    Why: a statvfs per MAIL FROM (and per end of DATA) was 2% of the relay's
+    CPU. A reading is reused only while it is at least ``margin`` bytes above
+    ``minfree``; nearer the limit every check reads afresh, so the 452 starts
+    and ends exactly where it did. What the cache can miss is a fall of more
+    than ``margin`` within ``ttl`` seconds.
+    """
+
+    def __init__(self, minfree: int, *, ttl: float = 1.0, margin: int | None = None,
+                 measure: Callable[[str], int] = free_bytes, clock: Callable[[], float] = time.monotonic) -> None:
+        self.minfree = minfree
+        self.ttl = ttl
+        self.margin = max(minfree, 64 << 20) if margin is None else margin
+        self.measure = measure
+        self.clock = clock
+        self._path = ""
+        self._value = 0
+        self._until = -math.inf
+
+    def __call__(self, path: str) -> int:
+        now = self.clock()
+        if path != self._path or now >= self._until:
+            self._path, self._value = path, self.measure(path)
+            plenty = self._value >= self.minfree + self.margin
+            self._until = now + self.ttl if plenty else -math.inf
+        return self._value
+
+
+class SmtpServer:
+    def __init__(self, config: Config, aspool: AsyncSpool, metrics: Metrics,
+                 ssl_context: ssl.SSLContext | None = None,
+                 free_space: Callable[[str], int] | None = None) -> None:
+        """``free_space`` (tests inject one) is asked at every check; the default is a ``CachedFreeSpace``."""
+        self.config = config
+        self.aspool = aspool
+        self.metrics = metrics
+        self.ssl_context = ssl_context
+        self.free_space = free_space or CachedFreeSpace(config.spool.queue_minfree)
+        self.slots = SessionSlots(config)
+        self.reuse_port = False  # set when several relay processes share the listening addresses
+
+    async def serve(self, *, task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        listeners = await open_listeners(self.config.server.listen, reuse_port=self.reuse_port)
+        async with trio.open_nursery() as nursery:
+            task_status.started(listeners)
+            for listener in listeners:
+                nursery.start_soon(trio.serve_listeners, self._serve_connection, [listener])
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        """The last boundary of one connection: nothing raised while serving it ends the listener.
+
+        Sessions contain their own failures (``handle``); this catches what
+        happens around them (a peer gone before it was answered, say).
+        """
+        try:
+            await self.handle(stream)
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):  # before the network errors: SyncFailed is an OSError
+                raise
+            if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
+                log.error("connection failed: %s", local_error(exc), exc_info=exc)
+
+    def _disk_ok(self) -> bool:
+        """Room for new mail? The spool must have no write waiting for room and its reserve whole, and the
+        free space, less what the spool holds in memory and has yet to write, must be above ``queue_minfree``.
+        """
+        spool = self.aspool
+        if not spool.space_ok:
+            return False
+        return self.free_space(spool.core.path) - spool.unflushed_bytes >= self.config.spool.queue_minfree
+
+    def _disk_refusal(self, size: int) -> Reply:
+        """``452``, or ``552`` for a message of ``size`` bytes that could never fit above the floor."""
+        try:
+            room = filesystem_bytes(self.aspool.core.path) - self.config.spool.queue_minfree
+        except OSError:
+            return R_DISK_FULL
+        return R_TOO_BIG_FOR_DISK if 0 < room < size else R_DISK_FULL
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        try:
+            peer: Any = stream.socket.getpeername()
+            client_ip = str(peer[0])
+        except OSError:
+            return
+        slot = self.slots.admit(client_ip)
+        if isinstance(slot, Refusal):
+            await self._refuse(stream, client_ip, slot)
+            return
+        self.metrics.sessions.inc()
+        session = _Session(self, stream, client_ip)
+        try:
+            await session.run()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, ConnectionError):
+            pass
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):
+                raise
+            await session.fail(exc)
+        finally:
+            session.abort_body()
+            self.slots.release(slot)
+            await trio.aclose_forcefully(session.stream)
+
+    async def _refuse(self, stream: trio.SocketStream, client_ip: str, why: Refusal) -> None:
+        """Over a session limit: ``421 4.7.0`` and close, before any greeting."""
+        self.metrics.sessions_refused.labels(why.value).inc()
+        log.warning("connection from %s refused: session limit (%s)", client_ip, why.value)
+        with trio.move_on_after(FAREWELL_TIMEOUT):
+            try:
+                await stream.send_all(R_TOO_MANY_SESSIONS.to_bytes())
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+                pass
+        await trio.aclose_forcefully(stream)
+
+
+class _Session:
+    def __init__(self, server: SmtpServer, stream: trio.SocketStream, client_ip: str) -> None:
+        self.server = server
+        self.config = server.config
+        self.stream: trio.abc.Stream = stream
+        self.client_ip = client_ip
+        s = self.config.server
+        self.conn = ServerConnection(
+            s.hostname, max_message_size=s.max_message_size, max_line_length=s.line_length_limit,
+            max_recipients=s.max_recipients, max_errors=s.max_errors, normalize_bare_lf=s.normalize_bare_lf,
+            tls_available=server.ssl_context is not None)
+        self.sender = ""
+        self.recipients: list[str] = []
+        self.body: BodyWriter | None = None
+        self.mail_params: dict[str, Any] = {}
+        # The client's deadline (``mta.inbound.deadlines``) enforced by one cancel scope around the whole session.
+        self.deadlines = SessionDeadlines.for_session(s, trio.current_time())
+        self._timer = trio.CancelScope()
+        self._command_done = True  # the connection, a DATA phase or TLS began or ended: a new command is next
+        self._command_lines = 0  # the core's ``command_lines`` when the current command deadline was set
+        self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
+
+    def abort_body(self) -> None:
+        if self.body is not None:
+            self.body.abort()
+            self.body = None
+        self._transaction(False)
+
+    def _transaction(self, active: bool) -> None:
+        """Tell the group commit whether this session's commit is coming (a recipient accepted, data not ended)."""
+        if active and self._expected is None:
+            self._expected = self.server.aspool.expect_commit()
+        elif not active and self._expected is not None:
+            self.server.aspool.withdraw_commit(self._expected)
+            self._expected = None
+
+    async def _flush(self) -> None:
+        out = self.conn.data_to_send()
+        if out:
+            await self.stream.send_all(out)
+
+    async def fail(self, exc: Exception) -> None:
+        """The session's boundary: an unexpected exception ends this session only.
+
+        Logged once, with its traceback and the client's address; the client
+        gets the replies already decided and then ``421 4.3.0``, if the
+        connection still takes them (within 5 s).
+        """
+        log.error("session from %s ended by an unexpected error: %s", self.client_ip, local_error(exc),
+                  exc_info=exc)
+        with trio.move_on_after(5):
+            try:
+                await self.stream.send_all(self.conn.data_to_send() + R_LOCAL_ERROR.to_bytes())
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+                pass
+
+    async def run(self) -> None:
+        with self._timer:
+            await self._serve()
+        if self._timer.cancelled_caught:
+            phase = "data" if self.deadlines.in_data else "command"
+            self.server.metrics.timeouts.labels(phase).inc()
+            log.info("timeout in %s from %s", phase, self.client_ip)
+            await self._farewell(R_TIMEOUT)
+
+    async def _farewell(self, reply: Reply) -> None:
+        """A last reply to a client that may not be reading: it gets at most a command's time to leave."""
+        with trio.move_on_after(min(FAREWELL_TIMEOUT, self.config.server.command_timeout)):
+            await self.stream.send_all(reply.to_bytes())
+
+    def _arm(self) -> None:
+        self._timer.deadline = self.deadlines.deadline
+
+    @contextlib.contextmanager
+    def _relay_busy(self) -> Iterator[None]:
+        """The relay's own waits (the commit, back-pressure) are not the client's time: its deadline moves on."""
+        start = trio.current_time()
+        self._timer.deadline = math.inf
+        try:
+            yield
+        finally:
+            self.deadlines.pause(trio.current_time() - start)
+            self._arm()
+
+    async def _need_data(self) -> bool:
+        """Send the replies due, then read more under the client's deadline; False: the session is over.
+
+        A new command's deadline starts here, when the server starts waiting
+        for it; reads of parts of it do not move it (``mta.inbound.deadlines``).
+        """
+        new_command = self._command_done or self.conn.command_lines != self._command_lines
+        if new_command and not self.deadlines.in_data:
+            self._command_done = False
+            self._command_lines = self.conn.command_lines
+            now = trio.current_time()
+            self.deadlines.command(now)
+            self._arm()
+            if self.deadlines.session_over(now):
+                await self._flush()
+                self.server.metrics.timeouts.labels("session").inc()
+                log.info("session time limit reached for %s", self.client_ip)
+                await self._farewell(R_SESSION_OVER)
+                return False
+        await self._flush()
+        data = await self.stream.receive_some(READ_SIZE)
+        self.deadlines.received(trio.current_time(), len(data))
+        self._arm()
+        self.conn.receive_data(data)
+        return True
+
+    async def _serve(self) -> None:
+        """The session's event loop.
+
+        Replies are sent in batches (RFC 2920): they collect in the core while
+        it has input to work through and go out in one write when it needs
+        more input, and before anything that blocks (the enqueue's commit, the
+        back-pressure commit, the TLS handshake, closing). A reply is never
+        held while we wait for the client, who may be waiting for it.
+        """
+        while True:
+            ev = self.conn.next_event()
+            if isinstance(ev, NeedData):
+                if not await self._need_data():
+                    return
+            elif isinstance(ev, MailFrom):
+                self._mail(ev)
+            elif isinstance(ev, RcptTo):
+                self._rcpt(ev)
+            elif isinstance(ev, DataStart):
+                self._data_start()
+            elif isinstance(ev, DataChunk):
+                assert self.body is not None
+                self.body.write(ev.data)
+                await self._drain()
+            elif isinstance(ev, EndOfData):
+                self._data_end()
+                await self._flush()
+                await self._end_of_data()
+            elif isinstance(ev, DataAborted):
+                self._data_end()
+                self.abort_body()
+                self.server.metrics.rejected.labels("content").inc()
+            elif isinstance(ev, StartTls):
+                if not await self._starttls():
+                    return
+            elif isinstance(ev, (Rset, Ehlo, Helo)):
+                self._reset()
+            elif isinstance(ev, (Quit, ConnectionClosed)):
+                await self._flush()
+                return
+
+    def _data_end(self) -> None:
+        self.deadlines.data_end()
+        self._command_done = True
+
+    async def _drain(self) -> None:
+        """Back-pressure: stop reading while the spool's unwritten backlog is over its flush threshold.
+
+        Why: the body goes to the log as it arrives, but the committer writes in
+        a worker thread; a client faster than the disk would otherwise pile the
+        message up in memory, the very thing streaming is for.
+
+        Disk space, at every chunk: once the disk is short (``_disk_ok``) or
+        full (the spool's writes wait for room), the message stops going to the
+        spool; the rest of it is read and counted, and refused at its end.
+        """
+        body = self.body
+        if body is None or body.discarding:
+            return
+        spool = self.server.aspool
+        if not self.server._disk_ok():
+            body.discard()
+            return
+        if spool.unflushed_bytes >= spool.core.config.flush_threshold:
+            await self._flush()
+            try:
+                with self._relay_busy():
+                    await spool.wait_flushed()
+            except DiskFull:
+                body.discard()
+
+    def _reset(self) -> None:
+        self.abort_body()
+        self.sender = ""
+        self.recipients = []
+        self.mail_params = {}
+
+    def _mail(self, ev: MailFrom) -> None:
+        self._reset()
+        if not self.server._disk_ok():
+            self.server.metrics.rejected.labels("disk").inc()
+            self.conn.reject(R_DISK_FULL)
+            return
+        size = ev.params.get("SIZE")
+        if isinstance(size, str) and size.isdigit():
+            if int(size) > self.config.server.max_message_size:
+                self.conn.reject(R_TOO_BIG)
+                return
+            if self.server._disk_refusal(int(size)) is R_TOO_BIG_FOR_DISK:  # a declared size that can never fit
+                self.server.metrics.rejected.labels("disk").inc()
+                self.conn.reject(R_TOO_BIG_FOR_DISK)
+                return
+        self.sender = ev.address
+        self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
+        self.conn.accept()
+
+    def _rcpt(self, ev: RcptTo) -> None:
+        address = self.config.postmaster_alias(ev.address)
+        if address is None:
+            address = ev.address
+            domain = address.rpartition("@")[2].lower()
+            if not domain or not self.config.may_relay(self.client_ip, domain):
+                self.server.metrics.rejected.labels("relay").inc()
+                self.conn.reject(R_RELAY_DENIED)
+                return
+            if isinstance(self.config.route_for(domain), NoRoute):
+                self.conn.reject(R_NO_ROUTE)
+                return
+        # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
+        if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
+            self.recipients.append(address)
+        self._transaction(True)
+        self.conn.accept()
+
+    def _data_start(self) -> None:
+        self.deadlines.data_start(trio.current_time())
+        self._arm()
+        self.body = self.server.aspool.begin_body()
+        tls = isinstance(self.stream, trio.SSLStream)
+        proto = received_protocol(esmtp=self.conn.esmtp, tls=tls, smtputf8="SMTPUTF8" in self.mail_params)
+        self.body.write(received_header(helo=self.conn.helo_name or "unknown", client_ip=self.client_ip,
+                                        by=self.config.server.hostname, protocol=proto,
+                                        recipient=self.recipients[0] if len(self.recipients) == 1 else None))
+
+    async def _end_of_data(self) -> None:
+        body, self.body = self.body, None
+        assert body is not None
+        self._transaction(False)  # arrived: from here the commit waits for this message, not for the session
+        if body.discarding or not self.server._disk_ok():
+            self._refuse_for_disk(body)
+            return
+        extra: dict[str, Any] = {"client": self.client_ip}
+        if self.mail_params:
+            extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
+        try:
+            with self._relay_busy():
+                mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
+        except DiskFull as exc:
+            log.warning("no room to queue a message from %s (%d bytes): %s", self.client_ip, body.size, exc)
+            self._refuse_for_disk(body)  # the spool cancelled it: it is never delivered
+            return
+        self.server.metrics.accepted.inc()
+        queue_id = self.server.aspool.core.queue_id(mid)
+        if log.isEnabledFor(logging.INFO):  # skip building the arguments when nobody listens
+            log.info("%s: from=<%s>, size=%d, nrcpt=%d, client=%s", queue_id, self.sender, body.size,
+                     len(self.recipients), self.client_ip)
+        self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {queue_id}"))
+        self.recipients = []
+
+    def _refuse_for_disk(self, body: BodyWriter) -> None:
+        body.abort()
+        self.server.metrics.rejected.labels("disk").inc()
+        self.conn.reject(self.server._disk_refusal(body.size))
+
+    async def _starttls(self) -> bool:
+        ctx = self.server.ssl_context
+        if ctx is None or isinstance(self.stream, trio.SSLStream):
+            self.conn.reject(R_NO_TLS)
+            return True
+        self.conn.accept()
+        await self._flush()
+        tls = trio.SSLStream(self.stream, ctx, server_side=True)
+        # The handshake has a whole command_timeout of its own; a 421 in plaintext would only confuse it.
+        self._timer.deadline = math.inf
+        with trio.move_on_after(self.config.server.command_timeout) as scope:
+            await tls.do_handshake()
+        if scope.cancelled_caught:
+            log.info("timeout in the TLS handshake from %s", self.client_ip)
+            return False
+        self.stream = tls
+        self.conn.tls_started()
+        self._command_done = True
+        self._reset()
+        return True

@@ -1,0 +1,84 @@
+"""Prometheus metrics for the relay, on a registry of its own (tests run many relays in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from mta.config import ListenAddress
+from mta.observe.metrics_http import MetricsServer
+from spool.record import Status
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400, float("inf"))
+
+
+class _SpoolCollector:
+    """Read the engine's own counters at scrape time instead of mirroring them."""
+
+    def __init__(self, spool: Any) -> None:
+        self.spool = spool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        core = self.spool.core
+        w = core.writer
+        yield GaugeMetricFamily("logspool_fsyncs", "fsync/fdatasync calls since start", value=w.fsyncs)
+        yield GaugeMetricFamily("logspool_commits", "group commits since start", value=w.commits)
+        yield GaugeMetricFamily("logspool_records_appended", "records appended since start", value=w.records)
+        yield GaugeMetricFamily("logspool_bytes_appended", "bytes appended since start", value=w.appended_bytes)
+        active = GaugeMetricFamily("logspool_active_messages", "messages being delivered, by runner class",
+                                   labels=["class"])
+        by_class: dict[int, int] = {}
+        for a in list(core.attempts.values()):
+            by_class[a.klass] = by_class.get(a.klass, 0) + 1
+        for k, n in sorted(by_class.items()):
+            active.add_metric([str(k)], n)
+        yield active
+        lag = GaugeMetricFamily("logspool_runner_position", "each runner's log position", labels=["class"])
+        for r in core.runners:
+            lag.add_metric([str(r.klass)], r.pos)
+        yield lag
+        stats = core.recovery_stats
+        yield GaugeMetricFamily("logspool_recovery_bytes_read", "bytes read by the last recovery",
+                                value=stats.bytes_read)
+        yield GaugeMetricFamily("logspool_recovery_in_doubt", "recipients in doubt after the last recovery",
+                                value=stats.in_doubt)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.accepted = Counter("logspool_accepted_messages", "messages accepted (250 after DATA)", registry=r)
+        self.rejected = Counter("logspool_rejected_commands", "SMTP commands refused", ["reason"], registry=r)
+        self.outcomes = Counter("logspool_recipient_outcomes", "per-recipient delivery outcomes", ["status"],
+                                registry=r)
+        self.bounced_dsn = Counter("logspool_dsn_sent", "delivery status notifications generated", registry=r)
+        self.latency = Histogram("logspool_delivery_latency_seconds", "arrival to final delivery",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram("logspool_commit_batch_messages", "messages covered by one acceptance commit",
+                               buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
+        self.sessions = Counter("logspool_smtp_sessions", "SMTP sessions opened", registry=r)
+        self.sessions_refused = Counter("logspool_smtp_sessions_refused",
+                                        "SMTP connections refused (421 4.7.0) by a session limit", ["limit"],
+                                        registry=r)
+        self.timeouts = Counter("logspool_smtp_timeouts", "SMTP sessions ended by a deadline (421 4.4.2)",
+                                ["phase"], registry=r)
+        self.server: MetricsServer | None = None
+
+    def watch_spool(self, aspool: Any) -> None:
+        self.registry.register(_SpoolCollector(aspool))
+
+    def outcome(self, status: Status, delay: float) -> None:
+        self.outcomes.labels(status.name.lower()).inc()
+        if status is Status.DELIVERED:
+            self.latency.observe(delay)
+
+    async def serve(self, address: ListenAddress, *, max_connections: int, timeout: float,
+                    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Expose the registry over HTTP in this event loop (``metrics_http``); ``started`` gives the listeners."""
+        self.server = MetricsServer(self.registry, max_connections=max_connections, timeout=timeout)
+        await self.server.serve(address, task_status=task_status)

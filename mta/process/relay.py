@@ -1,0 +1,159 @@
+"""The relay process: open (= recover) the spool, then serve SMTP, deliver, and answer the admin socket.
+
+Crash-only: there is no shutdown code. SIGTERM, SIGINT and kill -9 all end the
+process where it stands (``mta serve`` leaves both signals at the kernel's
+default action); the next start recovers from the log.
+
+What can stop a start is checked first, before the spool is touched
+(``mta.process.startup.check_start``), and comes out as one exception, not a group.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import ssl
+from collections.abc import Mapping
+
+import trio
+
+from mta.admin.control import ControlServer
+from mta.config import Config
+from mta.delivery.local import DiscardTransport, MaildirTransport
+from mta.delivery.scheduler import Scheduler
+from mta.delivery.transport import Transport
+from mta.inbound.listen import bind_error
+from mta.inbound.server import SmtpServer
+from mta.observe.metrics import Metrics
+from mta.process.security import check_spool_dir
+from mta.process.shards import id_suffix, shard_config
+from mta.process.startup import check_start, unwrapped
+from mta.process.supervisor import follow_parent, watch_parent
+from spool.commit import AsyncSpool
+from spool.config import SpoolConfig
+
+log = logging.getLogger("mta")
+
+
+def spool_config(config: Config, shard: int = 0) -> SpoolConfig:
+    """Shard K's spool names its messages ``HEX-K`` in replies, logs and DSNs."""
+    s = config.spool
+    return SpoolConfig(segment_size=s.segment_size, retry_intervals=s.retry_intervals,
+                       max_queue_lifetime=s.max_queue_lifetime, active_limit=s.active_limit,
+                       archive_dir=s.archive_dir or None, id_suffix=id_suffix(shard),
+                       commit_delay=s.commit_delay, checkpoint_interval=s.checkpoint_interval,
+                       checkpoint_bytes=s.checkpoint_bytes, checkpoint_max_interval=s.checkpoint_max_interval,
+                       deferred_share=s.deferred_share)
+
+
+def ssl_context(config: Config) -> ssl.SSLContext | None:
+    s = config.server
+    if not s.tls_cert or not s.tls_key:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # Client-initiated renegotiation costs the server a handshake per request (a cheap DoS) and buys nothing.
+    ctx.options |= ssl.OP_NO_RENEGOTIATION
+    ctx.load_cert_chain(s.tls_cert, s.tls_key)
+    return ctx
+
+
+def transports(config: Config) -> Mapping[str, Transport]:
+    from mta.delivery.smtp_transport import SmtpTransport
+
+    smtp = SmtpTransport(config)
+    return {"maildir": MaildirTransport(config.server.hostname), "discard": DiscardTransport(),
+            "smtp": smtp, "mx": smtp}
+
+
+class Relay:
+    """Everything one relay runs, started in order inside one nursery.
+
+    ``shard``: which spool shard this process owns (``config`` is already that
+    shard's, see ``mta.process.shards.shard_config``); ``reuse_port``: listen with
+    SO_REUSEPORT beside the other shards' processes; ``supervisor``: the
+    parent's pid, whose death ends this process; ``poll_parent``: whether
+    this process must poll for that death (the kernel was not asked to
+    deliver it, see ``mta.process.supervisor.follow_parent``).
+    """
+
+    def __init__(self, config: Config, *, shard: int = 0, reuse_port: bool = False,
+                 supervisor: int | None = None, poll_parent: bool = True) -> None:
+        self.config = config
+        self.shard = shard
+        self.reuse_port = reuse_port
+        self.supervisor = supervisor
+        self.poll_parent = poll_parent
+        self.metrics = Metrics()
+        self.aspool: AsyncSpool
+        self.listeners: list[trio.SocketListener] = []
+        self.metrics_listeners: list[trio.SocketListener] = []
+        self.scheduler: Scheduler
+
+    async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
+        check_spool_dir(cfg.spool.dir)
+        self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard))
+        self.metrics.watch_spool(self.aspool)
+        async with trio.open_nursery() as nursery:
+            if self.supervisor is not None and self.poll_parent:
+                nursery.start_soon(watch_parent, self.supervisor)
+            await nursery.start(self.aspool.run)
+            server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg))
+            server.reuse_port = self.reuse_port
+            self.listeners = await nursery.start(server.serve)
+            control = ControlServer(self.aspool, cfg, shard=self.shard)
+            await nursery.start(control.serve)
+            from mta.delivery.smtp_transport import SmtpTransport
+
+            outgoing = transports(cfg)
+            smtp = outgoing["smtp"]  # the same transport serves "mx"
+            if isinstance(smtp, SmtpTransport):
+                await nursery.start(smtp.run)  # its connection cache
+            self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
+            await nursery.start(self.scheduler.run)
+            if cfg.server.metrics_listen is not None:
+                where = cfg.server.metrics_listen
+                try:
+                    self.metrics_listeners = await nursery.start(functools.partial(
+                        self.metrics.serve, where, max_connections=cfg.server.metrics_max_connections,
+                        timeout=cfg.server.metrics_timeout))
+                except OSError as exc:  # taken since check_start tried it
+                    raise bind_error(where, "server.metrics_listen", exc) from None
+            if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
+                log.warning("open relay: mynetworks covers every address and allow_open_relay = true; anyone "
+                            "can send mail anywhere through this relay")
+            addrs = ", ".join(f"{lst.socket.getsockname()[0]}:{lst.socket.getsockname()[1]}"
+                              for lst in self.listeners)
+            shard = f", shard {self.shard} (pid {os.getpid()})" if self.supervisor is not None else ""
+            log.info("logspool relay %s listening on %s, spool %s%s", cfg.server.hostname, addrs, cfg.spool.dir,
+                     shard)
+            task_status.started(self)
+
+    @property
+    def ports(self) -> list[int]:
+        return [int(lst.socket.getsockname()[1]) for lst in self.listeners]
+
+
+def serve(config: Config) -> None:
+    """The single-process relay.
+
+    Raises:
+        ConfigError, StartError, SpoolError, OSError: it cannot start (one exception, never a group).
+    """
+    check_start(config)
+    with unwrapped():
+        trio.run(Relay(config).run)
+
+
+def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> None:
+    """One shard's process under ``mta serve``'s supervisor (``config`` is the whole relay's).
+
+    The supervisor ran ``check_start`` for every shard before it started any.
+    """
+    armed = follow_parent(supervisor)
+    with unwrapped():
+        trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor,
+                       poll_parent=not armed).run)

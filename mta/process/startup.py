@@ -1,0 +1,209 @@
+"""What ``mta serve`` checks before it opens the spool, and how a failed start reads.
+
+Theory of operation
+-------------------
+A relay that cannot start says why in one line that names the setting, and
+exits 2 when the config must change (``ConfigError``) or 1 when something
+outside the config stands in the way (``StartError``, an ``OSError``: a port
+another program holds, a key file's mode, a resolver that is down). Never a
+traceback: that is for bugs.
+
+``check_start`` runs everything that a config file alone cannot tell but this
+host can, before any file is created or any socket bound: the TLS certificate
+and key (PEM, matching, the key private), and the control socket's path (short
+enough for a Unix socket, in a directory that exists and that no other user
+may write, and not a file that is not a socket). Listening addresses are
+checked where they are bound (``mta.inbound.listen``, ``mta.process.supervisor``), with the
+same kind of message.
+
+Errors that arise inside the event loop come out of trio's nurseries wrapped
+in exception groups; ``sole_error`` takes the one error back out so that the
+command can print it as one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import ssl
+import stat
+from collections.abc import Iterator
+from typing import NoReturn
+
+from mta.config import Config, ConfigError, ListenAddress
+from mta.process.security import UnsafeFile, check_control_dir, check_tls_key
+
+__all__ = ["MAX_UNIX_PATH", "StartError", "check_start", "sole_error"]
+
+# sun_path holds 108 bytes on Linux; one is kept for the NUL that most other programs expect.
+MAX_UNIX_PATH = 107
+
+
+class StartError(OSError):
+    """The relay cannot start now for a reason outside its config (exit 1).
+
+    Read as ``FILE: KEY: PROBLEM`` like a ``ConfigError``: the setting whose
+    file, address or path is in the way.
+    """
+
+    def __init__(self, problem: str, file: str = "", key: str = "") -> None:
+        self.file = file
+        self.key = key
+        self.problem = problem
+        super().__init__(": ".join(part for part in (file, key, problem) if part))
+
+    def located(self, file: str) -> StartError:
+        return self if self.file else StartError(self.problem, file, self.key)
+
+
+def check_start(config: Config, *, listen: bool = True) -> None:
+    """Refuse, in one line, a start that would fail later with a traceback or run unsafely.
+
+    ``listen``: also try each SMTP address (``probe_listen``); the
+    supervisor binds them itself instead. The metrics address is tried always
+    (each shard has its own).
+
+    Raises:
+        ConfigError: a setting that must change (names the file and key).
+        StartError: a file's permissions or a host condition (names the key).
+    """
+    check_tls(config)
+    check_control_socket(config)
+    addresses: list[tuple[int | str, ListenAddress]] = list(enumerate(config.server.listen)) if listen else []
+    if config.server.metrics_listen is not None:
+        addresses.append(("server.metrics_listen", config.server.metrics_listen))
+    probe_listen(config, addresses)
+
+
+def probe_listen(config: Config, addresses: list[tuple[int | str, ListenAddress]]) -> None:
+    """Bind (and let go) each address the relay will listen on, as trio will, before the spool is opened.
+
+    So a port in use or an address this host lacks is one line before
+    recovery logs anything. Something that takes the port in between still
+    gets the same line, from ``mta.inbound.listen``. ``addresses``: (index in
+    ``server.listen``, or the key) and the address.
+    """
+    from mta.inbound.listen import bind_error
+
+    for index, addr in addresses:
+        try:
+            infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            for family, type_, proto, _, sockaddr in infos:
+                try:
+                    sock = socket.socket(family, type_, proto)
+                except OSError as exc:
+                    if exc.errno == errno.EAFNOSUPPORT:
+                        continue  # as trio.open_tcp_listeners: this host has no such family
+                    raise
+                with sock:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6:
+                        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    sock.bind(sockaddr)
+        except OSError as exc:
+            error = bind_error(addr, index, exc)
+            if isinstance(error, ConfigError):
+                raise ConfigError(error.problem, config.source, error.key) from None
+            raise error.located(config.source) from None
+
+
+def _config_error(config: Config, key: str, problem: str) -> ConfigError:
+    return ConfigError(problem, config.source, key)
+
+
+def check_tls(config: Config) -> None:
+    """The certificate is PEM, the key is PEM, private, and belongs to the certificate."""
+    cert, key = config.server.tls_cert, config.server.tls_key
+    if cert is None or key is None:
+        return
+    try:
+        check_tls_key(key)
+    except UnsafeFile as exc:
+        raise StartError(f"{exc}; refusing to start", config.source, "server.tls_key") from None
+    except OSError as exc:
+        raise _config_error(config, "server.tls_key", f"cannot read {key}: {exc.strerror or exc}") from None
+    try:
+        with open(cert, "rb") as f:
+            pem = f.read()
+    except OSError as exc:
+        raise _config_error(config, "server.tls_cert", f"cannot read {cert}: {exc.strerror or exc}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        if b"-----BEGIN CERTIFICATE-----" not in pem:
+            raise ValueError("no BEGIN CERTIFICATE line")
+        context.load_verify_locations(cadata=pem.decode("ascii"))
+    except (ssl.SSLError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise _config_error(config, "server.tls_cert", f"{cert} is not a PEM certificate ({_reason(exc)})") from None
+
+    def encrypted() -> NoReturn:
+        raise ConfigError(f"{key} is encrypted; the relay needs a key without a passphrase", config.source,
+                          "server.tls_key")
+
+    try:
+        context.load_cert_chain(cert, key, password=encrypted)
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc):
+            raise _config_error(config, "server.tls_key",
+                                f"{key} does not match the certificate in {cert}") from None
+        raise _config_error(config, "server.tls_key", f"{key} is not a PEM private key ({_reason(exc)})") from None
+    except OSError as exc:
+        raise _config_error(config, "server.tls_key", f"cannot read {key}: {exc.strerror or exc}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return "not ASCII text"
+    return str(getattr(exc, "reason", None) or exc).split(" (_ssl.c")[0]
+
+
+def check_control_socket(config: Config) -> None:
+    """A path a Unix socket can have, in a directory that exists and that no other user can write.
+
+    The spool directory (the default's) is made at start, so it need not exist yet.
+    """
+    path = config.server.control_socket
+    size = len(os.fsencode(path))
+    if size > MAX_UNIX_PATH:
+        raise _config_error(config, "server.control_socket",
+                            f"{path} is {size} bytes long; a Unix socket path holds at most {MAX_UNIX_PATH}")
+    directory = os.path.dirname(path)
+    spool = os.path.normpath(config.spool.dir)
+    inside_spool = os.path.commonpath([spool, os.path.normpath(directory)]) == spool
+    if not os.path.isdir(directory):
+        if os.path.exists(directory):
+            raise _config_error(config, "server.control_socket", f"{directory} is not a directory")
+        if not inside_spool:
+            raise _config_error(config, "server.control_socket", f"directory {directory} does not exist")
+        return  # made with the spool at start
+    if not inside_spool:  # the spool's own check covers it, in its own words
+        try:
+            check_control_dir(directory)
+        except UnsafeFile as exc:
+            raise StartError(f"{exc}; refusing to start", config.source, "server.control_socket") from None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):  # the relay replaces a stale socket at start, and nothing else
+        raise _config_error(config, "server.control_socket", f"{path} exists and is not a socket")
+
+
+def sole_error(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups, or ``exc`` itself if there are several or none."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+@contextlib.contextmanager
+def unwrapped() -> Iterator[None]:
+    """Re-raise a lone exception that trio wrapped in groups, so ``except OSError`` and friends see it."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        inner = sole_error(group)
+        if inner is group:
+            raise
+        raise inner from None

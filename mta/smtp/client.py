@@ -1,0 +1,445 @@
+"""The SMTP client core, with no I/O in it: intentions in, bytes and outcomes out.
+
+Theory of operation
+-------------------
+The shell calls intention methods (``ehlo``, ``mail``, ``rcpt``, ``data``,
+``send_body``, ``end_data``, ``quit`` ...). Each one queues a command line and
+remembers which reply it waits for. ``data_to_send()`` releases what may go on
+the wire now: without PIPELINING one command per reply; with it, everything
+up to and including the next command RFC 2920 says must end a group (EHLO,
+DATA, STARTTLS, QUIT, NOOP, RSET), so MAIL + RCPTs + DATA leave in one write.
+
+Replies are fed to ``receive_data`` and matched, in order, to what was sent;
+``next_event`` hands them out as events. One transaction (``mail`` ...
+``end_data``) always ends in exactly one ``MessageReply`` that carries the
+outcome of every recipient: the MAIL reply if MAIL failed, else its RCPT reply
+if that failed, else the reply to the end of data (or to DATA, if DATA failed).
+
+The body is only accepted after ``DataReply(go_ahead=True)``; ``send_body``
+turns any line ending into CRLF and dot-stuffs, so a body can never end the
+message early, whatever bytes it holds.
+
+Raises ``LocalProtocolError`` when the shell asks for something out of order
+or something the server did not offer (SMTPUTF8, 8BITMIME, STARTTLS), and
+``RemoteProtocolError`` when the server's replies make no sense.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import re
+from typing import Final
+
+import attrs
+
+from mta.smtp.common import (
+    MAX_COMMAND_LINE,
+    LocalProtocolError,
+    Params,
+    RemoteProtocolError,
+    Reply,
+    ReplyParser,
+    format_params,
+)
+
+
+@attrs.frozen
+class Capabilities:
+    """What the server's EHLO reply offered."""
+
+    pipelining: bool = False
+    size: int | None = None  # None: not offered; 0: offered without a limit
+    eightbitmime: bool = False
+    smtputf8: bool = False
+    starttls: bool = False
+    enhancedstatuscodes: bool = False
+    keywords: dict[str, str] = attrs.field(factory=dict)
+
+    @classmethod
+    def from_reply(cls, reply: Reply) -> Capabilities:
+        """Parse EHLO reply lines after the first (``KEYWORD [params]``)."""
+        keywords: dict[str, str] = {}
+        for line in reply.lines[1:]:
+            key, _, rest = line.strip().partition(" ")
+            if key:
+                keywords[key.upper()] = rest.strip()
+        size: int | None = None
+        if "SIZE" in keywords:
+            value = keywords["SIZE"]
+            size = int(value) if value.isdigit() else 0
+        return cls(
+            pipelining="PIPELINING" in keywords,
+            size=size,
+            eightbitmime="8BITMIME" in keywords,
+            smtputf8="SMTPUTF8" in keywords,
+            starttls="STARTTLS" in keywords,
+            enhancedstatuscodes="ENHANCEDSTATUSCODES" in keywords,
+            keywords=keywords,
+        )
+
+
+@attrs.frozen
+class Greeting:
+    reply: Reply
+
+
+@attrs.frozen
+class EhloReply:
+    """Reply to EHLO or HELO; ``capabilities`` is empty after HELO or a failure."""
+
+    reply: Reply
+    capabilities: Capabilities
+
+
+@attrs.frozen
+class CommandReply:
+    """Reply to MAIL, RSET, NOOP, STARTTLS or QUIT (``command`` names which)."""
+
+    command: str
+    reply: Reply
+
+
+@attrs.frozen
+class RcptReply:
+    address: str
+    reply: Reply
+
+
+@attrs.frozen
+class DataReply:
+    """Reply to DATA. Send the body only if ``go_ahead``."""
+
+    reply: Reply
+    go_ahead: bool
+
+
+@attrs.frozen
+class RecipientOutcome:
+    address: str
+    reply: Reply
+
+    @property
+    def delivered(self) -> bool:
+        return self.reply.is_positive
+
+
+@attrs.frozen
+class MessageReply:
+    """The end of one transaction: the final reply and every recipient's fate."""
+
+    reply: Reply
+    outcomes: tuple[RecipientOutcome, ...]
+
+
+@attrs.frozen
+class Closing:
+    """An unsolicited 421: the server is going away."""
+
+    reply: Reply
+
+
+@attrs.frozen
+class ConnectionClosed:
+    """The server closed the connection (EOF was fed)."""
+
+
+@attrs.frozen
+class NeedData:
+    """Send data_to_send(), then read and call receive_data()."""
+
+
+Event = (
+    Greeting
+    | EhloReply
+    | CommandReply
+    | RcptReply
+    | DataReply
+    | MessageReply
+    | Closing
+    | ConnectionClosed
+    | NeedData
+)
+
+
+class _Kind(enum.Enum):
+    GREETING = "greeting"
+    EHLO = "EHLO"
+    HELO = "HELO"
+    MAIL = "MAIL"
+    RCPT = "RCPT"
+    DATA = "DATA"
+    MESSAGE = "message"
+    RSET = "RSET"
+    NOOP = "NOOP"
+    STARTTLS = "STARTTLS"
+    QUIT = "QUIT"
+
+
+# RFC 2920 §3.1: these end a pipelined group; nothing is sent after them until they are answered.
+_SYNC: Final = frozenset(
+    {_Kind.GREETING, _Kind.EHLO, _Kind.HELO, _Kind.DATA, _Kind.MESSAGE, _Kind.STARTTLS, _Kind.QUIT, _Kind.NOOP}
+)
+_NEWLINE_RE: Final = re.compile(rb"\r\n|\r|\n")
+
+
+@attrs.define
+class _Transaction:
+    sender: str
+    mail_reply: Reply | None = None
+    rcpts: list[tuple[str, Reply | None]] = attrs.field(factory=list)
+    data_reply: Reply | None = None
+
+
+class BodyEncoder:
+    """CRLF-normalises and dot-stuffs outgoing content, chunk by chunk."""
+
+    def __init__(self) -> None:
+        self._line_start = True
+        self._pending_cr = False
+
+    def encode(self, chunk: bytes) -> bytes:
+        data = b"\r" + chunk if self._pending_cr else chunk
+        self._pending_cr = data.endswith(b"\r")
+        if self._pending_cr:
+            data = data[:-1]  # it may be the first half of a CRLF split across chunks
+        if not data:
+            return b""
+        crlf = data.count(b"\r\n")
+        if data.count(b"\n") != crlf or data.count(b"\r") != crlf:  # counting is cheaper than a regex pass
+            data = _NEWLINE_RE.sub(b"\r\n", data)
+        out = data.replace(b"\r\n.", b"\r\n..")
+        if self._line_start and out.startswith(b"."):
+            out = b"." + out
+        self._line_start = out.endswith(b"\r\n")
+        return out
+
+    def end(self) -> bytes:
+        """The terminator, after a CRLF if the content did not end with one."""
+        if self._pending_cr:
+            self._pending_cr = False
+            return b"\r\n.\r\n"
+        return b".\r\n" if self._line_start else b"\r\n.\r\n"
+
+
+class ClientConnection:
+    """One SMTP client session. Start by waiting for the ``Greeting`` event."""
+
+    def __init__(self) -> None:
+        self.capabilities: Capabilities | None = None
+        self.tls_active = False
+        self._parser = ReplyParser()
+        self._out = bytearray()
+        self._unsent: collections.deque[tuple[bytes, _Kind, str]] = collections.deque()
+        self._waiting: collections.deque[tuple[_Kind, str]] = collections.deque([(_Kind.GREETING, "")])
+        self._events: collections.deque[Event] = collections.deque()
+        self._txn: _Transaction | None = None
+        self._body: BodyEncoder | None = None
+        self._data_issued = False
+        self._smtputf8 = False
+        self._closed = False
+        self._eof = False
+
+    # -------------------------------------------------------------- I/O side
+
+    def receive_data(self, data: bytes | bytearray) -> None:
+        """Bytes from the server; ``b""`` means EOF."""
+        if not data:
+            self._eof = True
+            return
+        if self._closed:
+            return
+        for reply in self._parser.feed(data):
+            self._handle(reply)
+
+    def data_to_send(self) -> bytes:
+        self._flush()
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    def next_event(self) -> Event:
+        if self._events:
+            return self._events.popleft()
+        if self._eof:
+            self._closed = True
+            return ConnectionClosed()
+        return NeedData()
+
+    @property
+    def waiting(self) -> int:
+        """How many replies are still expected (sent or queued commands)."""
+        return len(self._waiting) + len(self._unsent)
+
+    @property
+    def idle(self) -> bool:
+        """Between transactions with nothing in flight: the connection may carry another message."""
+        return (self._txn is None and self._body is None and not self._waiting and not self._unsent
+                and not self._events and not self._closed and not self._eof)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of body already encoded and waiting for ``data_to_send()``: the shell writes when it is enough."""
+        return len(self._out)
+
+    @property
+    def in_data(self) -> bool:
+        """True between ``DataReply(go_ahead=True)`` and ``end_data()``."""
+        return self._body is not None
+
+    # -------------------------------------------------------------- intentions
+
+    def ehlo(self, name: str) -> None:
+        self._command(f"EHLO {name}", _Kind.EHLO)
+
+    def helo(self, name: str) -> None:
+        self._command(f"HELO {name}", _Kind.HELO)
+
+    def starttls(self) -> None:
+        if self.capabilities is None or not self.capabilities.starttls:
+            raise LocalProtocolError("the server did not offer STARTTLS")
+        self._command("STARTTLS", _Kind.STARTTLS)
+
+    def tls_started(self) -> None:
+        """Handshake done: forget everything learned in plaintext; EHLO again."""
+        self.tls_active = True
+        self.capabilities = None
+        self._parser = ReplyParser()  # drop replies injected before the handshake
+
+    def mail(self, sender: str, params: Params | None = None) -> None:
+        """Begin a transaction. ``sender`` without brackets, ``""`` for the null sender."""
+        if self._txn is not None:
+            raise LocalProtocolError("a transaction is already open; end_data() or rset() first")
+        params = dict(params or {})
+        caps = self.capabilities or Capabilities()
+        if not sender.isascii() and "SMTPUTF8" not in params:
+            raise LocalProtocolError("non-ASCII sender needs the SMTPUTF8 parameter")
+        if "SMTPUTF8" in params and not caps.smtputf8:
+            raise LocalProtocolError("the server did not offer SMTPUTF8")
+        if (params.get("BODY") or "").upper() == "8BITMIME" and not caps.eightbitmime:
+            raise LocalProtocolError("the server did not offer 8BITMIME")
+        self._command(f"MAIL FROM:<{sender}>{format_params(params)}", _Kind.MAIL)
+        self._txn = _Transaction(sender)
+        self._smtputf8 = "SMTPUTF8" in params
+
+    def rcpt(self, address: str, params: Params | None = None) -> None:
+        if self._txn is None or self._data_issued:
+            raise LocalProtocolError("rcpt() needs mail() first and must come before data()")
+        if not address.isascii() and not self._smtputf8:
+            raise LocalProtocolError("non-ASCII recipient needs SMTPUTF8 on MAIL")
+        self._command(f"RCPT TO:<{address}>{format_params(params)}", _Kind.RCPT, address)
+        self._txn.rcpts.append((address, None))
+
+    def data(self) -> None:
+        if self._txn is None or not self._txn.rcpts or self._data_issued:
+            raise LocalProtocolError("data() needs mail() and at least one rcpt(), once")
+        self._data_issued = True
+        self._command("DATA", _Kind.DATA)
+
+    def send_body(self, chunk: bytes) -> None:
+        """Content bytes, any line endings; they are normalised and dot-stuffed."""
+        if self._body is None:
+            raise LocalProtocolError("send_body() only after DataReply(go_ahead=True)")
+        self._out += self._body.encode(chunk)
+
+    def end_data(self) -> None:
+        if self._body is None:
+            raise LocalProtocolError("end_data() only after DataReply(go_ahead=True)")
+        self._out += self._body.end()
+        self._body = None
+        self._waiting.append((_Kind.MESSAGE, ""))
+
+    def rset(self) -> None:
+        self._command("RSET", _Kind.RSET)
+        self._txn = None
+        self._data_issued = False
+
+    def noop(self) -> None:
+        self._command("NOOP", _Kind.NOOP)
+
+    def quit(self) -> None:
+        self._command("QUIT", _Kind.QUIT)
+
+    # -------------------------------------------------------------- internals
+
+    def _command(self, line: str, kind: _Kind, arg: str = "") -> None:
+        if self._body is not None:
+            raise LocalProtocolError("finish the body with end_data() first")
+        if self._closed:
+            raise LocalProtocolError("the connection is closed")
+        if "\r" in line or "\n" in line or "\x00" in line:
+            raise LocalProtocolError("CR, LF or NUL in a command argument")
+        raw = line.encode("utf-8") + b"\r\n"
+        if len(raw) > MAX_COMMAND_LINE:
+            raise LocalProtocolError("command line longer than 512 octets")
+        self._unsent.append((raw, kind, arg))
+
+    def _flush(self) -> None:
+        pipelining = self.capabilities is not None and self.capabilities.pipelining
+        while self._unsent and self._body is None:
+            if self._waiting and not (pipelining and self._waiting[-1][0] not in _SYNC):
+                return
+            raw, kind, arg = self._unsent.popleft()
+            self._out += raw
+            self._waiting.append((kind, arg))
+
+    def _handle(self, reply: Reply) -> None:
+        if not self._waiting:
+            if reply.code == 421:
+                self._events.append(Closing(reply))
+                return
+            raise RemoteProtocolError(f"unexpected reply {reply}")
+        kind, arg = self._waiting.popleft()
+        txn = self._txn
+        if kind is _Kind.GREETING:
+            self._events.append(Greeting(reply))
+        elif kind in (_Kind.EHLO, _Kind.HELO):
+            ok = reply.code == 250
+            caps = Capabilities.from_reply(reply) if ok and kind is _Kind.EHLO else Capabilities()
+            self.capabilities = caps if ok else self.capabilities
+            self._events.append(EhloReply(reply, caps))
+        elif kind is _Kind.MAIL and txn is not None:
+            txn.mail_reply = reply
+            self._events.append(CommandReply("MAIL", reply))
+        elif kind is _Kind.RCPT and txn is not None:
+            i = next(i for i, (a, r) in enumerate(txn.rcpts) if a == arg and r is None)
+            txn.rcpts[i] = (arg, reply)
+            self._events.append(RcptReply(arg, reply))
+        elif kind is _Kind.DATA and txn is not None:
+            self._data_reply(txn, reply)
+        elif kind is _Kind.MESSAGE and txn is not None:
+            self._finish(txn, reply)
+        else:
+            self._events.append(CommandReply(kind.value, reply))
+            if kind is _Kind.QUIT:
+                self._closed = True
+
+    def _data_reply(self, txn: _Transaction, reply: Reply) -> None:
+        accepted = any(r is not None and r.is_positive for _, r in txn.rcpts)
+        if reply.code == 354 and accepted:
+            self._body = BodyEncoder()
+            self._events.append(DataReply(reply, go_ahead=True))
+        elif reply.code == 354:
+            # RFC 2920 §3.1: no recipient took it, yet the server wants content: send none.
+            self._out += b".\r\n"
+            self._waiting.appendleft((_Kind.MESSAGE, ""))
+            self._events.append(DataReply(reply, go_ahead=False))
+        else:
+            self._events.append(DataReply(reply, go_ahead=False))
+            self._finish(txn, reply)
+            if reply.code != 421 and not self._closed:
+                # A refused DATA leaves the server's MAIL transaction open (RFC 5321 §3.3): without
+                # an RSET the next MAIL on this connection gets 503, a permanent failure.
+                self._command("RSET", _Kind.RSET)
+
+    def _finish(self, txn: _Transaction, final: Reply) -> None:
+        outcomes = []
+        for address, r in txn.rcpts:
+            if txn.mail_reply is not None and not txn.mail_reply.is_positive:
+                r = txn.mail_reply
+            elif r is None or r.is_positive:
+                r = final
+            outcomes.append(RecipientOutcome(address, r))
+        self._events.append(MessageReply(final, tuple(outcomes)))
+        self._txn = None
+        self._data_issued = False

@@ -1,0 +1,607 @@
+"""The SMTP server state machine, with no I/O in it (in the manner of h11).
+
+Theory of operation
+-------------------
+The shell (a trio task per connection) owns the socket; this object owns the
+protocol. The shell feeds what it reads to ``receive_data`` (``b""`` at EOF),
+then calls ``next_event`` until it returns ``NeedData``, sending
+``data_to_send()`` before it waits for the peer. Input is consumed one command
+line at a time, and only when the shell asks for the next event, so pipelined
+commands are answered in order and a line after ``DATA`` is never parsed as a
+command: by the time it is looked at, the state already says "content".
+
+What needs no policy is answered here (NOOP, HELP, VRFY, RSET, QUIT, EHLO/HELO,
+syntax and sequence errors, limits). Four events need a decision from the
+shell — ``MailFrom``, ``RcptTo``, ``EndOfData`` and ``StartTls`` — and until it
+calls ``accept()`` or ``reject(reply)`` the core reads no further input
+(``next_event`` raises ``LocalProtocolError``). That is how the ``250`` after
+DATA waits for the spool's commit.
+
+Transitions are the two tables below: which states a command is allowed in
+(``_ALLOWED``), and where an accepted event leads (``_ACCEPTED``).
+
+Message content arrives as ``DataChunk`` events: dot-unstuffed, CRLF line
+ends, at most ``DATA_CHUNK_SIZE`` bytes each, never the whole message. Only
+``CRLF.CRLF`` ends DATA. A bare CR or LF in the content dooms the message
+(``550 5.6.11`` at its end) unless ``normalize_bare_lf`` is set, in which case
+it becomes CRLF but the line after it can never end the message (SMTP
+smuggling, CVE-2023-51764/5/6). An over-size or over-long-line message is read
+to its end and refused by the core; the shell sees ``DataAborted``.
+
+Enhanced status codes go on every 2xx/4xx/5xx reply except the greeting and
+the replies to HELO/EHLO, which RFC 2034 §3 excludes.
+
+No reply carries the client's bytes as they came. A command whose argument
+holds a control character (C0, DEL, C1; NUL and TAB included) is refused
+whole (``501``: ``5.1.7``/``5.1.3`` for a MAIL/RCPT address, else ``5.5.4``),
+and a reply that names bad input shows it escaped and cut short
+(``smtp_common.printable``). Bytes that are not UTF-8 get ``500 5.5.2``; a
+non-ASCII address without SMTPUTF8 gets ``553 5.6.7``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import attrs
+
+from mta.smtp.common import (
+    DATA_CHUNK_SIZE,
+    DEFAULT_MAX_ERRORS,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    DEFAULT_MAX_RECIPIENTS,
+    MAX_COMMAND_LINE,
+    MAX_TEXT_LINE,
+    R_TOO_BIG,
+    ContentDecoder,
+    LocalProtocolError,
+    Params,
+    RemoteProtocolError,
+    Reply,
+    has_control,
+    parse_mail_from,
+    parse_rcpt_to,
+    printable,
+)
+
+# ---------------------------------------------------------------- events
+
+
+@attrs.frozen
+class Ehlo:
+    """The client said EHLO; any open transaction is gone. Already answered."""
+
+    name: str
+
+
+@attrs.frozen
+class Helo:
+    """The client said HELO (no ESMTP); any open transaction is gone. Already answered."""
+
+    name: str
+
+
+@attrs.frozen
+class MailFrom:
+    """Needs accept()/reject(). ``address`` is ``""`` for the null sender."""
+
+    address: str
+    params: Params = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class RcptTo:
+    """Needs accept()/reject()."""
+
+    address: str
+    params: Params = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class DataStart:
+    """354 was sent; content follows as DataChunk events."""
+
+
+@attrs.frozen
+class DataChunk:
+    """Dot-unstuffed content with CRLF line ends, at most DATA_CHUNK_SIZE bytes."""
+
+    data: bytes
+
+
+@attrs.frozen
+class EndOfData:
+    """The message is complete and acceptable so far; needs accept()/reject().
+
+    accept() only after the message is durable: that sends the 250.
+    """
+
+    size: int
+
+
+@attrs.frozen
+class DataAborted:
+    """Discard what was written of this message.
+
+    ``reply`` is what the core answered (size, bare LF, long line), or None
+    when the connection ended in the middle of the content.
+    """
+
+    reply: Reply | None
+
+
+@attrs.frozen
+class Rset:
+    """The transaction was reset; already answered."""
+
+
+@attrs.frozen
+class StartTls:
+    """Needs accept() (sends 220, then do the handshake and call tls_started()) or reject()."""
+
+
+@attrs.frozen
+class Quit:
+    """221 was queued; send data_to_send() and close."""
+
+
+@attrs.frozen
+class ConnectionClosed:
+    """The session is over (QUIT, too many errors, or EOF); close the socket."""
+
+
+@attrs.frozen
+class NeedData:
+    """Send data_to_send(), then read and call receive_data()."""
+
+
+Event = (
+    Ehlo
+    | Helo
+    | MailFrom
+    | RcptTo
+    | DataStart
+    | DataChunk
+    | EndOfData
+    | DataAborted
+    | Rset
+    | StartTls
+    | Quit
+    | ConnectionClosed
+    | NeedData
+)
+Decision = MailFrom | RcptTo | EndOfData | StartTls
+
+
+class State(enum.Enum):
+    CONNECTED = "connected"  # greeted, no HELO/EHLO yet
+    IDLE = "idle"  # HELO/EHLO done, no transaction
+    MAIL = "mail"  # sender accepted, no recipient yet
+    RCPT = "rcpt"  # at least one recipient accepted
+    DATA = "data"  # reading content
+    TLS = "tls"  # STARTTLS accepted, waiting for tls_started()
+    CLOSED = "closed"
+
+
+_ANY: Final = frozenset({State.CONNECTED, State.IDLE, State.MAIL, State.RCPT})
+_GREETED: Final = frozenset({State.IDLE, State.MAIL, State.RCPT})
+# Commands and the states they are allowed in; elsewhere they get 503 5.5.1.
+_ALLOWED: Final[dict[str, frozenset[State]]] = {
+    "EHLO": _ANY,
+    "HELO": _ANY,
+    "MAIL": frozenset({State.IDLE}),
+    "RCPT": frozenset({State.MAIL, State.RCPT}),
+    "DATA": frozenset({State.MAIL, State.RCPT}),
+    "RSET": _ANY,
+    "NOOP": _ANY,
+    "HELP": _ANY,
+    "VRFY": _ANY,
+    "QUIT": _ANY,
+    "STARTTLS": frozenset({State.IDLE}),
+}
+_SEQUENCE_HINT: Final = {
+    "MAIL": "Send HELO/EHLO first, and only one MAIL per transaction",
+    "RCPT": "Need MAIL before RCPT",
+    "DATA": "Need MAIL and RCPT before DATA",
+    "STARTTLS": "STARTTLS only after EHLO and outside a transaction",
+}
+# Where an accepted decision leads (rejection leaves the state as it was,
+# except after the content, which always ends the transaction).
+_ACCEPTED: Final[dict[type[Decision], State]] = {
+    MailFrom: State.MAIL,
+    RcptTo: State.RCPT,
+    EndOfData: State.IDLE,
+    StartTls: State.TLS,
+}
+_DEFAULT_ACCEPT: Final[dict[type[Decision], Reply]] = {
+    MailFrom: Reply(250, "2.1.0", "Ok"),
+    RcptTo: Reply(250, "2.1.5", "Ok"),
+    EndOfData: Reply(250, "2.0.0", "Ok: queued"),
+    StartTls: Reply(220, "2.0.0", "Ready to start TLS"),
+}
+
+R_OK: Final = Reply(250, "2.0.0", "Ok")
+R_BYE: Final = Reply(221, "2.0.0", "Bye")
+R_TOO_MANY_ERRORS: Final = Reply(421, "4.7.0", "Too many errors, closing connection")
+R_LINE_TOO_LONG: Final = Reply(500, "5.5.2", "Line too long")
+R_BARE_NEWLINE: Final = Reply(500, "5.5.2", "Bare CR or LF not allowed; use CRLF")
+R_UNKNOWN: Final = Reply(500, "5.5.1", "Command unrecognized")
+R_NO_RCPT: Final = Reply(554, "5.5.1", "No valid recipients")
+R_TOO_MANY_RCPTS: Final = Reply(452, "4.5.3", "Too many recipients")
+R_NEED_UTF8: Final = Reply(553, "5.6.7", "Non-ASCII address needs SMTPUTF8")
+R_DATA_GO: Final = Reply(354, None, "End data with <CR><LF>.<CR><LF>")
+R_CONTROL_IN_ARGUMENT: Final = Reply(501, "5.5.4", "Control character in argument")
+
+
+class ServerConnection:
+    """One SMTP server session. The greeting is queued by the constructor.
+
+    Options: ``hostname`` (greeting, EHLO), ``max_message_size`` (SIZE, 552),
+    ``max_line_length`` (content lines incl. CRLF), ``max_recipients``,
+    ``max_errors`` (core-detected 5xx before 421), ``normalize_bare_lf``,
+    ``tls_available`` (offer STARTTLS), ``tls_active`` (implicit TLS).
+
+    Raises: ``LocalProtocolError`` when the shell calls a method at the wrong
+    time. Malformed input from the client never raises; it is answered.
+    """
+
+    def __init__(
+        self,
+        hostname: str,
+        *,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_line_length: int = MAX_TEXT_LINE,
+        max_recipients: int = DEFAULT_MAX_RECIPIENTS,
+        max_errors: int = DEFAULT_MAX_ERRORS,
+        normalize_bare_lf: bool = False,
+        tls_available: bool = False,
+        tls_active: bool = False,
+        greeting: str = "ESMTP logspool",
+    ) -> None:
+        self.hostname = hostname
+        self.max_message_size = max_message_size
+        self.max_line_length = max_line_length
+        self.max_recipients = max_recipients
+        self.max_errors = max_errors
+        self.normalize_bare_lf = normalize_bare_lf
+        self.tls_available = tls_available
+        self.tls_active = tls_active
+        self.state = State.CONNECTED
+        self.errors = 0
+        self._buf = bytearray()
+        self._pos = 0
+        self._eof = False
+        self._out = bytearray()
+        self._pending: Decision | None = None
+        self._skip_line = False  # discarding the rest of an over-long command line
+        self.command_lines = 0  # command lines consumed so far: the shell starts a command's deadline when it grows
+        self._queued: list[Event] = []
+        self._decoder = ContentDecoder(max_message_size, max_line_length, normalize_bare_lf)
+        self._helo: str | None = None
+        self._esmtp = False
+        self._rcpt_count = 0
+        self._smtputf8 = False
+        self._reset_session()
+        self._send(Reply(220, None, f"{hostname} {greeting}"))
+
+    # -------------------------------------------------------------- I/O side
+
+    def receive_data(self, data: bytes | bytearray) -> None:
+        """Bytes from the peer; ``b""`` means EOF. Ignored once closed or in STARTTLS."""
+        if self.state in (State.CLOSED, State.TLS):
+            return
+        if not data:
+            self._eof = True
+            return
+        if self._eof:
+            raise LocalProtocolError("receive_data after EOF")
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def data_to_send(self) -> bytes:
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    @property
+    def esmtp(self) -> bool:
+        return self._esmtp
+
+    @property
+    def helo_name(self) -> str | None:
+        return self._helo
+
+    @property
+    def pending(self) -> Decision | None:
+        """The event waiting for accept()/reject(), if any."""
+        return self._pending
+
+    # -------------------------------------------------------------- decisions
+
+    def accept(self, reply: Reply | None = None) -> None:
+        """Say yes to the pending event; ``reply`` overrides the default 2xx."""
+        ev = self._take_pending()
+        reply = reply or _DEFAULT_ACCEPT[type(ev)]
+        if not reply.is_positive:
+            raise LocalProtocolError(f"accept() with a negative reply {reply}")
+        self._send(reply)
+        self.state = _ACCEPTED[type(ev)]
+        if isinstance(ev, RcptTo):
+            self._rcpt_count += 1
+        elif isinstance(ev, EndOfData):
+            self._reset_transaction()
+        elif isinstance(ev, StartTls):
+            # CVE-2011-0411: nothing sent in plaintext after STARTTLS may be obeyed.
+            self._buf.clear()
+            self._pos = 0
+
+    def reject(self, reply: Reply) -> None:
+        """Say no to the pending event with a 4xx/5xx ``reply``."""
+        if reply.is_positive:
+            raise LocalProtocolError(f"reject() with a positive reply {reply}")
+        ev = self._take_pending()
+        self._send(reply)
+        if isinstance(ev, EndOfData):
+            self.state = State.IDLE
+            self._reset_transaction()
+
+    def tls_started(self) -> None:
+        """The TLS handshake is done: a fresh session, the client must EHLO again."""
+        if self.state is not State.TLS:
+            raise LocalProtocolError("tls_started() without an accepted STARTTLS")
+        self.tls_active = True
+        self.state = State.CONNECTED
+        self._buf.clear()
+        self._pos = 0
+        self._reset_session()
+
+    def _take_pending(self) -> Decision:
+        ev = self._pending
+        if ev is None:
+            raise LocalProtocolError("no event is waiting for a decision")
+        self._pending = None
+        return ev
+
+    # -------------------------------------------------------------- events
+
+    def next_event(self) -> Event:
+        """The next thing that happened; ``NeedData`` when input is exhausted.
+
+        Raises ``LocalProtocolError`` while a decision is pending or STARTTLS
+        waits for ``tls_started()``.
+        """
+        if self._pending is not None:
+            raise LocalProtocolError(f"{type(self._pending).__name__} is waiting for accept() or reject()")
+        if self.state is State.TLS:
+            raise LocalProtocolError("STARTTLS accepted: do the handshake, then call tls_started()")
+        ev: Event | None = None
+        while ev is None:
+            if self._queued:
+                ev = self._queued.pop(0)
+            elif self.state is State.CLOSED:
+                ev = ConnectionClosed()
+            elif self.state is State.DATA:
+                ev = self._data_event()
+            else:
+                ev = self._command_event()
+        if isinstance(ev, MailFrom | RcptTo | EndOfData | StartTls):
+            self._pending = ev
+        return ev
+
+    def _emit(self, *events: Event) -> None:
+        self._queued.extend(events)
+
+    # -------------------------------------------------------------- commands
+
+    def _command_event(self) -> Event | None:
+        """Consume one command line; return its event, None if only answered."""
+        buf = self._buf
+        if self._skip_line:
+            i = buf.find(b"\n", self._pos)
+            if i < 0:
+                self._pos = len(buf)
+                return self._at_eof()
+            self._pos = i + 1
+            self._skip_line = False
+            self.command_lines += 1
+        end = min(len(buf), self._pos + MAX_COMMAND_LINE)
+        i = buf.find(b"\n", self._pos, end)
+        if i < 0:
+            if end - self._pos >= MAX_COMMAND_LINE:
+                self._skip_line = True
+                self._error(R_LINE_TOO_LONG)
+                return None
+            return self._at_eof()
+        line = bytes(buf[self._pos : i + 1])
+        self._pos = i + 1
+        self.command_lines += 1
+        if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
+            self._error(R_BARE_NEWLINE)
+            return None
+        try:
+            text = line[:-2].decode("utf-8")
+        except UnicodeDecodeError:
+            self._error(Reply(500, "5.5.2", "Invalid UTF-8 in command"))
+            return None
+        verb, _, arg = text.partition(" ")
+        verb = verb.upper()
+        allowed = _ALLOWED.get(verb)
+        if allowed is None:
+            self._error(Reply(502, "5.5.1", "Command not implemented") if verb == "EXPN" else R_UNKNOWN)
+            return None
+        if self.state not in allowed:
+            self._error(Reply(503, "5.5.1", _SEQUENCE_HINT.get(verb, "Bad sequence of commands")))
+            return None
+        try:
+            return self._dispatch(verb, arg)
+        except RemoteProtocolError as e:
+            self._error(e.reply)
+            return None
+
+    def _at_eof(self) -> Event:
+        if self._eof:
+            self.state = State.CLOSED
+            return ConnectionClosed()
+        return NeedData()
+
+    def _dispatch(self, verb: str, arg: str) -> Event | None:
+        if verb not in ("MAIL", "RCPT") and has_control(arg):  # MAIL and RCPT say where (address or parameter)
+            raise RemoteProtocolError("control character", R_CONTROL_IN_ARGUMENT)
+        if verb in ("EHLO", "HELO"):
+            return self._hello(verb, arg)
+        if verb in ("RSET", "QUIT", "DATA", "STARTTLS") and arg.strip(" "):
+            raise RemoteProtocolError("no argument allowed", Reply(501, "5.5.4", f"Syntax: {verb}"))
+        if verb == "NOOP":
+            self._send(R_OK)
+        elif verb == "HELP":
+            self._send(Reply(214, "2.0.0", "Commands: EHLO HELO MAIL RCPT DATA RSET NOOP QUIT VRFY STARTTLS"))
+        elif verb == "VRFY":
+            if not arg.strip(" "):
+                raise RemoteProtocolError("VRFY needs an argument", Reply(501, "5.5.4", "Syntax: VRFY address"))
+            self._send(Reply(252, "2.0.0", "Cannot VRFY user, but will accept message and attempt delivery"))
+        elif verb == "RSET":
+            self._send(R_OK)
+            self._reset_transaction()
+            if self.state is not State.CONNECTED:
+                self.state = State.IDLE
+            return Rset()
+        elif verb == "QUIT":
+            self._send(R_BYE)
+            self.state = State.CLOSED
+            return Quit()
+        elif verb == "MAIL":
+            return self._mail(arg)
+        elif verb == "RCPT":
+            return self._rcpt(arg)
+        elif verb == "DATA":
+            return self._data()
+        elif verb == "STARTTLS":
+            return self._starttls()
+        return None
+
+    def _hello(self, verb: str, arg: str) -> Event:
+        words = arg.split()
+        if not words:
+            raise RemoteProtocolError("bad hello", Reply(501, "5.5.4", f"Syntax: {verb} hostname"))
+        name = words[0]
+        self._reset_session()
+        self._helo = name
+        self.state = State.IDLE
+        if verb == "HELO":
+            self._send(Reply(250, None, self.hostname))
+            return Helo(name)
+        self._esmtp = True
+        caps = ["PIPELINING", f"SIZE {self.max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES"]
+        if self.tls_available and not self.tls_active:
+            caps.append("STARTTLS")
+        self._send(Reply(250, None, "\n".join([self.hostname, *caps])))
+        return Ehlo(name)
+
+    def _mail(self, arg: str) -> Event | None:
+        address, params = parse_mail_from(arg)
+        if params and not self._esmtp:
+            raise RemoteProtocolError("params after HELO", Reply(555, "5.5.4", "Parameters need EHLO"))
+        for key, value in params.items():
+            if key == "SIZE":
+                if value is None or not value.isdigit() or len(value) > 20:
+                    raise RemoteProtocolError("bad SIZE", Reply(501, "5.5.4", "Bad SIZE value"))
+                if int(value) > self.max_message_size:
+                    self._send(R_TOO_BIG)
+                    return None
+            elif key == "BODY":
+                if value is None or value.upper() not in ("7BIT", "8BITMIME"):
+                    raise RemoteProtocolError("bad BODY", Reply(501, "5.5.4", "BODY must be 7BIT or 8BITMIME"))
+            elif key == "SMTPUTF8":
+                if value is not None:
+                    raise RemoteProtocolError("bad SMTPUTF8", Reply(501, "5.5.4", "SMTPUTF8 takes no value"))
+            else:
+                raise RemoteProtocolError("unknown param",
+                                          Reply(555, "5.5.4", f"Unsupported parameter {printable(key, 40)}"))
+        if not address.isascii() and "SMTPUTF8" not in params:
+            raise RemoteProtocolError("utf8 sender", R_NEED_UTF8)
+        self._smtputf8 = "SMTPUTF8" in params
+        return MailFrom(address, params)
+
+    def _rcpt(self, arg: str) -> Event | None:
+        address, params = parse_rcpt_to(arg)
+        if params:
+            key = next(iter(params))
+            raise RemoteProtocolError("unknown param",
+                                      Reply(555, "5.5.4", f"Unsupported parameter {printable(key, 40)}"))
+        if not address.isascii() and not self._smtputf8:
+            raise RemoteProtocolError("utf8 rcpt", R_NEED_UTF8)
+        if self._rcpt_count >= self.max_recipients:
+            self._send(R_TOO_MANY_RCPTS)  # not counted as an error: a client obeying the limit retries later
+            return None
+        return RcptTo(address, params)
+
+    def _data(self) -> Event | None:
+        if self.state is State.MAIL:
+            self._send(R_NO_RCPT)
+            return None
+        self._send(R_DATA_GO)
+        self.state = State.DATA
+        self._decoder = ContentDecoder(self.max_message_size, self.max_line_length, self.normalize_bare_lf)
+        return DataStart()
+
+    def _starttls(self) -> Event | None:
+        if self.tls_active:
+            self._error(Reply(503, "5.5.1", "TLS already active"))
+            return None
+        if not self.tls_available:
+            self._error(Reply(502, "5.5.1", "STARTTLS not available"))
+            return None
+        return StartTls()
+
+    # -------------------------------------------------------------- content
+
+    def _data_event(self) -> Event | None:
+        """Consume content until a chunk is full, input runs out, or it ends."""
+        dec = self._decoder
+        self._pos, chunk, done = dec.decode(self._buf, self._pos, DATA_CHUNK_SIZE)
+        if chunk:
+            if done:
+                self._emit(self._finish_data())
+            return DataChunk(chunk)
+        if done:
+            return self._finish_data()
+        if self._eof:
+            self.state = State.CLOSED
+            self._reset_transaction()
+            self._emit(ConnectionClosed())
+            return DataAborted(None)
+        return NeedData()
+
+    def _finish_data(self) -> Event:
+        doom = self._decoder.refusal
+        if doom is not None:
+            self._send(doom)
+            self.state = State.IDLE
+            self._reset_transaction()
+            return DataAborted(doom)
+        return EndOfData(self._decoder.size)
+
+    # -------------------------------------------------------------- helpers
+
+    def _send(self, reply: Reply) -> None:
+        self._out += reply.to_bytes()
+
+    def _error(self, reply: Reply) -> None:
+        """A client mistake the core caught; too many of them end the session."""
+        self._send(reply)
+        self.errors += 1
+        if self.errors >= self.max_errors:
+            self._send(R_TOO_MANY_ERRORS)
+            self.state = State.CLOSED
+
+    def _reset_transaction(self) -> None:
+        self._rcpt_count = 0
+        self._smtputf8 = False
+
+    def _reset_session(self) -> None:
+        self._helo = None
+        self._esmtp = False
+        self._reset_transaction()

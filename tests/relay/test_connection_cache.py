@@ -1,0 +1,96 @@
+"""The SMTP transport's connection cache: idle connections to a next hop carry the next batch.
+
+Real TCP on 127.0.0.1 against the tests' next hop (relay_support.NextHop),
+which counts connections made and ended. Every wait is on an event or a
+count, bounded in time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+from relay_support import NextHop, relay_config
+
+from mta.delivery.smtp_transport import SmtpTransport
+from mta.delivery.transport import Destination, Job
+from spool.record import Status
+
+
+def job(n: int) -> Job:
+    body = [b"Subject: message %d\r\n\r\nbody %d\r\n" % (n, n)]
+    return Job(f"Q{n}", "a@src.example", (f"r{n}@far.example",), body, len(body[0]))
+
+
+@asynccontextmanager
+async def transport_to_hop(tmp_path: Path, delivery: str, *,
+                           keeper: bool = True) -> AsyncIterator[tuple[SmtpTransport, Destination, NextHop]]:
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        config = relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{port}?tls=none"},
+                              extra=f"[delivery]\n{delivery}\n")
+        transport = SmtpTransport(config)
+        if keeper:
+            await nursery.start(transport.run)
+        yield transport, Destination("smtp", f"127.0.0.1:{port}", "none"), hop
+        nursery.cancel_scope.cancel()
+
+
+async def delivered(transport: SmtpTransport, dest: Destination, n: int) -> bool:
+    (outcomes,) = await transport.deliver(dest, [job(n)])
+    return [o.status for o in outcomes] == [Status.DELIVERED]
+
+
+async def test_batches_to_one_hop_share_a_connection_while_it_is_cached(tmp_path: Path) -> None:
+    async with transport_to_hop(tmp_path, 'connection_cache_time = "60s"') as (transport, dest, hop):
+        for n in range(3):
+            assert await delivered(transport, dest, n)
+        assert hop.connections == 1 and hop.closed == 0
+        assert transport.cache.reused == 2 and len(transport.cache) == 1
+        assert [m.recipients for m in hop.messages] == [["r0@far.example"], ["r1@far.example"], ["r2@far.example"]]
+
+
+async def test_a_cached_connection_the_hop_has_closed_is_replaced_without_a_failure(tmp_path: Path) -> None:
+    async with transport_to_hop(tmp_path, 'connection_cache_time = "60s"') as (transport, dest, hop):
+        hop.hang_up_after_message = True
+        assert await delivered(transport, dest, 0)
+        await hop.wait_closed(1, timeout=30)  # the cache still holds the connection, dead on the far side
+        assert len(transport.cache) == 1
+        assert await delivered(transport, dest, 1)
+        assert hop.connections == 2 and transport.cache.reused == 0
+        assert len(hop.messages) == 2
+
+
+async def test_an_idle_connection_is_closed_after_the_cache_time(tmp_path: Path) -> None:
+    async with transport_to_hop(tmp_path, 'connection_cache_time = "200ms"') as (transport, dest, hop):
+        assert await delivered(transport, dest, 0)
+        assert len(transport.cache) == 1
+        await hop.wait_closed(1, timeout=30)
+        assert len(transport.cache) == 0
+        assert await delivered(transport, dest, 1)
+        assert hop.connections == 2
+
+
+async def test_time_zero_or_no_keeper_means_a_connection_per_batch(tmp_path: Path) -> None:
+    async with transport_to_hop(tmp_path, "connection_cache_time = 0") as (transport, dest, hop):
+        assert await delivered(transport, dest, 0) and await delivered(transport, dest, 1)
+        await hop.wait_closed(2, timeout=30)
+        assert hop.connections == 2 and len(transport.cache) == 0
+    async with transport_to_hop(tmp_path, 'connection_cache_time = "60s"', keeper=False) as (transport, dest, hop):
+        assert await delivered(transport, dest, 0) and await delivered(transport, dest, 1)
+        await hop.wait_closed(2, timeout=30)
+        assert hop.connections == 2
+
+
+async def test_a_connection_that_carried_max_messages_is_not_kept(tmp_path: Path) -> None:
+    delivery = 'connection_cache_time = "60s"\nmax_messages_per_connection = 2'
+    async with transport_to_hop(tmp_path, delivery) as (transport, dest, hop):
+        results = await transport.deliver(dest, [job(0), job(1)])
+        assert all(o.status is Status.DELIVERED for outs in results for o in outs)
+        await hop.wait_closed(1, timeout=30)
+        assert len(transport.cache) == 0
+        assert await delivered(transport, dest, 2)
+        assert hop.connections == 2 and len(transport.cache) == 1
