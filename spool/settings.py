@@ -260,7 +260,7 @@ class OneOf(Kind[str]):
     choices: tuple[str, ...]
 
     def what(self) -> str:
-        return " | ".join(self.choices)
+        return "one of " + ", ".join(self.choices)
 
     def convert(self, raw: object, base_dir: str | None) -> str:
         return expect(raw, str, "a string").lower()
