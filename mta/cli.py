@@ -24,6 +24,7 @@ import trio
 from mta.admin.control import socket_path
 from mta.admin.queue_ops import CHANGES, RequestError, change_op, parse_request, read_op
 from mta.config import Config, ConfigError, load_config, parse_listen_address
+from mta.config.cli import config as config_command
 from mta.process.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
 from spool import admin
 from spool.errors import SpoolError, SpoolLocked
@@ -478,3 +479,4 @@ def _register_report() -> None:
 
 
 _register_report()
+main.add_command(config_command)
