@@ -381,7 +381,10 @@ def setting(kind: Kind[T], help: str, default: T | None = None, *, derived: Deri
     """An attrs field that carries its definition and checks its value with ``kind``.
 
     With ``derived`` the field has no default of its own and must be given by
-    keyword (the loader computes it).
+    keyword (the loader computes it); its value is checked when it is read
+    from the file, not when it is derived, so a default follows the value it
+    comes from as it always did (``postmaster@<hostname>`` for a host name
+    that is no mail domain).
     """
     definition = Setting(kind, help, default, derived, in_file, unit, blank_is_default)
 
@@ -393,7 +396,7 @@ def setting(kind: Kind[T], help: str, default: T | None = None, *, derived: Deri
 
     metadata = {METADATA_KEY: definition}
     if derived is not None:
-        return attrs.field(validator=validate, converter=converter, metadata=metadata, kw_only=True)
+        return attrs.field(converter=converter, metadata=metadata, kw_only=True)
     return attrs.field(default=default, validator=validate, converter=converter, metadata=metadata)
 
 

@@ -62,7 +62,7 @@ def check_host(config: Config) -> list[Finding]:
             findings.extend(check(config))
         except (ConfigError, StartError) as exc:
             findings.append(Finding(_located(exc, config)))
-        except OSError as exc:  # what serve would print as it is: here it is named by the check
+        except OSError as exc:  # a directory this user cannot read, say: serve would stop on it too (exit 1)
             findings.append(Finding(StartError(str(exc), config.source)))
     return findings
 
@@ -74,11 +74,13 @@ def _located(exc: ConfigError | StartError, config: Config) -> ConfigError | Sta
 
 
 def _tls(config: Config) -> Iterator[Finding]:
+    """Raises what ``mta serve`` raises (``check_start``); finds nothing else."""
     check_tls(config)
     yield from ()
 
 
 def _control_sockets(config: Config) -> Iterator[Finding]:
+    """Every shard's socket, as the supervisor checks them before it starts any (``check_start``)."""
     shards = shard_count(config)
     for k in range(shards):
         check_control_socket(shard_config(config, k, shards))

@@ -178,10 +178,11 @@ class _Reader:
             self.unknown(table, names, f"{section}.")
         routes = self.routes(data)
         self.unknown(data, [section for section, _ in SECTIONS] + ["routes"], "")
-        config = None if self.problems else self.build(explicit, routes)
-        if config is None or self.problems:
-            raise ConfigProblems(self.problems)
-        return config
+        if not self.problems:
+            config = self.build(explicit, routes)
+            if not self.problems:
+                return config
+        raise ConfigProblems(self.problems)
 
     def table(self, data: Mapping[str, Any], name: str) -> Mapping[str, Any]:
         table = data.get(name, {})
@@ -211,16 +212,10 @@ class _Reader:
                 self.problem(e, key)
         return routes
 
-    def build(self, explicit: Mapping[str, Any], routes: Mapping[str, Route]) -> Config | None:
+    def build(self, explicit: Mapping[str, Any], routes: Mapping[str, Route]) -> Config:
         value = _Defaults(explicit, self.base_dir)
-        sections: dict[str, Any] = {}
-        for section, cls in SECTIONS:
-            try:
-                sections[section] = cls(**{s.name: value(f"{section}.{s.name}") for s in file_settings(cls)})
-            except ConfigError as e:  # a derived default that its own kind refuses (postmaster@<odd hostname>)
-                self.problem(ConfigError(e.problem), f"{section}.{e.key}")
-        if self.problems:
-            return None
+        sections = {section: cls(**{s.name: value(f"{section}.{s.name}") for s in file_settings(cls)})
+                    for section, cls in SECTIONS}
         config = Config(**sections, routes=routes, source=self.source)
         self.rules(config, explicit)
         return config
