@@ -33,6 +33,7 @@ from mta.admin.errors import (
 )
 from mta.cli_common import EXIT_FAILURE, EXIT_USAGE, JSON_REQUESTED, config_option, takes_json
 from mta.config import ConfigError, load_config, parse_listen_address
+from mta.config.cli import config as config_command
 from spool.errors import SpoolError, SpoolLocked
 
 _ARGV = "mta.argv"
@@ -180,3 +181,4 @@ def _register_report() -> None:
 
 
 _register_report()
+main.add_command(config_command)
