@@ -33,6 +33,7 @@ from spool.config import SpoolConfig, fit_to_filesystem
 from spool.core import BODY_SLACK, LOG_DIR, Appended, Attempt
 from spool.errors import SpoolLocked
 from spool.fileio import FileIO, OsFileIO
+from spool.reader import Reporter
 from spool.reclaim import CheckpointPlan, Reclaim
 from spool.reserve import Reserve
 
@@ -48,15 +49,19 @@ class Spool(AdminChanges, Reclaim):
 
     @classmethod
     def open(cls, path: str, config: SpoolConfig | None = None, io: FileIO | None = None,
-             *, lock: bool = True) -> Spool:
-        """Open (creating if needed) and recover. Raises SpoolLocked, CorruptSegment, ..."""
+             *, lock: bool = True, on_damage: Reporter = recovery.refuse) -> Spool:
+        """Open (creating if needed) and recover. Raises SpoolLocked, CorruptSegment, ...
+
+        ``on_damage``: what recovery does with damage in the log (``spool.recovery``,
+        "Damage"); the default refuses to open, naming the file and offset.
+        """
         sp = cls(path, config or SpoolConfig(), io or OsFileIO())
         sp.io.makedirs(sp.log_dir)
         sp._fit_to_filesystem()
         if lock:
             sp._take_lock()
         try:
-            sp.recovery_stats = recovery.recover(sp)
+            sp.recovery_stats = recovery.recover(sp, on_damage)
         except BaseException:
             sp.close()
             raise
