@@ -1,4 +1,4 @@
-"""The server core's transition table is its whole state machine.
+"""The server core's transition table is its whole state machine (the client's: test_smtp_client_states.py).
 
 ``mta.smtp.server.TRANSITIONS`` claims to be the only way the state changes.
 These tests hold it to that from three sides: every (state, step) pair it
