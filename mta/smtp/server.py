@@ -62,7 +62,6 @@ non-ASCII address without SMTPUTF8 gets ``553 5.6.7``.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Final
 
@@ -78,6 +77,7 @@ from mta.smtp.common import (
     LocalProtocolError,
     RemoteProtocolError,
     Reply,
+    TableKey,
     has_control,
     parse_mail_from,
     parse_rcpt_to,
@@ -127,7 +127,7 @@ __all__ = [  # the events are defined in mta.smtp.server_events and offered here
 # ---------------------------------------------------------------- states and steps
 
 
-class State(enum.Enum):
+class State(TableKey):
     CONNECTED = "connected"  # greeted (or TLS just started), no HELO/EHLO yet
     IDLE = "idle"  # HELO/EHLO done, no transaction
     MAIL = "mail"  # sender accepted, no recipient yet
@@ -137,7 +137,7 @@ class State(enum.Enum):
     CLOSED = "closed"  # nothing more is read or answered
 
 
-class Step(enum.Enum):
+class Step(TableKey):
     """What moves the session between states: the columns of ``TRANSITIONS``."""
 
     HELLO = "HELO or EHLO answered 250"

@@ -123,8 +123,8 @@ def test_a_call_the_table_does_not_list_raises_and_moves_nothing(phase: C.Phase,
     assert conn.phase is phase
 
 
-REPLIES = [*[b"250 2.0.0 ok\r\n"] * 3, *[b"354 go\r\n"] * 2, b"550 5.1.1 no\r\n", b"451 4.3.0 later\r\n", b"221 bye\r\n",
-           b"421 4.3.2 closing\r\n", b"250-mx\r\n250 PIPELINING\r\n", b"25"]
+REPLIES = [*[b"250 2.0.0 ok\r\n"] * 3, *[b"354 go\r\n"] * 2, b"550 5.1.1 no\r\n", b"451 4.3.0 later\r\n",
+           b"221 bye\r\n", b"421 4.3.2 closing\r\n", b"250-mx\r\n250 PIPELINING\r\n", b"25"]
 # Mostly replies, now and then any bytes (which mostly end the session: the parser refuses them).
 reply = st.integers(0, 7).flatmap(lambda n: st.binary(max_size=8) if n == 0 else st.sampled_from(REPLIES))
 
