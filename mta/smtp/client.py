@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final
 
 import attrs
@@ -55,6 +55,8 @@ from mta.smtp.common import (
 
 
 class Phase(TableKey):
+    """Where the transaction is: the rows of ``TRANSITIONS``."""
+
     READY = "ready"  # no transaction: mail() may open one
     ENVELOPE = "envelope"  # mail() done: rcpt() and data() may follow
     DATA_SENT = "data sent"  # data() done, waiting for the reply to DATA
@@ -77,7 +79,7 @@ class Step(TableKey):
 
 
 # The transaction's state machine, whole: the only way the phase changes (ClientConnection._fire).
-TRANSITIONS: Final[dict[Phase, dict[Step, Phase]]] = {
+TRANSITIONS: Final[Mapping[Phase, Mapping[Step, Phase]]] = {
     Phase.READY: {
         Step.MAIL: Phase.ENVELOPE,
         Step.RSET: Phase.READY,

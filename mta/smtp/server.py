@@ -62,7 +62,7 @@ non-ASCII address without SMTPUTF8 gets ``553 5.6.7``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from mta.smtp.common import (
@@ -128,6 +128,8 @@ __all__ = [  # the events are defined in mta.smtp.server_events and offered here
 
 
 class State(TableKey):
+    """Where the session is: the rows of ``TRANSITIONS``."""
+
     CONNECTED = "connected"  # greeted (or TLS just started), no HELO/EHLO yet
     IDLE = "idle"  # HELO/EHLO done, no transaction
     MAIL = "mail"  # sender accepted, no recipient yet
@@ -156,7 +158,7 @@ class Step(TableKey):
 
 
 # The state machine, whole: the only way the state changes (ServerConnection._fire).
-TRANSITIONS: Final[dict[State, dict[Step, State]]] = {
+TRANSITIONS: Final[Mapping[State, Mapping[Step, State]]] = {
     State.CONNECTED: {
         Step.HELLO: State.IDLE,
         Step.RSET: State.CONNECTED,  # no HELO yet, and RSET is no substitute for one
