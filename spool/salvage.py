@@ -222,6 +222,7 @@ class _Survey:
         self.damage: list[Anomaly] = []
         self.notes: list[str] = []
         self.max_pos = 0
+        self.withdrawn = 0  # envelopes withdrawn before they were acknowledged (``queue``)
 
     def run(self) -> None:
         for item in self.reader.read(types=SURVEYED):
@@ -229,11 +230,10 @@ class _Survey:
                 self.anomaly(item)
                 continue
             self.max_pos = max(self.max_pos, item.pos)
-            seg = pos_segment(item.pos)
             try:
-                payload = decode_payload(item.rtype, item.payload, path=self.reader.path(seg),
-                                         offset=pos_offset(item.pos))
+                payload = decode_payload(item.rtype, item.payload)
             except CorruptRecord as exc:
+                seg = pos_segment(item.pos)
                 self.damage.append(Anomaly(Kind.DAMAGED_RECORD, seg, self.reader.path(seg), pos_offset(item.pos),
                                            item.size, f"the record passes its checksum but its payload does not "
                                                       f"decode ({exc.reason})"))
@@ -336,19 +336,16 @@ class _Survey:
         """The damaged ranges that begin after ``pos``: where a message's later records may have been."""
         return tuple(a for a in self.damage if a.pos > pos)
 
-    def queue(self, garbage_end: int) -> tuple[list[_Entry], int]:
-        """The messages to copy, in log order, and how many were withdrawn (left out)."""
-        out: list[_Entry] = []
-        withdrawn = 0
-        for mid, t in sorted(self.trails.items(), key=lambda kv: kv[1].env_pos):
-            env = t.envelope()
-            entry = self._entry(mid, t, env, garbage_end)
-            if entry is None:
-                if t.start is None:
-                    withdrawn += 1
-                continue
-            out.append(entry)
-        return out, withdrawn
+    def queue(self, garbage_end: int) -> Iterator[_Entry]:
+        """The messages to copy, in log order (each entry leaves the survey as it is handed out, so memory
+        falls as the copy goes on); ``withdrawn`` counts those left out."""
+        for _pos, mid in sorted((t.env_pos, mid) for mid, t in self.trails.items()):
+            t = self.trails.pop(mid)
+            entry = self._entry(mid, t, t.envelope(), garbage_end)
+            if entry is not None:
+                yield entry
+            elif t.start is None:
+                self.withdrawn += 1
 
     def _entry(self, mid: int, t: _Trail, env: Envelope, garbage_end: int) -> _Entry | None:
         qid = format_id(mid)
@@ -532,23 +529,23 @@ def salvage(source: str, into: str, config: SpoolConfig | None = None, io: FileI
         survey.run()
         report.damage = survey.damage
         report.notes += survey.notes
-        entries, report.withdrawn = survey.queue(cp.garbage_end if cp is not None else 0)
         report.first_segment = 1 + max(files.last, pos_segment(survey.max_pos),
                                        pos_segment(cp.head) if cp is not None else 0,
-                                       max((pos_segment(e.envelope.message_id) for e in entries), default=0))
-        clock = ReplayClock(min((e.time for e in entries), default=time.time()))
+                                       pos_segment(max(survey.trails, default=0)))
+        clock = ReplayClock(min((t.time for t in survey.trails.values()), default=time.time()))
         point = LogReader(io, files.log_dir, segments=files.segments, durable=cp.head if cp is not None else None,
                           window=POINT_WINDOW)
         os.makedirs(into, exist_ok=True)
         sp = Spool.create(into, attrs.evolve(config, clock=clock), io, first_segment=report.first_segment)
         try:
             copier = _Copier(survey, point, sp, clock, report)
-            for entry in entries:
+            for entry in survey.queue(cp.garbage_end if cp is not None else 0):
                 copier.copy(entry)
             clock.now = max(clock.now, time.time())
             sp.checkpoint()  # commits everything copied, then the restart positions
         finally:
             sp.close()
+        report.withdrawn = survey.withdrawn
     report.lost.sort(key=lambda loss: (loss.saved, loss.queue_id))
     return report
 
