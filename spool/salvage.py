@@ -156,9 +156,10 @@ class SalvageReport:
         out += [f"{'damage':<12} {_range(a)}: {a.kind.value}: {a.message()}" for a in self.damage]
         out += [f"{'note':<12} {n}" for n in self.notes]
         whole = sum(1 for loss in self.lost if not loss.saved)
+        ranges = f"{len(self.damage)} damaged range" + ("" if len(self.damage) == 1 else "s")
         out.append(f"salvaged {self.source} into {self.into}: {self.copied} messages copied "
-                   f"({len(self.lost) - whole} of them partly lost), {whole} lost, {len(self.damage)} damaged "
-                   f"ranges; {self.in_doubt} recipients in doubt; {self.withdrawn} withdrawn messages left out; "
+                   f"({len(self.lost) - whole} of them partly lost), {whole} lost, {ranges}; {self.in_doubt} "
+                   f"recipients in doubt; {self.withdrawn} withdrawn messages left out; "
                    f"queue ids kept, new ones begin at segment {self.first_segment}")
         return out
 

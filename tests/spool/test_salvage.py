@@ -37,7 +37,7 @@ import attrs
 import pytest
 import trio
 from click.testing import CliRunner, Result
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
 from salvage_support import (
@@ -383,7 +383,7 @@ def damages(draw: st.DrawFn) -> tuple[str, int, float, float, int]:
             draw(st.integers(0, 2**16)))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None)
 @given(cases=st.lists(damages(), min_size=1, max_size=3))
 def test_property_random_damage(built: tuple[str, dict[str, Queued]], cases: list[tuple[str, int, float, float, int]]
                                 ) -> None:
