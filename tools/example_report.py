@@ -21,10 +21,12 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# The tests' helper modules are top-level modules on the tests' path (pyproject's pytest pythonpath).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from spark_fixture import run_relay
 
 from mta.report.charts import svg_elements
-from tests.spark_fixture import run_relay
 
 RELAYS = ("mx1", "mx2")
 CHART_FILES = ("report_volume.svg", "report_latency.svg", "report_deferrals.svg")

@@ -9,11 +9,10 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from report_reference import plain_records
 
 from spool.record import HEADER_SIZE, Delivery, Envelope, Finish, Start, pos_offset
 from spool.rows import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
-from tests.report_reference import plain_records
-from tests.spark_fixture import fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
 # Run alone, the first test here pays for the shared SparkSession's start (see test_report.py).
 pytestmark = pytest.mark.timeout(1800)

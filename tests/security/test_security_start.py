@@ -13,24 +13,17 @@ import signal
 import smtplib
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 import trustme
+from process_support import MTA
 from relay_support import NextHop, start_relay
 
 from mta.config import ConfigError, parse_config
 from mta.process.security import UnsafeFile, check_tls_key
-
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
 
 
 def write(tmp_path: Path, server: str = "", rest: str = "") -> Path:

@@ -20,12 +20,12 @@ from typing import Any
 
 import attrs
 import pytest
+from spool_support import NoSync
 
 from spool import admin
 from spool.config import SpoolConfig
 from spool.damage import Anomaly, Kind
 from spool.errors import CorruptSegment
-from spool.fileio import OsFileIO
 from spool.inspection import LogFiles, checkpoint_or_none
 from spool.reader import anomalies
 from spool.record import Frame, RecordType, make_pos, pos_offset, pos_segment
@@ -37,19 +37,6 @@ from spool.verify import verify
 
 T0 = 1_700_000_000
 SEGMENT_SIZE = 16 * 1024
-
-
-class NoSync(OsFileIO):
-    """Real files without fsync: durability does not change the bytes the readers see."""
-
-    def fsync(self, fd: int) -> None:
-        pass
-
-    def fdatasync(self, fd: int) -> None:
-        pass
-
-    def fsync_dir(self, path: str) -> None:
-        pass
 
 
 @attrs.frozen
