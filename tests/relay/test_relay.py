@@ -8,6 +8,7 @@ import smtplib
 import subprocess
 from pathlib import Path
 
+import pytest
 import trio
 from process_support import mta_json
 from relay_support import DeliveryWatch, NextHop, Received, relay_config, start_relay, write_relay_config
@@ -161,6 +162,7 @@ async def test_swaks_client_and_smtp_sink_next_hop(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_admin_cli_reaches_the_running_relay(tmp_path: Path) -> None:
     def policy(stage: str, value: object) -> Reply | None:
         return Reply(451, "4.4.2", "busy") if stage == "rcpt" else None

@@ -26,9 +26,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from process_support import RelayProcess, mta_json
 from relay_support import GatedHop, write_relay_config
+
+# Each test kills the relay's process and starts it again, several seconds on a loaded machine.
+pytestmark = pytest.mark.slow
 
 
 async def control(config: Path, request: dict[str, Any]) -> Any:

@@ -189,6 +189,7 @@ def received_ids(hop: NextHop) -> Counter[str]:
     return out
 
 
+@pytest.mark.slow
 async def test_two_processes_share_the_port_and_deliver_each_message_once(tmp_path: Path) -> None:
     total = 80
     with trio.fail_after(500):
@@ -219,6 +220,7 @@ async def test_two_processes_share_the_port_and_deliver_each_message_once(tmp_pa
 
 
 @pytest.mark.timeout(1200)  # two relay starts and a dozen `mta` commands, on a machine shared with load
+@pytest.mark.slow
 async def test_admin_commands_span_shards_and_fewer_processes_still_deliver(tmp_path: Path) -> None:
     refuse = [True]
 
@@ -279,6 +281,7 @@ async def test_admin_commands_span_shards_and_fewer_processes_still_deliver(tmp_
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_killed_shard_is_restarted_and_delivers_its_queue(tmp_path: Path) -> None:
     refuse = [True]
 

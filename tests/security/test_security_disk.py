@@ -68,6 +68,7 @@ async def extra_server(nursery: trio.Nursery, relay: Relay, free_space: Callable
     return int(listeners[0].socket.getsockname()[1])
 
 
+@pytest.mark.slow
 async def test_below_queue_minfree_mail_gets_452_and_queued_mail_is_kept(tmp_path: Path) -> None:
     blocked = True
 
@@ -340,6 +341,7 @@ async def test_an_outcome_that_finds_the_disk_full_waits_for_room_and_delivery_r
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_start_on_a_full_disk_answers_452_until_space_returns(tmp_path: Path) -> None:
     """``mta serve`` killed with -9 while a delivery is in flight; another process fills the disk; restart."""
     fs = tmp_path / "fs"

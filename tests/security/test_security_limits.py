@@ -14,6 +14,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import pytest
 import trio
 from process_support import MTA
 from relay_support import DeliveryWatch, RawClient, relay_config, start_relay
@@ -118,6 +119,7 @@ async def test_too_many_errors_end_the_session(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_idle_clients_time_out_in_commands_and_in_data(tmp_path: Path) -> None:
     cfg = relay_config(str(tmp_path), LOCAL, extra='command_timeout = "1s"\ndata_timeout = "1s"\n')
     async with trio.open_nursery() as nursery:

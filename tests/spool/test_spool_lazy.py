@@ -67,21 +67,35 @@ async def test_next_due_sleeps_until_the_deferred_message_is_due(tmp_path: Path,
         assert passes(aspool.core) - p0 < 12, f"{passes(aspool.core) - p0} runner passes while waiting"
 
 
-async def test_idle_spool_neither_checkpoints_nor_syncs(tmp_path: Path) -> None:
-    """Real time: a checkpoint's fsyncs run in a worker thread, which autojump would not wait for."""
+async def test_idle_spool_neither_checkpoints_nor_syncs(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    """Trio's clock moves only when the test says: one checkpoint interval at a time, once every task waits.
+
+    A checkpoint's fsyncs run in a worker thread: a pass under way is waited
+    for on the spool's event at each checkpoint attempt, not on the clock.
+    """
+
+    async def intervals(n: int) -> None:
+        for _ in range(n):
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(0.02)
+        await trio.testing.wait_all_tasks_blocked()
 
     async def checkpoints_after(n: int) -> None:
-        with trio.fail_after(30):
-            while aspool.checkpoint_passes <= n or aspool.core.checkpoint_state is None \
-                    or aspool.core.checkpoint_state.head < aspool.core.writer.durable_end:
-                await trio.sleep(0.02)
+        for _ in range(100):
+            if aspool.checkpoint_passes > n:
+                while aspool.core.checkpoint_state is None \
+                        or aspool.core.checkpoint_state.head < aspool.core.writer.durable_end:
+                    await aspool.disk_event()
+                return
+            await intervals(1)
+        raise AssertionError(f"no checkpoint pass in 100 intervals after pass {n}")
 
     async with running_spool(tmp_path, spool_config(trio_clock, checkpoint_interval=0.02)) as aspool:
         core = aspool.core
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
         await checkpoints_after(0)
         ran, fsyncs = aspool.checkpoint_passes, core.writer.fsyncs
-        await trio.sleep(0.5)  # 25 intervals with nothing to do
+        await intervals(25)  # with nothing to do
         assert aspool.checkpoint_passes == ran, "no checkpoint pass while nothing changes"
         assert core.writer.fsyncs == fsyncs
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"more")
