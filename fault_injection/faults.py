@@ -280,8 +280,9 @@ def run_case(fault: Fault, seed: int = 0, per_point: int = 16) -> CaseResult:
         exc: BaseException | None = None
         sp: RetryingSpool | None = None
         try:
-            sp = RetryingSpool.open(root, make_config(clock), io=fio)
-            assert isinstance(sp, RetryingSpool)
+            opened = RetryingSpool.open(root, make_config(clock), io=fio)  # Spool.open is typed to return a Spool
+            assert isinstance(opened, RetryingSpool)
+            sp = opened
             _workload(sp, rio, random.Random(seed), clock)
         except Exception as e:
             exc = e

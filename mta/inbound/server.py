@@ -214,7 +214,7 @@ class SmtpServer:
 
 
 class _Session:
-    def __init__(self, server: SmtpServer, stream: trio.SocketStream, client_ip: str) -> None:
+    def __init__(self, server: SmtpServer, stream: trio.abc.Stream, client_ip: str) -> None:
         self.server = server
         self.config = server.config
         self.stream: trio.abc.Stream = stream

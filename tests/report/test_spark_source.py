@@ -22,7 +22,8 @@ def load(spark: Any, *paths: str, **options: str) -> list[Any]:
     reader = spark.read.format("logspool")
     for k, v in options.items():
         reader = reader.option(k, v)
-    return reader.load(list(paths)).collect()
+    rows: list[Any] = reader.load(list(paths)).collect()
+    return rows
 
 
 def test_every_record_of_a_fleet_is_read_once_with_its_relay(spark: Any, fleet: dict[str, str]) -> None:

@@ -20,10 +20,12 @@ import socket
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
+from prometheus_client.metrics_core import Metric
 from relay_support import DeliveryWatch, RawClient, relay_config, start_relay
 
 from mta.config import Config, parse_config
@@ -346,7 +348,7 @@ async def test_the_metrics_endpoint_stays_bounded_under_slow_and_abandoned_conne
         await bad.aclose()
 
         class Broken:
-            def collect(self) -> list[object]:
+            def collect(self) -> Iterator[Metric]:
                 raise RuntimeError("a collector broke")
 
         broken = Broken()

@@ -287,7 +287,8 @@ def test_frame_reader_reports_a_bad_frame_with_path_and_offset(tmp_path: Path) -
 
 # -- regression: decode_payload checks the schema, not just the CBOR ------------------------
 
-_WRONG = {
+# Values of the wrong CBOR type for each field kind of _SCHEMA.
+_WRONG: dict[str, list[object]] = {
     "uint": ["7", -1, 1.5, None, True, [1], b"\x01"],
     "opt_uint": ["7", -1, 1.5, True, [1], b"\x01"],  # null reads as absent
     "text": [7, None, b"a", ["a"], True],
