@@ -105,6 +105,11 @@ class FaultyFileIO:
             self._raise(path)
         return self.inner.open(path, create=create, truncate=truncate)
 
+    def create_new(self, path: str) -> int:
+        if self._hit("open"):
+            self._raise(path)
+        return self.inner.create_new(path)
+
     def open_read(self, path: str) -> int:
         return self.inner.open_read(path)
 
