@@ -30,6 +30,7 @@ from spool.config import SpoolConfig
 from spool.damage import Anomaly
 from spool.errors import CorruptRecord, SpoolError
 from spool.record import RecordType, format_pos, parse_pos
+from spool.units import format_age
 
 F = TypeVar("F", bound=Callable[..., Any])
 EXIT_PROBLEMS = 1
@@ -219,7 +220,7 @@ def checkpoint(directory: str, retry_intervals: tuple[float, ...], as_json: bool
         table.add_column(col, justify="left" if col in ("position", "at") else "right")
     for lag in report.lags:
         interval = "-" if lag.interval is None else (
-            "new mail" if lag.name == "runner 0" else inspection.format_duration(lag.interval))
+            "new mail" if lag.name == "runner 0" else format_age(lag.interval))
         if lag.name.startswith("runner") and lag.interval is None:
             interval = "unknown"
         table.add_row(lag.name, format_pos(lag.pos) + (" (reclaimed)" if lag.reclaimed else ""), interval,
@@ -318,7 +319,7 @@ def stats(directory: str, as_json: bool) -> int:
     table.add_row("  held", str(st.held))
     table.add_row("  in flight", str(st.active))
     table.add_row("oldest message age",
-                  "-" if st.oldest_age_s is None else inspection.format_duration(round(st.oldest_age_s)))
+                  "-" if st.oldest_age_s is None else format_age(round(st.oldest_age_s)))
     table.add_row("segments", str(st.segments))
     table.add_row("bytes on disk", str(st.bytes_on_disk))
     console = _console()

@@ -1,14 +1,16 @@
-"""The engine's tunables, with the defaults an operator would expect."""
+"""The engine's settings, each defined once: type, default, limits and help (``spool.settings``)."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 
+from spool.fairness import QUIET, TRICKLE
 from spool.record import HELD_CLASS
+from spool.settings import Boolean, Duration, Fraction, Integer, ListOf, Optional, Path, Size, setting
 
 MIB = 1024 * 1024
 # A position keeps a segment offset in 32 bits, and a record that does not fit the rest of a segment
@@ -17,98 +19,105 @@ MIN_SEGMENT_SIZE = 4096
 MAX_SEGMENT_SIZE = 1 << 30
 
 
-def _intervals(value: tuple[float, ...]) -> tuple[float, ...]:
-    value = tuple(float(v) for v in value)
-    if not value:
-        raise ValueError("retry_intervals needs at least one deferred class")
+DEFAULT_RETRY_INTERVALS = (60.0, 300.0, 900.0, 1800.0, 3600.0)
+
+
+def _floats(value: Iterable[float]) -> tuple[float, ...]:
+    return tuple(float(v) for v in value)
+
+
+def _intervals_rule(value: tuple[float, ...]) -> str | None:
     if len(value) >= HELD_CLASS:
-        raise ValueError(f"at most {HELD_CLASS - 1} deferred classes")
-    if any(v <= 0 for v in value):
-        raise ValueError("retry intervals must be positive")
+        return f"at most {HELD_CLASS - 1} deferred classes"
     if any(b < a for a, b in itertools.pairwise(value)):
-        raise ValueError("retry intervals must not decrease: the last class sweeps the log")
-    return value
+        return "retry intervals must not decrease: the last class sweeps the log"
+    return None
+
+
+RETRY_INTERVALS = ListOf(Duration(positive=True), least=1, needed="at least one retry interval is needed",
+                         rule=_intervals_rule, rule_text="not decreasing")
 
 
 @attrs.frozen
 class SpoolConfig:
-    """Engine settings.
+    """Engine settings: each field is one setting's whole definition (``spool.settings``).
 
     ``retry_intervals`` are the deferred runner classes 1..N (class 0 is new
     mail, due at once). A runner of class k trails the head of the log by its
     interval; the last class is also the sweeper that carries held messages
     forward so that the log behind it can be reclaimed.
+
+    The relay's ``[spool]`` section (``mta.config.sections.SpoolSection``) is
+    this class plus where the spool lives: the settings marked ``in_file`` are
+    read from the config file, the others are the engine's tuning, set by
+    code, tests and benchmarks.
     """
 
-    segment_size: int = 64 * MIB
-    retry_intervals: tuple[float, ...] = attrs.field(default=(60.0, 300.0, 900.0, 1800.0, 3600.0),
-                                                     converter=_intervals)
-    max_queue_lifetime: float = 5 * 86400.0
-    active_limit: int = 10_000
-    archive_dir: str | None = None
-    body_chunk: int = 256 * 1024
+    segment_size: int = setting(
+        Size(MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE), "a segment is sealed and a new one started at this size (a "
+        "position keeps the offset in 32 bits, and a record larger than the rest of a segment starts one of its own); "
+        "cut to 1/16 of a smaller filesystem at start", 64 * MIB)
+    retry_intervals: tuple[float, ...] = setting(
+        RETRY_INTERVALS, "one deferred runner class per interval", DEFAULT_RETRY_INTERVALS, converter=_floats)
+    max_queue_lifetime: float = setting(Duration(positive=True), "then the message bounces (expired)", 5 * 86400.0)
+    active_limit: int = setting(Integer(1), "messages in delivery at once", 10_000)
+    archive_dir: str | None = setting(
+        Optional(Path()), "unset, garbage segments are deleted; set, they are moved here (for `mta report`)", None)
+    body_chunk: int = setting(Size(positive=True), "message data is stored in chunks of at most this size",
+                              256 * 1024, in_file=False)
     # Message data held in memory before it is written (not synced): a write is asked for at half of
     # this, and a receiver stops reading while this much is pending or being written.
-    flush_threshold: int = 4 * MIB
+    flush_threshold: int = setting(Size(), "message data held in memory before it is written", 4 * MIB, in_file=False)
     # Checkpoints: looked at every ``checkpoint_interval`` seconds and written if anything moved and either
     # the log was quiet for that interval, or ``checkpoint_bytes`` were appended since the last one, or
     # ``checkpoint_max_interval`` passed. A checkpoint costs three fsyncs; under load the byte bound, not the
     # clock, paces them (recovery scans at most about that much more). checkpoint_bytes 0: every interval.
-    checkpoint_interval: float = 2.0
-    checkpoint_bytes: int = 16 * MIB
-    checkpoint_max_interval: float = 60.0
+    checkpoint_interval: float = setting(
+        Duration(positive=True), "restart positions are looked at this often and written when the log was quiet "
+        "that long", 2.0)
+    checkpoint_bytes: int = setting(
+        Size(), "...or when this much log was written since the last one (recovery rescans at most about this "
+        "much); `0`: every interval", 16 * MIB)
+    checkpoint_max_interval: float = setting(Duration(positive=True), "...or at the latest after this long", 60.0)
     # Records nobody waits for (FINISH, replacement envelopes) ride with the next commit, or are
     # committed this many seconds after they were appended if no commit comes sooner.
-    lazy_commit_delay: float = 0.1
+    lazy_commit_delay: float = setting(Duration(), "records nobody waits for are committed at most this late",
+                                       0.1, in_file=False)
     # Group-commit window: a commit someone waits for is cut once every commit announced as coming has
     # arrived (SMTP sessions between an accepted RCPT and the end of their data) and the event loop has
     # nothing else to run, or after this many seconds at most. With nothing announced and an idle loop it
     # cuts at once, so a lone session waits no longer; 0 cuts at once always. A session that holds a
     # window to the bound is not waited for again in that transaction.
-    commit_delay: float = 0.1
+    commit_delay: float = setting(
+        Duration(at_most=1.0), "group-commit window bound: a commit waits for the sessions that announced one "
+        "(between an accepted RCPT and their end of data) and for an idle event loop, at most this long; a lone "
+        "session waits nothing; `0`: commit at once", 0.1)
     # Bodies of freshly enqueued messages kept in memory, so that delivering a message right after
     # accepting it reads nothing back; a body larger than a quarter of this is never kept.
-    body_cache: int = 4 * MIB
+    body_cache: int = setting(Size(), "bodies of fresh messages kept in memory for their first delivery", 4 * MIB,
+                              in_file=False)
     # While new mail is being claimed, deferred retries get at most this share of the claims (or
     # spool.fairness.TRICKLE claims per second, whichever is more); full rate after spool.fairness.QUIET
     # seconds without new mail. 1.0 turns the budget off.
-    deferred_share: float = 0.2
+    deferred_share: float = setting(
+        Fraction(), f"while new mail is being claimed, retries of deferred mail get at most this share of the "
+        f"claims (at least {TRICKLE:g} per second); after {QUIET:g} s without new mail, the full rate; `1`: no "
+        "budget", 0.2)
     # Claims (STARTs) are written to the log before delivery begins, so a killed process leaves them;
     # True also fsyncs them then, so that a power cut leaves them too (for naming recipients in doubt).
-    sync_claims: bool = False
+    sync_claims: bool = setting(Boolean(), "fsync claims before delivery begins", False, in_file=False)
     # Appended to this spool's queue ids wherever the engine names a message (``-K`` for shard K of a
-    # relay with several processes), so that ids stay unique across the spools of one host.
+    # relay with several processes), so that ids stay unique across the spools of one host. Wiring, not a setting.
     id_suffix: str = ""
     # Room kept for reclaiming room (spool.reserve): a preallocated file that only a checkpoint which deletes
     # segments may give up, when the disk is full to the last block. 0: none. At most one segment (a
     # checkpoint needs one block; deleting one segment gives the reserve back).
-    reserve_bytes: int = 256 * 1024
+    reserve_bytes: int = setting(Size(), "room kept for the checkpoint that deletes segments on a full disk",
+                                 256 * 1024, in_file=False)
     # At open, cut segment_size (and checkpoint_bytes, reserve_bytes) to fit a filesystem too small for them
     # (fit_to_filesystem): a segment is deleted only when several newer ones exist.
-    fit_to_disk: bool = True
+    fit_to_disk: bool = setting(Boolean(), "cut segments to fit a small filesystem at open", True, in_file=False)
     clock: Callable[[], float] = time.time
-
-    def __attrs_post_init__(self) -> None:
-        if not MIN_SEGMENT_SIZE <= self.segment_size <= MAX_SEGMENT_SIZE:
-            raise ValueError(f"segment_size must be between 4 KiB and 1 GiB, got {self.segment_size}")
-        if self.active_limit < 1:
-            raise ValueError("active_limit must be at least 1")
-        if self.max_queue_lifetime <= 0:
-            raise ValueError("max_queue_lifetime must be positive")
-        if not self.lazy_commit_delay >= 0:
-            raise ValueError("lazy_commit_delay must not be negative")
-        if not 0 <= self.commit_delay <= 1:
-            raise ValueError("commit_delay must be between 0 and 1 second")
-        if self.checkpoint_bytes < 0:
-            raise ValueError("checkpoint_bytes must not be negative")
-        if not self.checkpoint_max_interval > 0:
-            raise ValueError("checkpoint_max_interval must be positive")
-        if self.body_cache < 0:
-            raise ValueError("body_cache must not be negative")
-        if not 0.0 <= self.deferred_share <= 1.0:
-            raise ValueError("deferred_share must be between 0 and 1")
-        if self.reserve_bytes < 0:
-            raise ValueError("reserve_bytes must not be negative")
 
     @property
     def classes(self) -> int:

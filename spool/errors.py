@@ -13,6 +13,34 @@ class SpoolError(Exception):
     """Root of every error the spool raises on purpose."""
 
 
+class ConfigError(ValueError):
+    """A setting's value cannot be used. ``file``, ``key`` (dotted) and ``problem`` say why.
+
+    The message reads ``FILE: KEY: PROBLEM`` so an operator can go straight to
+    it. One type for every setting, the engine's (``spool.config``) and the
+    relay's (``mta.config``, which re-exports it). Deliberately not a
+    ``SpoolError``: it means "change the settings" (``mta`` exits 2), and it is
+    raised before any spool is touched, so no handler of spool trouble should
+    catch it.
+    """
+
+    def __init__(self, problem: str, file: str = "", key: str = "") -> None:
+        self.file = file
+        self.key = key
+        self.problem = problem
+        super().__init__(": ".join(part for part in (file, key, problem) if part))
+
+    def at(self, key: str) -> ConfigError:
+        """The same problem, placed under ``key``: ``key`` + an index (``[2]``) or a deeper key it already names."""
+        if not self.key:
+            inner = key
+        elif self.key.startswith("["):
+            inner = key + self.key
+        else:
+            inner = self.key
+        return ConfigError(self.problem, self.file, inner)
+
+
 class CorruptRecord(SpoolError, ValueError):
     """A frame failed its length or checksum test, or its payload is malformed.
 

@@ -17,7 +17,6 @@ The verifier (``spoolctl verify``) is ``spool.verify``.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -27,9 +26,9 @@ import attrs
 
 from spool import admin
 from spool import checkpoint as ckpt
-from spool.config import SpoolConfig
+from spool.config import RETRY_INTERVALS, SpoolConfig
 from spool.damage import Anomaly
-from spool.errors import CorruptRecord, FormatVersionError, SpoolError
+from spool.errors import ConfigError, CorruptRecord, FormatVersionError, SpoolError
 from spool.fileio import FileIO, OsFileIO
 from spool.reader import LogReader
 from spool.record import (
@@ -50,6 +49,7 @@ from spool.record import (
 from spool.recovery import RecoveryStats
 from spool.segment import SEGMENT_HEADER_SIZE, list_segments, read_frame_at, segment_path
 from spool.spool import BODY_SLACK, LOG_DIR, Spool
+from spool.units import parse_duration
 
 PREVIEW = 40
 
@@ -514,34 +514,19 @@ def recover(files: LogFiles, config: SpoolConfig | None = None) -> RecoveryStats
 
 # -- arguments -----------------------------------------------------------------------
 
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
-
-
-def parse_duration(text: str) -> float:
-    m = _DURATION.fullmatch(text)
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (want e.g. 90, 90s, 5m, 1h, 2d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
 
 def parse_intervals(text: str) -> tuple[float, ...]:
-    """``1m,5m,15m`` -> retry intervals in seconds, checked as SpoolConfig checks them."""
-    values = tuple(parse_duration(p) for p in text.split(","))
-    return SpoolConfig(retry_intervals=values).retry_intervals
+    """``1m,5m,15m`` -> retry intervals in seconds, in the config file's grammar and checked by its definition.
 
-
-def format_duration(seconds: float) -> str:
-    """Whole units where they fit (``5m``, ``1h``), else the two largest units (``3d 4h``)."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    if seconds < 60:
-        return f"{seconds:g}s"
-    parts = []
-    rest = int(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if rest >= size:
-            parts.append(f"{rest // size}{unit}")
-            rest %= size
-    return " ".join(parts[:2])
+    Raises:
+        ConfigError (a ValueError): one line.
+    """
+    values = text.split(",")
+    intervals = []
+    for i, value in enumerate(values):
+        try:
+            intervals.append(parse_duration(value))
+        except ConfigError as e:
+            raise (e.at(f"[{i}]") if len(values) > 1 else e) from None
+    RETRY_INTERVALS.check(tuple(intervals))
+    return tuple(intervals)

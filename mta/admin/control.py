@@ -8,7 +8,9 @@ through here and into the log like any other record.
 Every request is checked field by field (``mta.admin.queue_ops.parse_request``)
 before anything runs: a line that is not UTF-8 JSON, a number that overflows
 (``1e400``), a field of the wrong type or range, or a line over 64 KiB gets
-``{"ok": false, "error": ...}``. One request is the unit that fails: an
+``{"ok": false, "error": ..., "code": "bad_request"}``. ``code`` says what
+kind of failure it is, for the client to tell its operator (``ERROR_CODES``).
+One request is the unit that fails: an
 unexpected exception while serving it is logged once with its traceback and
 answered with an error, and the relay goes on (``ControlServer.handle``).
 """
@@ -29,12 +31,14 @@ from mta.admin.queue_ops import CHANGES, Request, RequestError, change_op, parse
 from mta.config import Config
 from spool import admin
 from spool.commit import AsyncSpool
-from spool.errors import SpoolError
+from spool.errors import NotFound, SpoolError
 
 log = logging.getLogger("mta.control")
 MAX_REQUEST = 64 * 1024
 MAX_DISCARD = 16 * MAX_REQUEST  # what is read and dropped of an over-long request before its error is answered
 REQUEST_TIMEOUT = 30.0  # a client that has not sent its line and read its answer by then is dropped
+# The ``code`` of an error answer: a malformed request, no such message, a spool error (busy, disk), a bug.
+ERROR_CODES = ("bad_request", "not_found", "failed", "internal")
 
 
 def socket_path(config: Config) -> str:
@@ -101,8 +105,12 @@ def encode(answer: dict[str, Any]) -> bytes:
     return json.dumps(answer, allow_nan=False).encode() + b"\n"
 
 
+def error_answer(message: str, code: str) -> dict[str, Any]:
+    return {"ok": False, "error": message, "code": code}
+
+
 def internal_error(exc: BaseException) -> dict[str, Any]:
-    return {"ok": False, "error": f"internal error ({type(exc).__name__}); see the relay's log"}
+    return error_answer(f"internal error ({type(exc).__name__}); see the relay's log", "internal")
 
 
 class ControlServer:
@@ -155,8 +163,12 @@ class ControlServer:
         try:
             req = parse_request(decode(await read_line(stream)))
             return {"ok": True, **await self.dispatch(req)}
-        except (RequestError, SpoolError) as exc:
-            return {"ok": False, "error": str(exc)}
+        except RequestError as exc:
+            return error_answer(str(exc), "bad_request")
+        except NotFound as exc:
+            return error_answer(str(exc), "not_found")
+        except SpoolError as exc:
+            return error_answer(str(exc), "failed")
 
     async def dispatch(self, req: Request) -> dict[str, Any]:
         core = self.aspool.core

@@ -2,8 +2,8 @@
 
 While the relay runs, ``mta queue ...`` talks to it over the control socket
 (``mta.admin.control``): the relay is the spool's only writer, so changes must go
-through it. When no relay runs, the CLI opens the spool itself (taking its
-lock, which also runs recovery) and calls the same functions. Requests and
+through it. When no relay runs, ``mta.admin.offline`` opens the spool itself
+(taking its lock, which also runs recovery) and calls the same functions. Requests and
 answers are plain JSON-able dicts either way.
 
 Reads are the spool's constant-memory walks (``spool.admin``); a page holds at
@@ -11,7 +11,7 @@ most ``limit`` messages and the cursor is a log position.
 
 Each function serves one spool shard (``shard``, see ``mta.process.shards``): ids in
 requests must be that shard's and ids in answers carry its suffix. Spreading
-a request over the shards and merging the answers is the CLI's job.
+a request over the shards and merging the answers is ``mta.admin.shards_merge``'s job.
 """
 
 from __future__ import annotations

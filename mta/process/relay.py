@@ -38,14 +38,8 @@ log = logging.getLogger("mta")
 
 
 def spool_config(config: Config, shard: int = 0) -> SpoolConfig:
-    """Shard K's spool names its messages ``HEX-K`` in replies, logs and DSNs."""
-    s = config.spool
-    return SpoolConfig(segment_size=s.segment_size, retry_intervals=s.retry_intervals,
-                       max_queue_lifetime=s.max_queue_lifetime, active_limit=s.active_limit,
-                       archive_dir=s.archive_dir or None, id_suffix=id_suffix(shard),
-                       commit_delay=s.commit_delay, checkpoint_interval=s.checkpoint_interval,
-                       checkpoint_bytes=s.checkpoint_bytes, checkpoint_max_interval=s.checkpoint_max_interval,
-                       deferred_share=s.deferred_share)
+    """The engine's config for shard K, whose spool names its messages ``HEX-K`` in replies, logs and DSNs."""
+    return config.spool.engine(id_suffix=id_suffix(shard))
 
 
 def ssl_context(config: Config) -> ssl.SSLContext | None:

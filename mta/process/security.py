@@ -51,11 +51,13 @@ def _problem(path: str, st: os.stat_result, owner: int) -> str | None:
     return None
 
 
-def check_spool_dir(path: str, owner: int | None = None) -> list[str]:
+def check_spool_dir(path: str, owner: int | None = None, *, repair: bool = True) -> list[str]:
     """Refuse a spool another user could change; make private what others could only read.
 
     Every entry is checked before any is repaired, so a refused spool is left
-    as it was found. Returns the paths whose modes were tightened.
+    as it was found. Returns the paths whose modes were tightened (with
+    ``repair=False``, as ``mta config check`` asks: that would be, and nothing
+    is changed).
 
     Raises:
         UnsafeSpool: the first problem found, as one line.
@@ -83,7 +85,7 @@ def check_spool_dir(path: str, owner: int | None = None) -> list[str]:
                 raise UnsafeSpool(f"unsafe spool: {problem}; refusing to start")
             if est.st_mode & PRIVATE:
                 readable.append((full, est.st_mode))
-    return _make_private(path, readable)
+    return _make_private(path, readable) if repair else [full for full, _ in readable]
 
 
 def _make_private(spool: str, entries: list[tuple[str, int]]) -> list[str]:

@@ -23,7 +23,9 @@ MAX_REPLY_LINES: Final = 200
 MAX_LOCAL_PART: Final = 64
 MAX_DOMAIN: Final = 255
 MAX_PATH: Final = 256
-DEFAULT_MAX_MESSAGE_SIZE: Final = 10_240_000
+# The relay's one default message size (the [server] max_message_size setting, mta.config.sections, uses
+# it): 10 MiB, what the relay has always announced in SIZE; Postfix's message_size_limit is 10240000.
+DEFAULT_MAX_MESSAGE_SIZE: Final = 10 << 20
 DEFAULT_MAX_RECIPIENTS: Final = 1000
 DEFAULT_MAX_ERRORS: Final = 10
 # DataChunk events never carry more than this, so the shell writes in bounded pieces.

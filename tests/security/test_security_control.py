@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from process_support import MTA
 from relay_support import NextHop, start_relay, write_relay_config
 
-from mta.admin.control import MAX_REQUEST
+from mta.admin.control import ERROR_CODES, MAX_REQUEST
 from mta.config import parse_config
 from mta.process.relay import Relay
 from spool import admin
@@ -59,6 +59,7 @@ def one_answer(raw: bytes) -> dict[str, Any]:
     assert isinstance(answer, dict) and isinstance(answer.get("ok"), bool), answer
     if not answer["ok"]:
         assert isinstance(answer["error"], str) and "\n" not in answer["error"], answer
+        assert answer["code"] in ERROR_CODES, answer
     return answer
 
 
@@ -145,7 +146,8 @@ async def test_an_unexpected_exception_in_one_request_is_logged_once_and_answere
         with monkeypatch.context() as patch, caplog.at_level(logging.ERROR, logger="mta.control"):
             patch.setattr(admin, "count", broken)
             answer = one_answer(await trio.to_thread.run_sync(ask_raw, sock, b'{"op": "count"}\n'))
-        assert answer == {"ok": False, "error": "internal error (RuntimeError); see the relay's log"}
+        assert answer == {"ok": False, "error": "internal error (RuntimeError); see the relay's log",
+                          "code": "internal"}
         failures = [r for r in caplog.records if r.name == "mta.control"]
         assert len(failures) == 1 and failures[0].exc_info is not None
         assert "a bug in the walk" in str(failures[0].exc_info[1])
@@ -166,7 +168,7 @@ async def test_a_request_at_the_size_limit_is_served_and_one_byte_more_is_refuse
         assert len(fits) == MAX_REQUEST
         assert one_answer(await trio.to_thread.run_sync(ask_raw, sock, fits + b"\n")) == {"ok": True, "count": 0}
         over = one_answer(await trio.to_thread.run_sync(ask_raw, sock, fits + b" \n"))
-        assert over == {"ok": False, "error": f"request too large (over {MAX_REQUEST} bytes)"}
+        assert over == {"ok": False, "error": f"request too large (over {MAX_REQUEST} bytes)", "code": "bad_request"}
         await still_serving(relay, hop, config, "after")
         nursery.cancel_scope.cancel()
 

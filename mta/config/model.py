@@ -1,0 +1,97 @@
+"""The whole, validated config, and the decisions that need more than one section: routing and relay control."""
+
+from __future__ import annotations
+
+import ipaddress
+import types
+from collections.abc import Mapping
+
+import attrs
+
+from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
+from mta.config.sections import DeliveryConfig, LogConfig, RelayConfig, ServerConfig, SpoolSection
+from mta.config.values import IPAddress
+
+__all__ = ["DEFAULTS_SOURCE", "Config"]
+
+DEFAULTS_SOURCE = "<defaults>"
+
+
+def _frozen_routes(routes: Mapping[str, Route]) -> Mapping[str, Route]:
+    return types.MappingProxyType(dict(routes))
+
+
+@attrs.frozen
+class Config:
+    """The whole, validated config. ``source`` is the file it came from, or ``<defaults>``."""
+
+    server: ServerConfig
+    spool: SpoolSection
+    relay: RelayConfig
+    delivery: DeliveryConfig
+    log: LogConfig
+    routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
+    source: str = DEFAULTS_SOURCE
+
+    def route_for(self, domain: str) -> Route | NoRoute:
+        """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""
+        route: Route | None = match_domain(domain, self.routes)
+        if route is None:
+            route = self.routes.get("*")
+        return route if route is not None else NoRoute(normalize_domain(domain))
+
+    def postmaster_alias(self, address: str) -> str | None:
+        """The configured postmaster if ``address`` is ``postmaster`` or ``postmaster@HOSTNAME``, else None.
+
+        The local part is matched without regard to case (RFC 5321 §4.5.1), so is the host name.
+        """
+        local, at, domain = address.rpartition("@")
+        if not at:
+            local, domain = address, ""
+        if local.lower() != "postmaster":
+            return None
+        if domain and normalize_domain(domain) != normalize_domain(self.server.hostname):
+            return None
+        return self.relay.postmaster
+
+    def route_for_recipient(self, address: str) -> Route | NoRoute:
+        """How one recipient is delivered: the route for its domain (``route_for``), but see ``postmaster``.
+
+        The postmaster address at the relay's own hostname, with no route
+        named for that domain, goes into ``postmaster_maildir``.
+        """
+        domain = address.rpartition("@")[2]
+        if address.lower() == self.relay.postmaster.lower() and match_domain(domain, self.routes) is None \
+                and normalize_domain(domain) == normalize_domain(self.server.hostname):
+            return MaildirRoute(self.relay.postmaster_maildir)
+        return self.route_for(domain)
+
+    def is_local(self, domain: str) -> bool:
+        """Whether a route *named for this domain* delivers to a Maildir.
+
+        A ``"*"`` maildir route does not count: it would make every domain on
+        earth local and so let anyone inject mail (see ``may_relay``).
+        """
+        return isinstance(match_domain(domain, self.routes), MaildirRoute)
+
+    def may_relay(self, client_ip: str | IPAddress, domain: str) -> bool:
+        """Accept a recipient at ``domain`` from ``client_ip``? Never an open relay.
+
+        Yes if the client is in mynetworks, or the domain is local, or it is in
+        relay_domains. Routes never open the relay: a ``"*"`` route does not.
+        An unparsable client address (say, a Unix socket peer) is not in
+        mynetworks.
+        """
+        return self.in_mynetworks(client_ip) or self.is_local(domain) or self.is_relay_domain(domain)
+
+    def in_mynetworks(self, client_ip: str | IPAddress) -> bool:
+        try:
+            address = ipaddress.ip_address(client_ip)
+        except ValueError:
+            return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # a dual-stack socket reports v4 clients as ::ffff:a.b.c.d
+        return any(address in network for network in self.relay.mynetworks)
+
+    def is_relay_domain(self, domain: str) -> bool:
+        return match_domain(domain, dict.fromkeys(self.relay.relay_domains, True)) is not None
