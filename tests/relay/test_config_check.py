@@ -10,13 +10,12 @@ import os
 import re
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import trustme
+from process_support import run_mta
 
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
 ENV = {k: v for k, v in os.environ.items() if k != "LOGSPOOL_CONFIG"}
 
 
@@ -33,8 +32,7 @@ def write(tmp_path: Path, server: str = "", spool: str = "", spool_dir: Path | N
 
 
 def mta(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MTA, *args], capture_output=True, text=True, timeout=60, check=False, cwd=str(cwd),
-                          stdin=subprocess.DEVNULL, env=ENV)
+    return run_mta(*args, cwd=cwd, env=ENV)
 
 
 def check(config: Path) -> subprocess.CompletedProcess[str]:

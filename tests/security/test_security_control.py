@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import smtplib
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from process_support import MTA
+from process_support import run_mta
 from relay_support import NextHop, start_relay, write_relay_config
 
 from mta.admin.control import ERROR_CODES, MAX_REQUEST
@@ -76,8 +75,7 @@ def send_mail(port: int, tag: str) -> None:
 
 
 def queue_list(config: Path) -> list[Any]:
-    run = subprocess.run([MTA, "queue", "list", "--json", "--config", str(config)], capture_output=True, text=True,
-                         timeout=60, check=False, cwd=str(config.parent))
+    run = run_mta("queue", "list", "--json", "--config", str(config), cwd=config.parent)
     assert run.returncode == 0 and run.stderr == "", run.stderr
     messages: list[Any] = json.loads(run.stdout)["messages"]
     return messages

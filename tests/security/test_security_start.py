@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
-from process_support import MTA
+from process_support import MTA, run_mta
 from relay_support import NextHop, start_relay
 
 from mta.config import ConfigError, parse_config
@@ -33,8 +33,7 @@ def write(tmp_path: Path, server: str = "", rest: str = "") -> Path:
 
 
 def serve(config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MTA, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60,
-                          check=False, cwd=str(config.parent), stdin=subprocess.DEVNULL)
+    return run_mta("serve", "--config", str(config), cwd=config.parent)
 
 
 def refused(config: Path, code: int, pattern: str) -> str:

@@ -36,6 +36,13 @@ async def mta(config: Path | None, *args: str, cwd: Path | None = None,
                                   cwd=str(cwd) if cwd is not None else None, env=env)
 
 
+def run_mta(*args: str, cwd: Path, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``mta ARGS`` in ``cwd`` to its exit, with no stdin, output as text: for the tests that are not async."""
+    return subprocess.run([MTA, *args], capture_output=True, text=True, timeout=timeout, check=False, cwd=str(cwd),
+                          stdin=subprocess.DEVNULL, env=env)
+
+
 async def mta_json(config: Path, *args: str) -> Any:
     """``mta ARGS --json``, which must succeed; its answer."""
     proc = await mta(config, *args, "--json")
