@@ -26,8 +26,9 @@ import atheris
 with atheris.instrument_imports(include=["spool"]):
     from spool.checkpoint import Checkpoint
     from spool.errors import SpoolError
+    from spool.reader import check_buffer
     from spool.record import HEADER, HEADER_SIZE, RecordType, checksum, decode_frame, decode_payload
-    from spool.segment import find_end, segment_header_fields
+    from spool.segment import segment_header_fields
 
 SEG = 7
 _TYPES = [int(t) for t in RecordType]
@@ -59,9 +60,9 @@ def one_input(data: bytes) -> None:
             decode_payload(f.rtype, f.payload, path="fuzz", offset=0)
         elif target % 5 == 2:
             body = _with_crc(rest) if fix_crc else rest
-            end = find_end(SEG, body, 0, "fuzz", last=bool(selector & 2))
-            if not 0 <= end <= len(body):
-                raise AssertionError(f"find_end returned {end} for {len(body)} bytes")
+            for anomaly in check_buffer(SEG, body, 0, "fuzz", last=bool(selector & 2)):
+                if not 0 <= anomaly.offset <= anomaly.offset + anomaly.length <= len(body):
+                    raise AssertionError(f"the reader placed {anomaly} outside {len(body)} bytes")
         elif target % 5 == 3:
             Checkpoint.from_bytes(rest, "fuzz")
         else:

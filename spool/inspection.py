@@ -198,7 +198,7 @@ class SegmentInfo:
 
 def segment_table(files: LogFiles) -> tuple[ckpt.Checkpoint | None, list[SegmentInfo]]:
     """One row per segment. Deletable: wholly behind the checkpoint's garbage end minus BODY_SLACK,
-    the rule the engine applies (spool/spool.py) after its next checkpoint."""
+    the rule the engine applies (spool/reclaim.py) after its next checkpoint."""
     cp = files.load_checkpoint()
     active = active_envelopes(files, cp)
     start = live_start(files, cp)

@@ -1,20 +1,21 @@
 """The one reader of the log: segments in order, records with their positions, every anomaly named once.
 
 Theory of operation (LevelDB's ``log::Reader`` and its ``Reporter``). Every
-part of the spool that reads the log sequentially reads it here: the admin
-reads, ``spoolctl``, the runners, the Spark data source (and, next, recovery).
-So they all agree on where the log ends and on what is damaged, because the
-decision is made once (``spool.damage``), with the same segment, offset and
-reason for every consumer.
+part of the spool that reads the log sequentially reads it here: recovery,
+the admin reads, ``spoolctl``, the runners, the Spark data source. So they
+all agree on where the log ends and on what is damaged, because the decision
+is made once (``spool.damage``), with the same segment, offset and reason for
+every consumer.
 
 A walk yields ``Frame`` objects in log order and, in their place, ``Anomaly``
 records (see ``spool.damage.Kind``). The consumer decides what an anomaly
-means to it: recovery and the runners raise ``anomaly.error()`` (as they
-always did), ``spoolctl verify`` lists them, the Spark source turns them into
-error rows. A damaged record is followed by a resynchronisation on the next
-frame whose checksum passes, so one bad byte never hides the rest of the log.
-``frames(reporter=...)`` is the LevelDB shape: good frames out, anomalies to a
-callback.
+means to it: recovery hands it to its damage policy (``spool.recovery``;
+today it raises ``anomaly.error()``), the runners raise it, ``spoolctl
+verify`` lists them, the Spark source turns them into error rows. A
+damaged record is followed by a resynchronisation on the next frame whose
+checksum passes, so one bad byte never hides the rest of the log.
+``frames(reporter=...)`` is the LevelDB shape: good frames out, anomalies to
+a callback.
 
 What the caller knows and the reader cannot:
 
@@ -169,20 +170,22 @@ class LogReader:
 
     # -- the verifying walk ---------------------------------------------------------
 
-    def read(self, start: int | None = None, end: int | None = None) -> Iterator[Frame | Anomaly]:
+    def read(self, start: int | None = None, end: int | None = None, *,
+             types: Container[int] | None = None) -> Iterator[Frame | Anomaly]:
         """Every frame from ``start`` (a position; default: the first record of the log) to ``end``
-        (default: the end of the last segment), checksums verified, with anomalies in their place."""
+        (default: the end of the last segment), checksums verified, with anomalies in their place.
+        ``types``: yield only frames of those types (the others are checked and passed)."""
         lo = pos_segment(start) if start is not None else self._first_wanted()
         hi = pos_segment(end) if end is not None else self._last_wanted()
         for seg in range(lo, hi + 1):
             walk = self.segment(seg, pos_offset(start) if start is not None and seg == lo else None,
-                                pos_offset(end) if end is not None and seg == hi else None)
+                                pos_offset(end) if end is not None and seg == hi else None, types=types)
             yield from walk
 
     def frames(self, start: int | None = None, end: int | None = None,
-               reporter: Reporter = raise_anomaly) -> Iterator[Frame]:
+               reporter: Reporter = raise_anomaly, *, types: Container[int] | None = None) -> Iterator[Frame]:
         """``read`` with each anomaly handed to ``reporter`` (which may raise) instead of yielded."""
-        for item in self.read(start, end):
+        for item in self.read(start, end, types=types):
             if isinstance(item, Anomaly):
                 reporter(item)
             else:
@@ -225,10 +228,11 @@ class LogReader:
         torn = [a for a in found if a.torn]
         if torn and torn[0].offset == 0 and len(self.segments) > 1:
             prev = self.segments[-2]
-            return make_pos(prev, self._size(prev)), found  # a half-created last segment held nothing
+            return make_pos(prev, self.size(prev)), found  # a half-created last segment held nothing
         return make_pos(last, torn[0].offset if torn else walk.data_end), found
 
-    def _size(self, seg: int) -> int:
+    def size(self, seg: int) -> int:
+        """The size of ``seg``'s file now. Raises FileNotFoundError."""
         fd = self.io.open_read(self.path(seg))
         try:
             return self.io.size(fd)

@@ -181,7 +181,7 @@ class Frame:
 def check_frame(segment_id: int, buf: bytes | memoryview, offset: int) -> tuple[int, int, int, int, int]:
     """Verify the frame at ``offset`` of ``buf``; return (type, flags, class, time, end offset).
 
-    Why apart from decode_frame: validating a log (find_end) and reading one
+    Why apart from decode_frame: validating a log (``spool.reader``) and reading one
     field need no Frame and no copy of the payload. Raises CorruptRecord as
     decode_frame does.
     """

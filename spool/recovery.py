@@ -1,46 +1,88 @@
-"""Recovery: every start of the spool is one. The whole algorithm is in this file.
+"""Recovery: every start of the spool is one. The whole algorithm is in this file, in the order it runs.
 
-1. Read the checkpoint (none: scan from the first segment). Finish deleting
-   segments that lie wholly behind its garbage-prefix end.
-2. Find the end of the log: validate the last segment from where the working
-   suffix (or the segment) begins; cut a torn tail, stop on anything else. A
-   failure before the checkpoint's head is never a torn tail.
-3. Make the log durable up to its end before acting on it (``sync_tail``).
-   After a kill -9 the page cache still holds writes that were never synced;
-   making them durable first means nothing below acts on a record that a
-   later power cut could take back. Only what lies past the checkpoint's head
-   can be unsynced (a checkpoint is stored only once its head is durable), so
-   a log that ends at the head, which is every start after a clean stop, needs
-   no sync at all.
-4. Scan the working suffix. Every START's envelope gets its garbage mark (marks
-   are written without fsync and may have been lost); every replacement
-   envelope's predecessor too. STARTs without a FINISH are the attempts that
-   were in flight; DELIVERY records give each recipient's outcome.
-5. For each unfinished attempt: if a replacement was written, only the FINISH
-   was lost. Otherwise write a replacement envelope with the recipients that
-   have no final outcome (body copied forward, class kept) and a FINISH. A
-   recipient of a delivery attempt with no DELIVERY record at all is *in
-   doubt*: the remote may have taken it before the crash. It is logged, kept in
-   the replacement's ``in_doubt`` list, and delivered again.
-6. Commit, and let the caller write a fresh checkpoint.
+Read it beside docs/format.md ("Reading the log", "Checkpoint") and
+docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
+``recover``; ``Recovery.run`` is the steps below, one method each.
 
-Recovery reads the working suffix plus one envelope (and its body) per
-in-flight attempt: its cost depends on what was in flight, never on how much
-deferred mail the queue holds. ``RecoveryStats`` counts what it read.
+1. **Checkpoint.** Remove a temporary checkpoint left by an interrupted write;
+   read the checkpoint (none: scan from the first segment; a damaged one stops
+   the open with CorruptCheckpoint). Finish deleting the segments that lie
+   wholly behind its garbage-prefix end (a deletion the crash interrupted).
+2. **Segments.** The log is a contiguous run of segment ids that reaches the
+   checkpoint's head: a gap, or a missing segment where the head lies, is
+   damage (``LogReader.missing``). No segment and no checkpoint: a new spool,
+   whose first segment is created here.
+3. **The end of the log.** The last segment is walked from where the working
+   suffix begins in it (or from its first record), every frame checked
+   (``LogReader.segment``), and the reader is told the checkpoint's head is
+   durable: nothing before it can be a torn tail. A torn tail is cut
+   (truncated and fsynced). A half-created last segment, a torn tail at offset
+   0 (its header never written, so nothing in it was ever promised), is
+   removed and the segment before it is walked as the last.
+4. **Sync the tail** (``Recovery.sync_tail``): make the log durable up to its end
+   before acting on it. After a kill -9 the page cache still holds writes that
+   were never synced; making them durable first means nothing below acts on a
+   record that a later power cut could take back.
+5. **Scan the working suffix** (``LogReader.frames``): every START without a
+   FINISH is an attempt that was in flight, with the outcomes its DELIVERY
+   records give; every START's envelope and every replaced envelope needs its
+   garbage mark; envelopes say how far back their bodies reach.
+6. **Garbage marks.** Marks are written without fsync and may have been lost:
+   each is written again (a one-byte write in place).
+7. **Runners** start at the checkpoint's positions. Every sealed segment they
+   will read is checked against the size its successor's header recorded, so
+   a truncated segment is found at the open, not by a runner later.
+8. **In flight.** For each unfinished attempt: if a replacement envelope was
+   written, only the FINISH was lost. Otherwise a replacement envelope carries
+   the recipients without a final outcome (body shared or copied forward,
+   class and attempt count kept) and a FINISH ends the attempt. A recipient
+   of a delivery attempt with no DELIVERY record at all is *in doubt*: the
+   remote may have taken it before the crash. It is logged, kept in the
+   replacement's ``in_doubt`` list, and delivered again.
+9. **Commit** the replacement envelopes and FINISH records. On a full disk
+   they wait in memory (safe: they need no fsync of their own, and a crash
+   before they are written recovers the same attempts again;
+   docs/design.md, "A full disk").
+10. **The first checkpoint**, so that the next start scans only what is in
+    flight then (skipped while records wait for room, and when the positions
+    have not moved, as after a clean stop).
+
+Damage. Every anomaly the reader finds other than a torn tail — a damaged
+record, a damaged segment header, a segment of a newer format, a missing
+segment, a sealed size that disagrees with the successor's header, a segment
+that ends before the checkpoint's head — goes to one place: ``Recovery.report``,
+which hands each distinct anomaly once to the policy ``recover`` was given
+(``on_damage``, a ``spool.reader.Reporter``). The policy today, ``refuse``,
+raises the anomaly's error (CorruptSegment naming the file and offset, or
+FormatVersionError): recovery never starts on damage in the durable log. A
+policy that returns instead lets recovery go on with what the reader can
+read: the scan resynchronises on the next valid frame, a missing segment is
+passed over, a sealed segment is read up to the size its successor recorded,
+and the log ends after its last valid frame (``SegmentWalk.valid_end``). Not
+yet through the policy: the reads of one record at a known position (an
+in-flight attempt's envelope, a body copied forward), which raise
+CorruptRecord as before; and a damaged checkpoint (CorruptCheckpoint).
+
+Cost. Recovery reads the working suffix (the last segment's part of it twice:
+once to find the end, once to scan) plus one envelope (and its body, when it
+is copied forward) per in-flight attempt, and one header per sealed segment
+the runners will read: its cost depends on what was in flight, never on how
+much deferred mail the queue holds. ``RecoveryStats`` counts what it read.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import time
 
 import attrs
 
-from spool.checkpoint import Checkpoint
-from spool.errors import CorruptRecord, CorruptSegment
-from spool.fileio import FileIO, read_exact
+from spool import checkpoint as ckpt
+from spool.damage import Anomaly
+from spool.errors import CheckpointFailed, CorruptRecord, DiskFull, SpoolError
+from spool.fileio import FileIO, write_all
+from spool.log import LogWriter
+from spool.reader import LogReader, Reporter
+from spool.reclaim import Reclaim
 from spool.record import (
     Delivery,
     Envelope,
@@ -48,22 +90,20 @@ from spool.record import (
     RecordType,
     Start,
     StartKind,
+    Status,
     decode_payload,
     format_pos,
     make_pos,
     pos_offset,
     pos_segment,
 )
-from spool.segment import (
-    SEGMENT_HEADER_SIZE,
-    FrameReader,
-    check_sealed_size,
-    find_end,
-    read_segment_header,
-    segment_path,
-)
+from spool.runner import Runner
+from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, list_segments, segment_path
 
 log = logging.getLogger("spool.recovery")
+
+# The records the suffix scan decodes; DATA records are checked, not copied.
+SCANNED = frozenset({RecordType.ENVELOPE, RecordType.START, RecordType.DELIVERY, RecordType.FINISH})
 
 
 @attrs.define
@@ -82,10 +122,11 @@ class RecoveryStats:
 
 @attrs.define
 class OpenAttempt:
+    """A START without a FINISH in the working suffix, and the outcomes recorded for it."""
+
     start_pos: int
     start: Start
     outcomes: dict[str, int] = attrs.field(factory=dict)
-    replacement: int | None = None
 
 
 @attrs.define
@@ -98,74 +139,350 @@ class SuffixScan:
     body_span: int = 0  # envelopes written since the checkpoint: how far back their bodies reach
 
 
-def find_log_end(io: FileIO, log_dir: str, last_seg: int, start_off: int, checkpoint_head: int | None,
-                 stats: RecoveryStats) -> int:
-    """Validate the last segment from ``start_off``; cut a torn tail. Returns the end offset."""
-    path = segment_path(log_dir, last_seg)
-    if checkpoint_head is not None and pos_segment(checkpoint_head) > last_seg:
-        raise CorruptSegment(f"the checkpoint's head lies in segment {pos_segment(checkpoint_head)}, which is "
-                             "missing: durable records are gone", segment_path(log_dir, pos_segment(checkpoint_head)),
-                             pos_offset(checkpoint_head))
-    fd = io.open(path)
-    try:
-        size = io.size(fd)
-        if size < start_off:
-            raise CorruptSegment(f"the segment ends at {size} bytes, before the checkpointed position {start_off}: "
-                                 "durable records are gone", path, size)
-        # Read from a 512-aligned offset so the torn-write test sees sector boundaries where they are.
-        base = start_off - start_off % 512
-        data = read_exact(io, fd, size - base, base) if size > base else b""
-        stats.bytes_read += len(data)
-        try:
-            end = base + find_end(last_seg, data, start_off - base, path, last=True)
-        except CorruptSegment as exc:
-            raise CorruptSegment(exc.reason, path, exc.offset + base) from None
-        if checkpoint_head is not None and pos_segment(checkpoint_head) == last_seg \
-                and end < pos_offset(checkpoint_head):
-            raise CorruptSegment(f"the log ends at offset {end}, before the checkpointed head "
-                                 f"{pos_offset(checkpoint_head)}: records that were durable are damaged",
-                                 path, end)
-        if end < size:
-            log.warning("cutting torn tail of %s: %d bytes at offset %d", path, size - end, end)
-            stats.tail_cut_bytes = size - end
-            io.truncate(fd, end)
-            io.fsync(fd)
-        return end
-    finally:
-        io.close(fd)
+def refuse(anomaly: Anomaly) -> None:
+    """The damage policy today: stop the open, naming the file, the offset and the reason.
+
+    Issue 14 replaces it (quarantine the bytes, name the messages, go on);
+    ``on_damage = "refuse"`` will keep it for operators who want to look first.
+    """
+    raise anomaly.error()
 
 
-def scan_suffix(io: FileIO, log_dir: str, start: int, end: int, stats: RecoveryStats) -> SuffixScan:
-    result = SuffixScan()
-    seg = pos_segment(start)
-    last = pos_segment(end)
-    while seg <= last:
-        path = segment_path(log_dir, seg)
-        read_segment_header(io, path, seg)
-        off = pos_offset(start) if seg == pos_segment(start) else SEGMENT_HEADER_SIZE
-        seg_end = pos_offset(end) if seg == last else _file_size(io, path)
-        if seg != last:
-            check_sealed_size(io, log_dir, seg, seg_end)
-        reader = FrameReader(io, path, seg, off, seg_end)
+def recover(sp: Reclaim, on_damage: Reporter = refuse) -> RecoveryStats:
+    """Recover the spool ``sp`` (its directory made and locked, nothing read yet).
+
+    On return its writer stands at the end of the log, its runners at their
+    positions, its in-flight attempts are ended, and a checkpoint is written.
+    Raises whatever ``on_damage`` raises (CorruptSegment, FormatVersionError),
+    CorruptCheckpoint, and SpoolError when a checkpoint names segments that
+    are all gone.
+    """
+    return Recovery(sp, on_damage).run()
+
+
+def working_start(cp: ckpt.Checkpoint | None, first: int) -> int:
+    """Where the scan begins: the checkpoint's working-suffix start, or the first record of the log."""
+    origin = make_pos(first, SEGMENT_HEADER_SIZE)
+    return origin if cp is None else max(cp.working_start, origin)
+
+
+class Recovery:
+    """One recovery of one spool: the steps of the module docstring, in order."""
+
+    def __init__(self, sp: Reclaim, on_damage: Reporter = refuse) -> None:
+        self.sp = sp
+        self.io: FileIO = sp.io
+        self.log_dir = sp.log_dir
+        self.on_damage = on_damage
+        self.stats = RecoveryStats()
+        self._reported: set[Anomaly] = set()
+
+    def run(self) -> RecoveryStats:
+        sp, stats = self.sp, self.stats
+        t0 = sp._now()
+        cp = self.read_checkpoint()
+        ids = self.segments(cp)
+        last, end_off = self.find_log_end(cp, ids)
+        first = ids[0]
+        start, end = working_start(cp, first), make_pos(last, end_off)
+        self.sync_tail(cp, pos_segment(start), end, ids)
+        sp.writer = LogWriter(self.io, self.log_dir, sp.config.segment_size, last, end_off, int(t0))
+        reader = self.reader(cp, ids)
+        found = self.scan_suffix(reader, start, end)
+        sp.body_span = max(sp.body_span, found.body_span)
+        self.mark_garbage(found.to_mark)
+        self.start_runners(cp, first)
+        self.check_sealed(reader, min(r.pos for r in sp.runners), last)
+        for attempt in sorted(found.unfinished.values(), key=lambda a: a.start_pos):
+            self.close_in_flight(attempt, found.replaced)
+        self.commit()
+        stats.seconds = sp._now() - t0
+        log.info("recovered %s: %s; read %d records, %d bytes; %d in flight, %d in doubt", sp.path, describe(cp),
+                 stats.records_read, stats.bytes_read, stats.in_flight, stats.in_doubt)
+        self.first_checkpoint()
+        return stats
+
+    # -- damage -------------------------------------------------------------------------
+
+    def report(self, anomaly: Anomaly) -> None:
+        """The one place where recovery meets damage: each distinct anomaly goes to ``on_damage`` once.
+
+        Once: the same anomaly can be met twice (a missing segment by the
+        listing and by the scan, a sealed size by the scan and by the runners'
+        check), and a policy that quarantines must see it once.
+        """
+        if anomaly in self._reported:
+            return
+        self._reported.add(anomaly)
+        self.on_damage(anomaly)
+
+    def reader(self, cp: ckpt.Checkpoint | None, ids: list[int]) -> LogReader:
+        """The log as recovery reads it: these segments, and everything before the checkpoint's head durable."""
+        return LogReader(self.io, self.log_dir, segments=ids, durable=cp.head if cp is not None else None)
+
+    # -- 1. checkpoint --------------------------------------------------------------------
+
+    def read_checkpoint(self) -> ckpt.Checkpoint | None:
+        sp = self.sp
+        if ckpt.remove_temp(self.io, sp.path):
+            log.info("%s: removed a temporary checkpoint left by an interrupted write", sp.path)
+        cp = ckpt.load(self.io, sp.path)
+        sp._checkpoint = cp
+        if cp is not None:
+            sp.body_span = cp.body_span
+        return cp
+
+    # -- 2. segments ----------------------------------------------------------------------
+
+    def segments(self, cp: ckpt.Checkpoint | None) -> list[int]:
+        """The segment ids of the log, after finishing the deletions the checkpoint allows."""
+        sp = self.sp
+        ids = list_segments(self.io, self.log_dir)
+        if cp is not None:
+            keep_from = pos_segment(cp.garbage_end) - sp.slack
+            sp._delete_segments_before(keep_from, ids)
+            ids = [s for s in ids if s >= keep_from]
+        if not ids:
+            if cp is not None:
+                raise SpoolError(f"{sp.path}: the checkpoint names segments but none exist")
+            self.create_first_segment()
+            return [1]
+        for anomaly in self.reader(cp, ids).missing():
+            self.report(anomaly)
+        return ids
+
+    def create_first_segment(self) -> None:
+        path = segment_path(self.log_dir, 1)
+        fd = self.io.open(path, create=True, truncate=True)
         try:
-            for frame in reader.frames(verify=True):
-                stats.records_read += 1
-                _account(result, frame.pos, frame.rtype, decode_payload(frame.rtype, frame.payload, path=path,
-                                                                        offset=pos_offset(frame.pos)))
+            write_all(self.io, fd, encode_segment_header(1, int(self.sp._now())), 0)
+            self.io.fsync(fd)
         finally:
-            stats.bytes_read += reader.bytes_read
-            reader.close()
-        stats.segments_scanned += 1
-        seg += 1
-    return result
+            self.io.close(fd)
+        self.io.fsync_dir(self.log_dir)
+
+    # -- 3. the end of the log ----------------------------------------------------------------
+
+    def find_log_end(self, cp: ckpt.Checkpoint | None, ids: list[int]) -> tuple[int, int]:
+        """The last segment and the offset where its valid data ends, after cutting a torn tail.
+
+        Removes a half-created last segment from ``ids`` (and from disk).
+        """
+        while True:
+            last = ids[-1]
+            start = working_start(cp, ids[0])
+            reader = self.reader(cp, ids)
+            walk = reader.segment(last, pos_offset(start) if pos_segment(start) == last else None, payloads=False)
+            torn = None
+            for anomaly in walk:  # payloads=False: anomalies only
+                assert isinstance(anomaly, Anomaly)
+                if anomaly.torn:
+                    torn = anomaly
+                else:
+                    self.report(anomaly)
+            self.stats.bytes_read += walk.bytes_read
+            if torn is not None and torn.offset == 0:
+                self.remove_half_created(torn, ids)
+                continue
+            size = walk.data_end
+            end = walk.valid_end
+            if end < size:
+                self.cut(torn, last, end, size)
+            return last, end
+
+    def remove_half_created(self, torn: Anomaly, ids: list[int]) -> None:
+        """A crash while creating a segment can leave it without its header: then it held nothing.
+
+        A segment's header is written with its first records and synced before
+        anything in it is acknowledged, and a torn write keeps a prefix of what
+        was written, so a segment whose first sector is gone is empty or all
+        zeros, and nothing in it was ever promised to anyone.
+        """
+        log.warning("removing segment %s left half-created by a crash", torn.path)
+        self.stats.tail_cut_bytes += torn.length
+        self.io.unlink(torn.path)
+        self.io.fsync_dir(self.log_dir)
+        ids.pop()
+        if not ids:
+            self.create_first_segment()
+            ids.append(1)
+
+    def cut(self, torn: Anomaly | None, seg: int, end: int, size: int) -> None:
+        """Cut the last segment to ``end``: a torn tail, or (when ``on_damage`` returned) what follows its
+        last valid frame."""
+        path = segment_path(self.log_dir, seg)
+        if torn is not None:
+            log.warning("cutting torn tail of %s: %d bytes at offset %d", path, size - end, end)
+        else:
+            log.warning("cutting %s after its last valid record: %d bytes at offset %d", path, size - end, end)
+        self.stats.tail_cut_bytes += size - end
+        fd = self.io.open(path)
+        try:
+            self.io.truncate(fd, end)
+            self.io.fsync(fd)
+        finally:
+            self.io.close(fd)
+
+    # -- 4. sync the tail -------------------------------------------------------------------
+
+    def sync_tail(self, cp: ckpt.Checkpoint | None, first_seg: int, end: int, ids: list[int]) -> None:
+        """Make every record up to ``end`` durable, syncing only what may not be (counted in ``stats.syncs``).
+
+        Why each sync is or is not needed:
+
+        - Everything before the checkpoint's head was durable when the
+          checkpoint was stored (``Reclaim.checkpoint_write`` refuses
+          otherwise), and the only writes that land before a durable head
+          later are garbage marks, which need no sync (a mark is only ever
+          written after its START is durable, so a lost mark is re-inferred and
+          a kept one is explained). So segments wholly before the head's
+          segment are skipped, and when the log ends at the head there is
+          nothing to sync.
+        - Past the head, records may sit in the page cache only (a kill -9
+          after a write-only batch, or between a write and its fdatasync):
+          each segment holding such bytes is fdatasynced.
+        - A segment created after the head's segment may lack a durable
+          directory entry (the writer syncs the directory with the next durable
+          batch, which a kill -9 can pre-empt): then the log directory is
+          fsynced too, or a power cut could take the whole segment back after
+          recovery acted on it (marked envelopes for its STARTs, or
+          checkpointed a head inside it).
+        """
+        if cp is not None and end <= cp.head:
+            return
+        head_seg = pos_segment(cp.head) if cp is not None else first_seg
+        first = max(first_seg, head_seg)
+        last = pos_segment(end)
+        for seg in range(first, last + 1):
+            if seg not in ids:
+                continue  # missing: reported with the listing
+            fd = self.io.open(segment_path(self.log_dir, seg))
+            try:
+                self.io.fdatasync(fd)
+            finally:
+                self.io.close(fd)
+            self.stats.syncs += 1
+        if last > head_seg:
+            self.io.fsync_dir(self.log_dir)
+            self.stats.syncs += 1
+
+    # -- 5. the working suffix --------------------------------------------------------------
+
+    def scan_suffix(self, reader: LogReader, start: int, end: int) -> SuffixScan:
+        result = SuffixScan()
+        records, read = reader.records, reader.bytes_read
+        seg, path = -1, ""
+        for frame in reader.frames(start, end, self.report, types=SCANNED):
+            if pos_segment(frame.pos) != seg:
+                seg = pos_segment(frame.pos)
+                path = reader.path(seg)  # named in a payload's error; once per segment, not per record
+            payload = decode_payload(frame.rtype, frame.payload, path=path, offset=pos_offset(frame.pos))
+            _account(result, frame.pos, frame.rtype, payload)
+        self.stats.records_read += reader.records - records
+        self.stats.bytes_read += reader.bytes_read - read
+        self.stats.segments_scanned += max(0, pos_segment(end) - pos_segment(start) + 1)
+        return result
+
+    # -- 6. garbage marks ---------------------------------------------------------------------
+
+    def mark_garbage(self, positions: list[int]) -> None:
+        for pos in positions:
+            try:
+                self.sp.writer.mark_now(pos)
+            except FileNotFoundError:
+                pass  # its segment was already reclaimed: nothing left to mark
+            self.stats.marks += 1
+
+    # -- 7. runners -------------------------------------------------------------------------
+
+    def start_runners(self, cp: ckpt.Checkpoint | None, first: int) -> None:
+        sp = self.sp
+        origin = make_pos(first, SEGMENT_HEADER_SIZE)
+        n = sp.config.classes
+        for k in range(n):
+            pos = cp.runners[k] if cp is not None and k < len(cp.runners) else (
+                min(cp.runners) if cp is not None and cp.runners else origin)
+            sp.runners.append(Runner(self.io, self.log_dir, k, sp.config.interval(k), max(pos, origin),
+                                     sweeper=k == n - 1))
+
+    def check_sealed(self, reader: LogReader, start: int, last: int) -> None:
+        """Every sealed segment the runners will read is as long as its successor's header says.
+
+        One header read per segment: a truncated segment is reported at open,
+        not discovered by a runner later.
+        """
+        listed = set(reader.segments)
+        for seg in range(pos_segment(start), last):
+            if seg in listed:  # a missing one was reported with the listing
+                anomaly = reader.sealed_size(seg, reader.size(seg))
+                if anomaly is not None:
+                    self.report(anomaly)
+
+    # -- 8. in flight ---------------------------------------------------------------------------
+
+    def close_in_flight(self, attempt: OpenAttempt, replaced: dict[int, int]) -> None:
+        sp, stats = self.sp, self.stats
+        stats.in_flight += 1
+        env_pos = attempt.start.envelope
+        env = self.read_envelope(env_pos)
+        if env_pos in replaced:
+            sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), replaced[env_pos]))
+            return
+        doubt = in_doubt_recipients(env, attempt)
+        if doubt:
+            report_in_doubt(sp.queue_id(env.message_id), doubt)
+            stats.in_doubt += len(doubt)
+        replacement = None
+        remaining = remaining_recipients(env, attempt)
+        if remaining:
+            klass = sp.writer.read_frame(env_pos).klass
+            replacement = sp._write_replacement(env, env_pos, klass, remaining, attempts=env.attempts,
+                                                in_doubt=tuple(dict.fromkeys(env.in_doubt + tuple(doubt))))
+            stats.replacements += 1
+        fin = sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), replacement))
+        sp._settling.append((fin, attempt.start_pos, min((env_pos, *env.body))))
+
+    def read_envelope(self, pos: int) -> Envelope:
+        frame = self.sp.writer.read_frame(pos)
+        if frame.rtype != RecordType.ENVELOPE:
+            raise CorruptRecord(f"expected an envelope at position {format_pos(pos)}",
+                                segment_path(self.log_dir, pos_segment(pos)), pos_offset(pos))
+        env = decode_payload(frame.rtype, frame.payload)
+        assert isinstance(env, Envelope)
+        return env
+
+    # -- 9. commit ------------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        sp = self.sp
+        try:
+            sp.commit()
+        except DiskFull as exc:
+            # Safe to go on: what waits is only replacement envelopes and FINISH records (and garbage
+            # marks), which need no fsync of their own; a crash before they are written recovers the
+            # same attempts again. Runners see them once written (docs/design.md, "A full disk").
+            log.warning("recovered %s on a full disk (%s): %d bytes of replacement envelopes and FINISH records "
+                        "wait in memory until there is room", sp.path, exc, sp.writer.pending_bytes)
+
+    # -- 10. the first checkpoint -------------------------------------------------------------------
+
+    def first_checkpoint(self) -> None:
+        """Not needed for correctness (the old checkpoint stays valid: positions may lag, never lead), but
+        after a crash it bounds the next start's scan to what is in flight then, instead of rescanning this
+        suffix at every start of a crash loop. After a clean stop it is identical to the stored one, and
+        ``checkpoint_write`` skips it."""
+        sp = self.sp
+        if not sp.reserve.ensure():
+            log.warning("%s: no room for the spool's %d-byte reserve yet", sp.path, sp.reserve.size)
+        if sp.writer.full is not None:
+            return
+        try:
+            sp.checkpoint()
+        except (DiskFull, CheckpointFailed) as exc:
+            log.warning("%s: checkpoint after recovery not written (%s); the previous one stands", sp.path, exc)
 
 
-def _file_size(io: FileIO, path: str) -> int:
-    fd = io.open_read(path)
-    try:
-        return io.size(fd)
-    finally:
-        io.close(fd)
+# -- the scan's bookkeeping, and what the log says about each attempt ---------------------------------
 
 
 def _account(result: SuffixScan, pos: int, rtype: int, payload: object) -> None:
@@ -191,45 +508,6 @@ def _account(result: SuffixScan, pos: int, rtype: int, payload: object) -> None:
             result.to_mark.append(payload.replaces)
 
 
-def sync_tail(io: FileIO, log_dir: str, checkpoint: Checkpoint | None, first_seg: int, end: int) -> int:
-    """Make every record up to ``end`` durable, syncing only what may not be. Returns the syncs done.
-
-    Why each sync is or is not needed:
-
-    - Everything before the checkpoint's head was durable when the checkpoint
-      was stored (``Spool.checkpoint_write`` refuses otherwise), and the only
-      writes that land before a durable head later are garbage marks, which
-      need no sync (a mark is only ever written after its START is durable, so
-      a lost mark is re-inferred and a kept one is explained). So segments
-      wholly before the head's segment are skipped, and when the log ends at
-      the head there is nothing to sync.
-    - Past the head, records may sit in the page cache only (a kill -9 after a
-      write-only batch, or between a write and its fdatasync): each segment
-      holding such bytes is fdatasynced.
-    - A segment created after the head's segment may lack a durable directory
-      entry (the writer syncs the directory with the next durable batch, which
-      a kill -9 can pre-empt): then the log directory is fsynced too, or a
-      power cut could take the whole segment back after recovery acted on it
-      (marked envelopes for its STARTs, or checkpointed a head inside it).
-    """
-    if checkpoint is not None and end <= checkpoint.head:
-        return 0
-    head_seg = pos_segment(checkpoint.head) if checkpoint is not None else first_seg
-    first = max(first_seg, head_seg)
-    last = pos_segment(end)
-    for seg in range(first, last + 1):
-        fd = io.open(segment_path(log_dir, seg))
-        try:
-            io.fdatasync(fd)
-        finally:
-            io.close(fd)
-    syncs = last + 1 - first
-    if last > head_seg:
-        io.fsync_dir(log_dir)
-        syncs += 1
-    return syncs
-
-
 def in_doubt_recipients(envelope: Envelope, attempt: OpenAttempt) -> list[str]:
     if attempt.start.kind is not StartKind.DELIVERY:
         return []
@@ -237,8 +515,6 @@ def in_doubt_recipients(envelope: Envelope, attempt: OpenAttempt) -> list[str]:
 
 
 def remaining_recipients(envelope: Envelope, attempt: OpenAttempt) -> list[str]:
-    from spool.record import Status
-
     return [r for r in envelope.recipients
             if r not in attempt.outcomes or not Status(attempt.outcomes[r]).final]
 
@@ -249,36 +525,7 @@ def report_in_doubt(queue_id: str, recipients: list[str]) -> None:
                     "outcome recorded; it will be delivered again", queue_id, r)
 
 
-def describe(cp: Checkpoint | None) -> str:
+def describe(cp: ckpt.Checkpoint | None) -> str:
     if cp is None:
         return "no checkpoint: scanning from the first segment"
     return f"checkpoint {cp.sequence}: working suffix from {format_pos(cp.working_start)}"
-
-
-def now_ms(clock: float | None = None) -> int:
-    return int((time.time() if clock is None else clock) * 1000)
-
-
-def validate_segments(io: FileIO, log_dir: str, ids: list[int]) -> None:
-    """The log is a contiguous run of segment ids; a gap means a lost file."""
-    for a, b in itertools.pairwise(ids):
-        if b != a + 1:
-            raise CorruptSegment(f"segment {a + 1} is missing between {a} and {b}",
-                                 os.path.join(log_dir, f"{a + 1:016x}.seg"), 0)
-
-
-__all__ = [
-    "CorruptRecord",
-    "OpenAttempt",
-    "RecoveryStats",
-    "SuffixScan",
-    "describe",
-    "find_log_end",
-    "in_doubt_recipients",
-    "make_pos",
-    "remaining_recipients",
-    "report_in_doubt",
-    "scan_suffix",
-    "sync_tail",
-    "validate_segments",
-]

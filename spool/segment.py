@@ -12,17 +12,14 @@ A segment is ``header record*``. The 32-byte header::
     28     4    crc        CRC-32C of bytes 0..27
 
 Walking a segment, and deciding where the log ends and what is damaged, is
-``spool.reader``'s job (with ``spool.damage``); this module keeps the format.
-``find_end``, ``FrameReader`` and ``check_sealed_size`` below are thin
-delegates to the reader for recovery and the log writer, which call them by
-these names until they read through ``spool.reader`` themselves.
+``spool.reader``'s job (with ``spool.damage``); this module keeps the format,
+and reads one record at a known position (``read_frame_at``).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
 from typing import Final
 
 from crc32c import crc32c
@@ -90,65 +87,6 @@ def decode_segment_header(buf: bytes, path: str, expect_id: int | None = None) -
     """Return (segment_id, created). Raises CorruptSegment or FormatVersionError."""
     seg_id, created, _prev = segment_header_fields(buf, path, expect_id)
     return seg_id, created
-
-
-def check_sealed_size(io: FileIO, log_dir: str, seg: int, size: int) -> None:
-    """Compare a sealed segment's size with what its successor's header recorded (``LogReader.sealed_size``).
-
-    Raises CorruptSegment when they differ (a truncated or extended file). A
-    successor that is missing or holds no header yet proves nothing either way.
-    """
-    from spool.reader import LogReader
-
-    anomaly = LogReader(io, log_dir, segments=()).sealed_size(seg, size)
-    if anomaly is not None:
-        raise anomaly.error()
-
-
-def find_end(seg_id: int, data: bytes | memoryview, start: int, path: str, *, last: bool) -> int:
-    """Validate frames of ``data`` from ``start``; return the offset where valid data ends.
-
-    Raises CorruptSegment for anything but a torn tail of the last segment
-    (the reader's classification: ``spool.reader.check_buffer``).
-    """
-    from spool.reader import check_buffer
-
-    for anomaly in check_buffer(seg_id, data, start, path, last=last):
-        if not anomaly.torn:
-            raise anomaly.error()
-        return anomaly.offset
-    return len(data)
-
-
-class FrameReader:
-    """Frames of one segment from ``start`` to ``end``, checked; the first anomaly is raised.
-
-    A delegate to ``spool.reader``'s verifying walk (a 1 MiB window) for
-    recovery's scan. ``verify`` is accepted for the old signature: every frame
-    is checked.
-    """
-
-    def __init__(self, io: FileIO, path: str, seg_id: int, start: int, end: int) -> None:
-        from spool.reader import LogReader
-
-        io.close(io.open_read(path))  # FileNotFoundError here, as the open of old did
-        self._reader = LogReader(io, os.path.dirname(path), segments=())
-        self._walk = self._reader.segment(seg_id, start, end)
-        self.seg_id = seg_id
-        self.path = path
-
-    @property
-    def bytes_read(self) -> int:
-        return self._reader.bytes_read
-
-    def close(self) -> None:
-        """Nothing to release: the walk closes its file when it ends."""
-
-    def frames(self, *, verify: bool = True) -> Iterator[Frame]:
-        for item in self._walk:
-            if not isinstance(item, Frame):
-                raise item.error()
-            yield item
 
 
 def read_frame_at(io: FileIO, fd: int, path: str, seg_id: int, offset: int) -> Frame:

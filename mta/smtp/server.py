@@ -15,10 +15,31 @@ syntax and sequence errors, limits). Four events need a decision from the
 shell — ``MailFrom``, ``RcptTo``, ``EndOfData`` and ``StartTls`` — and until it
 calls ``accept()`` or ``reject(reply)`` the core reads no further input
 (``next_event`` raises ``LocalProtocolError``). That is how the ``250`` after
-DATA waits for the spool's commit.
+DATA waits for the spool's commit. The events are small frozen classes in
+``mta.smtp.server_events`` (offered here too).
 
-Transitions are the two tables below: which states a command is allowed in
-(``_ALLOWED``), and where an accepted event leads (``_ACCEPTED``).
+States and steps
+----------------
+The session is in one ``State`` at a time, and the only way it leaves one is
+a ``Step`` looked up in ``TRANSITIONS`` (state -> step -> next state), by
+``_fire``, the one place that assigns the state (h11's ``_state.py`` does the
+same). A step the table does not list from the current state raises
+``LocalProtocolError``: it is a bug here or in the shell, never the peer's
+doing, since the peer's commands are first checked against ``_ALLOWED`` (the
+states a command is heard in; elsewhere it gets ``503 5.5.1``). In short::
+
+    CONNECTED -HELLO-> IDLE -MAIL_ACCEPTED-> MAIL -RCPT_ACCEPTED-> RCPT -DATA_STARTED-> DATA
+    DATA -MESSAGE_ACCEPTED | MESSAGE_REJECTED | MESSAGE_REFUSED-> IDLE
+    IDLE -STARTTLS_ACCEPTED-> TLS -TLS_STARTED-> CONNECTED
+    CONNECTED, IDLE, MAIL, RCPT: -HELLO-> IDLE, -RSET-> IDLE (CONNECTED stays),
+                                  -QUIT | TOO_MANY_ERRORS | EOF-> CLOSED
+    DATA -EOF-> CLOSED;  CLOSED is the end: no step leaves it
+
+A step also decides what the session forgets (``_FORGETS_SESSION``,
+``_FORGETS_TRANSACTION``), wherever it fires. Beside this machine runs a
+smaller one, kept apart as h11 keeps its keep-alive flag: whether a decision
+is pending (``_pending``). While it is, no step can happen except through
+``accept()`` or ``reject()``.
 
 Message content arrives as ``DataChunk`` events: dot-unstuffed, CRLF line
 ends, at most ``DATA_CHUNK_SIZE`` bytes each, never the whole message. Only
@@ -35,16 +56,14 @@ No reply carries the client's bytes as they came. A command whose argument
 holds a control character (C0, DEL, C1; NUL and TAB included) is refused
 whole (``501``: ``5.1.7``/``5.1.3`` for a MAIL/RCPT address, else ``5.5.4``),
 and a reply that names bad input shows it escaped and cut short
-(``smtp_common.printable``). Bytes that are not UTF-8 get ``500 5.5.2``; a
+(``mta.smtp.common.printable``). Bytes that are not UTF-8 get ``500 5.5.2``; a
 non-ASCII address without SMTPUTF8 gets ``553 5.6.7``.
 """
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Callable, Mapping
 from typing import Final
-
-import attrs
 
 from mta.smtp.common import (
     DATA_CHUNK_SIZE,
@@ -56,148 +75,156 @@ from mta.smtp.common import (
     R_TOO_BIG,
     ContentDecoder,
     LocalProtocolError,
-    Params,
     RemoteProtocolError,
     Reply,
+    TableKey,
     has_control,
     parse_mail_from,
     parse_rcpt_to,
     printable,
 )
-
-# ---------------------------------------------------------------- events
-
-
-@attrs.frozen
-class Ehlo:
-    """The client said EHLO; any open transaction is gone. Already answered."""
-
-    name: str
-
-
-@attrs.frozen
-class Helo:
-    """The client said HELO (no ESMTP); any open transaction is gone. Already answered."""
-
-    name: str
-
-
-@attrs.frozen
-class MailFrom:
-    """Needs accept()/reject(). ``address`` is ``""`` for the null sender."""
-
-    address: str
-    params: Params = attrs.field(factory=dict)
-
-
-@attrs.frozen
-class RcptTo:
-    """Needs accept()/reject()."""
-
-    address: str
-    params: Params = attrs.field(factory=dict)
-
-
-@attrs.frozen
-class DataStart:
-    """354 was sent; content follows as DataChunk events."""
-
-
-@attrs.frozen
-class DataChunk:
-    """Dot-unstuffed content with CRLF line ends, at most DATA_CHUNK_SIZE bytes."""
-
-    data: bytes
-
-
-@attrs.frozen
-class EndOfData:
-    """The message is complete and acceptable so far; needs accept()/reject().
-
-    accept() only after the message is durable: that sends the 250.
-    """
-
-    size: int
-
-
-@attrs.frozen
-class DataAborted:
-    """Discard what was written of this message.
-
-    ``reply`` is what the core answered (size, bare LF, long line), or None
-    when the connection ended in the middle of the content.
-    """
-
-    reply: Reply | None
-
-
-@attrs.frozen
-class Rset:
-    """The transaction was reset; already answered."""
-
-
-@attrs.frozen
-class StartTls:
-    """Needs accept() (sends 220, then do the handshake and call tls_started()) or reject()."""
-
-
-@attrs.frozen
-class Quit:
-    """221 was queued; send data_to_send() and close."""
-
-
-@attrs.frozen
-class ConnectionClosed:
-    """The session is over (QUIT, too many errors, or EOF); close the socket."""
-
-
-@attrs.frozen
-class NeedData:
-    """Send data_to_send(), then read and call receive_data()."""
-
-
-Event = (
-    Ehlo
-    | Helo
-    | MailFrom
-    | RcptTo
-    | DataStart
-    | DataChunk
-    | EndOfData
-    | DataAborted
-    | Rset
-    | StartTls
-    | Quit
-    | ConnectionClosed
-    | NeedData
+from mta.smtp.server_events import (
+    ConnectionClosed,
+    DataAborted,
+    DataChunk,
+    DataStart,
+    Decision,
+    Ehlo,
+    EndOfData,
+    Event,
+    Helo,
+    MailFrom,
+    NeedData,
+    Quit,
+    RcptTo,
+    Rset,
+    StartTls,
 )
-Decision = MailFrom | RcptTo | EndOfData | StartTls
+
+__all__ = [  # the events are defined in mta.smtp.server_events and offered here too, with the connection
+    "TRANSITIONS",
+    "ConnectionClosed",
+    "DataAborted",
+    "DataChunk",
+    "DataStart",
+    "Decision",
+    "Ehlo",
+    "EndOfData",
+    "Event",
+    "Helo",
+    "MailFrom",
+    "NeedData",
+    "Quit",
+    "RcptTo",
+    "Rset",
+    "ServerConnection",
+    "StartTls",
+    "State",
+    "Step",
+    "TransitionHook",
+]
+
+# ---------------------------------------------------------------- states and steps
 
 
-class State(enum.Enum):
-    CONNECTED = "connected"  # greeted, no HELO/EHLO yet
+class State(TableKey):
+    """Where the session is: the rows of ``TRANSITIONS``."""
+
+    CONNECTED = "connected"  # greeted (or TLS just started), no HELO/EHLO yet
     IDLE = "idle"  # HELO/EHLO done, no transaction
     MAIL = "mail"  # sender accepted, no recipient yet
     RCPT = "rcpt"  # at least one recipient accepted
     DATA = "data"  # reading content
     TLS = "tls"  # STARTTLS accepted, waiting for tls_started()
-    CLOSED = "closed"
+    CLOSED = "closed"  # nothing more is read or answered
 
 
-_ANY: Final = frozenset({State.CONNECTED, State.IDLE, State.MAIL, State.RCPT})
-_GREETED: Final = frozenset({State.IDLE, State.MAIL, State.RCPT})
-# Commands and the states they are allowed in; elsewhere they get 503 5.5.1.
+class Step(TableKey):
+    """What moves the session between states: the columns of ``TRANSITIONS``."""
+
+    HELLO = "HELO or EHLO answered 250"
+    MAIL_ACCEPTED = "accept() of MailFrom"
+    RCPT_ACCEPTED = "accept() of RcptTo"
+    DATA_STARTED = "DATA answered 354"
+    MESSAGE_ACCEPTED = "accept() of EndOfData"
+    MESSAGE_REJECTED = "reject() of EndOfData"
+    MESSAGE_REFUSED = "the core refused the content at its end (size, long line, bare CR/LF, NUL)"
+    RSET = "RSET answered 250"
+    STARTTLS_ACCEPTED = "accept() of StartTls"
+    TLS_STARTED = "tls_started() after the handshake"
+    QUIT = "QUIT answered 221"
+    TOO_MANY_ERRORS = "the error limit reached, 421 sent"
+    EOF = "the peer closed its side"
+
+
+# The state machine, whole: the only way the state changes (ServerConnection._fire).
+TRANSITIONS: Final[Mapping[State, Mapping[Step, State]]] = {
+    State.CONNECTED: {
+        Step.HELLO: State.IDLE,
+        Step.RSET: State.CONNECTED,  # no HELO yet, and RSET is no substitute for one
+        Step.QUIT: State.CLOSED,
+        Step.TOO_MANY_ERRORS: State.CLOSED,
+        Step.EOF: State.CLOSED,
+    },
+    State.IDLE: {
+        Step.HELLO: State.IDLE,
+        Step.MAIL_ACCEPTED: State.MAIL,
+        Step.STARTTLS_ACCEPTED: State.TLS,
+        Step.RSET: State.IDLE,
+        Step.QUIT: State.CLOSED,
+        Step.TOO_MANY_ERRORS: State.CLOSED,
+        Step.EOF: State.CLOSED,
+    },
+    State.MAIL: {
+        Step.HELLO: State.IDLE,
+        Step.RCPT_ACCEPTED: State.RCPT,
+        Step.RSET: State.IDLE,
+        Step.QUIT: State.CLOSED,
+        Step.TOO_MANY_ERRORS: State.CLOSED,
+        Step.EOF: State.CLOSED,
+    },
+    State.RCPT: {
+        Step.HELLO: State.IDLE,
+        Step.RCPT_ACCEPTED: State.RCPT,
+        Step.DATA_STARTED: State.DATA,
+        Step.RSET: State.IDLE,
+        Step.QUIT: State.CLOSED,
+        Step.TOO_MANY_ERRORS: State.CLOSED,
+        Step.EOF: State.CLOSED,
+    },
+    State.DATA: {  # only the end of the content, or of the connection, leaves it: no command is read here
+        Step.MESSAGE_ACCEPTED: State.IDLE,
+        Step.MESSAGE_REJECTED: State.IDLE,
+        Step.MESSAGE_REFUSED: State.IDLE,
+        Step.EOF: State.CLOSED,
+    },
+    State.TLS: {  # input is ignored until the handshake is done
+        Step.TLS_STARTED: State.CONNECTED,
+    },
+    State.CLOSED: {},
+}
+# What a step makes the session forget, from whichever state it fires: the
+# transaction (recipient count, SMTPUTF8), or the whole session (also the
+# HELO name and ESMTP). RFC 5321 §4.1.4: HELO/EHLO reset like RSET; RFC 3207
+# §4.2: after the handshake the client starts again with EHLO.
+_FORGETS_SESSION: Final = frozenset({Step.HELLO, Step.TLS_STARTED})
+_FORGETS_TRANSACTION: Final = frozenset(
+    {Step.RSET, Step.MESSAGE_ACCEPTED, Step.MESSAGE_REJECTED, Step.MESSAGE_REFUSED}
+)
+
+_COMMAND_STATES: Final = frozenset({State.CONNECTED, State.IDLE, State.MAIL, State.RCPT})
+# Commands and the states they are heard in; elsewhere they get 503 5.5.1.
 _ALLOWED: Final[dict[str, frozenset[State]]] = {
-    "EHLO": _ANY,
-    "HELO": _ANY,
+    "EHLO": _COMMAND_STATES,
+    "HELO": _COMMAND_STATES,
     "MAIL": frozenset({State.IDLE}),
     "RCPT": frozenset({State.MAIL, State.RCPT}),
-    "DATA": frozenset({State.MAIL, State.RCPT}),
-    "RSET": _ANY,
-    "NOOP": _ANY,
-    "HELP": _ANY,
-    "VRFY": _ANY,
-    "QUIT": _ANY,
+    "DATA": frozenset({State.MAIL, State.RCPT}),  # in MAIL: 554, no recipient was accepted
+    "RSET": _COMMAND_STATES,
+    "NOOP": _COMMAND_STATES,
+    "HELP": _COMMAND_STATES,
+    "VRFY": _COMMAND_STATES,
+    "QUIT": _COMMAND_STATES,
     "STARTTLS": frozenset({State.IDLE}),
 }
 _SEQUENCE_HINT: Final = {
@@ -206,13 +233,15 @@ _SEQUENCE_HINT: Final = {
     "DATA": "Need MAIL and RCPT before DATA",
     "STARTTLS": "STARTTLS only after EHLO and outside a transaction",
 }
-# Where an accepted decision leads (rejection leaves the state as it was,
-# except after the content, which always ends the transaction).
-_ACCEPTED: Final[dict[type[Decision], State]] = {
-    MailFrom: State.MAIL,
-    RcptTo: State.RCPT,
-    EndOfData: State.IDLE,
-    StartTls: State.TLS,
+
+# Told of every step taken: (from, step, to). For tests and tracing; it must not call back into the connection.
+TransitionHook = Callable[[State, Step, State], None]
+# The step an accepted decision takes.
+_ON_ACCEPT: Final[dict[type[Decision], Step]] = {
+    MailFrom: Step.MAIL_ACCEPTED,
+    RcptTo: Step.RCPT_ACCEPTED,
+    EndOfData: Step.MESSAGE_ACCEPTED,
+    StartTls: Step.STARTTLS_ACCEPTED,
 }
 _DEFAULT_ACCEPT: Final[dict[type[Decision], Reply]] = {
     MailFrom: Reply(250, "2.1.0", "Ok"),
@@ -240,7 +269,8 @@ class ServerConnection:
     Options: ``hostname`` (greeting, EHLO), ``max_message_size`` (SIZE, 552),
     ``max_line_length`` (content lines incl. CRLF), ``max_recipients``,
     ``max_errors`` (core-detected 5xx before 421), ``normalize_bare_lf``,
-    ``tls_available`` (offer STARTTLS), ``tls_active`` (implicit TLS).
+    ``tls_available`` (offer STARTTLS), ``tls_active`` (implicit TLS),
+    ``on_transition`` (told of every step; see ``TransitionHook``).
 
     Raises: ``LocalProtocolError`` when the shell calls a method at the wrong
     time. Malformed input from the client never raises; it is answered.
@@ -258,6 +288,7 @@ class ServerConnection:
         tls_available: bool = False,
         tls_active: bool = False,
         greeting: str = "ESMTP logspool",
+        on_transition: TransitionHook | None = None,
     ) -> None:
         self.hostname = hostname
         self.max_message_size = max_message_size
@@ -267,7 +298,8 @@ class ServerConnection:
         self.normalize_bare_lf = normalize_bare_lf
         self.tls_available = tls_available
         self.tls_active = tls_active
-        self.state = State.CONNECTED
+        self._state = State.CONNECTED
+        self._on_transition = on_transition
         self.errors = 0
         self._buf = bytearray()
         self._pos = 0
@@ -289,7 +321,7 @@ class ServerConnection:
 
     def receive_data(self, data: bytes | bytearray) -> None:
         """Bytes from the peer; ``b""`` means EOF. Ignored once closed or in STARTTLS."""
-        if self.state in (State.CLOSED, State.TLS):
+        if self._state in (State.CLOSED, State.TLS):
             return
         if not data:
             self._eof = True
@@ -305,6 +337,11 @@ class ServerConnection:
         out = bytes(self._out)
         self._out.clear()
         return out
+
+    @property
+    def state(self) -> State:
+        """Where the session is; it changes only by a step of ``TRANSITIONS``."""
+        return self._state
 
     @property
     def esmtp(self) -> bool:
@@ -328,11 +365,9 @@ class ServerConnection:
         if not reply.is_positive:
             raise LocalProtocolError(f"accept() with a negative reply {reply}")
         self._send(reply)
-        self.state = _ACCEPTED[type(ev)]
+        self._fire(_ON_ACCEPT[type(ev)])
         if isinstance(ev, RcptTo):
             self._rcpt_count += 1
-        elif isinstance(ev, EndOfData):
-            self._reset_transaction()
         elif isinstance(ev, StartTls):
             # CVE-2011-0411: nothing sent in plaintext after STARTTLS may be obeyed.
             self._buf.clear()
@@ -344,19 +379,36 @@ class ServerConnection:
             raise LocalProtocolError(f"reject() with a positive reply {reply}")
         ev = self._take_pending()
         self._send(reply)
-        if isinstance(ev, EndOfData):
-            self.state = State.IDLE
-            self._reset_transaction()
+        if isinstance(ev, EndOfData):  # the content is gone either way: the transaction ends
+            self._fire(Step.MESSAGE_REJECTED)
 
     def tls_started(self) -> None:
-        """The TLS handshake is done: a fresh session, the client must EHLO again."""
-        if self.state is not State.TLS:
-            raise LocalProtocolError("tls_started() without an accepted STARTTLS")
+        """The TLS handshake is done: a fresh session, the client must EHLO again.
+
+        Raises ``LocalProtocolError`` unless a STARTTLS was accepted.
+        """
+        self._fire(Step.TLS_STARTED)
         self.tls_active = True
-        self.state = State.CONNECTED
         self._buf.clear()
         self._pos = 0
-        self._reset_session()
+
+    def _fire(self, step: Step) -> None:
+        """Take ``step`` from the current state: the one place the state changes.
+
+        Raises ``LocalProtocolError`` if ``TRANSITIONS`` has no such step from
+        here (a bug in this module or a shell calling at the wrong time).
+        """
+        old = self._state
+        new = TRANSITIONS[old].get(step)
+        if new is None:
+            raise LocalProtocolError(f"no step {step.name} ({step.value}) from state {old.name}")
+        self._state = new
+        if step in _FORGETS_SESSION:
+            self._reset_session()
+        elif step in _FORGETS_TRANSACTION:
+            self._reset_transaction()
+        if self._on_transition is not None:
+            self._on_transition(old, step, new)
 
     def _take_pending(self) -> Decision:
         ev = self._pending
@@ -375,15 +427,15 @@ class ServerConnection:
         """
         if self._pending is not None:
             raise LocalProtocolError(f"{type(self._pending).__name__} is waiting for accept() or reject()")
-        if self.state is State.TLS:
+        if self._state is State.TLS:
             raise LocalProtocolError("STARTTLS accepted: do the handshake, then call tls_started()")
         ev: Event | None = None
         while ev is None:
             if self._queued:
                 ev = self._queued.pop(0)
-            elif self.state is State.CLOSED:
+            elif self._state is State.CLOSED:
                 ev = ConnectionClosed()
-            elif self.state is State.DATA:
+            elif self._state is State.DATA:
                 ev = self._data_event()
             else:
                 ev = self._command_event()
@@ -432,7 +484,7 @@ class ServerConnection:
         if allowed is None:
             self._error(Reply(502, "5.5.1", "Command not implemented") if verb == "EXPN" else R_UNKNOWN)
             return None
-        if self.state not in allowed:
+        if self._state not in allowed:
             self._error(Reply(503, "5.5.1", _SEQUENCE_HINT.get(verb, "Bad sequence of commands")))
             return None
         try:
@@ -443,7 +495,7 @@ class ServerConnection:
 
     def _at_eof(self) -> Event:
         if self._eof:
-            self.state = State.CLOSED
+            self._fire(Step.EOF)
             return ConnectionClosed()
         return NeedData()
 
@@ -464,13 +516,11 @@ class ServerConnection:
             self._send(Reply(252, "2.0.0", "Cannot VRFY user, but will accept message and attempt delivery"))
         elif verb == "RSET":
             self._send(R_OK)
-            self._reset_transaction()
-            if self.state is not State.CONNECTED:
-                self.state = State.IDLE
+            self._fire(Step.RSET)
             return Rset()
         elif verb == "QUIT":
             self._send(R_BYE)
-            self.state = State.CLOSED
+            self._fire(Step.QUIT)
             return Quit()
         elif verb == "MAIL":
             return self._mail(arg)
@@ -487,9 +537,8 @@ class ServerConnection:
         if not words:
             raise RemoteProtocolError("bad hello", Reply(501, "5.5.4", f"Syntax: {verb} hostname"))
         name = words[0]
-        self._reset_session()
+        self._fire(Step.HELLO)
         self._helo = name
-        self.state = State.IDLE
         if verb == "HELO":
             self._send(Reply(250, None, self.hostname))
             return Helo(name)
@@ -539,11 +588,11 @@ class ServerConnection:
         return RcptTo(address, params)
 
     def _data(self) -> Event | None:
-        if self.state is State.MAIL:
+        if self._state is State.MAIL:
             self._send(R_NO_RCPT)
             return None
         self._send(R_DATA_GO)
-        self.state = State.DATA
+        self._fire(Step.DATA_STARTED)
         self._decoder = ContentDecoder(self.max_message_size, self.max_line_length, self.normalize_bare_lf)
         return DataStart()
 
@@ -569,8 +618,7 @@ class ServerConnection:
         if done:
             return self._finish_data()
         if self._eof:
-            self.state = State.CLOSED
-            self._reset_transaction()
+            self._fire(Step.EOF)
             self._emit(ConnectionClosed())
             return DataAborted(None)
         return NeedData()
@@ -579,8 +627,7 @@ class ServerConnection:
         doom = self._decoder.refusal
         if doom is not None:
             self._send(doom)
-            self.state = State.IDLE
-            self._reset_transaction()
+            self._fire(Step.MESSAGE_REFUSED)
             return DataAborted(doom)
         return EndOfData(self._decoder.size)
 
@@ -595,7 +642,7 @@ class ServerConnection:
         self.errors += 1
         if self.errors >= self.max_errors:
             self._send(R_TOO_MANY_ERRORS)
-            self.state = State.CLOSED
+            self._fire(Step.TOO_MANY_ERRORS)
 
     def _reset_transaction(self) -> None:
         self._rcpt_count = 0

@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 
 from fault_injection import corrupt
 from spool.checkpoint import Checkpoint, CorruptCheckpoint
-from spool.errors import CorruptSegment, FormatVersionError
+from spool.damage import Anomaly
+from spool.errors import FormatVersionError
+from spool.fileio import OsFileIO
+from spool.reader import LogReader, check_buffer
 from spool.record import RecordType, encode_frame
-from spool.segment import FrameReader, encode_segment_header, find_end
+from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header
 
 SEG = 7
 
@@ -45,27 +48,20 @@ def _apply(data: bytes, ops: list[tuple[str, float, int, int]]) -> bytes:
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(payloads=st.lists(st.binary(max_size=700), min_size=1, max_size=8), ops=damage)
-def test_a_damaged_segment_decodes_or_raises_corrupt_segment(payloads: list[bytes], ops: list[
+def test_a_damaged_segment_reads_as_frames_and_anomalies(payloads: list[bytes], ops: list[
         tuple[str, float, int, int]], tmp_path_factory: pytest.TempPathFactory) -> None:
     data = _apply(_segment(payloads), ops)
     body = data[32:]
-    try:
-        end = find_end(SEG, body, 0, "seg", last=True)
-        assert 0 <= end <= len(body)
-    except CorruptSegment as exc:
-        assert exc.path == "seg" and exc.offset >= 0
+    for anomaly in check_buffer(SEG, body, 0, "seg", last=True):
+        assert anomaly.path == "seg" and 0 <= anomaly.offset <= anomaly.offset + anomaly.length <= len(body)
     path = tmp_path_factory.mktemp("seg") / "s.seg"
     path.write_bytes(data)
-    from spool.fileio import OsFileIO
-
-    reader = FrameReader(OsFileIO(), str(path), SEG, 32, len(data))
-    try:
-        for frame in reader.frames(verify=True):
-            assert frame.rtype in set(RecordType)
-    except CorruptSegment as exc:
-        assert exc.offset >= 32
-    finally:
-        reader.close()
+    for item in LogReader(OsFileIO(), str(path.parent), segments=(SEG,), paths={SEG: str(path)}).read():
+        if isinstance(item, Anomaly):
+            assert item.path == str(path) and 0 <= item.offset <= len(data)
+            assert item.offset >= SEGMENT_HEADER_SIZE or item.kind.name in ("BAD_HEADER", "NEWER_FORMAT", "TORN_TAIL")
+        else:
+            assert item.rtype in set(RecordType)
 
 
 @settings(max_examples=100, deadline=None)

@@ -16,6 +16,7 @@ from crc32c import crc32c
 
 from spool.errors import CorruptRecord
 from spool.fileio import OsFileIO
+from spool.reader import LogReader
 from spool.record import (
     FLAGS_OFFSET,
     HEADER_SIZE,
@@ -36,14 +37,7 @@ from spool.record import (
     payload_bytes,
     payload_type,
 )
-from spool.segment import (
-    SEGMENT_HEADER_SIZE,
-    FrameReader,
-    decode_segment_header,
-    encode_segment_header,
-    find_end,
-    segment_name,
-)
+from spool.segment import decode_segment_header, encode_segment_header, segment_name
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
 SEG = 1
@@ -146,14 +140,9 @@ def test_example_segment_reads_back_as_the_records(example: Example, tmp_path: P
     path.write_bytes(whole)
     assert path.name == "0000000000000001.seg"
     assert decode_segment_header(whole, str(path), SEG) == (SEG, T)
-    assert find_end(SEG, whole, SEGMENT_HEADER_SIZE, str(path), last=True) == len(whole)
-
-    io = OsFileIO()
-    reader = FrameReader(io, str(path), SEG, SEGMENT_HEADER_SIZE, len(whole))
-    try:
-        frames = list(reader.frames())
-    finally:
-        reader.close()
+    walk = LogReader(OsFileIO(), str(tmp_path), segments=(SEG,)).segment(SEG)
+    frames = list(walk)  # an anomaly would be in the list too
+    assert walk.valid_end == len(whole)
     names = ["data", "envelope", "start", "delivery", "finish"]
     assert [f.pos for f in frames] == [make_pos(SEG, pieces[n][0]) for n in names]
     assert [decode_payload(f.rtype, f.payload) for f in frames] == [records[n] for n in names]

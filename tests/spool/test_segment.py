@@ -1,7 +1,9 @@
-"""Segment files on disk: the header checks and the torn-tail rules of spool/segment.py."""
+"""Segment files on disk: the header checks of spool/segment.py, and the torn-tail rules recovery applies
+through the log reader (spool/reader.py, spool/damage.py)."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -10,17 +12,17 @@ from crc32c import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from spool.damage import Anomaly, Kind
 from spool.errors import CorruptSegment, FormatVersionError
 from spool.fileio import OsFileIO
-from spool.record import FLAGS_OFFSET, HEADER_SIZE, Envelope, Finish, RecordType, Start, encode_frame
+from spool.reader import LogReader
+from spool.record import FLAGS_OFFSET, HEADER_SIZE, Envelope, Finish, RecordType, Start, encode_frame, make_pos
 from spool.segment import (
     FORMAT_VERSION,
     SECTOR,
     SEGMENT_HEADER_SIZE,
-    FrameReader,
     decode_segment_header,
     encode_segment_header,
-    find_end,
     list_segments,
     parse_segment_name,
     read_segment_header,
@@ -53,8 +55,16 @@ def write_segment(tmp_path: Path, seg: int, body: bytes) -> tuple[str, bytes]:
     return str(path), read_whole(IO, str(path))
 
 
-def end_of(seg: int, path: str, data: bytes, *, last: bool) -> int:
-    return find_end(seg, data, SEGMENT_HEADER_SIZE, path, last=last)
+def end_of(seg: int, path: str, *, last: bool) -> int:
+    """Where recovery finds the segment's valid data to end (``Recovery.find_log_end``): a torn tail ends it,
+    any other anomaly stops the open. ``last``: the segment is the last of the log (else a successor follows)."""
+    reader = LogReader(IO, os.path.dirname(path), segments=(seg,) if last else (seg, seg + 1))
+    walk = reader.segment(seg, payloads=False)
+    for anomaly in walk:
+        assert isinstance(anomaly, Anomaly)
+        if not anomaly.torn:
+            raise anomaly.error()
+    return walk.valid_end
 
 
 # -- a clean segment ---------------------------------------------------------------
@@ -62,10 +72,10 @@ def end_of(seg: int, path: str, data: bytes, *, last: bool) -> int:
 
 def test_clean_segment_ends_at_its_size_last_or_not(tmp_path: Path) -> None:
     path, data = write_segment(tmp_path, SEG, b"".join(some_frames(SEG)))
-    assert end_of(SEG, path, data, last=True) == len(data)
-    assert end_of(SEG, path, data, last=False) == len(data)
-    empty_path, empty = write_segment(tmp_path / "", SEG + 1, b"")
-    assert end_of(SEG + 1, empty_path, empty, last=True) == SEGMENT_HEADER_SIZE
+    assert end_of(SEG, path, last=True) == len(data)
+    assert end_of(SEG, path, last=False) == len(data)
+    empty_path, _empty = write_segment(tmp_path / "", SEG + 1, b"")
+    assert end_of(SEG + 1, empty_path, last=True) == SEGMENT_HEADER_SIZE
 
 
 # -- torn tails of the last segment ---------------------------------------------------
@@ -80,10 +90,10 @@ def test_frame_cut_at_every_length_is_cut_off_in_the_last_segment(tmp_path: Path
     for n in range(len(torn)):
         path, data = write_segment(tmp_path, SEG, base + torn[:n])
         assert len(data) == good_end + n
-        assert end_of(SEG, path, data, last=True) == good_end, f"cut after {n} bytes"
+        assert end_of(SEG, path, last=True) == good_end, f"cut after {n} bytes"
         if n:
             with pytest.raises(CorruptSegment) as info:
-                end_of(SEG, path, data, last=False)
+                end_of(SEG, path, last=False)
             assert (info.value.path, info.value.offset) == (path, good_end)
 
 
@@ -93,13 +103,11 @@ def test_torn_last_frame_of_random_sizes_is_cut_off(tmp_path: Path, sizes: list[
     frames = [data_frame(SEG, n, fill=1 + i) for i, n in enumerate(sizes)]
     cut = data.draw(st.integers(1, len(frames[-1]) - 1))
     good_end = SEGMENT_HEADER_SIZE + sum(map(len, frames[:-1]))
-    path, buf = write_segment(tmp_path, SEG, b"".join(frames[:-1]) + frames[-1][:cut])
-    assert end_of(SEG, path, buf, last=True) == good_end
-    reader = FrameReader(IO, path, SEG, SEGMENT_HEADER_SIZE, good_end)
-    try:
-        assert [f.payload for f in reader.frames()] == [f[HEADER_SIZE:] for f in frames[:-1]]
-    finally:
-        reader.close()
+    path, _buf = write_segment(tmp_path, SEG, b"".join(frames[:-1]) + frames[-1][:cut])
+    assert end_of(SEG, path, last=True) == good_end
+    reader = LogReader(IO, str(tmp_path), segments=(SEG,))
+    got = reader.frames(make_pos(SEG, SEGMENT_HEADER_SIZE), make_pos(SEG, good_end))
+    assert [f.payload for f in got] == [f[HEADER_SIZE:] for f in frames[:-1]]
 
 
 def _frame_across_sector(seg: int, into: int, payload: int) -> tuple[bytes, int]:
@@ -123,16 +131,16 @@ def test_zeros_from_a_sector_boundary_inside_the_last_frame_are_a_torn_tail(tmp_
     zeroed = body[:boundary] + bytes(len(body) - boundary)
     path, data = write_segment(tmp_path, SEG, zeroed)
     assert len(data) == SEGMENT_HEADER_SIZE + len(body)
-    assert end_of(SEG, path, data, last=True) == start
+    assert end_of(SEG, path, last=True) == start
     with pytest.raises(CorruptSegment) as info:
-        end_of(SEG, path, data, last=False)
+        end_of(SEG, path, last=False)
     assert info.value.offset == start
 
 
 def test_zeros_after_the_last_frame_up_to_a_preallocated_size_are_a_torn_tail(tmp_path: Path) -> None:
     body = b"".join(some_frames(SEG))
-    path, data = write_segment(tmp_path, SEG, body + bytes(4096))
-    assert end_of(SEG, path, data, last=True) == SEGMENT_HEADER_SIZE + len(body)
+    path, _data = write_segment(tmp_path, SEG, body + bytes(4096))
+    assert end_of(SEG, path, last=True) == SEGMENT_HEADER_SIZE + len(body)
 
 
 def test_zeros_not_reaching_back_to_a_sector_boundary_are_corruption(tmp_path: Path) -> None:
@@ -143,9 +151,9 @@ def test_zeros_not_reaching_back_to_a_sector_boundary_are_corruption(tmp_path: P
     body = b"".join(frames[:-1]) + bytes(last)
     start = SEGMENT_HEADER_SIZE + len(body) - len(last)
     assert start // SECTOR == (start + len(last)) // SECTOR  # no sector boundary inside it
-    path, data = write_segment(tmp_path, SEG, body)
+    path, _data = write_segment(tmp_path, SEG, body)
     with pytest.raises(CorruptSegment) as info:
-        end_of(SEG, path, data, last=True)
+        end_of(SEG, path, last=True)
     assert (info.value.path, info.value.offset) == (path, start)
 
 
@@ -156,7 +164,7 @@ def test_complete_last_frame_with_a_flipped_bit_is_corruption_not_a_torn_tail(tm
     path, data = write_segment(tmp_path, SEG, b"".join(frames[:-1]) + bytes(last))
     start = len(data) - len(last)
     with pytest.raises(CorruptSegment, match="checksum mismatch") as info:
-        end_of(SEG, path, data, last=True)
+        end_of(SEG, path, last=True)
     assert info.value.offset == start
 
 
@@ -176,9 +184,9 @@ def test_bit_flip_in_a_middle_record_names_path_and_offset(tmp_path: Path, last:
                 continue
             bad = bytearray(body)
             bad[rel + i] ^= 1 << (i % 8)
-            path, data = write_segment(tmp_path, SEG, bytes(bad))
+            path, _data = write_segment(tmp_path, SEG, bytes(bad))
             with pytest.raises(CorruptSegment) as info:
-                end_of(SEG, path, data, last=last)
+                end_of(SEG, path, last=last)
             assert (info.value.path, info.value.offset) == (path, offsets[victim]), (victim, i)
             assert path in str(info.value)
             assert f"offset {offsets[victim]}" in str(info.value)
@@ -196,32 +204,32 @@ def test_any_damaged_frame_followed_by_valid_ones_stops_the_open(tmp_path: Path,
     bit = data.draw(st.integers(0, 7))
     body = bytearray(b"".join(frames))
     body[offset - SEGMENT_HEADER_SIZE + i] ^= 1 << bit
-    path, buf = write_segment(tmp_path, SEG, bytes(body))
+    path, _buf = write_segment(tmp_path, SEG, bytes(body))
     with pytest.raises(CorruptSegment) as info:
-        end_of(SEG, path, buf, last=True)
+        end_of(SEG, path, last=True)
     assert (info.value.path, info.value.offset) == (path, offset)
 
 
 def test_torn_tail_of_a_segment_that_is_not_the_last_is_corruption(tmp_path: Path) -> None:
     frames = some_frames(SEG)
     body = b"".join(frames)
-    path, data = write_segment(tmp_path, SEG, body + frames[0][:HEADER_SIZE + 3])
-    assert end_of(SEG, path, data, last=True) == SEGMENT_HEADER_SIZE + len(body)
+    path, _data = write_segment(tmp_path, SEG, body + frames[0][:HEADER_SIZE + 3])
+    assert end_of(SEG, path, last=True) == SEGMENT_HEADER_SIZE + len(body)
     with pytest.raises(CorruptSegment) as info:
-        end_of(SEG, path, data, last=False)
+        end_of(SEG, path, last=False)
     assert (info.value.path, info.value.offset) == (path, SEGMENT_HEADER_SIZE + len(body))
-    zero_path, zeros = write_segment(tmp_path, SEG + 1, encode_frame(SEG + 1, 5, b"x") + bytes(100))
+    zero_path, _zeros = write_segment(tmp_path, SEG + 1, encode_frame(SEG + 1, 5, b"x") + bytes(100))
     with pytest.raises(CorruptSegment):
-        end_of(SEG + 1, zero_path, zeros, last=False)
+        end_of(SEG + 1, zero_path, last=False)
 
 
 def test_frames_of_another_segment_are_not_a_valid_tail(tmp_path: Path) -> None:
     """Stale frames salted for another segment id count as damage, however they are placed."""
     mine = b"".join(some_frames(SEG))
     stale = b"".join(some_frames(SEG + 1))
-    path, data = write_segment(tmp_path, SEG, mine + stale)
+    path, _data = write_segment(tmp_path, SEG, mine + stale)
     with pytest.raises(CorruptSegment, match="checksum mismatch") as info:
-        end_of(SEG, path, data, last=True)
+        end_of(SEG, path, last=True)
     assert info.value.offset == SEGMENT_HEADER_SIZE + len(mine)
 
 
@@ -291,14 +299,16 @@ def test_header_size_must_be_32(tmp_path: Path) -> None:
 
 def test_prev_size_records_the_sealed_length_of_the_previous_segment(tmp_path: Path) -> None:
     """Version 2: a sealed segment cut at a record boundary no longer looks whole."""
-    from spool.segment import check_sealed_size, segment_header_fields
+    from spool.segment import segment_header_fields
 
     assert segment_header_fields(encode_segment_header(SEG, 99, 4096), "f", SEG) == (SEG, 99, 4096)
     (tmp_path / segment_name(SEG + 1)).write_bytes(encode_segment_header(SEG + 1, 99, 4096))
-    check_sealed_size(IO, str(tmp_path), SEG, 4096)
-    with pytest.raises(CorruptSegment, match="sealed at 4096") as info:
-        check_sealed_size(IO, str(tmp_path), SEG, 4000)
-    assert info.value.path.endswith(segment_name(SEG))
+    reader = LogReader(IO, str(tmp_path), segments=())
+    assert reader.sealed_size(SEG, 4096) is None
+    mismatch = reader.sealed_size(SEG, 4000)
+    assert mismatch is not None and mismatch.kind is Kind.SIZE_MISMATCH
+    assert "sealed at 4096" in mismatch.reason and mismatch.path.endswith(segment_name(SEG))
+    assert (mismatch.offset, mismatch.length) == (4000, 96)
 
 
 def test_segment_id_must_match_the_file_name(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ from spool_support import spool_config
 
 from fault_injection.workloads import FakeClock as Clock
 from spool import admin
+from spool.damage import Anomaly, Kind
 from spool.errors import CorruptSegment
-from spool.record import Outcome, Status
+from spool.record import Outcome, Status, pos_offset, pos_segment
 from spool.segment import list_segments, segment_path
 from spool.spool import Spool
 
@@ -273,5 +275,46 @@ def test_committed_final_outcomes_survive_and_message_is_done(tmp_path: Path) ->
         assert sp.recovery_stats.in_flight == 1
         assert sp.recovery_stats.in_doubt == 0
         assert sp.poll_due() == []
+    finally:
+        sp.close()
+
+
+# -- damage: one policy ------------------------------------------------------------
+
+
+def test_damage_goes_to_the_one_damage_policy_once_and_refuse_is_the_default(tmp_path: Path) -> None:
+    """Recovery meets a damaged record twice (finding the log's end, scanning the suffix) and hands it to
+    its policy once. ``refuse`` (the default) stops the open there; a policy that returns (what issue 14's
+    quarantine will be) lets recovery go on past it, on the next valid record."""
+    clock = Clock()
+    sp = Spool.open(str(tmp_path / "a"), config(clock))
+    for i in range(3):
+        sp.enqueue("s@src.example", [RCPT], b"body %d" % i)
+    sp.commit()
+    attempts = sp.poll_due()
+    sp.commit()  # three STARTs durable, no outcome: three attempts in flight at the crash
+    damaged = attempts[1].envelope.body[0]  # the middle message's body, with valid records after it
+    sp.close()
+    path = segment_path(sp.log_dir, pos_segment(damaged))
+    with open(path, "r+b") as f:
+        f.seek(pos_offset(damaged) + 20)
+        byte = f.read(1)
+        f.seek(pos_offset(damaged) + 20)
+        f.write(bytes([byte[0] ^ 0x40]))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+
+    with pytest.raises(CorruptSegment) as info:
+        Spool.open(str(tmp_path / "a"), config(clock))
+    assert (info.value.path, info.value.offset) == (path, pos_offset(damaged))
+
+    met: list[Anomaly] = []
+    sp = Spool.open(str(tmp_path / "b"), config(clock), on_damage=met.append)
+    try:
+        assert [(a.kind, a.offset, a.resume is not None) for a in met] == [
+            (Kind.DAMAGED_RECORD, pos_offset(damaged), True)]
+        assert met[0].path == str(tmp_path / "b" / "log" / os.path.basename(path))
+        # The scan resynchronised after the damage: the attempts after it were found and replaced too.
+        assert sp.recovery_stats.in_flight == 3
+        assert sp.recovery_stats.replacements == 3
     finally:
         sp.close()

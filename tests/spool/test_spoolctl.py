@@ -626,9 +626,9 @@ def test_verify_reports_a_live_body_in_a_reclaimed_segment(tmp_path: Path) -> No
 
 
 def test_recover_reports_the_removed_half_created_segment_as_tail_cut(tmp_path: Path) -> None:
-    """Engine bug (spool/spool.py, Spool._drop_empty_last_segment): the half-created last
-    segment it removes is a torn tail, but recovery_stats.tail_cut_bytes stays 0, so
-    `spoolctl recover` tells the operator nothing was cut."""
+    """Engine bug (spool/recovery.py, then Spool._drop_empty_last_segment): the half-created last
+    segment it removes is a torn tail, but recovery_stats.tail_cut_bytes stayed 0, so
+    `spoolctl recover` told the operator nothing was cut."""
     m = build(tmp_path)
     m.clock.advance(5)
     last = rotate(m)

@@ -5,7 +5,7 @@ remaining recipients, body, runner class, held flag, arrival time and the
 recipients recovery marked in doubt. A delivery attempt is the recipients it
 was claimed with and the outcomes recorded so far.
 
-Crash semantics (DESIGN §2): everything appended since the last commit is lost;
+Crash semantics (docs/design.md, "The log", durability rules): everything appended since the last commit is lost;
 what was committed survives. ``commit()`` snapshots the state; ``crash()`` rolls
 back to the snapshot and then applies what recovery does to the attempts that
 were in flight: recipients with a committed final outcome are done, the rest go

@@ -1,4 +1,4 @@
-"""The bodies decision (DESIGN §2 "Bodies"): DATA records inline in the queue log,
+"""The bodies decision (docs/design.md, "Bodies: inline DATA records"): DATA records inline in the queue log,
 or append-only data segments beside it, or (reference only) one file per message.
 
     .venv/bin/python tools/bench/bodies_bench.py [--quick] [--runs N]

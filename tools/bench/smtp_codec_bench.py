@@ -15,6 +15,10 @@ What is timed (CPU time of this process, ``time.process_time``, per message):
 - ``session``: the server core handling a pipelined session of 10 messages
   of 4 KiB (EHLO once; per message MAIL, RCPT, DATA in one read, the content
   and the dot in the next; QUIT), with every decision accepted.
+- ``client session``: the client core (``ClientConnection``) sending the same
+  10 messages: per message ``mail``, ``rcpt``, ``data`` in one write, the
+  replies to them in one read, the content in one ``send_body``, ``end_data``
+  and its reply; every reply canned.
 
 Messages are 4 KiB and 100 KiB of 72-column text under a few header lines;
 one line in 40 starts with a dot, so dot-stuffing is exercised. Each figure
@@ -147,6 +151,41 @@ def session_run(S: ModuleType, reads: list[bytes], count: int) -> float:
     return (time.process_time() - start) / count / messages
 
 
+EHLO_REPLY = b"250-mx.example\r\n250-PIPELINING\r\n250-SIZE 10240000\r\n250 8BITMIME\r\n"
+
+
+def _drain(C: ModuleType, conn: Any) -> Any:
+    ev = None
+    while not isinstance(nxt := conn.next_event(), C.NeedData):
+        ev = nxt
+    return ev
+
+
+def client_session_run(C: ModuleType, bodies: list[bytes], count: int) -> float:
+    start = time.process_time()
+    for _ in range(count):
+        conn = C.ClientConnection()
+        conn.receive_data(b"220 mx.example ESMTP\r\n")
+        _drain(C, conn)
+        conn.ehlo("c.example")
+        conn.data_to_send()
+        conn.receive_data(EHLO_REPLY)
+        _drain(C, conn)
+        for body in bodies:
+            conn.mail("a@x.example", {"SIZE": str(len(body))})
+            conn.rcpt("b@y.example")
+            conn.data()
+            conn.data_to_send()
+            conn.receive_data(b"250 2.1.0 Ok\r\n250 2.1.5 Ok\r\n354 End data with <CR><LF>.<CR><LF>\r\n")
+            _drain(C, conn)
+            conn.send_body(body)
+            conn.end_data()
+            conn.data_to_send()
+            conn.receive_data(b"250 2.0.0 Ok: queued\r\n")
+            assert isinstance(_drain(C, conn), C.MessageReply)
+    return (time.process_time() - start) / count / len(bodies)
+
+
 def calibrate(fn: Callable[[int], float], target: float = 0.2) -> int:
     per = min(fn(5) for _ in range(3))
     return max(10, int(target / max(per, 1e-7)))
@@ -166,6 +205,8 @@ def make_cases() -> dict[str, Case]:
             cases[f"encode {size_name} in {read_name} chunks"] = partial(_on_client, encode_run, enc)
     reads = session_script(10, content(4 * KIB))
     cases["session, 10 x 4k pipelined, per message"] = partial(_on_server, session_run, reads)
+    cases["client session, 10 x 4k pipelined, per message"] = partial(
+        _on_client, client_session_run, [content(4 * KIB)] * 10)
     return cases
 
 

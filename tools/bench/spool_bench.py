@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench/spool_bench.py [--quick] [--runs N] [--profile]
 
-What it measures (DESIGN §6: benchmarks, never timed tests), each as the median
+What it measures (benchmarks, never timed tests: docs/benchmarks.md), each as the median
 of several runs:
 
 1. Envelope records appended durably in batches of 1,000 through the engine's

@@ -1,0 +1,119 @@
+"""What the SMTP server core (``mta.smtp.server``) hands its shell: one small frozen class per event.
+
+Four of them are decisions (``Decision``): the core reads no further input
+until the shell answers them with ``accept()`` or ``reject()``. The rest are
+news, already answered by the core, or requests to send and read
+(``NeedData``) or to close (``Quit``, ``ConnectionClosed``).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from mta.smtp.common import Params, Reply
+
+
+@attrs.frozen
+class Ehlo:
+    """The client said EHLO; any open transaction is gone. Already answered."""
+
+    name: str
+
+
+@attrs.frozen
+class Helo:
+    """The client said HELO (no ESMTP); any open transaction is gone. Already answered."""
+
+    name: str
+
+
+@attrs.frozen
+class MailFrom:
+    """Needs accept()/reject(). ``address`` is ``""`` for the null sender."""
+
+    address: str
+    params: Params = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class RcptTo:
+    """Needs accept()/reject()."""
+
+    address: str
+    params: Params = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class DataStart:
+    """354 was sent; content follows as DataChunk events."""
+
+
+@attrs.frozen
+class DataChunk:
+    """Dot-unstuffed content with CRLF line ends, at most DATA_CHUNK_SIZE bytes."""
+
+    data: bytes
+
+
+@attrs.frozen
+class EndOfData:
+    """The message is complete and acceptable so far; needs accept()/reject().
+
+    accept() only after the message is durable: that sends the 250.
+    """
+
+    size: int
+
+
+@attrs.frozen
+class DataAborted:
+    """Discard what was written of this message.
+
+    ``reply`` is what the core answered (size, bare LF, long line), or None
+    when the connection ended in the middle of the content.
+    """
+
+    reply: Reply | None
+
+
+@attrs.frozen
+class Rset:
+    """The transaction was reset; already answered."""
+
+
+@attrs.frozen
+class StartTls:
+    """Needs accept() (sends 220, then do the handshake and call tls_started()) or reject()."""
+
+
+@attrs.frozen
+class Quit:
+    """221 was queued; send data_to_send() and close."""
+
+
+@attrs.frozen
+class ConnectionClosed:
+    """The session is over (QUIT, too many errors, or EOF); close the socket."""
+
+
+@attrs.frozen
+class NeedData:
+    """Send data_to_send(), then read and call receive_data()."""
+
+
+Event = (
+    Ehlo
+    | Helo
+    | MailFrom
+    | RcptTo
+    | DataStart
+    | DataChunk
+    | EndOfData
+    | DataAborted
+    | Rset
+    | StartTls
+    | Quit
+    | ConnectionClosed
+    | NeedData
+)
+Decision = MailFrom | RcptTo | EndOfData | StartTls

@@ -1,0 +1,170 @@
+"""The runners' side: claiming due messages, recording their outcomes, finishing attempts.
+
+A claim is a START record naming the envelope (``Attempt``, ``spool.core``);
+the envelope's garbage mark is written once the START is durable
+(``LogWriter.mark_after_sync``). An attempt ends with a FINISH and, for the
+recipients that have no final outcome, a replacement envelope of the next
+retry class (``SpoolCore._end``, ``_write_replacement``).
+
+Which runner goes first: new mail first, up to half the room; then the
+deferred classes in turn, up to what ``spool.fairness`` allows while new mail
+flows; then new mail again (``poll_due``). The runners themselves are
+``spool.runner``: cursors that trail the head of the log by their interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from spool.core import Attempt, SpoolCore
+from spool.errors import SpoolError
+from spool.record import (
+    GARBAGE,
+    HELD_CLASS,
+    Delivery,
+    Envelope,
+    Outcome,
+    RecordType,
+    Start,
+    StartKind,
+    decode_payload,
+)
+from spool.runner import Candidate
+
+
+class Claims(SpoolCore):
+    """Claims of due messages by the runners, their outcomes and their end."""
+
+    def poll_due(self, now: float | None = None, limit: int | None = None, *,
+                 rationed: bool | None = None) -> list[Attempt]:
+        """Claim due messages; respects the active limit and (``rationed``) the deferred budget.
+
+        New mail first, up to half the room; then the deferred classes (in
+        turn) up to what ``self.budget`` allows while new mail flows (all the
+        rest of the room when it does not); then new mail again for what is
+        left. The half kept back lets the trickle through even when new mail
+        alone would fill every poll.
+
+        ``rationed`` defaults to ``now is None``: polls at the spool's own
+        clock (the relay's, through ``next_due``) are budgeted, and may return
+        nothing while deferred mail is due (``next_wake`` says when to look
+        again). A caller that names its own time (a checker draining the queue
+        at a simulated instant) gets everything due, as before the budget.
+        """
+        if rationed is None:
+            rationed = now is None
+        now = self._now() if now is None else now
+        room = self.config.active_limit - len(self.attempts)
+        if limit is not None:
+            room = min(room, limit)
+        out: list[Attempt] = []
+        if room <= 0:
+            return out
+        budget = self.budget if rationed else None
+        self._take(0, (room + 1) // 2, now, out)
+        if budget is not None:
+            budget.note_new(len(out), now)
+        deferred = list(range(1, len(self.runners)))
+        if deferred:
+            allowed = budget.allowance(now) if budget is not None else None
+            cap = room if allowed is None else len(out) + min(allowed, room - len(out))
+            rot = self._rr % len(deferred)
+            self._rr += 1
+            before = len(out)
+            for k in deferred[rot:] + deferred[:rot]:
+                self._take(k, cap - len(out), now, out)
+            if budget is not None:
+                budget.spend(len(out) - before)
+        before = len(out)
+        self._take(0, room - len(out), now, out)
+        if budget is not None:
+            budget.note_new(len(out) - before, now)
+        return out
+
+    def _take(self, klass: int, count: int, now: float, out: list[Attempt]) -> None:
+        if count <= 0:
+            return
+        runner = self.runners[klass]
+        for cand in runner.scan(self.writer, now, count, self.by_envelope):
+            if self._gone(cand.pos):
+                continue
+            if cand.klass == HELD_CLASS:
+                self._carry_held(cand)
+                continue
+            out.append(self._claim(cand, now))
+
+    def _gone(self, pos: int) -> bool:
+        """Was the envelope claimed since the runner read it into its window?
+
+        A runner reads ahead in 1 MiB windows; a garbage mark written after that
+        (an admin change, an attempt that ended) is only on disk, or still
+        waiting for its START's sync. One small read per candidate settles it.
+        """
+        return self.writer.mark_pending(pos) or self.writer.read_flags(pos) & GARBAGE != 0
+
+    def _claim(self, cand: Candidate, now: float, kind: StartKind = StartKind.DELIVERY) -> Attempt:
+        env = decode_payload(RecordType.ENVELOPE, cand.payload)
+        assert isinstance(env, Envelope)
+        start = self._append(RecordType.START, Start(cand.pos, int(now * 1000), kind))
+        self.writer.mark_after_sync(cand.pos)
+        expired = (kind is StartKind.DELIVERY
+                   and now * 1000 - env.arrival_ms >= self.config.max_queue_lifetime * 1000)
+        attempt = Attempt(start, cand.pos, env, cand.klass, kind, expired)
+        self.attempts[start] = attempt
+        self.by_envelope[cand.pos] = attempt
+        return attempt
+
+    def _carry_held(self, cand: Candidate) -> None:
+        attempt = self._claim(cand, self._now(), StartKind.CARRY)
+        self._end(attempt, self._write_replacement(attempt.envelope, attempt.envelope_pos, HELD_CLASS,
+                                                   attempt.remaining,
+                                                   attempts=attempt.envelope.attempts, held=True))
+
+    def next_wake(self) -> float | None:
+        """Earliest time a runner may find something new (None: only new appends wake them).
+
+        Now, if a runner stopped at its limit with more perhaps due; but a
+        deferred runner waits for the budget to allow a claim, so that a caller
+        that polls at this time does not spin while the budget says no.
+        """
+        now = self._now()
+        gate = self.budget.next_allowed(now)
+        times = []
+        for r in self.runners:
+            t = now if r.has_more else r.wake_at
+            if t is not None:
+                times.append(t if r.klass == 0 else max(t, gate))
+        return min(times) if times else None
+
+    @property
+    def has_room(self) -> bool:
+        """May another message be claimed, under ``active_limit``?"""
+        return len(self.attempts) < self.config.active_limit
+
+    def record_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0) -> int:
+        """Append a DELIVERY delta. The caller must commit before the message's next step."""
+        outs = tuple(outcomes)
+        for o in outs:
+            if o.recipient not in attempt.envelope.recipients:
+                raise ValueError(f"{o.recipient!r} is not a recipient of this attempt")
+            attempt.outcomes[o.recipient] = o
+        return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), outs, duration_ms))
+
+    def finish(self, attempt: Attempt, *, next_class: int | None = None,
+               extra: dict[str, Any] | None = None) -> int | None:
+        """End an attempt: recipients without a final outcome go on in a replacement envelope.
+
+        Returns the replacement's position, or None when the message is done.
+        """
+        if attempt.start_pos not in self.attempts:
+            raise SpoolError("attempt already finished")
+        remaining = attempt.remaining
+        replacement = None
+        if remaining:
+            klass = self.config.next_class(attempt.klass) if next_class is None else next_class
+            merged = {**attempt.envelope.extra, **(extra or {})}
+            replacement = self._write_replacement(attempt.envelope, attempt.envelope_pos, klass, remaining,
+                                                  attempts=attempt.envelope.attempts + 1, extra=merged)
+        self._end(attempt, replacement)
+        return replacement

@@ -1,0 +1,371 @@
+"""The trio layer's core: group commit, back-pressure, and waiting for room on a full disk.
+
+Group commit. Tasks append records at once (positions are assigned in the
+event loop's thread) and then ``await commit()``. One committer task takes
+everything pending, writes and fdatasyncs it in a worker thread, and wakes
+every waiter whose records are now durable. While that fsync runs, more
+appends pile up for the next one, so fsyncs per message fall as concurrency
+rises: at 100 concurrent enqueues one fsync covers dozens of messages.
+
+Written, not synced. A committer pass writes without fdatasync unless
+someone waits for durability (``commit``): ``write_through`` (claims, before
+delivery begins) and a big body's flush only need the bytes in the file,
+where a killed process leaves them. The next sync covers them.
+
+Lazy records. FINISH records, replacement envelopes and the marks of an
+ended attempt need no fsync of their own (docs/design.md, "The log",
+durability rules), so ``finish`` does not start a commit: they ride with the
+next commit someone waits for, or, if none comes within
+``lazy_commit_delay``, one lazy commit takes them. It still fdatasyncs,
+because runners read only the durable part of the log (a replacement
+envelope must become visible to its runner) and a garbage mark may only be
+written once its START is durable; but at any load it finds the records
+already taken by a commit that was needed anyway.
+
+Crash-only. An exception in the committer (a failed fsync above all) is not
+handled: it ends the nursery and the process, and the next start recovers.
+
+No room. A batch whose write finds the disk full (ENOSPC, EDQUOT) is put back
+and tried again with a growing delay (``SPACE_RETRY_MIN`` to
+``SPACE_RETRY_MAX``) until it fits; meanwhile ``space_ok`` is False, every
+waiter for durability (``commit``, ``write_through``, ``wait_flushed``) gets
+DiskFull at once, and ``wait_for_space`` returns when a write succeeds again.
+``enqueue`` cancels its message before re-raising, so the SMTP side answers
+452 and the message is never delivered; the scheduler waits and commits again
+(its records are still appended, at their positions). The spool's reserve
+(``spool.reserve``), if a checkpoint gave it up, is allocated again by a task
+that retries likewise (``_reserve_keeper``).
+
+``GroupCommit`` holds the state of the whole trio layer; the other parts of
+``spool.commit.AsyncSpool`` build on it (``spool.async_claims``,
+``spool.async_admin``, ``spool.checkpointer``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from spool.errors import DiskFull
+from spool.spool import BodyWriter, Spool
+
+log = logging.getLogger("spool")
+# After a write or a checkpoint found no room: the first retry after SPACE_RETRY_MIN seconds, then twice as
+# long each time up to SPACE_RETRY_MAX (so mail is accepted again within that long of space returning).
+SPACE_RETRY_MIN = 0.05
+SPACE_RETRY_MAX = 2.0
+CHECKPOINT_RETRY_MAX = 30.0
+
+
+class GroupCommit:
+    """The committer and what waits on it, over one synchronous ``Spool`` (``core``)."""
+
+    def __init__(self, core: Spool) -> None:
+        self.core = core
+        # The committer (this module).
+        self._kick = trio.Event()
+        self._synced = trio.Event()
+        self._lazy = trio.Event()
+        self.batch_sizes: list[int] = []
+        self.lazy_commits = 0
+        self._want_sync = False  # someone waits for durability, not only for the bytes to be written
+        self._writing = 0  # bytes of the batch the committer's thread is writing now
+        core.flush_hook = self._kick.set
+        self._running = False
+        self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
+        self._expect_round = 0
+        self._expected_changed = trio.Event()
+        # Wake-ups: something a runner may find changed (spool.async_claims), or runners moved (the checkpointer).
+        self._changed = trio.Event()
+        self._moved = trio.Event()
+        # Room on disk (this module).
+        self._space = trio.Event()  # set (and replaced) whenever space_ok may have become True
+        self._disk_state = trio.Event()  # set (and replaced) at every change of room and every checkpoint attempt
+        self._full_since: float | None = None
+        self._reserve_lost = trio.Event()
+        self.space_failures = 0  # writes that found no room
+        # Checkpoints (spool.checkpointer).
+        self._last_plan: Any = None
+        self.checkpoint_passes = 0
+        self.checkpoint_failures = 0
+
+    # -- room on disk -----------------------------------------------------------
+
+    @property
+    def space_ok(self) -> bool:
+        """May new mail be taken? Not while a write waits for room, nor while the reserve is not whole."""
+        return self.core.writer.full is None and self.core.reserve.held
+
+    @property
+    def disk_full(self) -> bool:
+        """A write found no room and waits to be retried (deliveries pause; see ``wait_for_space``)."""
+        return self.core.writer.full is not None
+
+    def _raise_if_full(self) -> None:
+        full = self.core.writer.full
+        if full is not None:
+            raise DiskFull(errno.ENOSPC, f"the spool's disk is full: {full}")
+
+    async def wait_for_space(self) -> None:
+        """Return once no write waits for room (at once if none does)."""
+        while self.core.writer.full is not None:
+            await self._space.wait()
+
+    def _space_changed(self) -> None:
+        event, self._space = self._space, trio.Event()
+        event.set()
+        self._disk_changed()
+
+    def _disk_changed(self) -> None:
+        event, self._disk_state = self._disk_state, trio.Event()
+        event.set()
+
+    async def disk_event(self) -> None:
+        """Return at the next change of room on disk or checkpoint attempt.
+
+        For whoever watches ``disk_full``, ``space_failures``,
+        ``checkpoint_failures`` or ``checkpoint_state`` (tests, above all)
+        without polling.
+        """
+        await self._disk_state.wait()
+
+    async def _no_room(self, delay: float) -> float:
+        """A write found no room: tell the waiters, say it once, wait ``delay``; returns the next delay."""
+        self.space_failures += 1
+        if self._full_since is None:
+            self._full_since = trio.current_time()
+            log.warning("%s: %s; new mail is refused and deliveries wait; %d bytes wait in memory, retried until "
+                        "they fit", self.core.path, self.core.writer.full, self.core.writer.pending_bytes)
+        synced, self._synced = self._synced, trio.Event()
+        synced.set()  # every waiter sees writer.full and raises DiskFull
+        self._disk_changed()
+        await trio.sleep(delay)
+        return min(delay * 2, SPACE_RETRY_MAX)
+
+    def _room_again(self) -> None:
+        """A write that had found no room (here, or in recovery before the relay ran) went through."""
+        since = "" if self._full_since is None else f" after {trio.current_time() - self._full_since:.1f} s"
+        log.warning("%s: room on disk again%s: the waiting records are written, mail is accepted", self.core.path,
+                    since)
+        self._full_since = None
+        self._space_changed()
+
+    async def _reserve_keeper(self) -> None:
+        """Allocate the reserve again whenever it is not whole (after a checkpoint used it, or at a full start)."""
+        reserve = self.core.reserve
+        while True:
+            if reserve.held:
+                await self._reserve_lost.wait()
+                self._reserve_lost = trio.Event()
+                continue
+            delay = SPACE_RETRY_MIN
+            while not await trio.to_thread.run_sync(reserve.ensure):
+                await trio.sleep(delay)
+                delay = min(delay * 2, SPACE_RETRY_MAX)
+            log.info("%s: the spool's reserve is allocated again", self.core.path)
+            self._space_changed()
+
+    # -- durability -----------------------------------------------------------
+
+    async def _committer(self) -> None:
+        writer = self.core.writer
+        delay = SPACE_RETRY_MIN
+        while True:
+            await self._kick.wait()
+            self._kick = trio.Event()
+            self.core.flush_hook = self._kick.set
+            while writer.has_chunks or (self._want_sync and (
+                    writer.has_pending or writer.durable_end < writer.written_end)):
+                if self._want_sync:
+                    await self._gather()
+                before = writer.records
+                sync, self._want_sync = self._want_sync, False
+                was_full = writer.full is not None
+                batch = writer.take_batch(sync=sync)
+                self._writing = batch.size
+                try:
+                    await trio.to_thread.run_sync(writer.write_batch, batch)
+                except DiskFull:
+                    writer.restore(batch)
+                    self._want_sync = self._want_sync or sync
+                    self._writing = 0
+                    delay = await self._no_room(delay)
+                    continue
+                finally:
+                    self._writing = 0
+                if was_full:
+                    delay = SPACE_RETRY_MIN
+                    self._room_again()
+                self.batch_sizes.append(before)
+                if len(self.batch_sizes) > 1024:
+                    del self.batch_sizes[:512]
+                synced, self._synced = self._synced, trio.Event()
+                synced.set()
+                self._signal_change()
+
+    async def _gather(self) -> None:
+        """The group-commit window: wait for the commits announced as coming, then for an idle loop.
+
+        Why: a commit cut the moment it is wanted carries one or two messages
+        when each takes a millisecond or more of CPU to receive: the sessions
+        whose data is arriving (announced with ``expect_commit``) and the
+        deliveries already answered would each need an fsync of their own a
+        moment later. So the committer waits until no announced commit is
+        outstanding and no task can run (everything that could append has), or
+        ``commit_delay`` at most. With nothing announced and an idle loop (one
+        session) it returns at once: one pass of the scheduler, not a delay.
+
+        A session that keeps the window open until the bound (a slow client
+        in the middle of its data) is not waited for again in the same
+        transaction: its announcement is dropped (``_expect_round``).
+        """
+        delay = self.core.config.commit_delay
+        if delay <= 0:
+            return
+        writer, limit = self.core.writer, self.core.config.flush_threshold
+        with trio.move_on_after(delay) as window:
+            while self._expected > 0 and writer.pending_bytes < limit:
+                await self._expected_changed.wait()
+            if writer.pending_bytes < limit:  # else a session waits in wait_flushed: it cannot join
+                await wait_all_tasks_blocked()
+        if window.cancelled_caught and self._expected > 0:
+            self._expect_round += 1
+            self._expected = 0
+
+    def expect_commit(self) -> int:
+        """Announce a commit that is coming soon (a session in a mail transaction); withdraw it with the token.
+
+        The group-commit window waits for announced commits, within
+        ``commit_delay``, so that a message whose data is still arriving joins
+        this fsync instead of needing the next one.
+        """
+        self._expected += 1
+        return self._expect_round
+
+    def withdraw_commit(self, token: int) -> None:
+        """The announced commit has arrived (its records are appended) or will not come (the transaction ended)."""
+        if token != self._expect_round:
+            return  # dropped when a window timed out waiting for it
+        self._expected -= 1
+        self._wake_window()
+
+    def _wake_window(self) -> None:
+        changed, self._expected_changed = self._expected_changed, trio.Event()
+        changed.set()
+
+    async def commit(self) -> None:
+        """Return once everything appended before the call is durable.
+
+        Raises DiskFull while a write waits for room: the records stay appended
+        and become durable when it fits (``wait_for_space``, then commit again).
+        """
+        writer = self.core.writer
+        ticket = writer.head
+        while writer.durable_end < ticket:
+            self._raise_if_full()
+            self._want_sync = True
+            self._kick.set()
+            await self._synced.wait()
+
+    async def _ride_along(self) -> None:
+        """Return once everything appended before the call is durable, without a sync of its own.
+
+        For waiters that are in no hurry (the checkpoint): under load the next
+        commit somebody needs covers it; otherwise the lazy commit does, within
+        ``lazy_commit_delay``.
+        """
+        writer = self.core.writer
+        ticket = writer.head
+        while writer.durable_end < ticket:
+            self._raise_if_full()
+            self._lazy.set()
+            await self._synced.wait()
+
+    async def write_through(self) -> None:
+        """Return once everything appended before the call is written to the log's files, not synced.
+
+        Written bytes survive the process being killed (they are in the
+        kernel's page cache), not a power cut; the next commit makes them durable.
+        """
+        writer = self.core.writer
+        ticket = writer.head
+        while writer.written_end < ticket:
+            self._raise_if_full()
+            self._kick.set()
+            await self._synced.wait()
+
+    async def _lazy_committer(self) -> None:
+        """Commit what nobody waits for, unless a commit somebody waits for takes it first."""
+        delay = self.core.config.lazy_commit_delay
+        writer = self.core.writer
+        while True:
+            await self._lazy.wait()
+            await trio.sleep(delay)
+            self._lazy = trio.Event()
+            if writer.has_pending or writer.durable_end < writer.written_end:
+                self.lazy_commits += 1
+                self._want_sync = True
+                self._kick.set()
+
+    def _signal_change(self) -> None:
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+        self._moved.set()
+
+    # -- back-pressure ------------------------------------------------------------
+
+    @property
+    def unflushed_bytes(self) -> int:
+        """Bytes appended (message data above all) that are not yet written: pending, or being written now."""
+        return self.core.writer.pending_bytes + self._writing
+
+    async def wait_flushed(self) -> None:
+        """Return once the unwritten backlog is below ``flush_threshold`` (at once if it is).
+
+        For a receiver: stop reading from a client that sends faster than the
+        disk writes, instead of piling its message up in memory. The backlog
+        counts the batch being written too, so that the spool never holds more
+        than about ``flush_threshold`` bytes of message data in memory; the
+        core asks for a write at half of it, so appending and writing overlap.
+        """
+        limit = self.core.config.flush_threshold
+        while self.unflushed_bytes >= limit:
+            self._raise_if_full()
+            self._kick.set()
+            self._wake_window()
+            await self._synced.wait()
+
+    # -- enqueue ----------------------------------------------------------------
+
+    def begin_body(self) -> BodyWriter:
+        return self.core.begin_body()
+
+    async def enqueue(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
+                      extra: dict[str, Any] | None = None) -> int:
+        """Append and wait for durability: the caller may answer 250 when this returns.
+
+        Raises DiskFull (the caller answers 452) with the message cancelled:
+        it will not be delivered once the disk has room again.
+        """
+        msg = self.core.append_message(sender, recipients, body, extra=extra)
+        try:
+            await self.commit()
+        except DiskFull:
+            self.core.cancel(msg)
+            raise
+        return msg.message_id
+
+    async def enqueue_many(self, messages: Iterable[tuple[str, Iterable[str], bytes]]) -> list[int]:
+        appended = [self.core.append_message(s, r, b) for s, r, b in messages]
+        try:
+            await self.commit()
+        except DiskFull:
+            for msg in appended:
+                self.core.cancel(msg)
+            raise
+        return [m.message_id for m in appended]
