@@ -1,4 +1,4 @@
-"""Marks shared by every folder of tests.
+"""Marks and fixtures shared by every folder of tests.
 
 ``slow``: a test that takes seconds (a JVM, real subprocesses restarted,
 timeouts that must really pass). ``make test`` runs them all; a developer
@@ -8,6 +8,7 @@ may leave them out with ``pytest -m "not slow"``.
 from __future__ import annotations
 
 import pytest
+import trustme
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -15,3 +16,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "spark" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    """A certificate authority of the test's own, for the relay's and the next hops' certificates."""
+    return trustme.CA()

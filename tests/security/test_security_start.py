@@ -20,7 +20,7 @@ import pytest
 import trio
 import trustme
 from process_support import MTA, run_mta
-from relay_support import NextHop, start_relay
+from relay_support import NextHop, start_relay, tls_files
 
 from mta.config import ConfigError, parse_config
 from mta.process.security import UnsafeFile, check_tls_key
@@ -100,14 +100,6 @@ def test_a_listen_host_that_does_not_resolve_is_one_line(tmp_path: Path, process
 
 
 # -- TLS --------------------------------------------------------------------------------
-
-
-def tls_files(tmp_path: Path, ca: trustme.CA) -> tuple[Path, Path]:
-    cert = ca.issue_cert("relay.test")
-    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
-    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
-    os.chmod(tmp_path / "key.pem", 0o600)
-    return tmp_path / "cert.pem", tmp_path / "key.pem"
 
 
 def test_a_certificate_that_is_not_pem_is_one_line_and_exit_2(tmp_path: Path, ca: trustme.CA) -> None:

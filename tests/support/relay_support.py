@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 import trio
+import trustme
 
 from mta.config import Config, parse_config
 from mta.process.relay import Relay
@@ -59,6 +60,15 @@ dir = "{spool_dir}"
 {spool_extra}
 [routes]
 """ + "\n".join(lines) + "\n"
+
+
+def tls_files(directory: Path, ca: trustme.CA) -> tuple[Path, Path]:
+    """The relay's certificate for relay.test, issued by ``ca``, and its key (mode 0600): cert.pem, key.pem."""
+    cert = ca.issue_cert("relay.test")
+    cert.cert_chain_pems[0].write_to_path(str(directory / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(directory / "key.pem"))
+    os.chmod(directory / "key.pem", 0o600)
+    return directory / "cert.pem", directory / "key.pem"
 
 
 def relay_config(tmp: str, routes: dict[str, str], extra: str = "", retry: str | None = '["1s", "2s"]',
