@@ -27,19 +27,13 @@ from mta.inbound.listen import bind_error
 from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
 from mta.process.security import check_spool_dir
-from mta.process.shards import id_suffix, shard_config
 from mta.process.startup import check_start, unwrapped
 from mta.process.supervisor import follow_parent, watch_parent
+from mta.shards import shard_config, spool_config
 from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
 from spool.fileio import FileIO
 
 log = logging.getLogger("mta")
-
-
-def spool_config(config: Config, shard: int = 0) -> SpoolConfig:
-    """The engine's config for shard K, whose spool names its messages ``HEX-K`` in replies, logs and DSNs."""
-    return config.spool.engine(id_suffix=id_suffix(shard))
 
 
 def ssl_context(config: Config) -> ssl.SSLContext | None:
@@ -67,7 +61,7 @@ class Relay:
     """Everything one relay runs, started in order inside one nursery.
 
     ``shard``: which spool shard this process owns (``config`` is already that
-    shard's, see ``mta.process.shards.shard_config``); ``reuse_port``: listen with
+    shard's, see ``mta.shards.shard_config``); ``reuse_port``: listen with
     SO_REUSEPORT beside the other shards' processes; ``supervisor``: the
     parent's pid, whose death ends this process; ``poll_parent``: whether
     this process must poll for that death (the kernel was not asked to

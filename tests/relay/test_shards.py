@@ -21,7 +21,7 @@ from process_support import ServeProcess, mta, mta_json
 from relay_support import NextHop, write_relay_config
 
 from mta.config import parse_config
-from mta.process.shards import (
+from mta.shards import (
     format_cursor,
     format_queue_id,
     parse_cursor,
