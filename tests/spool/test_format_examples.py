@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
+from spool.checkpoint import Checkpoint
 from spool.errors import CorruptRecord
 from spool.fileio import OsFileIO
 from spool.reader import LogReader
@@ -114,7 +115,22 @@ def example() -> Example:
 
 def test_doc_has_exactly_the_examples_the_code_builds(doc_blocks: Blocks, example: Example) -> None:
     _, pieces, _ = example
-    assert set(doc_blocks) == set(pieces)
+    assert set(doc_blocks) == set(pieces) | {"checkpoint"}
+
+
+def example_checkpoint() -> Checkpoint:
+    """The checkpoint of the document's example: taken after the segment's message finished."""
+    head, first = make_pos(SEG, 312), make_pos(SEG, 32)
+    return Checkpoint(head, head, first, (head, first, first), (T + 62) * 1000, 1, 0)
+
+
+def test_doc_checkpoint_equals_code_and_reads_back(doc_blocks: Blocks) -> None:
+    doc_off, doc_bytes = doc_blocks["checkpoint"]
+    cp = example_checkpoint()
+    assert doc_off == 0
+    assert doc_bytes.hex(" ") == cp.to_bytes().hex(" ")
+    assert len(doc_bytes) == 94  # the size the document states
+    assert Checkpoint.from_bytes(doc_bytes, "checkpoint") == cp
 
 
 @pytest.mark.parametrize(
