@@ -9,7 +9,7 @@ answers are plain JSON-able dicts either way.
 Reads are the spool's constant-memory walks (``spool.admin``); a page holds at
 most ``limit`` messages and the cursor is a log position.
 
-Each function serves one spool shard (``shard``, see ``mta.process.shards``): ids in
+Each function serves one spool shard (``shard``, see ``mta.shards``): ids in
 requests must be that shard's and ids in answers carry its suffix. Spreading
 a request over the shards and merging the answers is ``mta.admin.shards_merge``'s job.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from mta.process.shards import format_queue_id, parse_queue_id
+from mta.shards import format_queue_id, parse_queue_id
 from spool import admin
 from spool.errors import NotFound, SpoolError
 

@@ -5,7 +5,7 @@ control socket if it runs (``mta.admin.client``) or from its spool on disk
 if not (``mta.admin.offline``). Here the answers become the one answer an
 operator asked for: counts and shapes add up, ``show`` and the changes go to
 each id's shard, ``list`` pages through shard 0, then shard 1, ... with a
-cursor that names the shard (``mta.process.shards``).
+cursor that names the shard (``mta.shards``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mta.admin.control import socket_path
 from mta.admin.errors import BadRequest, NoSuchMessage, SpoolUnavailable
 from mta.admin.offline import answer_offline
 from mta.config import Config
-from mta.process.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
+from mta.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
 from spool import admin
 
 SHAPE_TOP_PER_SHARD = 1000  # each shard's table before the merge: exact unless a shard sees more domains

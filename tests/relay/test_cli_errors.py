@@ -10,17 +10,16 @@ and stderr nothing. The table is ``mta.cli.FAILURES`` (docs/operations.md,
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
+from process_support import run_mta
 from relay_support import NextHop, start_relay
 
 from mta.admin.control import ERROR_CODES
@@ -28,11 +27,9 @@ from mta.config import parse_config
 from spool.config import SpoolConfig
 from spool.spool import Spool
 
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
-
 
 def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MTA, *args], capture_output=True, text=True, timeout=60, check=False, cwd=str(cwd))
+    return run_mta(*args, cwd=cwd)
 
 
 def write_config(tmp_path: Path, spool_dir: str = "spool", route: str = "discard") -> str:

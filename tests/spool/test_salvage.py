@@ -27,7 +27,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import trio
 from click.testing import CliRunner, Result
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from process_support import mta_json
 from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
 from salvage_support import (
     BODY_CHUNK,
@@ -416,6 +416,7 @@ def test_property_random_damage(built: tuple[str, dict[str, Queued]], cases: lis
 # -- the relay on the salvaged spool -------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_the_relay_starts_on_the_salvaged_spool_and_delivers(tmp_path: Path) -> None:
     """Damage a spool whose deferred mail is due (retry intervals of 1 s and 2 s), salvage it into the
     directory a relay is configured for, find an old queue id with `mta queue show`, start the relay: every
@@ -438,11 +439,7 @@ async def test_the_relay_starts_on_the_salvaged_spool_and_delivers(tmp_path: Pat
         cfg_path = tmp_path / "relay.toml"
         cfg_path.write_text(f'[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\n[spool]\ndir = "spool"\n'
                             f'retry_intervals = ["1s", "2s"]\n[routes]\n"*" = "smtp://127.0.0.1:{port}"\n')
-        mta = os.path.join(os.path.dirname(sys.executable), "mta")
-        shown = await trio.run_process([mta, "queue", "show", deferred, "--json", "--config", str(cfg_path)],
-                                       capture_stdout=True, capture_stderr=True, check=False, cwd=str(tmp_path))
-        assert shown.returncode == 0, shown.stderr.decode()
-        msg = json.loads(shown.stdout)
+        msg = await mta_json(cfg_path, "queue", "show", deferred)  # offline: opens the salvaged spool
         assert (msg["id"], msg["class"], msg["attempts"]) == (deferred, 2, 2)
 
         relay = await start_relay(nursery, relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{port}"},
