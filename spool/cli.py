@@ -1,13 +1,15 @@
-"""spoolctl: look inside a spool, read-only, while the relay runs (and ``recover`` it offline).
+"""spoolctl: look inside a spool, read-only, while the relay runs (and ``recover`` or ``salvage`` it offline).
 
 Every command prints a table for people and, with ``--json``, JSON for programs
 (``dump --json`` prints one JSON object per record, a line each). The analyses
 live in ``spool.inspection`` and ``spool.verify``; this module only parses arguments and prints.
 
-Exit status: 0 success (``verify``: clean); 1 the spool has problems (``verify``
-found some, ``dump`` or ``segments`` met damage, a corrupt record stopped a
-command); 2 bad arguments; 3 the spool could not be read (missing, not a spool,
-locked, I/O error). Errors are one line on stderr, never a traceback.
+Exit status: 0 success (``verify``: clean; ``salvage``: every message saved);
+1 the spool has problems (``verify`` found some, ``dump`` or ``segments`` met
+damage, a corrupt record stopped a command, ``salvage`` lost something and
+listed it); 2 bad arguments (``salvage``: a target that is not a new or empty
+directory); 3 the spool could not be read (missing, not a spool, locked, I/O
+error). Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from rich.console import Console
 from rich.table import Table
 
 from spool import inspection
+from spool import salvage as salvager
 from spool import verify as verifier
 from spool.config import SpoolConfig
 from spool.damage import Anomaly
 from spool.errors import CorruptRecord, SpoolError
 from spool.record import RecordType, format_pos, parse_pos
-from spool.units import format_age
+from spool.units import format_age, parse_size
 
 F = TypeVar("F", bound=Callable[..., Any])
 EXIT_PROBLEMS = 1
@@ -148,7 +151,8 @@ _INTERVALS = click.option("--retry-intervals", callback=_intervals, metavar="LIS
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
-    """Inspect a logspool spool directory (read-only; safe while the relay runs)."""
+    """Inspect a logspool spool directory (read-only; safe while the relay runs), or recover or salvage it
+    (offline)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -374,3 +378,44 @@ class _EchoHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         click.echo(f"spoolctl: {record.levelname.lower()}: {record.getMessage()}", err=True)
 
+
+
+# -- salvage ---------------------------------------------------------------------------
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@cli.command()
+@_DIR
+@click.option("--into", "into", required=True, metavar="NEWDIR", type=click.Path(path_type=str),
+              help="The new spool: a directory that does not exist yet, or an empty one.")
+@click.option("--segment-size", callback=_size, metavar="SIZE",
+              help="The new spool's segment size, as the relay's [spool] segment_size (default 64m).")
+@_INTERVALS
+@_json_option
+def salvage(directory: str, into: str, segment_size: int | None, retry_intervals: tuple[float, ...],
+            as_json: bool) -> int:
+    """Offline: copy every readable message of the spool DIR (damaged, say) into a new spool NEWDIR, with its
+    queue id, class, due time, arrival, attempts and held state; list what could not be saved. DIR is never
+    written; the relay must not be running on it. Exit 0: all saved; 1: something lost (listed)."""
+    config = SpoolConfig(retry_intervals=retry_intervals)
+    try:
+        if segment_size is not None:
+            config = attrs.evolve(config, segment_size=segment_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--segment-size'") from None
+    report = salvager.salvage(directory, into, config)
+    code = 0 if report.complete else EXIT_PROBLEMS
+    if as_json:
+        _print_json(report.as_dict())
+        return code
+    for line in report.lines():
+        click.echo(line)
+    return code

@@ -56,9 +56,10 @@ from spool.errors import CorruptRecord, DiskFull
 from spool.fairness import DeferredBudget
 from spool.fileio import FileIO
 from spool.log import Batch, LogWriter
-from spool.record import Envelope, Finish, Outcome, RecordType, StartKind, format_id, pos_segment
+from spool.record import Envelope, Finish, Outcome, RecordType, StartKind, format_id, make_pos, pos_segment
 from spool.reserve import Reserve
 from spool.runner import Runner
+from spool.segment import list_segments
 
 log = logging.getLogger("spool")
 BODY_SLACK = 2
@@ -123,6 +124,7 @@ class SpoolCore:
         # Attempts ended in memory whose FINISH is not durable yet, oldest first: (FINISH position, START
         # position, first position of the envelope and its body). See checkpoint_plan(durable_only=True).
         self._settling: deque[tuple[int, int, int]] = deque()
+        self._restore_floor: int | None = None  # restore_message: ids below this position are not this spool's
 
     def _now(self) -> float:
         return self.config.clock()
@@ -194,6 +196,31 @@ class SpoolCore:
         pos = self._append(RecordType.ENVELOPE, env, 0)
         self._note_span(pos, chunks)
         return Appended(mid, pos, chunks)
+
+    def restore_message(self, envelope: Envelope, klass: int, body: bytes | Iterable[bytes]) -> Appended:
+        """Append a message carried over from another spool, under its own queue id (``spoolctl salvage``).
+
+        ``envelope`` is kept whole (sender, recipients, arrival, attempts, held,
+        in doubt, extra) but for its body, written here, and ``replaces``,
+        dropped: it named a position of the other spool. It goes to runner class
+        ``klass`` with the spool clock's time, so the caller keeps a deferred
+        message's next retry by setting the clock to when its envelope was
+        appended. Not durable until commit.
+
+        Raises ValueError for a ``message_id`` at or past this log's first
+        segment: ids this spool hands out are positions in it, so only an id
+        below it can never meet one of them (``Spool.create(first_segment=)``).
+        """
+        if self._restore_floor is None:
+            self._restore_floor = make_pos(min(list_segments(self.io, self.log_dir), default=1), 0)
+        if envelope.message_id >= self._restore_floor:
+            raise ValueError(f"queue id {format_id(envelope.message_id)} could be one of this spool's own; "
+                             "create the spool past it (Spool.create(first_segment=...))")
+        chunks, size = self._body_chunks(body)
+        env = attrs.evolve(envelope, body=chunks, body_size=size, replaces=None)
+        pos = self._append(RecordType.ENVELOPE, env, klass)
+        self._note_span(pos, chunks)
+        return Appended(env.message_id, pos, chunks)
 
     def cancel(self, message: Appended) -> None:
         """Withdraw a message whose commit failed (DiskFull): it must not be delivered once written.

@@ -23,7 +23,11 @@ What the caller knows and the reader cannot:
   durable end). Nothing before it can be a torn tail, and a segment that ends
   before it has lost records (``ENDS_EARLY``).
 - ``expect_first``: the oldest segment that must exist (from the checkpoint:
-  segments before it may have been reclaimed, none after).
+  segments before it may have been reclaimed, none after), unless the log
+  began later: a first segment whose header records no predecessor
+  (``prev_size`` 0) is where the log began, and nothing before it is missing
+  (a spool made by ``Spool.create(first_segment=N)``, as ``spoolctl salvage``
+  makes them, begins at N).
 - ``segments``: the ids that make up the log, as listed when the caller
   looked (default: listed now). The last one is the only one whose tail may
   be torn. A listed segment that vanishes while we read, with no older one
@@ -99,6 +103,7 @@ class LogReader:
         self.expect_first = expect_first
         self.window = window
         self._listed: tuple[int, ...] | None = None if segments is None else tuple(sorted(segments))
+        self._began: tuple[int, bool] | None = None  # (the first segment, whether its header says the log began there)
         self.bytes_read = 0
         self.records = 0
 
@@ -123,7 +128,15 @@ class LogReader:
 
     def _first_wanted(self) -> int:
         first = self.segments[0] if self.segments else (self.expect_first or 1)
-        return min(first, self.expect_first) if self.expect_first is not None else first
+        if self.expect_first is None or self.expect_first >= first or self._began_log(first):
+            return first
+        return self.expect_first
+
+    def _began_log(self, seg: int) -> bool:
+        """Does ``seg``'s header say that no segment came before it (``prev_size`` 0)? Read once."""
+        if self._began is None or self._began[0] != seg:
+            self._began = (seg, self._recorded_size(seg) == 0)
+        return self._began[1]
 
     def _last_wanted(self) -> int:
         last = self.last if self.last is not None else self._first_wanted()
@@ -328,7 +341,10 @@ class SegmentWalk(Generic[R]):
             header = self._header(src, path)
             if header is not None:
                 yield header
-                if header.kind is not Kind.BAD_HEADER or size <= SEGMENT_HEADER_SIZE:
+                if header.kind is not Kind.BAD_HEADER:
+                    return
+                if size <= SEGMENT_HEADER_SIZE:  # no record left: but say how much its successor says is gone
+                    yield from self._bounds(path, size)[1]
                     return
             end, late = self._bounds(path, size)
             self.data_end = end

@@ -26,16 +26,18 @@ import fcntl
 import logging
 import os
 
+from spool import checkpoint as ckpt
 from spool import recovery
 from spool.admin_changes import AdminChanges
 from spool.bodies import BodyCache, BodyWriter
 from spool.config import SpoolConfig, fit_to_filesystem
 from spool.core import BODY_SLACK, LOG_DIR, Appended, Attempt
-from spool.errors import SpoolLocked
-from spool.fileio import FileIO, OsFileIO
+from spool.errors import SpoolError, SpoolLocked
+from spool.fileio import FileIO, OsFileIO, write_all
 from spool.reader import Reporter
 from spool.reclaim import CheckpointPlan, Reclaim
 from spool.reserve import Reserve
+from spool.segment import encode_segment_header, list_segments, segment_path
 
 log = logging.getLogger("spool")
 
@@ -62,6 +64,41 @@ class Spool(AdminChanges, Reclaim):
             sp._take_lock()
         try:
             sp.recovery_stats = recovery.recover(sp, on_damage)
+        except BaseException:
+            sp.close()
+            raise
+        return sp
+
+    @classmethod
+    def create(cls, path: str, config: SpoolConfig | None = None, io: FileIO | None = None, *,
+               first_segment: int = 1) -> Spool:
+        """A new spool whose log begins at segment ``first_segment``, opened (and locked) for writing.
+
+        Why a first segment other than 1: positions, hence the queue ids of the
+        messages this spool accepts, begin there. ``spool.salvage`` copies
+        messages from another spool under their old queue ids, which are
+        positions of that spool; a log that begins past all of them never hands
+        one of those ids out again (docs/design.md, "Salvage").
+
+        Raises SpoolError if ``path`` already holds a spool (a segment or a checkpoint), SpoolLocked.
+        """
+        if first_segment < 1:
+            raise ValueError("segment ids begin at 1")
+        sp = cls(path, config or SpoolConfig(), io or OsFileIO())
+        sp.io.makedirs(sp.log_dir)
+        sp._fit_to_filesystem()
+        sp._take_lock()
+        try:
+            if list_segments(sp.io, sp.log_dir) or sp.io.exists(os.path.join(path, ckpt.NAME)):
+                raise SpoolError(f"{path}: a spool is there already")
+            fd = sp.io.open(segment_path(sp.log_dir, first_segment), create=True, truncate=True)
+            try:
+                write_all(sp.io, fd, encode_segment_header(first_segment, int(sp._now())), 0)
+                sp.io.fsync(fd)
+            finally:
+                sp.io.close(fd)
+            sp.io.fsync_dir(sp.log_dir)
+            sp.recovery_stats = recovery.recover(sp)
         except BaseException:
             sp.close()
             raise

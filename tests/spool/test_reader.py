@@ -140,6 +140,28 @@ def test_missing_segments_gaps_and_what_the_checkpoint_needs(tmp_path: Path) -> 
     assert where(head_gone.missing()) == [(Kind.MISSING_SEGMENT, 3, 0), (Kind.MISSING_SEGMENT, 6, 0)]
 
 
+def test_no_segment_is_missing_before_the_one_whose_header_says_the_log_began_there(tmp_path: Path) -> None:
+    """A log that began at segment 7 (``Spool.create(first_segment=7)``, as ``spoolctl salvage`` makes):
+    its header records no predecessor, so a checkpoint that "needs" 5 and 6 finds nothing missing."""
+    write(tmp_path, 7, [envelope(7, 0)])
+    write(tmp_path, 8, [envelope(8, 0)], size_of(tmp_path, 7))
+    began = LogReader(OsFileIO(), str(tmp_path), expect_first=5)
+    assert began.missing() == [] and anomalies(began.read()) == []
+    (tmp_path / segment_name(7)).unlink()  # 8 records a predecessor: its loss is damage
+    cut = LogReader(OsFileIO(), str(tmp_path), expect_first=5)
+    assert where(cut.missing()) == [(Kind.MISSING_SEGMENT, s, 0) for s in (5, 6, 7)]
+
+
+def test_a_middle_segment_cut_below_its_header_says_how_much_is_gone(tmp_path: Path) -> None:
+    chain(tmp_path, 3)
+    sealed = size_of(tmp_path, 2)
+    for size in (0, 10):
+        (tmp_path / segment_name(2)).write_bytes(encode_segment_header(2, T, size_of(tmp_path, 1))[:size])
+        found = anomalies(LogReader(OsFileIO(), str(tmp_path)).read())
+        assert where(found) == [(Kind.BAD_HEADER, 2, 0), (Kind.SIZE_MISMATCH, 2, size)]
+        assert found[1].length == sealed - size and "truncated" in found[1].reason
+
+
 def test_a_segment_reclaimed_while_we_read_is_not_an_anomaly(tmp_path: Path) -> None:
     chain(tmp_path, 3)
     reader = LogReader(OsFileIO(), str(tmp_path))  # lists 1, 2, 3
