@@ -508,8 +508,8 @@ def test_relative_paths_in_a_file_resolve_against_its_directory(tmp_path: Path,
     path = etc / "relay.toml"
     path.write_text('[spool]\ndir = "../var/spool"\n[routes]\n"localhost" = "maildir:md"\n"*" = "discard"\n')
     monkeypatch.chdir("/")
-    for given in (str(path), os.path.relpath(path, "/")):
-        config = load_config(given, environ={})
+    for named in (str(path), os.path.relpath(path, "/")):
+        config = load_config(named, environ={})
         assert config.spool.dir == str(tmp_path / "var" / "spool")
         assert config.route_for("localhost") == MaildirRoute(str(etc / "md"))
         assert config.server.control_socket == str(tmp_path / "var" / "spool" / "control.sock")
