@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 REPORT_STAMP := $(VENV)/.installed-report
 DEV_STAMP := $(VENV)/.installed-dev
 SYS_STAMP := .sysdeps-installed
-SYSTEM_PACKAGES := swaks postfix strace default-jre-headless
+SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless
 
 .PHONY: run report test lint typecheck pytest spark-test sysdeps crashtest bench
 
@@ -33,7 +33,7 @@ $(DEV_STAMP): pyproject.toml
 # the maildir are. No shutdown path: Ctrl-C (or kill -9) ends it and the next start recovers.
 run: $(STAMP)
 	@echo "make run: a test message: swaks --server 127.0.0.1:2525 --to you@localhost"
-	@echo "          or: echo 'Subject: test' | curl -sS smtp://127.0.0.1:2525 --mail-from me@localhost --mail-rcpt you@localhost -T -"
+	@echo "          or: echo 'Subject: test' | curl -sS --crlf smtp://127.0.0.1:2525 --mail-from me@localhost --mail-rcpt you@localhost -T -"
 	@echo "          then: ls var/maildir/you/new/; $(BIN)/mta queue list"
 	@exec $(BIN)/mta serve
 
@@ -44,7 +44,7 @@ REPORT_OUT ?= var/report
 report: $(REPORT_STAMP)
 	$(BIN)/mta report --input $(REPORT_INPUT) --out $(REPORT_OUT)
 
-# System packages the tests use as real peers: swaks (client), Postfix's
+# System packages the tests use as real peers: swaks and curl (clients), Postfix's
 # smtp-source/smtp-sink, strace, and a Java runtime for Spark.
 sysdeps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

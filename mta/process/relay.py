@@ -66,7 +66,8 @@ def where_mail_goes(config: Config) -> str:
 
     ``make run`` relies on it to show where the maildir is, with the spool line above it.
     """
-    source = "built-in defaults (no config file)" if config.source == DEFAULTS_SOURCE else config.source
+    source = "built-in defaults (no config file)" if config.source == DEFAULTS_SOURCE else \
+        os.path.abspath(config.source)
     local = [f"{'any other domain' if domain == '*' else '@' + domain} into {route.path}/<localpart>/new/"
              for domain, route in config.routes.items() if isinstance(route, MaildirRoute)]
     return f"config {source}; " + (f"local delivery: {', '.join(local)}" if local else "no local delivery")
