@@ -201,6 +201,24 @@ def test_a_filter_that_matches_nothing_is_not_an_empty_queue(tmp_path: Path) -> 
     assert out == "No queued message matches\n"
 
 
+def test_a_recipient_in_doubt_after_a_crash_is_marked_in_list_and_show(tmp_path: Path) -> None:
+    """An attempt that started and left no outcome (the process died): recovery keeps its recipients in doubt."""
+    (tmp_path / "relay.toml").write_text('[spool]\ndir = "spool"\n')
+    sp = Spool.open(str(tmp_path / "spool"), SpoolConfig())
+    mid = sp.enqueue("a@example.org", ["b@far.example", "c@far.example"], b"Subject: x\r\n\r\ny\r\n")
+    sp.commit()
+    (attempt,) = sp.poll_due(time.time())
+    sp.record_delivery(attempt, [Outcome("c@far.example", Status.DEFERRED, 451, "4.3.0", "later", "mx")])
+    sp.commit()
+    sp.close()  # no FINISH: as after kill -9 in the middle of the delivery
+    config = ["--config", str(tmp_path / "relay.toml")]
+    out = ok(tmp_path, "queue", "list", *config)
+    assert re.search(r"\n {51}b@far\.example \(in doubt\)\n {51}c@far\.example\n", out), out
+    show = ok(tmp_path, "queue", "show", f"{mid:X}", *config)
+    assert "  b@far.example: in doubt (perhaps delivered before a crash; it will be tried again)\n" in show
+    assert re.search(r"\n  c@far\.example: (deferred|held): 451 4\.3\.0 later\n", show), show  # held: if recovery holds
+
+
 # -- the engine's order: pages by arrival, in a heap of one page ---------------------------------
 
 
