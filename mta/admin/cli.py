@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ from mta.cli_common import EXIT_FAILURE, config_option, json_option
 from mta.config import load_config
 from spool.units import format_age
 
+DEFAULT_LIMIT = 100
 EMPTY = "Mail queue is empty"
 NO_MATCH = "No queued message matches"
 _ID_WIDTH = 19  # a queue id and its mark: 16 hex digits, a shard suffix (-K) or two
@@ -97,7 +99,7 @@ def queue() -> None:
 @click.option("--recipient")
 @click.option("--held", is_flag=True, help="only held messages")
 @click.option("--in-doubt", is_flag=True, help="only messages with recipients possibly delivered before a crash")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 10_000), default=DEFAULT_LIMIT, show_default=True)
 @click.option("--cursor", default=None, help="continue where the previous page ended")
 @json_option
 def queue_list(config_path: str | None, domain: str | None, sender: str | None, recipient: str | None,
@@ -112,13 +114,22 @@ def queue_list(config_path: str | None, domain: str | None, sender: str | None, 
             filtered = any((domain, sender, recipient, held, in_doubt))
             click.echo(NO_MATCH if filtered else EMPTY)
             return
-        print_list(answer)
+        # The next page's command repeats what selected this one.
+        again = ["mta queue list", *(f"--{name} {shlex.quote(value)}" for name, value in
+                                     (("config", config_path), ("domain", domain), ("sender", sender),
+                                      ("recipient", recipient)) if value is not None),
+                 *(flag for flag, on in (("--held", held), ("--in-doubt", in_doubt)) if on),
+                 *([f"--limit {limit}"] if limit != DEFAULT_LIMIT else [])]
+        print_list(answer, " ".join(again))
 
     _emit(as_json, answer, human)
 
 
-def print_list(answer: dict[str, Any]) -> None:
-    """A page as ``postqueue -p`` prints the queue: header, one entry per message, totals last."""
+def print_list(answer: dict[str, Any], again: str = "mta queue list") -> None:
+    """A page as ``postqueue -p`` prints the queue: header, one entry per message, totals last.
+
+    ``again``: the command that lists the next page, given its ``--cursor``.
+    """
     click.echo(_LIST_HEAD)
     for m in answer["messages"]:
         mark = _MARKS.get(m["state"], "")
@@ -129,7 +140,7 @@ def print_list(answer: dict[str, Any]) -> None:
             click.echo(f"{_INDENT}{r}{' (in doubt)' if r in m['in_doubt'] else ''}")
         click.echo("")
     if answer["next"] is not None:
-        click.echo(f"-- {len(answer['messages'])} shown, more: mta queue list --cursor {answer['next']}")
+        click.echo(f"-- {len(answer['messages'])} shown, more: {again} --cursor {answer['next']}")
     click.echo(f"-- {kbytes(answer['total_bytes'])} Kbytes in {requests(answer['total'])}.")
 
 

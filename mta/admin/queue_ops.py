@@ -198,7 +198,7 @@ def recipient_rows(m: admin.LiveMessage, history: dict[str, admin.Tried]) -> lis
     for r in (*env.recipients, *(r for r in history if r not in env.recipients)):
         tried = history.get(r)
         o = tried.outcome if tried is not None else None
-        if o is not None and o.status.final and r not in env.recipients:
+        if o is not None and o.status.final:  # done, perhaps in the attempt still in flight
             status = FINAL_STATUSES[o.status]
         elif r in env.in_doubt:
             status = "in_doubt"

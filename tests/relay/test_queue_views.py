@@ -133,7 +133,8 @@ def test_pages_follow_arrival_and_a_hold_between_pages_neither_repeats_nor_skips
     first = json.loads(ok(tmp_path, "queue", "list", "--limit", "1", "--json", *config))
     assert [m["id"] for m in first["messages"]] == [ids["held"]] and first["total"] == 3
     text = ok(tmp_path, "queue", "list", "--limit", "1", *config)
-    assert f"-- 1 shown, more: mta queue list --cursor {first['next']}\n-- 3 Kbytes in 3 Requests.\n" in text
+    assert (f"-- 1 shown, more: mta queue list {' '.join(config)} --limit 1 --cursor {first['next']}\n"
+            "-- 3 Kbytes in 3 Requests.\n") in text  # the next page's command, as typed
     assert ok(tmp_path, "queue", "release", ids["held"], *config) == "release: 1 done\n"
     assert ok(tmp_path, "queue", "hold", ids["deferred"], *config) == "hold: 1 done\n"  # now last in the log
     second = json.loads(ok(tmp_path, "queue", "list", "--limit", "1", "--cursor", first["next"], "--json", *config))
