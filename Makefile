@@ -9,7 +9,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 SYS_STAMP := .sysdeps-installed
 SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless
 
-.PHONY: run report test lint typecheck pytest spark-test sysdeps crashtest bench
+.PHONY: run report test lint typecheck imports pytest spark-test sysdeps crashtest bench
 
 # The relay alone (trio, attrs, cbor2, click, crc32c, dnspython, prometheus-client, rich): no Spark,
 # whose pyspark alone is ~490 MB; `make report` adds it, `make test` adds it and the test tools.
@@ -58,8 +58,13 @@ sysdeps:
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check spool mta fault_injection tests tools
 
+# mypy --strict on every folder ([tool.mypy] files in pyproject.toml).
 typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
+
+# The import rules of [tool.importlinter] in pyproject.toml (import-linter).
+imports: $(DEV_STAMP)
+	$(BIN)/lint-imports
 
 # The Spark tests share one local SparkSession; they take several minutes on a
 # 2-core machine (most of it the JVM starting and planning), and run with the rest.
@@ -71,7 +76,7 @@ pytest: $(DEV_STAMP) sysdeps
 spark-test: $(DEV_STAMP) sysdeps
 	$(BIN)/pytest -q $(SPARK_TESTS)
 
-test: sysdeps $(DEV_STAMP) lint typecheck pytest
+test: sysdeps $(DEV_STAMP) lint typecheck imports pytest
 
 crashtest: $(DEV_STAMP)
 	$(BIN)/python -m fault_injection powercut --max-states 5000

@@ -174,8 +174,8 @@ class Walker:
             self.pending_data.setdefault(op.ino, []).append(op)
         elif isinstance(op, Sync):
             buf = self.data.setdefault(op.ino, bytearray())
-            for d in self.pending_data.pop(op.ino, []):
-                _apply_data(buf, d)
+            for data_op in self.pending_data.pop(op.ino, []):
+                _apply_data(buf, data_op)
         elif isinstance(op, Link | Rename | Unlink):
             d = _ns_dir(op)
             self.pending_ns.setdefault(d, []).append(op)
@@ -205,8 +205,8 @@ class Walker:
             kept_ns += list(zip(self.pending_ns_index[ino][:n], self.pending_ns[ino][:n]))
         if kept_ns:
             entries = {k: dict(v) for k, v in entries.items()}
-            for _, op in sorted(kept_ns, key=lambda x: x[0]):
-                _apply_ns(entries, op)
+            for _, ns_op in sorted(kept_ns, key=lambda x: x[0]):
+                _apply_ns(entries, ns_op)
         changed: dict[int, bytes] = {}
         for ino, n, torn in recipe.files:
             if n == 0:
@@ -233,7 +233,7 @@ class Walker:
 
 def _combos(files: list[list[tuple[int, int, int]]], dirs: list[list[tuple[int, int]]], cap: int,
             rng: random.Random) -> list[tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int], ...]]]:
-    groups: list[list[object]] = [list(g) for g in files] + [list(g) for g in dirs]
+    groups: list[list[object]] = [list[object](g) for g in files] + [list[object](g) for g in dirs]
     total = 1
     for g in groups:
         total *= len(g)

@@ -105,6 +105,11 @@ class FaultyFileIO:
             self._raise(path)
         return self.inner.open(path, create=create, truncate=truncate)
 
+    def create_new(self, path: str) -> int:
+        if self._hit("open"):
+            self._raise(path)
+        return self.inner.create_new(path)
+
     def open_read(self, path: str) -> int:
         return self.inner.open_read(path)
 
@@ -280,8 +285,9 @@ def run_case(fault: Fault, seed: int = 0, per_point: int = 16) -> CaseResult:
         exc: BaseException | None = None
         sp: RetryingSpool | None = None
         try:
-            sp = RetryingSpool.open(root, make_config(clock), io=fio)
-            assert isinstance(sp, RetryingSpool)
+            opened = RetryingSpool.open(root, make_config(clock), io=fio)  # Spool.open is typed to return a Spool
+            assert isinstance(opened, RetryingSpool)
+            sp = opened
             _workload(sp, rio, random.Random(seed), clock)
         except Exception as e:
             exc = e

@@ -17,11 +17,17 @@ crash point knows exactly what had been promised before it.
 
 Reads are passed through and not recorded. A failed call (an exception from
 the inner FileIO) is not recorded either: a failed fsync made nothing durable.
+
+Threads: the relay calls its FileIO from worker threads (the committer's
+syncs, local delivery), several at once. Each mutating call and its record
+happen under one lock, so the recorded order is the order the calls took
+effect: an fsync recorded before a concurrent write never claims that write.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import attrs
@@ -171,6 +177,7 @@ class RecordingFileIO:
         self.rec = recording or Recording(Snapshot.capture(self.root))
         self.entries: dict[int, dict[str, int]] = {k: dict(v) for k, v in self.rec.initial_entries.items()}
         self.fd_ino: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     # -- names --------------------------------------------------------------
 
@@ -195,34 +202,53 @@ class RecordingFileIO:
 
     def event(self, kind: str, *data: Any) -> None:
         """Log an acknowledgement or other workload event at this point of the op sequence."""
-        self.rec.ops.append(Event(kind, tuple(data)))
+        with self._lock:
+            self.rec.ops.append(Event(kind, tuple(data)))
 
     # -- FileIO ---------------------------------------------------------------
 
     def open(self, path: str, *, create: bool = False, truncate: bool = False) -> int:
-        parent, name, ino = self._lookup(path)
-        fd = self.inner.open(path, create=create, truncate=truncate)
-        if ino is None:
-            ino = self.rec.new_ino()
-            self.entries[parent][name] = ino
-            self.rec.ops.append(Link(parent, name, ino, False))
-        elif truncate:
-            self.rec.ops.append(Truncate(ino, 0))
-        self.fd_ino[fd] = ino
-        return fd
+        with self._lock:
+            parent, name, ino = self._lookup(path)
+            fd = self.inner.open(path, create=create, truncate=truncate)
+            if ino is None:
+                ino = self._link(parent, name, is_dir=False)
+            elif truncate:
+                self.rec.ops.append(Truncate(ino, 0))
+            self.fd_ino[fd] = ino
+            return fd
+
+    def create_new(self, path: str) -> int:
+        with self._lock:
+            parent, name, _ino = self._lookup(path)
+            fd = self.inner.create_new(path)  # FileExistsError if the name is taken: nothing recorded
+            self.fd_ino[fd] = self._link(parent, name, is_dir=False)
+            return fd
+
+    def _link(self, parent: int, name: str, *, is_dir: bool) -> int:
+        """A new inode named ``name`` in ``parent``: recorded as a Link."""
+        ino = self.rec.new_ino()
+        self.entries[parent][name] = ino
+        if is_dir:
+            self.entries[ino] = {}
+            self.rec.dir_inos.add(ino)
+        self.rec.ops.append(Link(parent, name, ino, is_dir))
+        return ino
 
     def open_read(self, path: str) -> int:
         return self.inner.open_read(path)
 
     def close(self, fd: int) -> None:
-        self.fd_ino.pop(fd, None)
-        self.inner.close(fd)
+        with self._lock:
+            self.fd_ino.pop(fd, None)
+            self.inner.close(fd)
 
     def write(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
-        n = self.inner.write(fd, data, offset)
-        if n > 0:
-            self.rec.ops.append(Write(self.fd_ino[fd], offset, bytes(memoryview(data)[:n])))
-        return n
+        with self._lock:
+            n = self.inner.write(fd, data, offset)
+            if n > 0:
+                self.rec.ops.append(Write(self.fd_ino[fd], offset, bytes(memoryview(data)[:n])))
+            return n
 
     def read(self, fd: int, size: int, offset: int) -> bytes:
         return self.inner.read(fd, size, offset)
@@ -231,44 +257,51 @@ class RecordingFileIO:
         return self.inner.size(fd)
 
     def fsync(self, fd: int) -> None:
-        self.inner.fsync(fd)
-        self.rec.ops.append(Sync(self.fd_ino[fd]))
+        with self._lock:
+            self.inner.fsync(fd)
+            self.rec.ops.append(Sync(self.fd_ino[fd]))
 
     def fdatasync(self, fd: int) -> None:
-        self.inner.fdatasync(fd)
-        self.rec.ops.append(Sync(self.fd_ino[fd]))
+        with self._lock:
+            self.inner.fdatasync(fd)
+            self.rec.ops.append(Sync(self.fd_ino[fd]))
 
     def truncate(self, fd: int, length: int) -> None:
-        self.inner.truncate(fd, length)
-        self.rec.ops.append(Truncate(self.fd_ino[fd], length))
+        with self._lock:
+            self.inner.truncate(fd, length)
+            self.rec.ops.append(Truncate(self.fd_ino[fd], length))
 
     def allocate(self, fd: int, length: int) -> None:
         """Recorded as a truncate that extends the file with zeros (what it reads as); never shrinks."""
-        before = self.inner.size(fd)
-        self.inner.allocate(fd, length)
-        if length > before:
-            self.rec.ops.append(Truncate(self.fd_ino[fd], length))
+        with self._lock:
+            before = self.inner.size(fd)
+            self.inner.allocate(fd, length)
+            if length > before:
+                self.rec.ops.append(Truncate(self.fd_ino[fd], length))
 
     def rename(self, src: str, dst: str) -> None:
-        sp, sn, ino = self._lookup(src)
-        dp, dn, _old = self._lookup(dst)
-        self.inner.rename(src, dst)
-        assert ino is not None
-        del self.entries[sp][sn]
-        self.entries[dp][dn] = ino
-        self.rec.ops.append(Rename(sp, sn, dp, dn, ino))
+        with self._lock:
+            sp, sn, ino = self._lookup(src)
+            dp, dn, _old = self._lookup(dst)
+            self.inner.rename(src, dst)
+            assert ino is not None
+            del self.entries[sp][sn]
+            self.entries[dp][dn] = ino
+            self.rec.ops.append(Rename(sp, sn, dp, dn, ino))
 
     def unlink(self, path: str) -> None:
-        parent, name, ino = self._lookup(path)
-        self.inner.unlink(path)
-        assert ino is not None
-        del self.entries[parent][name]
-        self.rec.ops.append(Unlink(parent, name, ino))
+        with self._lock:
+            parent, name, ino = self._lookup(path)
+            self.inner.unlink(path)
+            assert ino is not None
+            del self.entries[parent][name]
+            self.rec.ops.append(Unlink(parent, name, ino))
 
     def fsync_dir(self, path: str) -> None:
-        ino = self._dir_ino(self._parts(path))
-        self.inner.fsync_dir(path)
-        self.rec.ops.append(SyncDir(ino))
+        with self._lock:
+            ino = self._dir_ino(self._parts(path))
+            self.inner.fsync_dir(path)
+            self.rec.ops.append(SyncDir(ino))
 
     def listdir(self, path: str) -> list[str]:
         return self.inner.listdir(path)
@@ -277,15 +310,13 @@ class RecordingFileIO:
         return self.inner.exists(path)
 
     def makedirs(self, path: str) -> None:
-        parts = self._parts(path)
-        ino = ROOT_INO
-        for p in parts:
-            child = self.entries[ino].get(p)
-            if child is None:
-                child = self.rec.new_ino()
-                self.entries[ino][p] = child
-                self.entries[child] = {}
-                self.rec.dir_inos.add(child)
-                self.rec.ops.append(Link(ino, p, child, True))
-            ino = child
-        self.inner.makedirs(path)
+        """Each directory it made is one Link, recorded once the call succeeded."""
+        with self._lock:
+            parts = self._parts(path)
+            self.inner.makedirs(path)
+            ino = ROOT_INO
+            for p in parts:
+                child = self.entries[ino].get(p)
+                if child is None:
+                    child = self._link(ino, p, is_dir=True)
+                ino = child

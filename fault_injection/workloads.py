@@ -41,6 +41,9 @@ WORKLOADS = ("enqueue-only", "deliver", "flush-rotate", "recovery")
 
 
 class FakeClock:
+    """A manual clock for the spool (``SpoolConfig.clock``): record and due times follow ``now``, which only
+    its owner moves. The harnesses and the spool tests share it."""
+
     def __init__(self, now: float = START_TIME) -> None:
         self.now = now
 

@@ -35,7 +35,7 @@ from mta.admin.errors import (
 )
 from mta.cli_common import EXIT_FAILURE, EXIT_USAGE, JSON_REQUESTED, config_option, takes_json
 from mta.config import ConfigError, load_config, parse_listen_address
-from mta.config.cli import config as config_command
+from mta.process.config_cli import config as config_command
 from spool.errors import SpoolError, SpoolLocked
 
 _ARGV = "mta.argv"
@@ -148,11 +148,11 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     # shell's code for Ctrl-C); a shard child (which gets the same SIGINT from the terminal) dies by the signal
     # silently, so the line is printed once. See docs/operations.md.
     signal.signal(signal.SIGINT, signal.SIG_DFL if shard is not None else _interrupted)
+    from mta.errors import StartError
     from mta.process.relay import serve as run
-    from mta.process.relay import serve_shard, spool_config
-    from mta.process.shards import shard_count
-    from mta.process.startup import StartError
+    from mta.process.relay import serve_shard
     from mta.process.supervisor import supervise
+    from mta.shards import shard_count, spool_config
 
     config = load_config(config_path)
     if listen:

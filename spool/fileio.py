@@ -2,7 +2,10 @@
 
 Why: the fault-injection harness records these calls to build the crash states
 Linux permits, and injects ENOSPC, EIO, short writes and fsync failure, without
-touching the engine. The engine never calls ``os`` for file I/O directly.
+touching the engine. The engine never calls ``os`` for file I/O directly, and
+neither does local delivery (``mta.delivery.maildir``): a message delivered
+into a Maildir is part of what a power cut may take, so the harness records it
+through the same interface.
 
 File handles are plain integers (file descriptors for ``OsFileIO``); an
 implementation may hand out any integers it likes.
@@ -17,6 +20,10 @@ from typing import Protocol
 class FileIO(Protocol):
     def open(self, path: str, *, create: bool = False, truncate: bool = False) -> int:
         """Open read-write (``create``: make it if missing, mode 0600)."""
+        ...
+
+    def create_new(self, path: str) -> int:
+        """Create ``path`` (mode 0600) and open it for writing; ``FileExistsError`` if it exists (O_EXCL)."""
         ...
 
     def open_read(self, path: str) -> int: ...
@@ -55,7 +62,9 @@ class FileIO(Protocol):
 
     def exists(self, path: str) -> bool: ...
 
-    def makedirs(self, path: str) -> None: ...
+    def makedirs(self, path: str) -> None:
+        """Make ``path`` and its missing parents (mode 0700); nothing if it exists."""
+        ...
 
 
 class OsFileIO:
@@ -68,6 +77,9 @@ class OsFileIO:
         if truncate:
             flags |= os.O_TRUNC
         return os.open(path, flags, 0o600)
+
+    def create_new(self, path: str) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
     def open_read(self, path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -32,7 +32,7 @@ import gc
 import glob
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any, Final
 
 import attrs
@@ -384,7 +384,8 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def segment_batches(path: str | SegmentTask, relay: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[Any]:
+def segment_batches(path: str | SegmentTask, relay: str, batch_rows: int = DEFAULT_BATCH_ROWS
+                    ) -> Generator[Any, None, None]:
     """Arrow record batches for one segment file (see :data:`SCHEMA_DDL`), rows in file order.
 
     ``path`` alone reads the file as the last of its log (a torn tail is

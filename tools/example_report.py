@@ -2,7 +2,7 @@
 
 Why a script: the example report in the docs should come from segments the
 real spool engine wrote, not from hand-made numbers, and anyone should be
-able to make it again. It runs ``tests/spark_fixture.run_relay`` (the spool
+able to make it again. It runs ``tests/support/spark_fixture.run_relay`` (the spool
 engine over simulated time, with the tests' next hop answering per domain:
 delivered, greylisted, slow, unknown user, down) for two relays, ``mx1`` and
 ``mx2``, with ``archive_dir`` so most of the history is in ``archive/``.
@@ -21,10 +21,12 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# The tests' shared helpers are top-level modules in tests/support/ (pyproject's pytest pythonpath).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
+
+from spark_fixture import run_relay
 
 from mta.report.charts import svg_elements
-from tests.spark_fixture import run_relay
 
 RELAYS = ("mx1", "mx2")
 CHART_FILES = ("report_volume.svg", "report_latency.svg", "report_deferrals.svg")

@@ -114,7 +114,7 @@ def internal_error(exc: BaseException) -> dict[str, Any]:
 
 
 class ControlServer:
-    """One shard's control socket: its ids are ``HEX-K`` for shard K >= 1 (``mta.process.shards``)."""
+    """One shard's control socket: its ids are ``HEX-K`` for shard K >= 1 (``mta.shards``)."""
 
     def __init__(self, aspool: AsyncSpool, config: Config, shard: int = 0) -> None:
         self.aspool = aspool

@@ -60,7 +60,7 @@ def answer_offline(config: Config, shard: int, raw: dict[str, Any]) -> dict[str,
 
 
 def _open(config: Config, shard: int) -> Spool:
-    from mta.process.relay import spool_config  # here: a command that reaches a running relay never loads it
+    from mta.shards import spool_config  # here: a command that reaches a running relay never loads it
 
     try:
         settings = spool_config(config, shard)

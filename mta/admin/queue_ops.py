@@ -9,7 +9,7 @@ answers are plain JSON-able dicts either way.
 Reads are the spool's constant-memory walks (``spool.admin``). A ``list``
 page holds at most ``limit`` messages, oldest first, with the totals of every
 message the filter matches; its cursor is the last message's arrival time and
-queue id (``mta.process.shards.format_cursor``), so pages over several shards
+queue id (``mta.shards.format_cursor``), so pages over several shards
 merge into one order.
 
 Answers are for programs (``--json``) as much as for people: times are
@@ -17,7 +17,7 @@ seconds since the epoch, classes and sizes are numbers, and states are
 fixed words (``state``: queued, held, active; a recipient's ``status``:
 ``RECIPIENT_STATUSES``). ``mta.admin.cli`` turns them into words for people.
 
-Each function serves one spool shard (``shard``, see ``mta.process.shards``): ids in
+Each function serves one spool shard (``shard``, see ``mta.shards``): ids in
 requests must be that shard's and ids in answers carry its suffix. Spreading
 a request over the shards and merging the answers is ``mta.admin.shards_merge``'s job.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from mta.process.shards import Cursor, format_cursor, format_queue_id, parse_cursor, parse_queue_id
+from mta.shards import Cursor, format_cursor, format_queue_id, parse_cursor, parse_queue_id
 from spool import admin
 from spool.config import SpoolConfig
 from spool.core import SpoolCore

@@ -22,7 +22,7 @@ from mta.admin.control import socket_path
 from mta.admin.errors import BadRequest, NoSuchMessage, SpoolNotFound, SpoolUnavailable
 from mta.admin.offline import answer_offline
 from mta.config import DEFAULTS_SOURCE, Config
-from mta.process.shards import Cursor, all_shards, format_cursor, parse_cursor, parse_queue_id
+from mta.shards import Cursor, all_shards, format_cursor, parse_cursor, parse_queue_id
 from spool import admin
 from spool.core import LOG_DIR
 

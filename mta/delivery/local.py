@@ -8,14 +8,19 @@ import trio
 
 from mta.delivery import maildir
 from mta.delivery.transport import Destination, Job, OnOutcome
+from spool.fileio import FileIO
 from spool.record import Outcome, Status
 
 
 class MaildirTransport:
-    """Delivers into ``PATH/<localpart>/new`` and reports success only once it is durable there."""
+    """Delivers into ``PATH/<localpart>/new`` and reports success only once it is durable there.
 
-    def __init__(self, hostname: str) -> None:
+    ``io``: the file layer under the Maildirs (the spool's, so that one recording sees both).
+    """
+
+    def __init__(self, hostname: str, io: FileIO | None = None) -> None:
         self.hostname = hostname
+        self.writer = maildir.MaildirWriter(io)
 
     async def deliver(self, destination: Destination, jobs: Sequence[Job],
                       on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
@@ -32,7 +37,7 @@ class MaildirTransport:
         hop = f"maildir:{root}"
         for rcpt in job.recipients:
             try:
-                maildir.deliver(root, rcpt, job.sender, job.body, hostname=self.hostname)
+                self.writer.deliver(root, rcpt, job.sender, job.body, hostname=self.hostname)
             except maildir.InvalidMailbox as exc:
                 outs.append(Outcome(rcpt, Status.BOUNCED, exc.code, exc.status, str(exc), hop))
             except OSError as exc:

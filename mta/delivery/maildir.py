@@ -18,8 +18,21 @@ write its delivery record:
 
 A crash before step 4 leaves at most a file in ``tmp/`` (mail readers sweep
 stale ones) or an un-fsynced rename: the spool has no delivery record, so the
-message is delivered again, never lost. Freshly made directories are fsynced
-into their parents for the same reason.
+message is delivered again, never lost.
+
+The message is only as durable as the names that lead to it: ``new`` in the
+Maildir, the Maildir in ``PATH``, ``PATH`` in its parent. A directory entry
+survives a power cut only once its parent directory is fsynced, and a
+directory that already exists may have been made by another thread or an
+earlier life of the relay that never got that far. So before its first
+delivery into a Maildir, a ``MaildirWriter`` makes what is missing (each new
+directory fsynced into its parent, up to the first that existed) and fsyncs
+the Maildir, ``PATH`` and ``PATH``'s parent whether it made them or not; it
+remembers the Maildir and pays this once per process.
+
+Every file operation goes through a ``spool.fileio.FileIO``, the interface
+the spool's own files use, so the power-cut harness records local delivery
+with the rest (``fault_injection.recording.RecordingFileIO``).
 
 The unique name follows the Maildir convention, ``<sec>.M<usec>P<pid>Q<seq>.<host>``,
 with ``/`` and ``:`` in the host name escaped as the spec asks.
@@ -38,7 +51,9 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
-__all__ = ["InvalidMailbox", "MaildirDelivery", "MaildirError", "deliver", "mailbox_name"]
+from spool.fileio import FileIO, OsFileIO, write_all
+
+__all__ = ["InvalidMailbox", "MaildirDelivery", "MaildirError", "MaildirWriter", "mailbox_name"]
 
 _MAX_MAILBOX_BYTES = 200
 _sequence = itertools.count(1)
@@ -92,49 +107,75 @@ def mailbox_name(recipient: str) -> str:
     return name
 
 
-def deliver(
-    root: str,
-    recipient: str,
-    return_path: str,
-    chunks: Iterable[bytes],
-    *,
-    hostname: str | None = None,
-) -> MaildirDelivery:
-    """Deliver one message to ``root/<localpart>/new/`` and return only once it is durable.
+class MaildirWriter:
+    """Delivers into Maildirs through ``io``; remembers which Maildirs it has made durable.
 
-    ``chunks`` is the message as stored (header, blank line, body), consumed
-    once, never joined. The added header lines use the message's own line
-    ending (CRLF unless its first line ends in a bare LF). ``return_path`` is
-    the envelope sender; ``""`` (a bounce) is written as ``<>``.
-
-    Raises:
-        InvalidMailbox: the local part is unsafe (permanent failure).
-        OSError: the disk failed (temporary failure); no file is left in ``new/``.
-
-    Resource handling: the tmp file is closed, and removed on any failure.
+    One per relay process (the maildir transport holds it); its methods may be
+    called from several threads at once.
     """
-    maildir = os.path.join(os.path.abspath(root), mailbox_name(recipient))
-    _ensure_maildir(maildir)
-    host = hostname if hostname is not None else socket.gethostname()
-    unique = _unique_name(host)
-    tmp_path = os.path.join(maildir, "tmp", unique)
-    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
+
+    def __init__(self, io: FileIO | None = None) -> None:
+        self.io: FileIO = io or OsFileIO()
+        self._durable: set[str] = set()  # Maildirs whose names, up to PATH's parent, this process has fsynced
+
+    def deliver(self, root: str, recipient: str, return_path: str, chunks: Iterable[bytes], *,
+                hostname: str | None = None) -> MaildirDelivery:
+        """Deliver one message to ``root/<localpart>/new/`` and return only once it is durable.
+
+        ``chunks`` is the message as stored (header, blank line, body), consumed
+        once, never joined. The added header lines use the message's own line
+        ending (CRLF unless its first line ends in a bare LF). ``return_path`` is
+        the envelope sender; ``""`` (a bounce) is written as ``<>``.
+
+        Raises:
+            InvalidMailbox: the local part is unsafe (permanent failure).
+            OSError: the disk failed (temporary failure); no file is left in ``new/``.
+
+        Resource handling: the tmp file is closed, and removed on any failure.
+        """
+        io = self.io
+        maildir = os.path.join(os.path.abspath(root), mailbox_name(recipient))
+        self._ensure_maildir(maildir)
+        host = hostname if hostname is not None else socket.gethostname()
+        unique = _unique_name(host)
+        tmp_path = os.path.join(maildir, "tmp", unique)
+        fd = io.create_new(tmp_path)
         try:
-            size = _write_message(fd, recipient, return_path, chunks)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        new_path = os.path.join(maildir, "new", f"{unique},S={size}")
-        os.rename(tmp_path, new_path)
-    except BaseException:
-        try:
-            os.unlink(tmp_path)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(os.path.join(maildir, "new"))
-    return MaildirDelivery(new_path, size)
+            try:
+                size = _write_message(io, fd, recipient, return_path, chunks)
+                io.fsync(fd)
+            finally:
+                io.close(fd)
+            new_path = os.path.join(maildir, "new", f"{unique},S={size}")
+            io.rename(tmp_path, new_path)
+        except BaseException:
+            try:
+                io.unlink(tmp_path)
+            except OSError:
+                pass
+            raise
+        io.fsync_dir(os.path.join(maildir, "new"))
+        return MaildirDelivery(new_path, size)
+
+    def _ensure_maildir(self, maildir: str) -> None:
+        """Make ``maildir`` and its ``cur new tmp`` (0700) if missing, and make the names durable (once)."""
+        if maildir in self._durable:
+            return
+        root = os.path.dirname(maildir)
+        for path in (root, maildir, *(os.path.join(maildir, sub) for sub in ("cur", "new", "tmp"))):
+            self._make_dir(path)
+        # Made here or found (by another thread, or an earlier life that crashed before its fsync): durable now.
+        for path in (maildir, root, os.path.dirname(root)):
+            self.io.fsync_dir(path)
+        self._durable.add(maildir)
+
+    def _make_dir(self, path: str) -> None:
+        """Make ``path`` if missing, its missing parents first, each fsynced into its parent."""
+        if self.io.exists(path):
+            return
+        self._make_dir(os.path.dirname(path))
+        self.io.makedirs(path)  # one level: the parent exists; another thread may have just made it too
+        self.io.fsync_dir(os.path.dirname(path))
 
 
 def _unique_name(host: str) -> str:
@@ -143,7 +184,7 @@ def _unique_name(host: str) -> str:
     return f"{int(now)}.M{int(now % 1 * 1_000_000)}P{os.getpid()}Q{next(_sequence)}.{safe_host}"
 
 
-def _write_message(fd: int, recipient: str, return_path: str, chunks: Iterable[bytes]) -> int:
+def _write_message(io: FileIO, fd: int, recipient: str, return_path: str, chunks: Iterable[bytes]) -> int:
     stream = iter(chunks)
     head, newline = _sniff_newline(stream)
     prefix = b"Return-Path: <%s>%sDelivered-To: %s%s" % (
@@ -154,11 +195,8 @@ def _write_message(fd: int, recipient: str, return_path: str, chunks: Iterable[b
     )
     size = 0
     for chunk in itertools.chain((prefix, head), stream):
-        view = memoryview(chunk)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-            size += written
+        write_all(io, fd, chunk, size)
+        size += len(chunk)
     return size
 
 
@@ -182,32 +220,3 @@ def _header_safe(text: str) -> bytes:
         return flat.encode("utf-8", "surrogateescape")  # undecodable bytes from the wire go back as they came
     except UnicodeEncodeError:
         return flat.encode("utf-8", "replace")
-
-
-def _ensure_maildir(maildir: str) -> None:
-    """Make ``maildir`` and its ``cur new tmp`` (0700) if missing, each durable in its parent."""
-    if os.path.isdir(os.path.join(maildir, "new")) and os.path.isdir(os.path.join(maildir, "tmp")):
-        return
-    _make_dir(os.path.dirname(maildir))
-    _make_dir(maildir)
-    for sub in ("cur", "new", "tmp"):
-        _make_dir(os.path.join(maildir, sub))
-
-
-def _make_dir(path: str) -> None:
-    if os.path.isdir(path):
-        return
-    _make_dir(os.path.dirname(path))
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass  # another delivery thread made it, but may not have fsynced the parent yet
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -43,7 +43,7 @@ read, handed to its transport, or while its bounce is built, defers those
 messages only: each gets a DEFERRED outcome whose reply says ``local error:``
 and why (recorded like any other), with one log line and its traceback; the
 workers, the feeder and the relay go on. A spool failure that must end the
-process (``mta.process.containment.is_fatal``) is re-raised, never contained. The
+process (``mta.containment.is_fatal``) is re-raised, never contained. The
 spool bookkeeping around it (appending outcomes, committing, finishing) is
 shared state, where a bug ends the process.
 """
@@ -61,10 +61,10 @@ import attrs
 import trio
 
 from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute
+from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery.transport import Destination, Job, Transport
 from mta.observe.metrics import Metrics
-from mta.process.containment import is_fatal, local_error
 from spool.commit import AsyncSpool
 from spool.errors import DiskFull
 from spool.record import Outcome, Status

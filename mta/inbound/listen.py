@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import trio
 
 from mta.config import ConfigError, ListenAddress
-from mta.process.startup import StartError
+from mta.errors import StartError
 
 BACKLOG = 1024
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}

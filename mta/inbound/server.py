@@ -13,7 +13,7 @@ ends that session only: it is logged once with its traceback and the
 client's address, and the client gets ``421 4.3.0`` if it still listens
 (``_Session.fail``; ``_serve_connection`` is the last line for what happens
 outside a session). A spool failure (a failed fsync above all, or anything
-once the log writer is poisoned: ``mta.process.containment.is_fatal``) is not
+once the log writer is poisoned: ``mta.containment.is_fatal``) is not
 contained: it ends the relay, crash-only, and the next start recovers.
 
 Disk space: new mail is refused with ``452 4.3.1`` while the spool's disk is
@@ -40,11 +40,11 @@ from typing import Any
 import trio
 
 from mta.config import Config, NoRoute
+from mta.containment import is_fatal, local_error
 from mta.inbound.admission import Refusal, SessionSlots
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.listen import open_listeners
 from mta.observe.metrics import Metrics
-from mta.process.containment import is_fatal, local_error
 from mta.smtp.common import Reply, received_header, received_protocol
 from mta.smtp.server import (
     ConnectionClosed,
@@ -214,7 +214,7 @@ class SmtpServer:
 
 
 class _Session:
-    def __init__(self, server: SmtpServer, stream: trio.SocketStream, client_ip: str) -> None:
+    def __init__(self, server: SmtpServer, stream: trio.abc.Stream, client_ip: str) -> None:
         self.server = server
         self.config = server.config
         self.stream: trio.abc.Stream = stream

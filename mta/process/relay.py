@@ -27,18 +27,13 @@ from mta.inbound.listen import bind_error
 from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
 from mta.process.security import check_spool_dir
-from mta.process.shards import id_suffix, shard_config
 from mta.process.startup import check_start, unwrapped
 from mta.process.supervisor import follow_parent, watch_parent
+from mta.shards import shard_config, spool_config
 from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
+from spool.fileio import FileIO
 
 log = logging.getLogger("mta")
-
-
-def spool_config(config: Config, shard: int = 0) -> SpoolConfig:
-    """The engine's config for shard K, whose spool names its messages ``HEX-K`` in replies, logs and DSNs."""
-    return config.spool.engine(id_suffix=id_suffix(shard))
 
 
 def ssl_context(config: Config) -> ssl.SSLContext | None:
@@ -53,11 +48,12 @@ def ssl_context(config: Config) -> ssl.SSLContext | None:
     return ctx
 
 
-def transports(config: Config) -> Mapping[str, Transport]:
+def transports(config: Config, io: FileIO | None = None) -> Mapping[str, Transport]:
+    """The transports by kind; ``io``: the file layer for local delivery (None: the real files)."""
     from mta.delivery.smtp_transport import SmtpTransport
 
     smtp = SmtpTransport(config)
-    return {"maildir": MaildirTransport(config.server.hostname), "discard": DiscardTransport(),
+    return {"maildir": MaildirTransport(config.server.hostname, io), "discard": DiscardTransport(),
             "smtp": smtp, "mx": smtp}
 
 
@@ -77,16 +73,19 @@ class Relay:
     """Everything one relay runs, started in order inside one nursery.
 
     ``shard``: which spool shard this process owns (``config`` is already that
-    shard's, see ``mta.process.shards.shard_config``); ``reuse_port``: listen with
+    shard's, see ``mta.shards.shard_config``); ``reuse_port``: listen with
     SO_REUSEPORT beside the other shards' processes; ``supervisor``: the
     parent's pid, whose death ends this process; ``poll_parent``: whether
     this process must poll for that death (the kernel was not asked to
-    deliver it, see ``mta.process.supervisor.follow_parent``).
+    deliver it, see ``mta.process.supervisor.follow_parent``); ``io``: the
+    file layer under the spool and the Maildirs (a test's or a harness's
+    recording; None: the real files).
     """
 
     def __init__(self, config: Config, *, shard: int = 0, reuse_port: bool = False,
-                 supervisor: int | None = None, poll_parent: bool = True) -> None:
+                 supervisor: int | None = None, poll_parent: bool = True, io: FileIO | None = None) -> None:
         self.config = config
+        self.io = io
         self.shard = shard
         self.reuse_port = reuse_port
         self.supervisor = supervisor
@@ -101,7 +100,7 @@ class Relay:
         cfg = self.config
         os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
         check_spool_dir(cfg.spool.dir)
-        self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard))
+        self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard), self.io)
         self.metrics.watch_spool(self.aspool)
         async with trio.open_nursery() as nursery:
             if self.supervisor is not None and self.poll_parent:
@@ -114,7 +113,7 @@ class Relay:
             await nursery.start(control.serve)
             from mta.delivery.smtp_transport import SmtpTransport
 
-            outgoing = transports(cfg)
+            outgoing = transports(cfg, self.io)
             smtp = outgoing["smtp"]  # the same transport serves "mx"
             if isinstance(smtp, SmtpTransport):
                 await nursery.start(smtp.run)  # its connection cache

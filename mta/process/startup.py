@@ -33,29 +33,13 @@ from collections.abc import Iterator
 from typing import NoReturn
 
 from mta.config import Config, ConfigError, ListenAddress
+from mta.errors import StartError
 from mta.process.security import UnsafeFile, check_control_dir, check_tls_key
 
 __all__ = ["MAX_UNIX_PATH", "StartError", "check_start", "sole_error"]
 
 # sun_path holds 108 bytes on Linux; one is kept for the NUL that most other programs expect.
 MAX_UNIX_PATH = 107
-
-
-class StartError(OSError):
-    """The relay cannot start now for a reason outside its config (exit 1).
-
-    Read as ``FILE: KEY: PROBLEM`` like a ``ConfigError``: the setting whose
-    file, address or path is in the way.
-    """
-
-    def __init__(self, problem: str, file: str = "", key: str = "") -> None:
-        self.file = file
-        self.key = key
-        self.problem = problem
-        super().__init__(": ".join(part for part in (file, key, problem) if part))
-
-    def located(self, file: str) -> StartError:
-        return self if self.file else StartError(self.problem, file, self.key)
 
 
 def check_start(config: Config, *, listen: bool = True) -> None:

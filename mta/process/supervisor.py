@@ -1,4 +1,4 @@
-"""The ``mta serve`` parent when the relay runs several processes (see ``mta.process.shards``).
+"""The ``mta serve`` parent when the relay runs several processes (see ``mta.shards``).
 
 Theory of operation
 -------------------
@@ -52,8 +52,8 @@ import attrs
 from mta.config import DEFAULTS_SOURCE, Config, ListenAddress
 from mta.inbound.listen import bind_error
 from mta.process.security import check_spool_dir
-from mta.process.shards import SHARDS_DIR, shard_config, shard_count, shard_dir
 from mta.process.startup import check_start
+from mta.shards import SHARDS_DIR, shard_config, shard_count, shard_dir
 
 log = logging.getLogger("mta.supervisor")
 

@@ -1,7 +1,7 @@
 """What the report shows: the :class:`Figures` value and the tables that label it.
 
 The job (``mta.report.job``) computes a ``Figures`` with Spark, the tests
-compute one with plain Python (tests/report_reference.py), and the renderers
+compute one with plain Python (tests/support/report_reference.py), and the renderers
 (``mta.report.text``, ``mta.report.html_page``) only format one. Keeping the
 value and its labels here, apart from all three, is what lets every arrow
 point one way: renderers → figures ← job, and job → renderers.

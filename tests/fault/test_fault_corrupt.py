@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -19,12 +18,6 @@ from spool.record import RecordType, encode_frame
 from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header
 
 SEG = 7
-
-
-@pytest.fixture(autouse=True)
-def _quiet_engine(caplog: pytest.LogCaptureFixture) -> None:
-    # caplog puts the level back after the test, so later tests still see the engine's warnings.
-    caplog.set_level(logging.ERROR, logger="spool")
 
 
 def _segment(payloads: list[bytes]) -> bytes:

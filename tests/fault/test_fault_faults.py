@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import errno
-import logging
 import os
 from pathlib import Path
 
 import pytest
+from spool_support import tiny_config
 
 from fault_injection import faults
 from fault_injection.ledger import Ledger, check
-from spool.config import SpoolConfig
 from spool.errors import DiskFull, SpoolError, SyncFailed
 from spool.fileio import OsFileIO
 from spool.spool import Spool
-
-
-@pytest.fixture(autouse=True)
-def _quiet_engine(caplog: pytest.LogCaptureFixture) -> None:
-    # caplog puts the level back after the test, so later tests still see the engine's warnings.
-    caplog.set_level(logging.ERROR, logger="spool")
-
-
-def _config() -> SpoolConfig:
-    return SpoolConfig(segment_size=4096, retry_intervals=(1.0,), checkpoint_interval=float("inf"))
 
 
 def _enqueue(sp: Spool, led: Ledger, i: int) -> int:
@@ -37,7 +26,7 @@ def _enqueue(sp: Spool, led: Ledger, i: int) -> int:
 
 def test_failed_fsync_poisons_the_spool_and_reopen_keeps_what_was_acknowledged(tmp_path: Path) -> None:
     fio = faults.FaultyFileIO(OsFileIO())
-    sp = Spool.open(str(tmp_path), _config(), io=fio)
+    sp = Spool.open(str(tmp_path), tiny_config(), io=fio)
     led = Ledger()
     try:
         for i in range(5):
@@ -54,7 +43,7 @@ def test_failed_fsync_poisons_the_spool_and_reopen_keeps_what_was_acknowledged(t
         assert sum(fio.counts.values()) == calls, "the engine touched the disk after a failed fsync"
     finally:
         sp.close()
-    sp = Spool.open(str(tmp_path), _config())
+    sp = Spool.open(str(tmp_path), tiny_config())
     try:
         res = check(sp, led)
         assert res.ok, res.violations
@@ -64,7 +53,7 @@ def test_failed_fsync_poisons_the_spool_and_reopen_keeps_what_was_acknowledged(t
 
 def test_enospc_fails_the_commit_keeps_earlier_messages_and_does_not_poison(tmp_path: Path) -> None:
     fio = faults.FaultyFileIO(OsFileIO())
-    sp = Spool.open(str(tmp_path), _config(), io=fio)
+    sp = Spool.open(str(tmp_path), tiny_config(), io=fio)
     led = Ledger()
     try:
         mid = _enqueue(sp, led, 1)
@@ -80,7 +69,7 @@ def test_enospc_fails_the_commit_keeps_earlier_messages_and_does_not_poison(tmp_
         led.acked.add(mid)
     finally:
         sp.close()
-    sp = Spool.open(str(tmp_path), _config())
+    sp = Spool.open(str(tmp_path), tiny_config())
     try:
         res = check(sp, led)
         assert res.ok, res.violations

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fault_injection import kill9
 
 
+@pytest.mark.slow
 def test_twenty_kill_cycles_lose_nothing() -> None:
     summary = kill9.run(cycles=20, messages=12, concurrency=6, seed=3)
     assert summary.cycles == 20
@@ -14,6 +17,7 @@ def test_twenty_kill_cycles_lose_nothing() -> None:
     assert summary.delivered == summary.acknowledged
 
 
+@pytest.mark.slow
 def test_relay_kill_cycles_lose_nothing() -> None:
     """``mta serve`` killed with SIGKILL under SMTP load, restarted on its spool, drained: nothing lost.
 

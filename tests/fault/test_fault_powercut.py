@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from fault_injection import crashstates, powercut
@@ -12,12 +10,6 @@ from fault_injection.recording import Event, Link, Recording, Rename, Sync, Sync
 from fault_injection.workloads import build_in_temp
 
 STATES_PER_WORKLOAD = 60
-
-
-@pytest.fixture(autouse=True)
-def _quiet_engine(caplog: pytest.LogCaptureFixture) -> None:
-    # caplog puts the level back after the test, so later tests still see the engine's warnings.
-    caplog.set_level(logging.ERROR, logger="spool")
 
 
 def _states(rec: Recording, point: int) -> list[crashstates.State]:

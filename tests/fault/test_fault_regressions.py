@@ -10,17 +10,13 @@ import os
 from pathlib import Path
 
 import pytest
+from spool_support import tiny_config
 
 from fault_injection.corrupt import Fixture, Mutation, try_mutation
 from spool import admin
-from spool.config import SpoolConfig
 from spool.errors import CorruptSegment, SpoolError, SyncFailed
 from spool.fileio import OsFileIO
 from spool.spool import Spool
-
-
-def _config() -> SpoolConfig:
-    return SpoolConfig(segment_size=4096, retry_intervals=(1.0,), checkpoint_interval=float("inf"))
 
 
 def test_power_cut_during_the_first_start_recovers(tmp_path: Path) -> None:
@@ -29,7 +25,7 @@ def test_power_cut_during_the_first_start_recovers(tmp_path: Path) -> None:
     log_dir = tmp_path / "log"
     log_dir.mkdir()
     (log_dir / "0000000000000001.seg").write_bytes(b"")
-    sp = Spool.open(str(tmp_path), _config())
+    sp = Spool.open(str(tmp_path), tiny_config())
     try:
         mid = sp.enqueue("a@example.org", ["b@example.org"], b"hello")
         sp.commit()
@@ -40,7 +36,7 @@ def test_power_cut_during_the_first_start_recovers(tmp_path: Path) -> None:
 
 def test_first_segment_that_holds_records_is_not_recreated(tmp_path: Path) -> None:
     """The guard for the fix above: only an empty first segment may be recreated."""
-    sp = Spool.open(str(tmp_path), _config())
+    sp = Spool.open(str(tmp_path), tiny_config())
     sp.enqueue("a@example.org", ["b@example.org"], b"hello")
     sp.commit()
     sp.close()
@@ -49,7 +45,7 @@ def test_first_segment_that_holds_records_is_not_recreated(tmp_path: Path) -> No
     seg.write_bytes(bytes(32) + data[32:])
     os.remove(tmp_path / "checkpoint")
     with pytest.raises(SpoolError):
-        Spool.open(str(tmp_path), _config())
+        Spool.open(str(tmp_path), tiny_config())
 
 
 def test_checkpoint_after_a_failed_checkpoint_fsync_is_refused(tmp_path: Path) -> None:
@@ -57,7 +53,7 @@ def test_checkpoint_after_a_failed_checkpoint_fsync_is_refused(tmp_path: Path) -
     from fault_injection.faults import Fault, FaultyFileIO
 
     fio = FaultyFileIO(OsFileIO())
-    sp = Spool.open(str(tmp_path), _config(), io=fio)
+    sp = Spool.open(str(tmp_path), tiny_config(), io=fio)
     try:
         sp.enqueue("a@example.org", ["b@example.org"], b"hello")
         sp.commit()
@@ -77,18 +73,18 @@ def test_checkpoint_after_a_failed_checkpoint_fsync_is_refused(tmp_path: Path) -
 
 def test_last_segment_truncated_below_the_checkpoint_head_is_reported(tmp_path: Path) -> None:
     # corrupt --cases 60: 'truncate log/0000000000000007.seg to 601 bytes' (head at 7:2228) hung the runners.
-    sp = Spool.open(str(tmp_path), _config())
+    sp = Spool.open(str(tmp_path), tiny_config())
     for i in range(6):
         sp.enqueue("a@example.org", [f"b{i}@example.org"], b"x" * 300)
     sp.commit()
     sp.close()
-    Spool.open(str(tmp_path), _config()).close()  # its checkpoint's head and working start: the end of the log
+    Spool.open(str(tmp_path), tiny_config()).close()  # its checkpoint's head and working start: the end of the log
     seg = tmp_path / "log" / "0000000000000001.seg"
     size = seg.stat().st_size
     with open(seg, "r+b") as fh:
         fh.truncate(size // 2)
     with pytest.raises(CorruptSegment) as info:
-        Spool.open(str(tmp_path), _config())
+        Spool.open(str(tmp_path), tiny_config())
     assert info.value.path.endswith("0000000000000001.seg")
 
 

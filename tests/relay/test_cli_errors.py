@@ -14,13 +14,13 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
+from process_support import run_mta
 from relay_support import NextHop, start_relay
 
 from mta.admin.control import ERROR_CODES
@@ -28,11 +28,9 @@ from mta.config import parse_config
 from spool.config import SpoolConfig
 from spool.spool import Spool
 
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
-
 
 def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MTA, *args], capture_output=True, text=True, timeout=60, check=False, cwd=str(cwd))
+    return run_mta(*args, cwd=cwd)
 
 
 def write_config(tmp_path: Path, spool_dir: str = "spool", route: str = "discard") -> str:
@@ -124,8 +122,7 @@ def test_a_queue_command_on_a_missing_spool_names_it_and_its_config_and_creates_
 
 def test_with_no_config_file_the_missing_spool_is_the_default_one_in_the_current_directory(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "LOGSPOOL_CONFIG"}
-    proc = subprocess.run([MTA, "queue", "list"], capture_output=True, text=True, timeout=60, check=False,
-                          cwd=str(tmp_path), env=env)
+    proc = run_mta("queue", "list", cwd=tmp_path, env=env)
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr
     assert proc.stderr == (f"mta: no spool at {tmp_path / 'var' / 'spool'} (the built-in default spool.dir, "
                            "relative to the current directory: no --config, $LOGSPOOL_CONFIG or ./logspool.toml); "

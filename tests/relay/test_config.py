@@ -27,7 +27,7 @@ from mta.config import (
     parse_route,
     parse_size,
 )
-from mta.process.relay import spool_config
+from mta.shards import spool_config
 
 FULL = """
 [server]
@@ -707,7 +707,7 @@ def test_arbitrary_text_gives_config_or_config_error(text: str) -> None:
 
 
 def test_the_engine_gets_the_spool_pacing_settings(tmp_path: Path) -> None:
-    from mta.process.relay import spool_config
+    from mta.shards import spool_config
 
     engine = spool_config(parse_config(FULL, "full.toml", base_dir=str(tmp_path)), shard=1)
     assert (engine.commit_delay, engine.checkpoint_interval, engine.checkpoint_bytes) == (0.02, 5.0, 4 << 20)

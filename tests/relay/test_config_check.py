@@ -10,19 +10,14 @@ import os
 import re
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import trustme
+from process_support import run_mta
+from relay_support import tls_files
 
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
 ENV = {k: v for k, v in os.environ.items() if k != "LOGSPOOL_CONFIG"}
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
 
 
 def write(tmp_path: Path, server: str = "", spool: str = "", spool_dir: Path | None = None) -> Path:
@@ -33,8 +28,7 @@ def write(tmp_path: Path, server: str = "", spool: str = "", spool_dir: Path | N
 
 
 def mta(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MTA, *args], capture_output=True, text=True, timeout=60, check=False, cwd=str(cwd),
-                          stdin=subprocess.DEVNULL, env=ENV)
+    return run_mta(*args, cwd=cwd, env=ENV)
 
 
 def check(config: Path) -> subprocess.CompletedProcess[str]:
@@ -140,14 +134,6 @@ def test_an_archive_dir_that_cannot_be_created_is_exit_1(tmp_path: Path) -> None
     config = write(tmp_path, spool=f'archive_dir = "{tmp_path / "plain" / "archive"}"')
     assert problems(config, 1) == [f"mta: {config}: spool.archive_dir: cannot create {tmp_path}/plain/archive: "
                                    f"{tmp_path}/plain is not a directory"]
-
-
-def tls_files(tmp_path: Path, ca: trustme.CA) -> tuple[Path, Path]:
-    cert = ca.issue_cert("relay.test")
-    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
-    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
-    os.chmod(tmp_path / "key.pem", 0o600)
-    return tmp_path / "cert.pem", tmp_path / "key.pem"
 
 
 def test_good_tls_files_pass(tmp_path: Path, ca: trustme.CA) -> None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import attrs
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from process_support import run_mta
 
 from mta.config import Config, ConfigError, parse_config
 from mta.config.loader import definitions
@@ -28,7 +27,6 @@ from spool.settings import Boolean, Duration, Fraction, Integer, Kind, ListOf, O
 from spool.settings import Path as PathKind
 from spool.units import parse_duration
 
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
 ENV = {k: v for k, v in os.environ.items() if k != "LOGSPOOL_CONFIG"}
 BASE = "/base"
 CA_FILE = os.path.abspath(__file__)  # any file that exists will do for a path that must name a file
@@ -116,8 +114,7 @@ def test_mta_config_show_n_run_elsewhere_reads_defaults_from_the_files_directory
     path = tmp_path / "etc" / "relay.toml"
     path.parent.mkdir()
     path.write_text('[server]\nmax_sessions = 40\n')
-    run = subprocess.run([MTA, "config", "show", "-n", "--config", str(path)], capture_output=True, text=True,
-                         timeout=60, check=False, cwd="/", env=ENV, stdin=subprocess.DEVNULL)
+    run = run_mta("config", "show", "-n", "--config", str(path), cwd=Path("/"), env=ENV)
     assert (run.returncode, run.stderr) == (0, ""), run.stderr
     assert [line for line in run.stdout.splitlines() if line and not line.startswith("#")] == \
         ["[server]", "max_sessions = 40"]
@@ -127,14 +124,12 @@ def test_mta_config_show_as_a_command(tmp_path: Path) -> None:
     path = tmp_path / "relay.toml"
     path.write_text(FULL)
     for flags in ([], ["-n"]):
-        run = subprocess.run([MTA, "config", "show", "--config", str(path), *flags], capture_output=True, text=True,
-                             timeout=60, check=False, cwd=str(tmp_path), env=ENV, stdin=subprocess.DEVNULL)
+        run = run_mta("config", "show", "--config", str(path), *flags, cwd=tmp_path, env=ENV)
         assert (run.returncode, run.stderr) == (0, ""), run.stderr
         assert run.stdout.startswith(f"# mta config show: the settings of {path} ")
         same(run.stdout, parse_config(FULL, str(path), base_dir=str(tmp_path)), base_dir=str(tmp_path))
     path.write_text("[server]\nmax_errors = 0\nfoo = 1\n")
-    run = subprocess.run([MTA, "config", "show", "--config", str(path)], capture_output=True, text=True, timeout=60,
-                         check=False, cwd=str(tmp_path), env=ENV, stdin=subprocess.DEVNULL)
+    run = run_mta("config", "show", "--config", str(path), cwd=tmp_path, env=ENV)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.splitlines() == [f"mta: {path}: server.max_errors: must be between 1 and {1 << 62}, got 0",
                                        f"mta: {path}: server.foo: unknown key"]

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import email
-import json
 import os
 import smtplib
 import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import trio
-from relay_support import DeliveryWatch, NextHop, Received, relay_config, start_relay
+from process_support import mta_json
+from relay_support import DeliveryWatch, NextHop, Received, relay_config, start_relay, write_relay_config
 
 from mta.smtp.common import Reply
 from spool.record import Status
@@ -162,6 +162,7 @@ async def test_swaks_client_and_smtp_sink_next_hop(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_admin_cli_reaches_the_running_relay(tmp_path: Path) -> None:
     def policy(stage: str, value: object) -> Reply | None:
         return Reply(451, "4.4.2", "busy") if stage == "rcpt" else None
@@ -169,38 +170,26 @@ async def test_admin_cli_reaches_the_running_relay(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         hop = NextHop(policy)
         port = await hop.start(nursery)
-        cfg_path = tmp_path / "relay.toml"
-        cfg_path.write_text(f'[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\n[spool]\ndir = "spool"\n'
-                            f'retry_intervals = ["1h"]\n[routes]\n"*" = "smtp://127.0.0.1:{port}"\n')
+        cfg_path = write_relay_config(tmp_path, {"*": f"smtp://127.0.0.1:{port}"}, retry='["1h"]')
         cfg = relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{port}"}, retry='["1h"]')
         relay = await start_relay(nursery, cfg)
         watch = DeliveryWatch(relay)
         await send(relay.ports[0], "a@example.org", ["b@far.example"], "Subject: q\r\n\r\nqueued\r\n")
         await watch.wait_for(Status.DEFERRED, 1)
 
-        async def mta(*args: str) -> dict[str, object]:
-            # The console script, not `python -m`: the test's cwd holds a directory named spool.
-            mta_bin = os.path.join(os.path.dirname(sys.executable), "mta")
-            proc = await trio.run_process([mta_bin, *args, "--config", str(cfg_path)],
-                                          capture_stdout=True, capture_stderr=True, check=False,
-                                          cwd=str(tmp_path))
-            assert proc.returncode == 0, proc.stderr.decode()
-            answer: dict[str, object] = json.loads(proc.stdout)
-            return answer
-
-        listing = await mta("queue", "list", "--json")
+        listing = await mta_json(cfg_path, "queue", "list")
         msgs = listing["messages"]
         assert isinstance(msgs, list) and len(msgs) == 1
         qid = msgs[0]["id"]
         assert msgs[0]["recipients"] == ["b@far.example"] and "busy" in msgs[0]["last_error"]
-        await mta("queue", "hold", qid, "--json")
-        held = await mta("queue", "list", "--held", "--json")
-        assert [m["id"] for m in held["messages"]] == [qid]  # type: ignore[union-attr]
-        await mta("queue", "release", qid, "--json")
-        count = await mta("queue", "count", "--held", "--json")
+        await mta_json(cfg_path, "queue", "hold", qid)
+        held = await mta_json(cfg_path, "queue", "list", "--held")
+        assert [m["id"] for m in held["messages"]] == [qid]
+        await mta_json(cfg_path, "queue", "release", qid)
+        count = await mta_json(cfg_path, "queue", "count", "--held")
         assert count["count"] == 0
-        await mta("queue", "delete", qid, "--json")
-        assert (await mta("queue", "count", "--json"))["count"] == 0
+        await mta_json(cfg_path, "queue", "delete", qid)
+        assert (await mta_json(cfg_path, "queue", "count"))["count"] == 0
         nursery.cancel_scope.cancel()
 
 

@@ -20,200 +20,19 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import re
 import signal
 import smtplib
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
+from process_support import RelayProcess, mta_json
+from relay_support import GatedHop, write_relay_config
 
-from mta.smtp.common import Reply
-from mta.smtp.server import (
-    ConnectionClosed,
-    DataAborted,
-    DataChunk,
-    EndOfData,
-    MailFrom,
-    NeedData,
-    Quit,
-    RcptTo,
-    ServerConnection,
-    StartTls,
-)
-
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+),")
-IN_DOUBT = re.compile(r"in doubt: queue id (\S+) recipient (\S+):")
-MESSAGE_ID = re.compile(rb"^Message-ID: <([^>]+)>", re.MULTILINE | re.IGNORECASE)
-
-
-class GatedHop:
-    """A next hop that takes ``accept_first`` messages at once, then holds each ``250`` until ``gate`` opens."""
-
-    def __init__(self) -> None:
-        self.port = 0
-        self.received: list[tuple[int, str, str]] = []  # (life, Message-ID, recipient)
-        self.held: list[str] = []
-        self.life = 1
-        self.accept_first = 0
-        self.gate = trio.Event()
-        self._changed = trio.Event()
-        self._in_life = 0
-        # Called when a message is held: a test may kill the relay right there, with no task switch.
-        self.on_hold: Any = None
-        self.reply_text = ""  # the 250's text, if not "taken <Message-ID>" (LF between lines)
-
-    async def start(self, nursery: trio.Nursery) -> None:
-        listeners = await nursery.start(functools.partial(trio.serve_tcp, self._handle, 0, host="127.0.0.1"))
-        self.port = int(listeners[0].socket.getsockname()[1])
-
-    def new_life(self, accept_first: int) -> None:
-        self.gate.set()  # the old life's held connections are dead; let their handlers end
-        self.gate = trio.Event()
-        self.life += 1
-        self.accept_first = accept_first
-        self.held = []
-        self._in_life = 0
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_until(self, condition: Any, timeout: float = 90) -> None:
-        with trio.fail_after(timeout):
-            while not condition():
-                await self._changed.wait()
-
-    def ids(self, life: int | None = None) -> list[str]:
-        return [mid for lf, mid, _ in self.received if life is None or lf == life]
-
-    async def _end_of_data(self, conn: ServerConnection, stream: trio.SocketStream, rcpts: list[str],
-                           data: bytes) -> None:
-        match = MESSAGE_ID.search(data)
-        mid = match.group(1).decode() if match else "?"
-        for r in rcpts:
-            self.received.append((self.life, mid, r))
-        self._in_life += 1
-        if self._in_life > self.accept_first:
-            gate = self.gate
-            self.held.append(mid)
-            if self.on_hold is not None:
-                self.on_hold()
-            self._wake()
-            await gate.wait()
-        self._wake()
-        conn.accept(Reply(250, "2.0.0", self.reply_text or f"taken {mid}"))
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        conn = ServerConnection("hop.test")
-        rcpts: list[str] = []
-        data = bytearray()
-        try:
-            while True:
-                out = conn.data_to_send()
-                if out:
-                    await stream.send_all(out)
-                ev = conn.next_event()
-                if isinstance(ev, NeedData):
-                    out = conn.data_to_send()  # a reply queued with NeedData (554 to DATA) goes first
-                    if out:
-                        await stream.send_all(out)
-                    conn.receive_data(await stream.receive_some(65536))
-                elif isinstance(ev, MailFrom):
-                    rcpts, data = [], bytearray()
-                    conn.accept()
-                elif isinstance(ev, RcptTo):
-                    rcpts.append(ev.address)
-                    conn.accept()
-                elif isinstance(ev, DataChunk):
-                    data += ev.data
-                elif isinstance(ev, EndOfData):
-                    await self._end_of_data(conn, stream, rcpts, bytes(data))
-                elif isinstance(ev, StartTls):
-                    conn.reject(Reply(454, "4.7.0", "no TLS here"))
-                elif isinstance(ev, DataAborted):
-                    data = bytearray()
-                elif isinstance(ev, (Quit, ConnectionClosed)):
-                    out = conn.data_to_send()
-                    if out:
-                        await stream.send_all(out)
-                    return
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
-
-
-class RelayProcess:
-    """``mta serve`` as a child process; its stderr is collected line by line."""
-
-    def __init__(self, config: Path) -> None:
-        self.config = config
-        self.lines: list[str] = []
-        self.port = 0
-        self.proc: trio.Process | None = None
-        self._changed = trio.Event()
-
-    async def start(self, nursery: trio.Nursery) -> None:
-        self.lines = []
-        self.proc = await trio.lowlevel.open_process(
-            [MTA, "serve", "--config", str(self.config)], cwd=str(self.config.parent),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        nursery.start_soon(self._read_stderr, self.proc)
-        nursery.start_soon(self._reap, self.proc)
-        with trio.fail_after(60):
-            while not self.port:
-                if self.proc.returncode is not None:
-                    raise AssertionError("the relay exited: " + "\n".join(self.lines))
-                for line in self.lines:
-                    if m := LISTENING.search(line):
-                        self.port = int(m.group(1))
-                if not self.port:
-                    await self._changed.wait()
-
-    async def _reap(self, proc: trio.Process) -> None:
-        """Whatever way the test ends (a failed assertion included), no relay outlives it."""
-        try:
-            await trio.sleep_forever()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-
-    async def _read_stderr(self, proc: trio.Process) -> None:
-        assert proc.stderr is not None
-        buf = b""
-        while True:
-            chunk = await proc.stderr.receive_some(65536)
-            if not chunk:
-                break
-            buf += chunk
-            *complete, buf = buf.split(b"\n")
-            self.lines += [line.decode("utf-8", "replace") for line in complete]
-            self._changed.set()
-            self._changed = trio.Event()
-        await proc.wait()
-        self._changed.set()
-
-    async def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        with trio.fail_after(30):
-            await self.proc.wait()
-        assert self.proc.returncode == -signal.SIGKILL
-        self.port = 0
-
-    def in_doubt_logged(self) -> set[tuple[str, str]]:
-        return {(m.group(1), m.group(2)) for line in self.lines if (m := IN_DOUBT.search(line))}
-
-
-async def mta(config: Path, *args: str) -> Any:
-    proc = await trio.run_process([MTA, *args, "--config", str(config)], capture_stdout=True, capture_stderr=True,
-                                  check=False, cwd=str(config.parent))
-    assert proc.returncode == 0, proc.stderr.decode()
-    return json.loads(proc.stdout)
+# Each test kills the relay's process and starts it again, several seconds on a loaded machine.
+pytestmark = pytest.mark.slow
 
 
 async def control(config: Path, request: dict[str, Any]) -> Any:
@@ -233,19 +52,8 @@ async def control(config: Path, request: dict[str, Any]) -> Any:
 
 
 def write_config(tmp_path: Path, hop_port: int) -> Path:
-    path = tmp_path / "relay.toml"
-    path.write_text(f"""
-[server]
-listen = ["127.0.0.1:0"]
-hostname = "relay.test"
-[spool]
-dir = "spool"
-retry_intervals = ["1s", "2s"]
-[routes]
-"far.example" = "smtp://127.0.0.1:{hop_port}?tls=none"
-"barrier.test" = "discard"
-""")
-    return path
+    return write_relay_config(tmp_path, {"far.example": f"smtp://127.0.0.1:{hop_port}?tls=none",
+                                         "barrier.test": "discard"})
 
 
 def message(i: int) -> tuple[str, str]:
@@ -310,7 +118,7 @@ async def test_kill_9_during_deliveries_loses_nothing(tmp_path: Path) -> None:
             await relay.start(nursery)
             logged = relay.in_doubt_logged()
             assert any("recovered" in line for line in relay.lines)
-            listing = await mta(config, "queue", "list", "--in-doubt", "--json", "--limit", "10000")
+            listing = await mta_json(config, "queue", "list", "--in-doubt", "--limit", "10000")
             listed = {(m["id"], r) for m in listing["messages"] for r in m["in_doubt"]}
             # The barrier goes to the discard transport: when the kill came before its DELIVERY record
             # was committed, it is in doubt too, and life 2 may deliver it again (and forget it) before

@@ -63,6 +63,7 @@ def test_every_byte_value_in_every_argument_is_answered_and_the_relay_serves_on(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
+@pytest.mark.slow
 def test_random_hostile_sessions_in_random_chunks_never_stop_the_relay(
         relay: smtpfuzz.RelayThread, data: st.DataObject) -> None:
     ch = HypothesisChooser(data)

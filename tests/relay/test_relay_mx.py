@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import attrs
+import pytest
 import trio
 from dns_server import DnsServer
 from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
@@ -156,6 +157,7 @@ async def test_servfail_defers_and_the_mail_goes_once_dns_answers(tmp_path: Path
         assert b"retry after servfail" in msg.data
 
 
+@pytest.mark.slow
 async def test_a_dns_timeout_defers(tmp_path: Path) -> None:
     async with mx_world(tmp_path) as w:
         w.dns.drop("silent.test")

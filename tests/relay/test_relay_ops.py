@@ -16,19 +16,17 @@ import signal
 import smtplib
 import socket
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
-from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
+from process_support import MTA, mta, mta_json
+from relay_support import DeliveryWatch, NextHop, relay_config, start_relay, write_relay_config
 
 from mta.smtp.common import Reply
 from spool.record import Status
 
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
 MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
 
 
@@ -49,18 +47,6 @@ async def send(port: int, rcpt: str, body: str) -> str:
     return await trio.to_thread.run_sync(_send, port, rcpt, body)
 
 
-async def mta(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
-    # The console script, not `python -m`: the test's cwd may hold a directory named spool.
-    return await trio.run_process([MTA, *args], capture_stdout=True, capture_stderr=True, check=False,
-                                  cwd=str(cwd), env=env)
-
-
-async def mta_json(cwd: Path, *args: str) -> Any:
-    proc = await mta(cwd, *args, "--json")
-    assert proc.returncode == 0, proc.stderr.decode()
-    return json.loads(proc.stdout)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,10 +54,7 @@ def free_port() -> int:
 
 
 def write_config(tmp_path: Path, hop_port: int) -> Path:
-    path = tmp_path / "relay.toml"
-    path.write_text(f'[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\n[spool]\ndir = "spool"\n'
-                    f'retry_intervals = ["1h"]\n[routes]\n"*" = "smtp://127.0.0.1:{hop_port}"\n')
-    return path
+    return write_relay_config(tmp_path, {"*": f"smtp://127.0.0.1:{hop_port}"}, retry='["1h"]')
 
 
 async def test_queue_shape_show_body_and_flush(tmp_path: Path) -> None:
@@ -92,19 +75,19 @@ async def test_queue_shape_show_body_and_flush(tmp_path: Path) -> None:
         ids.append(await send(relay.ports[0], "v@beta.example", "Subject: b\r\n\r\nbeta body\r\n"))
         await watch.wait_for(Status.DEFERRED, 4)
 
-        shape = await mta_json(tmp_path, "queue", "shape", "--config", str(cfg_path))
+        shape = await mta_json(cfg_path, "queue", "shape")
         assert [(r["domain"], r["total"]) for r in shape["rows"]] == [("alpha.example", 3), ("beta.example", 1)]
         assert len(shape["rows"][0]["counts"]) == len(shape["buckets"]) and shape["buckets"][-1] is None
         assert shape["rows"][0]["counts"][0] == 3  # all younger than the first bucket (5 minutes)
 
-        show = await mta(tmp_path, "queue", "show", ids[3], "--body", "--config", str(cfg_path))
+        show = await mta(cfg_path, "queue", "show", ids[3], "--body")
         assert show.returncode == 0, show.stderr.decode()
         out = show.stdout.decode()
         assert f"id: {ids[3]}" in out and "v@beta.example" in out and "come back later" in out
         assert "Subject: b" in out and "beta body" in out and "Received: from client.test" in out
 
         refuse.clear()
-        flushed = await mta_json(tmp_path, "queue", "flush", ids[3], "--config", str(cfg_path))
+        flushed = await mta_json(cfg_path, "queue", "flush", ids[3])
         assert flushed["done"] == [ids[3]] and flushed["errors"] == {}
         (out_rcpt,) = await watch.wait_for(Status.DELIVERED, 1)
         assert out_rcpt.recipient == "v@beta.example"
@@ -245,7 +228,7 @@ async def test_serve_with_no_config_uses_the_make_run_defaults(tmp_path: Path) -
             (name,) = os.listdir(box)
             assert b"make run works" in (box / name).read_bytes()
             assert (tmp_path / "var" / "spool" / "control.sock").exists()
-            count = await mta(tmp_path, "queue", "count", "--json", env=env)
+            count = await mta(None, "queue", "count", "--json", cwd=tmp_path, env=env)
             assert count.returncode == 0 and json.loads(count.stdout) == {"ok": True, "count": 0}
             # What make run says to try: its curl line (curl everywhere; swaks is tested elsewhere).
             (hint,) = [line for line in MAKEFILE.read_text().splitlines() if "| curl " in line]
@@ -278,7 +261,7 @@ async def test_a_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[server]\nlisen = ["127.0.0.1:2525"]\n')
     expected = rf"^mta: {re.escape(str(bad))}: server\.lisen: unknown key; did you mean 'listen'\?$"
-    proc = await mta(tmp_path, "serve", "--config", str(bad))
+    proc = await mta(bad, "serve")
     err = proc.stderr.decode()
     assert proc.returncode == 2, err
     assert err.endswith("\n") and err.count("\n") == 1, err
@@ -288,7 +271,7 @@ async def test_a_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 async def test_a_missing_config_file_is_exit_2(tmp_path: Path) -> None:
-    proc = await mta(tmp_path, "serve", "--config", str(tmp_path / "nope.toml"))
+    proc = await mta(tmp_path / "nope.toml", "serve")
     err = proc.stderr.decode()
     assert proc.returncode == 2 and err.count("\n") == 1, err
     assert err.startswith(f"mta: {tmp_path / 'nope.toml'}: cannot read config file") and "Traceback" not in err

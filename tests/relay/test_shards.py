@@ -12,18 +12,16 @@ import os
 import re
 import signal
 import smtplib
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
-from relay_support import NextHop
+from process_support import ServeProcess, mta, mta_json
+from relay_support import NextHop, write_relay_config
 
 from mta.config import parse_config
-from mta.process.shards import (
+from mta.shards import (
     format_cursor,
     format_queue_id,
     parse_cursor,
@@ -35,7 +33,6 @@ from mta.process.shards import (
 )
 from mta.smtp.common import Reply
 
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
 SHARD_UP = re.compile(r"listening on 127\.0\.0\.1:(\d+), spool \S+, shard (\d+) \(pid (\d+)\)")
 SUPERVISOR = re.compile(r"supervisor \(pid (\d+)\): (\d+) processes")
 MESSAGE_ID = re.compile(rb"^Message-ID: <([^>]+)>", re.MULTILINE | re.IGNORECASE)
@@ -60,9 +57,10 @@ def test_queue_ids_name_their_shard() -> None:
     for cursor in ((1732356000123, 0, 0x1000001A4), (0, 2, 77)):
         assert parse_cursor(format_cursor(cursor)) == cursor
     assert parse_cursor(None) is None
-    for bad in ("x-1", "77", "77-1", "1.", ".1A", "1.1A-0", "1.ZZ", 77, ["1.1A"], "1" * 16 + ".1A"):
+    bad_cursors: list[object] = ["x-1", "77", "77-1", "1.", ".1A", "1.1A-0", "1.ZZ", 77, ["1.1A"], "1" * 16 + ".1A"]
+    for cursor_text in bad_cursors:
         with pytest.raises(ValueError, match="not a list cursor"):
-            parse_cursor(bad)
+            parse_cursor(cursor_text)
 
 
 def test_shard_layout_and_divided_limits(tmp_path: Path) -> None:
@@ -88,15 +86,12 @@ def test_shard_layout_and_divided_limits(tmp_path: Path) -> None:
 # -- real processes ---------------------------------------------------------------
 
 
-class Supervised:
+class Supervised(ServeProcess):
     """``mta serve`` with ``processes`` > 1: the supervisor, its children and their log lines."""
 
     def __init__(self, config: Path) -> None:
-        self.config = config
-        self.lines: list[str] = []
-        self.proc: trio.Process | None = None
+        super().__init__(config)
         self.port = 0
-        self._changed = trio.Event()
 
     def shards_up(self) -> dict[int, int]:
         """shard -> pid of the latest process that logged it listens."""
@@ -108,48 +103,19 @@ class Supervised:
         return up
 
     async def start(self, nursery: trio.Nursery, shards: int) -> dict[int, int]:
-        self.lines = []
-        self.proc = await trio.lowlevel.open_process(
-            [MTA, "serve", "--config", str(self.config)], cwd=str(self.config.parent),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        nursery.start_soon(self._read_stderr, self.proc)
-        nursery.start_soon(self._reap, self.proc)
+        await self.launch(nursery)
         return await self.wait_up(shards)
 
     async def wait_up(self, shards: int, old: dict[int, int] | None = None) -> dict[int, int]:
         """Wait until every shard listens (with a pid other than ``old``'s for a shard that was restarted)."""
         old = old or {}
-        with trio.move_on_after(START_TIMEOUT):
-            while True:
-                up = self.shards_up()
-                if len(up) == shards and all(up[k] != old.get(k) for k in old):
-                    return up
-                assert self.proc is not None and self.proc.returncode is None, "\n".join(self.lines)
-                await self._changed.wait()
-        raise AssertionError(f"not every shard came up in {START_TIMEOUT}s:\n" + "\n".join(self.lines))
 
-    async def _reap(self, proc: trio.Process) -> None:
-        """Whatever way the test ends, no relay outlives it (the children follow the supervisor)."""
-        try:
-            await trio.sleep_forever()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
+        def ready() -> bool:
+            up = self.shards_up()
+            return len(up) == shards and all(up[k] != old.get(k) for k in old)
 
-    async def _read_stderr(self, proc: trio.Process) -> None:
-        assert proc.stderr is not None
-        buf = b""
-        while True:
-            chunk = await proc.stderr.receive_some(65536)
-            if not chunk:
-                break
-            buf += chunk
-            *complete, buf = buf.split(b"\n")
-            self.lines += [line.decode("utf-8", "replace") for line in complete]
-            self._changed.set()
-            self._changed = trio.Event()
-        await proc.wait()
-        self._changed.set()
+        await self.wait_output(ready, START_TIMEOUT, "every shard listening")
+        return self.shards_up()
 
     async def wait_logged(self, queue_ids: set[str], status: str) -> None:
         """Until each message's delivery log line with ``status`` is out (its outcome is durable)."""
@@ -157,16 +123,7 @@ class Supervised:
             return queue_ids - {m.group(1) for line in self.lines
                                 if (m := re.search(rf" (\S+): to=<.*status={status}", line))}
 
-        with trio.move_on_after(START_TIMEOUT):
-            while missing():
-                await self._changed.wait()
-        assert not missing(), f"no {status} line for {sorted(missing())}:\n" + "\n".join(self.lines)
-
-    async def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        with trio.fail_after(30):
-            await self.proc.wait()
+        await self.wait_output(lambda: not missing(), START_TIMEOUT, lambda: f"a {status} line for {sorted(missing())}")
 
 
 def alive(pid: int) -> bool:
@@ -185,19 +142,8 @@ async def wait_dead(pids: list[int], timeout: float = 30) -> None:
 
 
 def write_config(tmp_path: Path, hop_port: int, processes: int, retry: str = '["1s", "2s"]') -> Path:
-    path = tmp_path / "relay.toml"
-    path.write_text(f"""
-[server]
-listen = ["127.0.0.1:0"]
-hostname = "relay.test"
-processes = {processes}
-[spool]
-dir = "spool"
-retry_intervals = {retry}
-[routes]
-"far.example" = "smtp://127.0.0.1:{hop_port}?tls=none"
-""")
-    return path
+    return write_relay_config(tmp_path, {"far.example": f"smtp://127.0.0.1:{hop_port}?tls=none"},
+                              extra=f"processes = {processes}", retry=retry)
 
 
 def send(port: int, i: int) -> str:
@@ -238,19 +184,6 @@ async def send_until_both_shards(port: int, first: int, batch: int = 10) -> dict
     raise AssertionError(f"one shard took every message: {sorted(ids)}")
 
 
-async def mta(config: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
-    return await trio.run_process([MTA, *args, "--config", str(config)], capture_stdout=True,
-                                  capture_stderr=True, check=False, cwd=str(config.parent))
-
-
-async def mta_json(config: Path, *args: str) -> Any:
-    import json
-
-    proc = await mta(config, *args, "--json")
-    assert proc.returncode == 0, proc.stderr.decode()
-    return json.loads(proc.stdout)
-
-
 def received_ids(hop: NextHop) -> Counter[str]:
     out: Counter[str] = Counter()
     for msg in hop.messages:
@@ -259,6 +192,7 @@ def received_ids(hop: NextHop) -> Counter[str]:
     return out
 
 
+@pytest.mark.slow
 async def test_two_processes_share_the_port_and_deliver_each_message_once(tmp_path: Path) -> None:
     total = 80
     with trio.fail_after(500):
@@ -289,6 +223,7 @@ async def test_two_processes_share_the_port_and_deliver_each_message_once(tmp_pa
 
 
 @pytest.mark.timeout(1200)  # two relay starts and a dozen `mta` commands, on a machine shared with load
+@pytest.mark.slow
 async def test_admin_commands_span_shards_and_fewer_processes_still_deliver(tmp_path: Path) -> None:
     refuse = [True]
 
@@ -353,6 +288,7 @@ async def test_admin_commands_span_shards_and_fewer_processes_still_deliver(tmp_
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_killed_shard_is_restarted_and_delivers_its_queue(tmp_path: Path) -> None:
     refuse = [True]
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import attrs
 import pytest
+import report_reference as ref
 from click.testing import CliRunner
+from spark_fixture import T0
 
-import tests.report_reference as ref
 from mta.report.cli import report
 from mta.report.errors import ReportError
 from mta.report.figures import Figures
@@ -20,7 +21,6 @@ from mta.report.session import JAVA_MISSING, make_session
 from mta.report.text import render_text
 from spool.record import pos_offset
 from spool.rows import segment_rows
-from tests.spark_fixture import T0, fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
 # The first test here pays for the session-scoped SparkSession and the report job
 # (327 s of set-up on the 2-core machine at load 5, 2026-11-22): more than the

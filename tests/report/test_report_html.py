@@ -6,12 +6,11 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+import report_reference as ref
 
-import tests.report_reference as ref
 from mta.report.charts import CSS_CLASS, Series, bar_chart, svg_elements
 from mta.report.figures import LATENCY_LABELS, Figures
 from mta.report.html_page import DAY_MS, HOUR_MS, hourly, render_html
-from tests.spark_fixture import fleet_fixture  # noqa: F401  (shared fixture; it needs no Spark)
 
 T = 1_700_000_000_000 - 1_700_000_000_000 % DAY_MS  # a midnight, UTC
 NS = "{http://www.w3.org/2000/svg}"

@@ -9,11 +9,10 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from report_reference import plain_records
 
 from spool.record import HEADER_SIZE, Delivery, Envelope, Finish, Start, pos_offset
 from spool.rows import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
-from tests.report_reference import plain_records
-from tests.spark_fixture import fleet_fixture, spark_session_fixture  # noqa: F401  (shared fixtures)
 
 # Run alone, the first test here pays for the shared SparkSession's start (see test_report.py).
 pytestmark = pytest.mark.timeout(1800)
@@ -23,7 +22,8 @@ def load(spark: Any, *paths: str, **options: str) -> list[Any]:
     reader = spark.read.format("logspool")
     for k, v in options.items():
         reader = reader.option(k, v)
-    return reader.load(list(paths)).collect()
+    rows: list[Any] = reader.load(list(paths)).collect()
+    return rows
 
 
 def test_every_record_of_a_fleet_is_read_once_with_its_relay(spark: Any, fleet: dict[str, str]) -> None:

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import smtplib
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,21 +19,17 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relay_support import NextHop, start_relay
+from process_support import run_mta
+from relay_support import NextHop, start_relay, write_relay_config
 
 from mta.admin.control import ERROR_CODES, MAX_REQUEST
 from mta.config import parse_config
 from mta.process.relay import Relay
 from spool import admin
 
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
-
 
 def write_config(tmp_path: Path, hop_port: int) -> Path:
-    path = tmp_path / "relay.toml"
-    path.write_text(f'[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\n[spool]\ndir = "spool"\n'
-                    f'[routes]\n"*" = "smtp://127.0.0.1:{hop_port}?tls=none"\n')
-    return path
+    return write_relay_config(tmp_path, {"*": f"smtp://127.0.0.1:{hop_port}?tls=none"}, retry=None)
 
 
 def load(path: Path) -> Any:
@@ -82,8 +75,7 @@ def send_mail(port: int, tag: str) -> None:
 
 
 def queue_list(config: Path) -> list[Any]:
-    run = subprocess.run([MTA, "queue", "list", "--json", "--config", str(config)], capture_output=True, text=True,
-                         timeout=60, check=False, cwd=str(config.parent))
+    run = run_mta("queue", "list", "--json", "--config", str(config), cwd=config.parent)
     assert run.returncode == 0 and run.stderr == "", run.stderr
     messages: list[Any] = json.loads(run.stdout)["messages"]
     return messages

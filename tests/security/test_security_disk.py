@@ -27,8 +27,17 @@ from pathlib import Path
 import pytest
 import trio
 from disk_support import NEEDS_ROOT, fill_disk, small_filesystem
-from relay_support import DeliveryWatch, NextHop, RawClient, Received, relay_config, start_relay
-from test_relay_crash import GatedHop, RelayProcess
+from process_support import RelayProcess
+from relay_support import (
+    DeliveryWatch,
+    GatedHop,
+    NextHop,
+    RawClient,
+    Received,
+    relay_config,
+    start_relay,
+    write_relay_config,
+)
 
 from mta.inbound.server import SmtpServer, free_bytes
 from mta.process.relay import Relay
@@ -59,6 +68,7 @@ async def extra_server(nursery: trio.Nursery, relay: Relay, free_space: Callable
     return int(listeners[0].socket.getsockname()[1])
 
 
+@pytest.mark.slow
 async def test_below_queue_minfree_mail_gets_452_and_queued_mail_is_kept(tmp_path: Path) -> None:
     blocked = True
 
@@ -331,6 +341,7 @@ async def test_an_outcome_that_finds_the_disk_full_waits_for_room_and_delivery_r
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_start_on_a_full_disk_answers_452_until_space_returns(tmp_path: Path) -> None:
     """``mta serve`` killed with -9 while a delivery is in flight; another process fills the disk; restart."""
     fs = tmp_path / "fs"
@@ -340,18 +351,8 @@ async def test_start_on_a_full_disk_answers_452_until_space_returns(tmp_path: Pa
             hop = GatedHop()
             await hop.start(nursery)
             hop.accept_first = 1
-            config = tmp_path / "relay.toml"
-            config.write_text(f"""
-[server]
-listen = ["127.0.0.1:0"]
-hostname = "relay.test"
-[spool]
-dir = "{fs / 'spool'}"
-retry_intervals = ["1s", "2s"]
-queue_minfree = "1M"
-[routes]
-"far.example" = "smtp://127.0.0.1:{hop.port}?tls=none"
-""")
+            config = write_relay_config(tmp_path, {"far.example": f"smtp://127.0.0.1:{hop.port}?tls=none"},
+                                        spool_extra='queue_minfree = "1M"', spool_dir=str(fs / "spool"))
             relay = RelayProcess(config)
             await relay.start(nursery)
             # m1's envelope is longer than a page (many recipients): recovery's replacement for it cannot

@@ -20,9 +20,12 @@ import socket
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import trio
+from prometheus_client.metrics_core import Metric
 from relay_support import DeliveryWatch, RawClient, relay_config, start_relay
 
 from mta.config import Config, parse_config
@@ -80,6 +83,7 @@ async def _hang_up(c: RawClient) -> None:
 # ---------------------------------------------------------------- deadlines
 
 
+@pytest.mark.slow
 async def test_a_command_trickled_byte_by_byte_gets_421_at_the_command_deadline(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         relay = await start_relay(nursery, _config(tmp_path, 'command_timeout = "1s"'))
@@ -121,6 +125,7 @@ async def test_a_data_phase_trickled_past_its_deadline_gets_421_and_nothing_is_q
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_slow_but_steady_data_phase_longer_than_data_timeout_is_accepted(tmp_path: Path) -> None:
     # The scaled-down slow link: 20 kB/s against a minimum of 1 kB/s, for 3 s against data_timeout = 2 s.
     cfg = _config(tmp_path, 'data_timeout = "2s"\nmin_data_rate = 1000')
@@ -305,6 +310,7 @@ def _scrape(port: int) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
+@pytest.mark.slow
 async def test_the_metrics_endpoint_stays_bounded_under_slow_and_abandoned_connections(tmp_path: Path) -> None:
     cfg = _config(tmp_path, 'metrics_listen = "127.0.0.1:0"\nmetrics_max_connections = 3\nmetrics_timeout = "500ms"')
     async with trio.open_nursery() as nursery:
@@ -342,7 +348,7 @@ async def test_the_metrics_endpoint_stays_bounded_under_slow_and_abandoned_conne
         await bad.aclose()
 
         class Broken:
-            def collect(self) -> list[object]:
+            def collect(self) -> Iterator[Metric]:
                 raise RuntimeError("a collector broke")
 
         broken = Broken()

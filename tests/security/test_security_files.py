@@ -8,12 +8,12 @@ import re
 import smtplib
 import stat
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
+from process_support import MTA, run_mta
 from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
 
 from mta.process.security import UnsafeSpool, check_spool_dir
@@ -55,9 +55,7 @@ async def test_spool_directories_are_0700_and_files_0600_even_with_umask_0(tmp_p
 
 def serve(tmp_path: Path, spool_dir: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "relay.toml").write_text(f'[server]\nlisten = ["127.0.0.1:0"]\n[spool]\ndir = "{spool_dir}"\n')
-    mta = os.path.join(os.path.dirname(sys.executable), "mta")
-    return subprocess.run([mta, "serve", "--config", str(tmp_path / "relay.toml")], capture_output=True, text=True,
-                          timeout=60, check=False)
+    return run_mta("serve", "--config", str(tmp_path / "relay.toml"), cwd=tmp_path)
 
 
 def test_serve_refuses_a_group_writable_spool_in_one_line(tmp_path: Path) -> None:
@@ -169,8 +167,7 @@ def test_serve_starts_on_a_readable_spool_and_makes_it_private(tmp_path: Path) -
     spool.mkdir()
     spool.chmod(0o755)
     (tmp_path / "relay.toml").write_text(f'[server]\nlisten = ["127.0.0.1:0"]\n[spool]\ndir = "{spool}"\n')
-    mta = os.path.join(os.path.dirname(sys.executable), "mta")
-    proc = subprocess.Popen([mta, "serve", "--config", str(tmp_path / "relay.toml")], stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([MTA, "serve", "--config", str(tmp_path / "relay.toml")], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None

@@ -25,9 +25,9 @@ from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start
 
 from fault_injection.faults import Fault, FaultyFileIO
 from mta.config import Config, NoRoute, Route
+from mta.containment import is_fatal
 from mta.delivery import dsn as dsnmod
 from mta.delivery.transport import Destination, Job, OnOutcome, Transport
-from mta.process.containment import is_fatal
 from mta.process.relay import Relay
 from mta.smtp.common import Reply
 from spool.errors import SpoolError, SyncFailed

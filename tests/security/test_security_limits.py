@@ -11,11 +11,12 @@ import re
 import smtplib
 import socket
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
+import pytest
 import trio
+from process_support import MTA
 from relay_support import DeliveryWatch, RawClient, relay_config, start_relay
 
 from spool.record import Status
@@ -118,6 +119,7 @@ async def test_too_many_errors_end_the_session(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_idle_clients_time_out_in_commands_and_in_data(tmp_path: Path) -> None:
     cfg = relay_config(str(tmp_path), LOCAL, extra='command_timeout = "1s"\ndata_timeout = "1s"\n')
     async with trio.open_nursery() as nursery:
@@ -208,8 +210,7 @@ def test_a_50mb_message_streams_through_in_bounded_memory(tmp_path: Path) -> Non
     (tmp_path / "relay.toml").write_text(
         '[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\nmax_message_size = "60MB"\n'
         '[spool]\ndir = "spool"\nqueue_minfree = "1MB"\n[routes]\n"*" = "discard"\n')
-    mta = os.path.join(os.path.dirname(sys.executable), "mta")
-    proc = subprocess.Popen([mta, "serve", "--config", "relay.toml"], cwd=tmp_path, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([MTA, "serve", "--config", "relay.toml"], cwd=tmp_path, stderr=subprocess.PIPE,
                             text=True)
     try:
         assert proc.stderr is not None

@@ -13,24 +13,17 @@ import signal
 import smtplib
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 import trustme
-from relay_support import NextHop, start_relay
+from process_support import MTA, run_mta
+from relay_support import NextHop, start_relay, tls_files
 
 from mta.config import ConfigError, parse_config
 from mta.process.security import UnsafeFile, check_tls_key
-
-MTA = os.path.join(os.path.dirname(sys.executable), "mta")
-
-
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
 
 
 def write(tmp_path: Path, server: str = "", rest: str = "") -> Path:
@@ -40,8 +33,7 @@ def write(tmp_path: Path, server: str = "", rest: str = "") -> Path:
 
 
 def serve(config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MTA, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60,
-                          check=False, cwd=str(config.parent), stdin=subprocess.DEVNULL)
+    return run_mta("serve", "--config", str(config), cwd=config.parent)
 
 
 def refused(config: Path, code: int, pattern: str) -> str:
@@ -108,14 +100,6 @@ def test_a_listen_host_that_does_not_resolve_is_one_line(tmp_path: Path, process
 
 
 # -- TLS --------------------------------------------------------------------------------
-
-
-def tls_files(tmp_path: Path, ca: trustme.CA) -> tuple[Path, Path]:
-    cert = ca.issue_cert("relay.test")
-    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
-    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
-    os.chmod(tmp_path / "key.pem", 0o600)
-    return tmp_path / "cert.pem", tmp_path / "key.pem"
 
 
 def test_a_certificate_that_is_not_pem_is_one_line_and_exit_2(tmp_path: Path, ca: trustme.CA) -> None:

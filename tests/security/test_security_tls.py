@@ -17,11 +17,6 @@ from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start
 from spool.record import Status
 
 
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
 def tls_extra(tmp_path: Path, ca: trustme.CA) -> str:
     cert = ca.issue_cert("relay.test", "127.0.0.1")
     cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "relay.pem"))

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from relay_support import relay_config
+from relay_support import CountingStream, relay_config
 
 from mta.smtp import client as C
 from mta.smtp import server as S
@@ -309,27 +309,6 @@ async def test_client_core_against_server_core_over_a_memory_stream() -> None:
 
 
 # ---------------------------------------------------------------- the trio shell's writes
-
-
-class CountingStream(trio.abc.Stream):
-    """A stream that passes everything through and remembers each send_all (one write on a socket)."""
-
-    def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
-        self.writes: list[bytes] = []
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes.append(bytes(data))
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 class Rereadable:

@@ -455,29 +455,8 @@ async def test_smtplib_against_the_core_behind_a_trio_shell() -> None:
 # ---------------------------------------------------------------- the trio shell's writes
 
 
-class CountingStream(trio.abc.Stream):
-    """Passes everything through and remembers each send_all, so a test sees how replies were batched."""
-
-    def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
-        self.writes: list[bytes] = []
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes.append(bytes(data))
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 async def test_shell_answers_a_pipelined_group_in_one_write_and_never_holds_a_reply(tmp_path: Path) -> None:
-    from relay_support import relay_config, start_relay
+    from relay_support import CountingStream, relay_config, start_relay
 
     from mta.inbound.server import SmtpServer, _Session
 

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import trio
 from disk_support import NEEDS_ROOT, fill_disk, small_filesystem
+from spool_support import spool_config
 
+from fault_injection.workloads import FakeClock as Clock
 from spool import admin
 from spool import checkpoint as ckpt
 from spool.commit import AsyncSpool
@@ -62,19 +64,6 @@ class FullDisk(OsFileIO):
         super().allocate(fd, length)
 
 
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def config(clock: Clock, **kw: object) -> SpoolConfig:
-    return SpoolConfig(retry_intervals=(60.0, 600.0), checkpoint_interval=math.inf, clock=clock,
-                       **kw)  # type: ignore[arg-type]
-
-
 def live(sp: Spool) -> dict[int, admin.LiveMessage]:
     return {m.message_id: m for m in admin.iter_live(sp)}
 
@@ -86,7 +75,7 @@ def seg_size(sp: Spool) -> int:
 def test_enospc_cuts_the_short_write_back_and_the_same_records_are_written_when_there_is_room(
         tmp_path: Path) -> None:
     io, clock = FullDisk(), Clock()
-    sp = Spool.open(str(tmp_path), config(clock), io)
+    sp = Spool.open(str(tmp_path), spool_config(clock), io)
     try:
         kept = sp.enqueue("a@x.example", ["r@y.example"], b"before the disk filled")
         sp.commit()
@@ -107,7 +96,7 @@ def test_enospc_cuts_the_short_write_back_and_the_same_records_are_written_when_
         assert set(live(sp)) == {kept, waiting.message_id}
     finally:
         sp.close()
-    sp = Spool.open(str(tmp_path), config(clock))
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     try:
         got = live(sp)
         assert set(got) == {kept, waiting.message_id}
@@ -118,7 +107,7 @@ def test_enospc_cuts_the_short_write_back_and_the_same_records_are_written_when_
 
 def test_a_cancelled_message_is_never_live_even_when_its_bytes_are_written_later(tmp_path: Path) -> None:
     io, clock = FullDisk(), Clock()
-    sp = Spool.open(str(tmp_path), config(clock), io)
+    sp = Spool.open(str(tmp_path), spool_config(clock), io)
     try:
         io.full = True
         refused = sp.append_message("a@x.example", ["r@y.example"], b"answered 452")
@@ -133,7 +122,7 @@ def test_a_cancelled_message_is_never_live_even_when_its_bytes_are_written_later
         assert [a.message_id for a in sp.poll_due()] == [accepted]
     finally:
         sp.close()
-    sp = Spool.open(str(tmp_path), config(clock))
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     try:
         assert set(live(sp)) == {accepted}
     finally:
@@ -142,7 +131,7 @@ def test_a_cancelled_message_is_never_live_even_when_its_bytes_are_written_later
 
 def test_a_delivery_record_that_found_no_room_is_committed_later_and_the_attempt_goes_on(tmp_path: Path) -> None:
     io, clock = FullDisk(), Clock()
-    sp = Spool.open(str(tmp_path), config(clock), io)
+    sp = Spool.open(str(tmp_path), spool_config(clock), io)
     try:
         mid = sp.enqueue("a@x.example", ["r1@y.example", "r2@y.example"], b"body")
         sp.commit()
@@ -165,7 +154,7 @@ def test_a_delivery_record_that_found_no_room_is_committed_later_and_the_attempt
 
 def test_a_checkpoint_that_finds_no_room_leaves_the_previous_one_and_no_temporary_file(tmp_path: Path) -> None:
     io, clock = FullDisk(), Clock()
-    sp = Spool.open(str(tmp_path), config(clock), io)
+    sp = Spool.open(str(tmp_path), spool_config(clock), io)
     try:
         sp.enqueue("a@x.example", ["r@y.example"], b"body")
         sp.checkpoint()
@@ -193,7 +182,7 @@ def test_checkpoint_failed_is_not_poison(tmp_path: Path) -> None:
                 raise OSError(errno.EIO, "Input/output error")
             super().fsync(fd)
 
-    sp = Spool.open(str(tmp_path), config(Clock()), BrokenTemp())
+    sp = Spool.open(str(tmp_path), spool_config(Clock()), BrokenTemp())
     try:
         sp.enqueue("a@x.example", ["r@y.example"], b"body")
         with pytest.raises(CheckpointFailed):
@@ -208,13 +197,13 @@ def test_checkpoint_failed_is_not_poison(tmp_path: Path) -> None:
 def test_start_with_a_leftover_temporary_checkpoint_removes_it(tmp_path: Path, caplog: pytest.LogCaptureFixture
                                                                 ) -> None:
     clock = Clock()
-    sp = Spool.open(str(tmp_path), config(clock))
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     mid = sp.enqueue("a@x.example", ["r@y.example"], b"body")
     sp.checkpoint()
     sp.close()
     (tmp_path / ckpt.TEMP).write_bytes(b"half a checkpoint from a crash")
     caplog.set_level(logging.INFO, logger="spool")
-    sp = Spool.open(str(tmp_path), config(clock))
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     try:
         assert set(live(sp)) == {mid}
         assert not (tmp_path / ckpt.TEMP).exists()
@@ -226,7 +215,7 @@ def test_start_with_a_leftover_temporary_checkpoint_removes_it(tmp_path: Path, c
 def test_recovery_on_a_full_disk_starts_and_writes_its_replacements_when_there_is_room(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
-    sp = Spool.open(str(tmp_path), config(clock))
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     mid = sp.enqueue("a@x.example", ["r@y.example"], b"in flight at the crash")
     sp.commit()
     clock.now += 1
@@ -237,7 +226,7 @@ def test_recovery_on_a_full_disk_starts_and_writes_its_replacements_when_there_i
     io = FullDisk()
     io.full, io.short_first = True, False
     caplog.set_level(logging.WARNING, logger="spool")
-    sp = Spool.open(str(tmp_path), config(clock), io)
+    sp = Spool.open(str(tmp_path), spool_config(clock), io)
     try:
         assert "on a full disk" in caplog.text
         assert sp.writer.full is not None and sp.writer.pending_bytes > 0
@@ -248,7 +237,7 @@ def test_recovery_on_a_full_disk_starts_and_writes_its_replacements_when_there_i
         assert msg.message_id == mid and msg.envelope.in_doubt == ("r@y.example",)
     finally:
         sp.close()
-    sp = Spool.open(str(tmp_path), config(clock))
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     try:
         assert [m.envelope.in_doubt for m in live(sp).values()] == [("r@y.example",)]
     finally:
@@ -257,7 +246,7 @@ def test_recovery_on_a_full_disk_starts_and_writes_its_replacements_when_there_i
 
 def test_a_crash_while_replacements_wait_for_room_recovers_them_again(tmp_path: Path) -> None:
     clock = Clock()
-    sp = Spool.open(str(tmp_path), config(clock))
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     mid = sp.enqueue("a@x.example", ["r@y.example"], b"in flight")
     sp.commit()
     clock.now += 1
@@ -266,8 +255,8 @@ def test_a_crash_while_replacements_wait_for_room_recovers_them_again(tmp_path: 
     sp.close()
     io = FullDisk()
     io.full = True
-    Spool.open(str(tmp_path), config(clock), io).close()  # recovered on a full disk, then crashed
-    sp = Spool.open(str(tmp_path), config(clock))
+    Spool.open(str(tmp_path), spool_config(clock), io).close()  # recovered on a full disk, then crashed
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     try:
         assert [m.message_id for m in live(sp).values()] == [mid]
     finally:
@@ -295,7 +284,7 @@ def test_poisoning_is_kept_for_eio(tmp_path: Path) -> None:
             return super().write(fd, data, offset)
 
     io = Eio()
-    sp = Spool.open(str(tmp_path), config(Clock()), io)
+    sp = Spool.open(str(tmp_path), spool_config(Clock()), io)
     try:
         io.broken = True
         sp.enqueue("a@x.example", ["r@y.example"], b"body")
@@ -313,7 +302,7 @@ def test_poisoning_is_kept_for_eio(tmp_path: Path) -> None:
 async def test_async_waiters_get_disk_full_and_a_waiting_commit_goes_through_when_room_returns(
         tmp_path: Path) -> None:
     io, clock = FullDisk(), Clock()
-    aspool = await AsyncSpool.open(str(tmp_path), config(clock), io)
+    aspool = await AsyncSpool.open(str(tmp_path), spool_config(clock), io)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(aspool.run)
@@ -343,7 +332,7 @@ async def test_async_waiters_get_disk_full_and_a_waiting_commit_goes_through_whe
             nursery.cancel_scope.cancel()
     finally:
         aspool.core.close()
-    sp = Spool.open(str(tmp_path), config(clock))
+    sp = Spool.open(str(tmp_path), spool_config(clock))
     try:
         assert not live(sp) and first
     finally:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_injection.workloads import FakeClock as Clock
 from spool.config import SpoolConfig
 from spool.fairness import BURST, DEFAULT_SHARE, QUIET, TRICKLE, DeferredBudget
 from spool.record import Outcome, Status
@@ -13,14 +14,6 @@ from spool.spool import Attempt, Spool
 
 RCPT = "r@dest.example"
 BACKLOG = 400
-
-
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def work(sp: Spool, attempts: list[Attempt]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
+from spool.checkpoint import Checkpoint
 from spool.errors import CorruptRecord
 from spool.fileio import OsFileIO
 from spool.reader import LogReader
@@ -23,6 +24,7 @@ from spool.record import (
     Delivery,
     Envelope,
     Finish,
+    Frame,
     Outcome,
     Payload,
     RecordType,
@@ -44,13 +46,17 @@ SEG = 1
 T = 1700000000
 BODY = b"Subject: hi\r\n\r\nhello\r\n"
 
+# Named hex blocks (name -> offset of the first byte, bytes); the example: whole segment, pieces, records.
+Blocks = dict[str, tuple[int, bytes]]
+Example = tuple[bytes, Blocks, dict[str, Payload]]
+
 _BLOCK = re.compile(r"^```hex ([\w-]+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 _LINE = re.compile(r"^([0-9a-f]{4,8})  ((?:[0-9a-f]{2} )*[0-9a-f]{2})(?:  .*)?$")
 
 
-def parse_blocks(text: str) -> dict[str, tuple[int, bytes]]:
+def parse_blocks(text: str) -> Blocks:
     """Map block name to (offset of its first byte, bytes)."""
-    blocks: dict[str, tuple[int, bytes]] = {}
+    blocks: Blocks = {}
     for name, body in _BLOCK.findall(text):
         start: int | None = None
         data = bytearray()
@@ -68,10 +74,10 @@ def parse_blocks(text: str) -> dict[str, tuple[int, bytes]]:
     return blocks
 
 
-def build_example() -> tuple[bytes, dict[str, tuple[int, bytes]], dict[str, Payload]]:
+def build_example() -> Example:
     """The example segment as the real code writes it: whole file, named pieces, records."""
     header = encode_segment_header(SEG, T)
-    pieces: dict[str, tuple[int, bytes]] = {"segment-header": (0, header)}
+    pieces: Blocks = {"segment-header": (0, header)}
     records: dict[str, Payload] = {}
     out = bytearray(header)
 
@@ -98,24 +104,39 @@ def build_example() -> tuple[bytes, dict[str, tuple[int, bytes]], dict[str, Payl
 
 
 @pytest.fixture(scope="module")
-def doc_blocks() -> dict[str, tuple[int, bytes]]:
+def doc_blocks() -> Blocks:
     return parse_blocks(DOC.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
-def example() -> tuple[bytes, dict[str, tuple[int, bytes]], dict[str, Payload]]:
+def example() -> Example:
     return build_example()
 
 
-def test_doc_has_exactly_the_examples_the_code_builds(doc_blocks, example) -> None:
+def test_doc_has_exactly_the_examples_the_code_builds(doc_blocks: Blocks, example: Example) -> None:
     _, pieces, _ = example
-    assert set(doc_blocks) == set(pieces)
+    assert set(doc_blocks) == set(pieces) | {"checkpoint"}
+
+
+def example_checkpoint() -> Checkpoint:
+    """The checkpoint of the document's example: taken after the segment's message finished."""
+    head, first = make_pos(SEG, 312), make_pos(SEG, 32)
+    return Checkpoint(head, head, first, (head, first, first), (T + 62) * 1000, 1, 0)
+
+
+def test_doc_checkpoint_equals_code_and_reads_back(doc_blocks: Blocks) -> None:
+    doc_off, doc_bytes = doc_blocks["checkpoint"]
+    cp = example_checkpoint()
+    assert doc_off == 0
+    assert doc_bytes.hex(" ") == cp.to_bytes().hex(" ")
+    assert len(doc_bytes) == 94  # the size the document states
+    assert Checkpoint.from_bytes(doc_bytes, "checkpoint") == cp
 
 
 @pytest.mark.parametrize(
     "name", ["segment-header", "data", "envelope", "start", "start-garbage", "delivery", "finish"]
 )
-def test_doc_hex_equals_code(doc_blocks, example, name: str) -> None:
+def test_doc_hex_equals_code(doc_blocks: Blocks, example: Example, name: str) -> None:
     _, pieces, _ = example
     doc_off, doc_bytes = doc_blocks[name]
     code_off, code_bytes = pieces[name]
@@ -123,28 +144,30 @@ def test_doc_hex_equals_code(doc_blocks, example, name: str) -> None:
     assert doc_bytes.hex(" ") == code_bytes.hex(" ")
 
 
-def test_doc_blocks_concatenate_to_the_whole_segment(doc_blocks, example) -> None:
+def test_doc_blocks_concatenate_to_the_whole_segment(doc_blocks: Blocks, example: Example) -> None:
     whole, _, _ = example
     names = ["segment-header", "data", "envelope", "start", "delivery", "finish"]
     assert b"".join(doc_blocks[n][1] for n in names) == whole
     assert len(whole) == 312  # the size the document states
 
 
-def test_example_segment_reads_back_as_the_records(example, tmp_path: Path) -> None:
+def test_example_segment_reads_back_as_the_records(example: Example, tmp_path: Path) -> None:
     whole, pieces, records = example
     path = tmp_path / segment_name(SEG)
     path.write_bytes(whole)
     assert path.name == "0000000000000001.seg"
     assert decode_segment_header(whole, str(path), SEG) == (SEG, T)
     walk = LogReader(OsFileIO(), str(tmp_path), segments=(SEG,)).segment(SEG)
-    frames = list(walk)  # an anomaly would be in the list too
+    items = list(walk)
+    frames = [f for f in items if isinstance(f, Frame)]
+    assert frames == items  # an anomaly would be in the walk too
     assert walk.valid_end == len(whole)
     names = ["data", "envelope", "start", "delivery", "finish"]
     assert [f.pos for f in frames] == [make_pos(SEG, pieces[n][0]) for n in names]
     assert [decode_payload(f.rtype, f.payload) for f in frames] == [records[n] for n in names]
 
 
-def test_example_positions_and_queue_id_as_documented(example) -> None:
+def test_example_positions_and_queue_id_as_documented(example: Example) -> None:
     _, pieces, records = example
     env = records["envelope"]
     assert isinstance(env, Envelope)
@@ -160,7 +183,7 @@ def test_example_positions_and_queue_id_as_documented(example) -> None:
 
 
 @pytest.mark.parametrize("name", ["data", "envelope", "start", "delivery", "finish"])
-def test_documented_checksum_recipe(doc_blocks, name: str) -> None:
+def test_documented_checksum_recipe(doc_blocks: Blocks, name: str) -> None:
     """CRC-32C over salt, bytes 4..8, bytes 10..15, payload, computed independently of record.py."""
     _, frame = doc_blocks[name]
     salt = struct.pack("<Q", SEG)
@@ -169,12 +192,12 @@ def test_documented_checksum_recipe(doc_blocks, name: str) -> None:
     assert crc32c(b"123456789") == 0xE3069283
 
 
-def test_documented_header_checksum_covers_bytes_0_to_27(doc_blocks) -> None:
+def test_documented_header_checksum_covers_bytes_0_to_27(doc_blocks: Blocks) -> None:
     _, header = doc_blocks["segment-header"]
     assert struct.unpack_from("<I", header, 28)[0] == crc32c(header[:28])
 
 
-def test_garbage_mark_changes_only_the_flags_byte(example) -> None:
+def test_garbage_mark_changes_only_the_flags_byte(example: Example) -> None:
     _, pieces, _ = example
     _, plain = pieces["start"]
     marked = bytearray(plain)
@@ -184,7 +207,7 @@ def test_garbage_mark_changes_only_the_flags_byte(example) -> None:
     assert not decode_frame(SEG, plain).garbage
 
 
-def test_example_frame_fails_in_another_segment(example) -> None:
+def test_example_frame_fails_in_another_segment(example: Example) -> None:
     _, pieces, _ = example
     _, frame = pieces["envelope"]
     with pytest.raises(CorruptRecord) as info:

@@ -8,41 +8,19 @@ checkpoint pacing are for, and that an idle loop commits at once.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from spool_support import running_spool, spool_config
 
 from mta.config import parse_config
 from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
 from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
 from spool.record import Outcome, Status
-
-
-def config(**kw: Any) -> SpoolConfig:
-    opts: dict[str, Any] = {"retry_intervals": (60.0, 600.0), "checkpoint_interval": math.inf}
-    opts.update(kw)
-    return SpoolConfig(**opts)
-
-
-@asynccontextmanager
-async def running(tmp_path: Path, cfg: SpoolConfig) -> AsyncIterator[AsyncSpool]:
-    aspool = await AsyncSpool.open(str(tmp_path), cfg)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(aspool.run)
-            yield aspool
-            nursery.cancel_scope.cancel()
-    finally:
-        aspool.core.close()
 
 
 def cpu(seconds: float) -> None:
@@ -63,7 +41,7 @@ async def busy_then_enqueue(aspool: AsyncSpool, steps: int, i: int) -> None:
 async def test_enqueues_still_being_worked_on_join_the_commit(tmp_path: Path,
                                                               mock_clock: trio.testing.MockClock) -> None:
     """Twenty sessions ending their data a millisecond of CPU apart: one fsync, not one each."""
-    async with running(tmp_path, config(commit_delay=1.0)) as aspool:
+    async with running_spool(tmp_path, spool_config(commit_delay=1.0)) as aspool:
         w = aspool.core.writer
         commits, fsyncs = w.commits, w.fsyncs
         async with trio.open_nursery() as nursery:
@@ -76,7 +54,7 @@ async def test_enqueues_still_being_worked_on_join_the_commit(tmp_path: Path,
 async def test_without_a_window_the_same_load_takes_many_fsyncs(tmp_path: Path,
                                                                 mock_clock: trio.testing.MockClock) -> None:
     """The control for the test above: commit_delay 0 cuts at once, so the count there is the window's doing."""
-    async with running(tmp_path, config(commit_delay=0.0)) as aspool:
+    async with running_spool(tmp_path, spool_config(commit_delay=0.0)) as aspool:
         w = aspool.core.writer
         commits = w.commits
         async with trio.open_nursery() as nursery:
@@ -87,7 +65,7 @@ async def test_without_a_window_the_same_load_takes_many_fsyncs(tmp_path: Path,
 
 async def test_an_idle_loop_commits_at_once(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     """One session: the window costs no time (autojump would have skipped the clock to the bound)."""
-    async with running(tmp_path, config(commit_delay=1.0)) as aspool:
+    async with running_spool(tmp_path, spool_config(commit_delay=1.0)) as aspool:
         for i in range(3):
             t0 = trio.current_time()
             await aspool.enqueue("s@src.example", ["r@dest.example"], b"alone %d" % i)
@@ -96,7 +74,7 @@ async def test_an_idle_loop_commits_at_once(tmp_path: Path, autojump_clock: trio
 
 async def test_a_loop_that_never_idles_still_commits_within_the_bound(tmp_path: Path) -> None:
     """A task that never blocks keeps the loop busy; the bound (real time here) cuts the commit anyway."""
-    async with running(tmp_path, config(commit_delay=0.05)) as aspool:
+    async with running_spool(tmp_path, spool_config(commit_delay=0.05)) as aspool:
         stop = False
 
         async def spinner() -> None:
@@ -112,7 +90,7 @@ async def test_a_loop_that_never_idles_still_commits_within_the_bound(tmp_path: 
 
 
 async def test_outcomes_of_one_connection_share_one_fsync(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
-    async with running(tmp_path, config()) as aspool:
+    async with running_spool(tmp_path, spool_config()) as aspool:
         await aspool.enqueue_many([("s@src.example", ["r@dest.example"], b"m%d" % i) for i in range(10)])
         attempts = await aspool.next_due()
         assert len(attempts) == 10
@@ -154,8 +132,8 @@ async def tick(aspool: AsyncSpool, clock: trio.testing.MockClock) -> None:
 
 async def test_checkpoints_wait_for_a_quiet_interval_or_enough_bytes(tmp_path: Path,
                                                                      mock_clock: trio.testing.MockClock) -> None:
-    cfg = config(checkpoint_interval=1.0, checkpoint_bytes=64 * 1024, checkpoint_max_interval=100.0)
-    async with running(tmp_path, cfg) as aspool:
+    cfg = spool_config(checkpoint_interval=1.0, checkpoint_bytes=64 * 1024, checkpoint_max_interval=100.0)
+    async with running_spool(tmp_path, cfg) as aspool:
         await settle(aspool)
         seq = sequence(aspool)
         for i in range(5):  # mail every interval, far below checkpoint_bytes: no checkpoint
@@ -174,8 +152,8 @@ async def test_checkpoints_wait_for_a_quiet_interval_or_enough_bytes(tmp_path: P
 
 async def test_a_trickle_is_checkpointed_after_the_max_interval(tmp_path: Path,
                                                                mock_clock: trio.testing.MockClock) -> None:
-    cfg = config(checkpoint_interval=1.0, checkpoint_bytes=1 << 30, checkpoint_max_interval=5.0)
-    async with running(tmp_path, cfg) as aspool:
+    cfg = spool_config(checkpoint_interval=1.0, checkpoint_bytes=1 << 30, checkpoint_max_interval=5.0)
+    async with running_spool(tmp_path, cfg) as aspool:
         await settle(aspool)
         seq = sequence(aspool)
         for i in range(4):
@@ -190,8 +168,8 @@ async def test_a_trickle_is_checkpointed_after_the_max_interval(tmp_path: Path,
 
 async def test_checkpoint_bytes_zero_checkpoints_every_interval_as_before(tmp_path: Path,
                                                                           mock_clock: trio.testing.MockClock) -> None:
-    cfg = config(checkpoint_interval=1.0, checkpoint_bytes=0)
-    async with running(tmp_path, cfg) as aspool:
+    cfg = spool_config(checkpoint_interval=1.0, checkpoint_bytes=0)
+    async with running_spool(tmp_path, cfg) as aspool:
         await settle(aspool)
         for i in range(3):
             seq = sequence(aspool)
@@ -201,7 +179,7 @@ async def test_checkpoint_bytes_zero_checkpoints_every_interval_as_before(tmp_pa
 
 
 async def test_nothing_moved_no_checkpoint_no_fsync(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
-    async with running(tmp_path, config(checkpoint_interval=1.0)) as aspool:
+    async with running_spool(tmp_path, spool_config(checkpoint_interval=1.0)) as aspool:
         await settle(aspool)
         seq = sequence(aspool)
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
@@ -247,7 +225,7 @@ async def test_a_session_between_rcpt_and_end_of_data_joins_the_commit(
     """Session A has a recipient, B ends its data: B's commit waits for A's message (no time passes: the
     mock clock is frozen, so only A's arrival can cut it), and one fsync covers both."""
     cfg = parse_config(SERVER_TOML.format(dir=tmp_path / "spool"), base_dir=str(tmp_path))
-    async with running(tmp_path / "spool", config(commit_delay=1.0)) as aspool:
+    async with running_spool(tmp_path / "spool", spool_config(commit_delay=1.0)) as aspool:
         server = SmtpServer(cfg, aspool, Metrics())
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(server.serve)

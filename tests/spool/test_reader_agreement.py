@@ -20,12 +20,12 @@ from typing import Any
 
 import attrs
 import pytest
+from spool_support import NoSync
 
 from spool import admin
 from spool.config import SpoolConfig
 from spool.damage import Anomaly, Kind
 from spool.errors import CorruptSegment
-from spool.fileio import OsFileIO
 from spool.inspection import LogFiles, checkpoint_or_none
 from spool.reader import anomalies
 from spool.record import Frame, RecordType, make_pos, pos_offset, pos_segment
@@ -33,23 +33,10 @@ from spool.rows import ERROR_TYPE, plan, segment_rows
 from spool.runner import Runner
 from spool.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
 from spool.spool import Spool
-from spool.verify import verify
+from spool.verify import Problem, verify
 
 T0 = 1_700_000_000
 SEGMENT_SIZE = 16 * 1024
-
-
-class NoSync(OsFileIO):
-    """Real files without fsync: durability does not change the bytes the readers see."""
-
-    def fsync(self, fd: int) -> None:
-        pass
-
-    def fdatasync(self, fd: int) -> None:
-        pass
-
-    def fsync_dir(self, path: str) -> None:
-        pass
 
 
 @attrs.frozen
@@ -156,6 +143,12 @@ def _where(a: Anomaly) -> tuple[Kind, int, int]:
     return a.kind, a.segment, a.offset
 
 
+def _place(p: Problem) -> tuple[int, int]:
+    """Segment and offset of a problem that is an anomaly of the log (it has both)."""
+    assert p.pos is not None and p.offset is not None, p
+    return pos_segment(p.pos), p.offset
+
+
 @pytest.mark.parametrize("how", list(DAMAGE))
 def test_every_reader_names_the_same_damage(template: Template, tmp_path: Path, how: str) -> None:
     spool = str(tmp_path / "spool")
@@ -170,13 +163,13 @@ def test_every_reader_names_the_same_damage(template: Template, tmp_path: Path, 
 
     # spoolctl verify: its problems (and its torn tail) are the reader's anomalies.
     report = verify(files)
-    named = [(p.anomaly, pos_segment(p.pos), p.offset) for p in report.problems if p.anomaly is not None]
+    named = [(p.anomaly, *_place(p)) for p in report.problems if p.anomaly is not None]
     if report.torn_tail is not None:
         named.append(_where(report.torn_tail))
     assert sorted(named, key=str) == sorted(expected, key=str)
     for p in report.problems:
         if p.anomaly is not None:
-            assert p.path == by_place[(pos_segment(p.pos), p.offset)].path
+            assert p.path == by_place[_place(p)].path
 
     # The Spark source's error rows, at the same positions and in the same files.
     rows = [r for task in plan([spool]) for r in segment_rows(task, "agree") if r["rtype"] == ERROR_TYPE]

@@ -9,7 +9,7 @@ import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_record import deliveries, envelopes, finishes, starts
+from record_strategies import deliveries, envelopes, finishes, starts
 
 from spool.errors import CorruptRecord
 from spool.record import (

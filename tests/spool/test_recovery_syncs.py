@@ -7,28 +7,23 @@ rename, and in which order they came relative to recovery's own writes.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
+from spool_support import spool_config
+
 from fault_injection.recording import ROOT_INO, Op, RecordingFileIO, Rename, Sync, SyncDir, Write
+from fault_injection.workloads import FakeClock as Clock
 from spool.checkpoint import NAME as CHECKPOINT
-from spool.config import SpoolConfig
 from spool.record import Outcome, Status
 from spool.spool import Spool
 
 RCPT = "r@dest.example"
 
 
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def config(clock: Clock, **kw: object) -> SpoolConfig:
-    return SpoolConfig(retry_intervals=(600.0, 3600.0), clock=clock, **kw)  # type: ignore[arg-type]
+# Deferred classes of ten minutes and an hour.
+config = functools.partial(spool_config, retry_intervals=(600.0, 3600.0))
 
 
 def deferred_spool(path: Path, clock: Clock, n: int = 50) -> None:

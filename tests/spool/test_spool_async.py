@@ -2,58 +2,28 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from spool_support import running_spool, spool_config
 
+from fault_injection.workloads import FakeClock as Clock
 from spool import admin
-from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
 from spool.errors import MessageBusy, NotFound
 from spool.record import HELD_CLASS, Outcome, Status
 from spool.spool import Spool
 
 
-class Clock:
-    """The spool's clock (record times, due times); trio's clock is separate and frozen in these tests."""
-
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def config(clock: Clock) -> SpoolConfig:
-    return SpoolConfig(retry_intervals=(60.0, 600.0), checkpoint_interval=math.inf, clock=clock)
-
-
-@asynccontextmanager
-async def running(path: Path, clock: Clock) -> AsyncIterator[AsyncSpool]:
-    """An AsyncSpool with its committer running. Leaving it is a crash: nothing is flushed."""
-    aspool = await AsyncSpool.open(str(path), config(clock))
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(aspool.run)
-            yield aspool
-            nursery.cancel_scope.cancel()
-    finally:
-        aspool.core.close()
-
-
 def reopen(path: Path, clock: Clock) -> Spool:
-    return Spool.open(str(path), config(clock))
+    return Spool.open(str(path), spool_config(clock))
 
 
 async def test_concurrent_enqueues_share_fsyncs(tmp_path: Path) -> None:
     clock = Clock()
     ids: list[int] = []
-    async with running(tmp_path, clock) as aspool:
+    async with running_spool(tmp_path, spool_config(clock)) as aspool:
         writer = aspool.core.writer
         commits, fsyncs = writer.commits, writer.fsyncs
 
@@ -80,7 +50,7 @@ async def test_next_due_wakes_for_new_mail_without_time_passing(tmp_path: Path,
     """trio's clock is frozen (no autojump): a waiter that polled on a timer would never return."""
     clock = Clock()
     got: list[int] = []
-    async with running(tmp_path, clock) as aspool:
+    async with running_spool(tmp_path, spool_config(clock)) as aspool:
 
         returned = trio.Event()
 
@@ -102,7 +72,7 @@ async def test_next_due_wakes_for_new_mail_without_time_passing(tmp_path: Path,
 async def test_next_due_returns_at_once_when_mail_is_waiting(tmp_path: Path,
                                                              mock_clock: trio.testing.MockClock) -> None:
     clock = Clock()
-    async with running(tmp_path, clock) as aspool:
+    async with running_spool(tmp_path, spool_config(clock)) as aspool:
         ids = await aspool.enqueue_many([("s@src.example", ["r@dest.example"], b"m%d" % i) for i in range(5)])
         first = await aspool.next_due(limit=3)
         rest = await aspool.next_due()
@@ -112,7 +82,7 @@ async def test_next_due_returns_at_once_when_mail_is_waiting(tmp_path: Path,
 
 async def test_record_delivery_is_durable_when_it_returns(tmp_path: Path) -> None:
     clock = Clock()
-    async with running(tmp_path, clock) as aspool:
+    async with running_spool(tmp_path, spool_config(clock)) as aspool:
         done = await aspool.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"one")
         half = await aspool.enqueue("s@src.example", ["c@x.example", "d@y.example"], b"two")
         attempts = {a.message_id: a for a in await aspool.next_due()}
@@ -134,7 +104,7 @@ async def test_record_delivery_is_durable_when_it_returns(tmp_path: Path) -> Non
 
 async def test_finish_is_rebuilt_after_a_crash(tmp_path: Path) -> None:
     clock = Clock()
-    async with running(tmp_path, clock) as aspool:
+    async with running_spool(tmp_path, spool_config(clock)) as aspool:
         mid = await aspool.enqueue("s@src.example", ["a@x.example"], b"body")
         (a,) = await aspool.next_due()
         await aspool.record_delivery(a, [Outcome("a@x.example", Status.DEFERRED, 451)])
@@ -151,7 +121,7 @@ async def test_finish_is_rebuilt_after_a_crash(tmp_path: Path) -> None:
 
 async def test_admin_operations(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
     clock = Clock()
-    async with running(tmp_path, clock) as aspool:
+    async with running_spool(tmp_path, spool_config(clock)) as aspool:
         held, deferred, busy, doomed = await aspool.enqueue_many(
             [("s@src.example", [f"r{i}@dest.example"], b"m%d" % i) for i in range(4)])
         await aspool.hold(held)

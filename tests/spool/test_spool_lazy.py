@@ -6,17 +6,14 @@ epoch), so a deferred message comes due when trio's clock says so.
 
 from __future__ import annotations
 
-import math
 import shutil
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
 import trio.testing
+from spool_support import running_spool, spool_config
 
-from spool.commit import INLINE_READ, AsyncSpool, StoredBody
-from spool.config import SpoolConfig
+from spool.commit import INLINE_READ, StoredBody
 from spool.record import Outcome, Status
 from spool.spool import Spool
 
@@ -31,31 +28,12 @@ def trio_clock() -> float:
         return EPOCH
 
 
-def config(**kw: object) -> SpoolConfig:
-    opts: dict[str, object] = {"retry_intervals": (60.0, 600.0), "checkpoint_interval": math.inf,
-                               "clock": trio_clock}
-    opts.update(kw)
-    return SpoolConfig(**opts)  # type: ignore[arg-type]
-
-
-@asynccontextmanager
-async def running(path: Path, cfg: SpoolConfig) -> AsyncIterator[AsyncSpool]:
-    aspool = await AsyncSpool.open(str(path), cfg)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(aspool.run)
-            yield aspool
-            nursery.cancel_scope.cancel()
-    finally:
-        aspool.core.close()
-
-
 def passes(core: Spool) -> int:
     return sum(r.passes for r in core.runners)
 
 
 async def test_runner_reads_nothing_while_the_log_and_clock_stand_still(tmp_path: Path) -> None:
-    async with running(tmp_path, config()) as aspool:
+    async with running_spool(tmp_path, spool_config(trio_clock)) as aspool:
         core = aspool.core
         mid = await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
         (a,) = await aspool.next_due()
@@ -73,7 +51,7 @@ async def test_runner_reads_nothing_while_the_log_and_clock_stand_still(tmp_path
 async def test_next_due_sleeps_until_the_deferred_message_is_due(tmp_path: Path,
                                                                  autojump_clock: trio.testing.MockClock) -> None:
     """No polling on a timer: a handful of runner passes over a minute's wait, and it returns on time."""
-    async with running(tmp_path, config()) as aspool:
+    async with running_spool(tmp_path, spool_config(trio_clock)) as aspool:
         mid = await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
         (a,) = await aspool.next_due()
         await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DEFERRED, 451)])
@@ -89,21 +67,35 @@ async def test_next_due_sleeps_until_the_deferred_message_is_due(tmp_path: Path,
         assert passes(aspool.core) - p0 < 12, f"{passes(aspool.core) - p0} runner passes while waiting"
 
 
-async def test_idle_spool_neither_checkpoints_nor_syncs(tmp_path: Path) -> None:
-    """Real time: a checkpoint's fsyncs run in a worker thread, which autojump would not wait for."""
+async def test_idle_spool_neither_checkpoints_nor_syncs(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    """Trio's clock moves only when the test says: one checkpoint interval at a time, once every task waits.
+
+    A checkpoint's fsyncs run in a worker thread: a pass under way is waited
+    for on the spool's event at each checkpoint attempt, not on the clock.
+    """
+
+    async def intervals(n: int) -> None:
+        for _ in range(n):
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(0.02)
+        await trio.testing.wait_all_tasks_blocked()
 
     async def checkpoints_after(n: int) -> None:
-        with trio.fail_after(30):
-            while aspool.checkpoint_passes <= n or aspool.core.checkpoint_state is None \
-                    or aspool.core.checkpoint_state.head < aspool.core.writer.durable_end:
-                await trio.sleep(0.02)
+        for _ in range(100):
+            if aspool.checkpoint_passes > n:
+                while aspool.core.checkpoint_state is None \
+                        or aspool.core.checkpoint_state.head < aspool.core.writer.durable_end:
+                    await aspool.disk_event()
+                return
+            await intervals(1)
+        raise AssertionError(f"no checkpoint pass in 100 intervals after pass {n}")
 
-    async with running(tmp_path, config(checkpoint_interval=0.02)) as aspool:
+    async with running_spool(tmp_path, spool_config(trio_clock, checkpoint_interval=0.02)) as aspool:
         core = aspool.core
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
         await checkpoints_after(0)
         ran, fsyncs = aspool.checkpoint_passes, core.writer.fsyncs
-        await trio.sleep(0.5)  # 25 intervals with nothing to do
+        await intervals(25)  # with nothing to do
         assert aspool.checkpoint_passes == ran, "no checkpoint pass while nothing changes"
         assert core.writer.fsyncs == fsyncs
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"more")
@@ -111,7 +103,7 @@ async def test_idle_spool_neither_checkpoints_nor_syncs(tmp_path: Path) -> None:
 
 
 async def test_finish_rides_with_the_next_commit(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
-    async with running(tmp_path, config(lazy_commit_delay=0.1)) as aspool:
+    async with running_spool(tmp_path, spool_config(trio_clock, lazy_commit_delay=0.1)) as aspool:
         w = aspool.core.writer
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
         (a,) = await aspool.next_due()
@@ -129,7 +121,7 @@ async def test_finish_rides_with_the_next_commit(tmp_path: Path, autojump_clock:
 
 async def test_finish_alone_is_committed_after_the_lazy_delay(tmp_path: Path,
                                                               autojump_clock: trio.testing.MockClock) -> None:
-    async with running(tmp_path, config(lazy_commit_delay=0.1)) as aspool:
+    async with running_spool(tmp_path, spool_config(trio_clock, lazy_commit_delay=0.1)) as aspool:
         w = aspool.core.writer
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
         (a,) = await aspool.next_due()
@@ -144,7 +136,7 @@ async def test_finish_alone_is_committed_after_the_lazy_delay(tmp_path: Path,
 
 
 async def test_body_of_fresh_mail_comes_from_the_cache(tmp_path: Path) -> None:
-    async with running(tmp_path, config()) as aspool:
+    async with running_spool(tmp_path, spool_config(trio_clock)) as aspool:
         core = aspool.core
         body = b"Subject: x\r\n\r\n" + b"y" * 5000
         await aspool.enqueue("s@src.example", ["r@dest.example"], body)
@@ -160,8 +152,8 @@ async def test_body_of_fresh_mail_comes_from_the_cache(tmp_path: Path) -> None:
 
 
 async def test_big_body_is_read_lazily_and_again(tmp_path: Path) -> None:
-    cfg = config(body_chunk=16 * 1024, body_cache=64 * 1024)
-    async with running(tmp_path, cfg) as aspool:
+    cfg = spool_config(trio_clock, body_chunk=16 * 1024, body_cache=64 * 1024)
+    async with running_spool(tmp_path, cfg) as aspool:
         body = bytes(range(256)) * (4 * INLINE_READ // 256)
         writer = aspool.begin_body()
         for i in range(0, len(body), 10_000):
@@ -177,8 +169,8 @@ async def test_big_body_is_read_lazily_and_again(tmp_path: Path) -> None:
 
 
 async def test_wait_flushed_brings_the_backlog_under_the_threshold(tmp_path: Path) -> None:
-    cfg = config(flush_threshold=64 * 1024, body_chunk=16 * 1024)
-    async with running(tmp_path, cfg) as aspool:
+    cfg = spool_config(trio_clock, flush_threshold=64 * 1024, body_chunk=16 * 1024)
+    async with running_spool(tmp_path, cfg) as aspool:
         writer = aspool.begin_body()
         writer.write(b"z" * 200 * 1024)  # no await: the committer has not run
         assert aspool.unflushed_bytes >= 192 * 1024  # all but the last partial chunk
@@ -191,7 +183,7 @@ async def test_wait_flushed_brings_the_backlog_under_the_threshold(tmp_path: Pat
 
 
 async def test_claims_are_written_before_delivery_without_an_fsync(tmp_path: Path) -> None:
-    async with running(tmp_path, config()) as aspool:
+    async with running_spool(tmp_path, spool_config(trio_clock)) as aspool:
         w = aspool.core.writer
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"hello")
         fsyncs = w.fsyncs
@@ -201,7 +193,7 @@ async def test_claims_are_written_before_delivery_without_an_fsync(tmp_path: Pat
         # recovery from the files as they are now (what kill -9 would leave) finds the attempt
         copy = tmp_path.parent / f"{tmp_path.name}-killed"
         shutil.copytree(tmp_path, copy)
-        sp = Spool.open(str(copy), config())
+        sp = Spool.open(str(copy), spool_config(trio_clock))
         try:
             assert sp.recovery_stats.in_flight == 1
         finally:

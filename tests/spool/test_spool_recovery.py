@@ -5,14 +5,16 @@ A crash here is ``close()`` without ``commit()`` and a new ``Spool.open``.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
 
 import pytest
+from spool_support import spool_config
 
+from fault_injection.workloads import FakeClock as Clock
 from spool import admin
-from spool.config import SpoolConfig
 from spool.damage import Anomaly, Kind
 from spool.errors import CorruptSegment
 from spool.record import Outcome, Status, pos_offset, pos_segment
@@ -22,16 +24,8 @@ from spool.spool import Spool
 RCPT = "r@dest.example"
 
 
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def config(clock: Clock, **kw: object) -> SpoolConfig:
-    return SpoolConfig(retry_intervals=(600.0, 3600.0), clock=clock, **kw)  # type: ignore[arg-type]
+# Deferred classes of ten minutes and an hour.
+config = functools.partial(spool_config, retry_intervals=(600.0, 3600.0))
 
 
 def log_bytes(sp: Spool) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_injection.workloads import FakeClock as Clock
 from spool import admin
 from spool.config import SpoolConfig
 from spool.fairness import QUIET
@@ -18,14 +19,6 @@ from spool.segment import list_segments, segment_path
 from spool.spool import Attempt, Spool
 
 RCPT = "r@dest.example"
-
-
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def defer(sp: Spool, attempts: list[Attempt]) -> None:

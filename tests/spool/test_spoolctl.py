@@ -18,7 +18,9 @@ from typing import Any
 import attrs
 import pytest
 from click.testing import CliRunner, Result
+from spool_support import NoSync
 
+from fault_injection.workloads import FakeClock as Clock
 from spool import admin
 from spool.cli import cli, main
 from spool.config import SpoolConfig
@@ -42,31 +44,6 @@ from spool.spool import BODY_SLACK, Attempt, Spool
 from spool.verify import verify
 
 T0 = 1_700_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = float(T0)
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class NoSync(OsFileIO):
-    """Real files, no fsync: durability does not change the bytes spoolctl reads, and
-    fsync costs ~70 ms on this disk."""
-
-    def fsync(self, fd: int) -> None:
-        pass
-
-    def fdatasync(self, fd: int) -> None:
-        pass
-
-    def fsync_dir(self, path: str) -> None:
-        pass
 
 
 def config(clock: Clock, **kw: Any) -> SpoolConfig:

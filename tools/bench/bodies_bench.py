@@ -51,7 +51,7 @@ from spool.record import (
 )
 from spool.runner import Runner
 from spool.segment import SEGMENT_HEADER_SIZE
-from spool.spool import Spool
+from spool.spool import Attempt, Spool
 
 SENDER = "alice@example.org"
 RCPTS = ("bob@example.net",)
@@ -288,7 +288,7 @@ def bench_defer(sizes: list[int], n: int) -> dict[int, dict[str, float]]:
             sp = Spool.open(d, NO_CHECKPOINTS)
             try:
                 sp.enqueue_many([(SENDER, RCPTS, os.urandom(size))] * n)
-                attempts = []
+                attempts: list[Attempt] = []
                 while len(attempts) < n:
                     attempts += sp.poll_due(limit=n - len(attempts))
                 w = sp.writer

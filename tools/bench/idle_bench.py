@@ -93,7 +93,7 @@ def main() -> None:
         out = one_run(args.seconds, args.settle)
         outs.append(out)
         say(f"  run {r + 1}: {out['cpu_pct']:.2f}% of a core, {out['switches_per_s']:.1f} context switches/s")
-    result = {k: round(median([o[k] for o in outs]), 3) for k in outs[0]}
+    result: dict[str, Any] = {k: round(median([o[k] for o in outs]), 3) for k in outs[0]}
     result["loadavg_end"] = common.load_average()
     common.emit_json(result)
 

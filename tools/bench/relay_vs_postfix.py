@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import io
 import json
 import os
 import re
@@ -187,10 +188,11 @@ class Sink:
         self._thread.start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
+        stdout = self.proc.stdout
+        assert isinstance(stdout, io.BufferedReader)  # a binary pipe with the default buffering
         tail = b""
         while True:
-            chunk = self.proc.stdout.read1(65536)
+            chunk = stdout.read1(65536)
             if not chunk:
                 return
             tail = (tail + chunk)[-256:]

@@ -57,7 +57,7 @@ from spool.record import (
 )
 from spool.runner import Runner
 from spool.segment import SEGMENT_HEADER_SIZE
-from spool.spool import Spool
+from spool.spool import Attempt, Spool
 
 SENDER = "alice@example.org"
 RCPTS = ("bob@example.net",)
@@ -69,7 +69,7 @@ DEFERRED = Outcome(RCPTS[0], Status.DEFERRED, 451, "4.3.0", "451 4.3.0 try again
 # -- 1. batched durable appends -------------------------------------------------
 
 
-def bare_append(path: str, n: int) -> tuple[float, float]:
+def bare_append(path: str, n: int) -> tuple[float, float, float]:
     """CBOR + framing + pwrite + fdatasync per 1,000 records, no engine: the floor.
 
     Returns (records/s, seconds spent in fdatasync, records per CPU-second)."""
@@ -100,7 +100,7 @@ def bare_append(path: str, n: int) -> tuple[float, float]:
     return n / dt, t_sync, n / cpu
 
 
-def engine_append(path: str, n: int) -> tuple[float, float]:
+def engine_append(path: str, n: int) -> tuple[float, float, float]:
     """Envelope records through the engine: Envelope.to_payload, LogWriter.append, Spool.commit.
 
     Returns (records/s, seconds spent in commit: pwrite + fdatasync, records per CPU-second)."""
@@ -440,7 +440,7 @@ def child_build(path: str, n: int) -> dict[str, Any]:
     while done < n:
         k = min(chunk, n - done)
         sp.enqueue_many([(SENDER, RCPTS, body)] * k)
-        attempts = []
+        attempts: list[Attempt] = []
         while len(attempts) < k:
             got = sp.poll_due(limit=k - len(attempts))
             if not got:

@@ -90,7 +90,7 @@ def tables(recs: list[Rec], since_ms: int | None = None,
         recs = [r for r in recs if r.time * 1000 < until_ms]
     env = {(r.relay, r.pos): r.payload for r in recs if isinstance(r.payload, Envelope)}
     starts = {(r.relay, r.pos): r.payload for r in recs if isinstance(r.payload, Start)}
-    attempts = []
+    attempts: list[dict[str, Any]] = []
     for r in recs:
         if not isinstance(r.payload, Delivery):
             continue
@@ -112,7 +112,7 @@ def tables(recs: list[Rec], since_ms: int | None = None,
     by_msg: dict[tuple[str, int], list[int]] = defaultdict(list)
     for (relay, pos), e in env.items():
         by_msg[(relay, e.message_id)].append(pos)
-    queue = []
+    queue: list[dict[str, Any]] = []
     for (relay, mid), positions in by_msg.items():
         newest = max(positions)
         if (relay, newest) not in finished:
@@ -132,7 +132,7 @@ def tables(recs: list[Rec], since_ms: int | None = None,
         if a["status"] != "deferred":
             final_ms[key] = max(final_ms.get(key, 0), a["time_ms"])
     qstate = {(q["relay"], q["message_id"]): "held" if q["held"] else "queued" for q in queue}
-    messages = []
+    messages: list[dict[str, Any]] = []
     for key, positions in by_msg.items():
         first = env[(key[0], min(positions))]
         oc = outcome[key]

@@ -38,6 +38,7 @@ import re
 import attrs
 
 from mta.config import Config, ConfigError
+from spool.config import SpoolConfig
 
 SHARDS_DIR = "shards"
 _SHARD_NAME = re.compile(r"[1-9][0-9]{0,5}")
@@ -156,3 +157,8 @@ def all_shards(config: Config) -> list[tuple[int, Config]]:
     """Every shard's config, for the admin commands: (shard, config) for shard 0..count-1."""
     n = shard_count(config)
     return [(k, shard_config(config, k, n)) for k in range(n)]
+
+
+def spool_config(config: Config, shard: int = 0) -> SpoolConfig:
+    """The engine's config for shard K, whose spool names its messages ``HEX-K`` in replies, logs and DSNs."""
+    return config.spool.engine(id_suffix=id_suffix(shard))

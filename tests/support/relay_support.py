@@ -1,21 +1,25 @@
-"""Pieces for relay tests: a relay in this process, a scriptable next hop, and delivery events.
+"""Pieces for relay tests: a relay's config, a relay in this process, scriptable next hops, delivery events.
 
-The next hop is a real SMTP server on 127.0.0.1 built on the project's own
-server core, whose answers a test chooses per message; tests wait for what the
-relay reports (``DeliveryWatch``) or for what the next hop received, never for
-a fixed time.
+The next hops are real SMTP servers on 127.0.0.1 built on the project's own
+server core: ``NextHop`` answers as a test's policy chooses per message,
+``GatedHop`` holds its ``250`` until the test opens a gate. Tests wait for
+what the relay reports (``DeliveryWatch``) or for what the next hop received,
+never for a fixed time. The relay as a child process is in ``process_support``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
+import trustme
 
 from mta.config import Config, parse_config
 from mta.process.relay import Relay
@@ -34,22 +38,51 @@ from mta.smtp.server import (
 )
 from spool.record import Outcome, Status
 
+MESSAGE_ID = re.compile(rb"^Message-ID: <([^>]+)>", re.MULTILINE | re.IGNORECASE)
 
-def relay_config(tmp: str, routes: dict[str, str], extra: str = "", retry: str = '["1s", "2s"]',
-                 spool_extra: str = "") -> Config:
+
+def relay_config_text(routes: dict[str, str], extra: str = "", retry: str | None = '["1s", "2s"]',
+                      spool_extra: str = "", spool_dir: str = "spool") -> str:
+    """A relay's TOML: listening on a port the OS picks, ``routes``; ``extra`` goes in ``[server]``.
+
+    ``retry``: the ``retry_intervals`` value, None for the default classes.
+    """
     lines = [f'"{k}" = "{v}"' for k, v in routes.items()]
-    text = f"""
+    retry_line = f"retry_intervals = {retry}" if retry is not None else ""
+    return f"""
 [server]
 listen = ["127.0.0.1:0"]
 hostname = "relay.test"
 {extra}
 [spool]
-dir = "spool"
-retry_intervals = {retry}
+dir = "{spool_dir}"
+{retry_line}
 {spool_extra}
 [routes]
 """ + "\n".join(lines) + "\n"
+
+
+def tls_files(directory: Path, ca: trustme.CA) -> tuple[Path, Path]:
+    """The relay's certificate for relay.test, issued by ``ca``, and its key (mode 0600): cert.pem, key.pem."""
+    cert = ca.issue_cert("relay.test")
+    cert.cert_chain_pems[0].write_to_path(str(directory / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(directory / "key.pem"))
+    os.chmod(directory / "key.pem", 0o600)
+    return directory / "cert.pem", directory / "key.pem"
+
+
+def relay_config(tmp: str, routes: dict[str, str], extra: str = "", retry: str | None = '["1s", "2s"]',
+                 spool_extra: str = "") -> Config:
+    text = relay_config_text(routes, extra, retry, spool_extra)
     return parse_config(text, source=os.path.join(tmp, "test.toml"), base_dir=tmp)
+
+
+def write_relay_config(directory: Path, routes: dict[str, str], extra: str = "", retry: str | None = '["1s", "2s"]',
+                       spool_extra: str = "", spool_dir: str = "spool") -> Path:
+    """``directory/relay.toml`` for ``mta serve`` and the admin commands (see ``relay_config_text``)."""
+    path = directory / "relay.toml"
+    path.write_text(relay_config_text(routes, extra, retry, spool_extra, spool_dir))
+    return path
 
 
 async def start_relay(nursery: trio.Nursery, config: Config) -> Relay:
@@ -132,6 +165,16 @@ class NextHop:
         self._changed.set()
         self._changed = trio.Event()
 
+    async def take(self, conn: ServerConnection, msg: Received) -> None:
+        """The end of a message's data: accept it (and keep it) or refuse it, as the policy says."""
+        refuse = self.policy("data", msg)
+        if refuse is None:
+            self.messages.append(msg)
+            self._wake()
+            conn.accept()
+        else:
+            conn.reject(refuse)
+
     async def _handle(self, tcp: trio.SocketStream) -> None:
         self.connections += 1
         try:
@@ -168,14 +211,7 @@ class NextHop:
                 elif isinstance(ev, DataChunk):
                     data += ev.data
                 elif isinstance(ev, EndOfData):
-                    msg = Received(sender, rcpts, bytes(data), tls=conn.tls_active)
-                    refuse = self.policy("data", msg)
-                    if refuse is None:
-                        self.messages.append(msg)
-                        self._wake()
-                        conn.accept()
-                    else:
-                        conn.reject(refuse)
+                    await self.take(conn, Received(sender, rcpts, bytes(data), tls=conn.tls_active))
                     if self.hang_up_after_message:
                         await stream.send_all(conn.data_to_send())
                         await stream.aclose()
@@ -197,6 +233,83 @@ class NextHop:
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError):
             return
+
+
+class GatedHop(NextHop):
+    """A next hop that takes ``accept_first`` messages at once, then holds each ``250`` until ``gate`` opens.
+
+    A held message has been taken by the next hop (``received``, by Message-ID)
+    while the relay has no outcome for it: exactly the window that makes a
+    duplicate after a crash. ``new_life`` starts counting again after the
+    relay was killed and restarted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[tuple[int, str, str]] = []  # (life, Message-ID, recipient)
+        self.held: list[str] = []
+        self.life = 1
+        self.accept_first = 0
+        self.gate = trio.Event()
+        self._in_life = 0
+        # Called when a message is held: a test may kill the relay right there, with no task switch.
+        self.on_hold: Callable[[], object] | None = None
+        self.reply_text = ""  # the 250's text, if not "taken <Message-ID>" (LF between lines)
+
+    def new_life(self, accept_first: int) -> None:
+        self.gate.set()  # the old life's held connections are dead; let their handlers end
+        self.gate = trio.Event()
+        self.life += 1
+        self.accept_first = accept_first
+        self.held = []
+        self._in_life = 0
+
+    async def wait_until(self, condition: Callable[[], bool], timeout: float = 90) -> None:
+        with trio.fail_after(timeout):
+            while not condition():
+                await self._changed.wait()
+
+    def ids(self, life: int | None = None) -> list[str]:
+        return [mid for lf, mid, _ in self.received if life is None or lf == life]
+
+    async def take(self, conn: ServerConnection, msg: Received) -> None:
+        match = MESSAGE_ID.search(msg.data)
+        mid = match.group(1).decode() if match else "?"
+        for r in msg.recipients:
+            self.received.append((self.life, mid, r))
+        self.messages.append(msg)
+        self._in_life += 1
+        if self._in_life > self.accept_first:
+            gate = self.gate
+            self.held.append(mid)
+            if self.on_hold is not None:
+                self.on_hold()
+            self._wake()
+            await gate.wait()
+        self._wake()
+        conn.accept(Reply(250, "2.0.0", self.reply_text or f"taken {mid}"))
+
+
+class CountingStream(trio.abc.Stream):
+    """Passes everything through and remembers each send_all (one write on a socket), so a test sees how
+    replies or commands were batched."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.writes: list[bytes] = []
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 class RawClient:

@@ -11,10 +11,10 @@ import sys
 
 import click
 
-from mta.config.check import check_host
 from mta.config.loader import base_dir_of, load_config, problems_of
 from mta.config.model import Config
 from mta.config.show import show_config
+from mta.process.check import check_host
 from spool.errors import ConfigError
 
 __all__ = ["config"]

@@ -34,9 +34,10 @@ from collections.abc import Callable, Iterator
 import attrs
 
 from mta.config.model import Config
+from mta.errors import StartError
 from mta.process.security import UnsafeFile, check_spool_dir
-from mta.process.shards import shard_config, shard_count
-from mta.process.startup import StartError, check_control_socket, check_tls
+from mta.process.startup import check_control_socket, check_tls
+from mta.shards import shard_config, shard_count
 from spool.errors import ConfigError
 
 __all__ = ["Finding", "check_host"]

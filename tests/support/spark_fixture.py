@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
-from typing import Any
 
 from spool.config import SpoolConfig
 from spool.record import Outcome, Status
@@ -98,32 +96,3 @@ def run_relay(directory: str, seed: int, messages: int = 120, hours: float = 3.0
 def segment_dirs(directory: str) -> list[str]:
     """Where one relay's segments are: the live log and the archive."""
     return [d for d in (os.path.join(directory, "log"), os.path.join(directory, "archive")) if os.path.isdir(d)]
-
-
-# -- pytest fixtures shared by the Spark tests (import them into the test module) --
-
-import pytest  # noqa: E402
-
-
-@pytest.fixture(scope="session", name="spark")
-def spark_session_fixture() -> Iterator[Any]:
-    """One local SparkSession for every Spark test (it takes seconds to start)."""
-    from mta.report.session import make_session
-
-    # Two shuffle partitions: the tables hold a few thousand rows, and every
-    # extra partition is one more task to schedule on a shared 2-core machine.
-    session = make_session("local[2]", app="logspool-tests", conf={"spark.sql.shuffle.partitions": "2"})
-    yield session
-    session.stop()
-
-
-@pytest.fixture(scope="session", name="fleet")
-def fleet_fixture(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Two relays' spools, ``mx1`` and ``mx2``, with deferrals, bounces, expiry and a queue left over."""
-    root = tmp_path_factory.mktemp("fleet")
-    dirs = {}
-    for seed, relay in enumerate(("mx1", "mx2"), start=1):
-        d = str(root / relay)
-        run_relay(d, seed)
-        dirs[relay] = d
-    return dirs

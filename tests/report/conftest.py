@@ -1,0 +1,33 @@
+"""Fixtures of the report tests: one local SparkSession, and two relays' spools with history."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from spark_fixture import run_relay
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local SparkSession for every Spark test (it takes seconds to start)."""
+    from mta.report.session import make_session
+
+    # Two shuffle partitions: the tables hold a few thousand rows, and every
+    # extra partition is one more task to schedule on a shared 2-core machine.
+    session = make_session("local[2]", app="logspool-tests", conf={"spark.sql.shuffle.partitions": "2"})
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Two relays' spools, ``mx1`` and ``mx2``, with deferrals, bounces, expiry and a queue left over."""
+    root = tmp_path_factory.mktemp("fleet")
+    dirs = {}
+    for seed, relay in enumerate(("mx1", "mx2"), start=1):
+        d = str(root / relay)
+        run_relay(d, seed)
+        dirs[relay] = d
+    return dirs
