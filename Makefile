@@ -1,28 +1,50 @@
-# The two commands the README promises: `make run` and `make test`.
+# The two commands the README promises: `make run` and `make test`; and `make report`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
+REPORT_STAMP := $(VENV)/.installed-report
 DEV_STAMP := $(VENV)/.installed-dev
 SYS_STAMP := .sysdeps-installed
-SYSTEM_PACKAGES := swaks postfix strace default-jre-headless
+SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless
 
-.PHONY: run test lint typecheck imports pytest spark-test sysdeps crashtest bench
+.PHONY: run report test lint typecheck imports pytest spark-test sysdeps crashtest bench
 
+# The relay alone (trio, attrs, cbor2, click, crc32c, dnspython, prometheus-client, rich): no Spark,
+# whose pyspark alone is ~490 MB; `make report` adds it, `make test` adds it and the test tools.
 $(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "make run: installing the relay into $(VENV) (the report's Spark is 'make report')"
+	@$(PIP) -e .
+	@touch $@
+
+$(REPORT_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[spark]'
-	touch $@
+	$(PIP) -e '.[spark]'
+	touch $@ $(STAMP)
 
 $(DEV_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev]'
-	touch $@ $(STAMP)
+	$(PIP) -e '.[dev]'
+	touch $@ $(STAMP) $(REPORT_STAMP)
 
+# The relay on its built-in defaults in this directory; its first log lines say where the spool and
+# the maildir are. No shutdown path: Ctrl-C (or kill -9) ends it and the next start recovers.
 run: $(STAMP)
-	$(BIN)/mta serve
+	@echo "make run: a test message: swaks --server 127.0.0.1:2525 --to you@localhost"
+	@echo "          or: echo 'Subject: test' | curl -sS --crlf smtp://127.0.0.1:2525 --mail-from me@localhost --mail-rcpt you@localhost -T -"
+	@echo "          then: ls var/maildir/you/new/; $(BIN)/mta queue list"
+	@exec $(BIN)/mta serve
 
-# System packages the tests use as real peers: swaks (client), Postfix's
+# The delivery report (pflogsumm-style, docs/report.md) on Spark in local mode: it needs a Java runtime
+# (`make sysdeps` installs one). REPORT_INPUT: spool or archive directories; REPORT_OUT: where it goes.
+REPORT_INPUT ?= var/spool
+REPORT_OUT ?= var/report
+report: $(REPORT_STAMP)
+	$(BIN)/mta report --input $(REPORT_INPUT) --out $(REPORT_OUT)
+
+# System packages the tests use as real peers: swaks and curl (clients), Postfix's
 # smtp-source/smtp-sink, strace, and a Java runtime for Spark.
 sysdeps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -4,8 +4,10 @@ Every command takes ``--config FILE`` (default ``$LOGSPOOL_CONFIG``, then
 ``./logspool.toml``, then the embedded defaults). Commands raise; ``Mta``
 turns what they raise into one line (``mta: ...`` on stderr, or
 ``{"error": ..., "code": ...}`` on stdout with ``--json``) and an exit status,
-from the one table ``FAILURES``: never a traceback. docs/operations.md lists
-the statuses.
+from the one table ``FAILURES``: never a traceback. click's usage errors are
+one line too (``mta queue list: Invalid value for '--limit': ...``, exit 2),
+not click's usage, hint and problem over four lines. docs/operations.md
+lists the statuses.
 """
 
 from __future__ import annotations
@@ -72,12 +74,28 @@ def fail(ctx: click.Context, text: str, status: int, code: str, as_json: bool) -
     ctx.exit(status)
 
 
+def usage_error(ctx: click.Context, exc: click.UsageError) -> NoReturn:
+    """A usage error as one line on stderr, ``COMMAND: PROBLEM (see 'COMMAND --help')``, and its exit status.
+
+    ``mta`` alone (or ``mta queue``) is not an error to report in a line: click shows the help.
+    """
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):
+        raise exc
+    where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+    problem = " ".join(exc.format_message().split())
+    click.echo(f"{where}: {problem} (see '{where} --help')", err=True)
+    ctx.exit(exc.exit_code)
+
+
 class Mta(click.Group):
     """The ``mta`` group: the one place where an error becomes a line and an exit status."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta[_ARGV] = list(args)
-        return super().parse_args(ctx, args)
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:  # ``mta --bogus``: before any command
+            usage_error(ctx, exc)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -86,7 +104,7 @@ class Mta(click.Group):
             argv: list[str] = ctx.meta.get(_ARGV, [])
             asked = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
             if not (ctx.meta.get(JSON_REQUESTED) or asked) or not takes_json(exc.ctx and exc.ctx.command):
-                raise  # click's own report: usage, a hint, the problem; exit 2
+                usage_error(ctx, exc)
             fail(ctx, " ".join(exc.format_message().splitlines()), exc.exit_code, "usage", True)
         except Exception as exc:
             if isinstance(exc, OSError) and exc.errno == errno.EPIPE:

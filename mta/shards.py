@@ -86,21 +86,36 @@ def parse_queue_id(text: str) -> tuple[int, int]:
     return (int(m.group(2)) if m.group(2) else 0), int(m.group(1), 16)
 
 
-def format_cursor(shard: int, pos: int) -> int | str:
-    """A list cursor: the plain position inside shard 0 (as before shards), ``POS-K`` inside shard K."""
-    return pos if shard == 0 else f"{pos}-{shard}"
+Cursor = tuple[int, int, int]  # (arrival_ms, shard, message_id): where a listing is, over every shard
+_CURSOR = re.compile(r"([0-9]{1,15})\.(.{1,40})")
 
 
-def parse_cursor(text: str | int | None) -> tuple[int, int | None]:
-    """``(shard, position)`` from a list cursor; None starts at the beginning of shard 0."""
+def format_cursor(cursor: Cursor) -> str:
+    """A list cursor: the last listed message's arrival time (ms) and queue id, ``1732356000123.1000001A4-1``.
+
+    A listing is oldest first over every shard (``mta.admin.shards_merge``),
+    so its cursor is a place in that order, not a position in one log: it
+    stays right when a hold or release rewrites a message's envelope.
+    """
+    arrival_ms, shard, message_id = cursor
+    return f"{arrival_ms}.{format_queue_id(message_id, shard)}"
+
+
+def parse_cursor(text: object) -> Cursor | None:
+    """The ``(arrival_ms, shard, message_id)`` of a list cursor; None (no cursor) starts at the oldest.
+
+    Raises ValueError (one line) for anything else.
+    """
     if text is None:
-        return 0, None
-    if isinstance(text, int):
-        return 0, text
-    pos, sep, shard = text.strip().partition("-")
-    if not pos.isdigit() or (sep and not _SHARD_NAME.fullmatch(shard)):
-        raise ValueError(f"not a list cursor: {text!r}")
-    return (int(shard) if sep else 0), int(pos)
+        return None
+    m = _CURSOR.fullmatch(text.strip()) if isinstance(text, str) else None
+    try:
+        if m is None:
+            raise ValueError
+        shard, message_id = parse_queue_id(m.group(2))
+    except ValueError:
+        raise ValueError(f"not a list cursor: {text!r}") from None
+    return int(m.group(1)), shard, message_id
 
 
 def _divided(total: int, shards: int) -> int:

@@ -8,6 +8,20 @@ keeps nothing but the page it returns. A message being delivered has its
 envelope marked garbage; the (bounded) set of attempts in flight says which of
 those are active.
 
+Two orders. ``page`` is log order with a position cursor: cheap (it stops at
+the page's end) and what the relay's own walks use (a full flush). The log is
+not arrival order, though: every retry, hold and release writes the message's
+envelope again at the head. ``oldest_first`` is what an operator lists: by
+arrival time, with a cursor that is a message's (arrival, id) key, so a page
+walks the whole live stretch and keeps the ``limit`` oldest after the cursor
+in a bounded heap (memory: one page, whatever the queue holds), counting the
+totals on the way. The key of a message never changes, so a hold or release
+between two pages neither repeats nor skips it (docs/design.md, "Queue
+listings: oldest first in constant memory").
+
+``outcomes`` reads one message's history: the last outcome of each recipient
+that the log still holds.
+
 Two sources: the writable ``Spool`` (inside the relay, or offline), and
 ``SpoolView``, a read-only look at a spool another process may be writing
 (the CLI's ``spoolctl``), which never takes the lock and never repairs.
@@ -20,6 +34,7 @@ reads (CorruptSegment, or FormatVersionError for a newer segment).
 
 from __future__ import annotations
 
+import heapq
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -33,9 +48,11 @@ from spool.fileio import FileIO, OsFileIO
 from spool.reader import LogReader
 from spool.record import (
     HELD_CLASS,
+    Delivery,
     Envelope,
     Finish,
     Frame,
+    Outcome,
     RecordType,
     Start,
     decode_payload,
@@ -171,6 +188,52 @@ def page(spool: Listable, flt: Filter | None = None, cursor: int | None = None, 
     return out, None
 
 
+Key = tuple[int, int]  # (arrival_ms, message_id): a message's place in ``oldest_first``, fixed for its life
+
+
+def arrival_key(msg: LiveMessage) -> Key:
+    return msg.envelope.arrival_ms, msg.message_id
+
+
+@attrs.frozen
+class OldestPage:
+    """One page in arrival order, and the totals of every message the filter matches (all pages)."""
+
+    messages: list[LiveMessage]
+    more: bool  # messages after the last one of this page match too
+    total: int
+    total_bytes: int
+
+
+def oldest_first(spool: Listable, flt: Filter | None = None, after: Key | None = None, limit: int = 100,
+                 now: float | None = None) -> OldestPage:
+    """The ``limit`` oldest messages whose key is above ``after`` (None: from the oldest), oldest first.
+
+    One walk of the live log; memory: ``limit`` + 1 messages in a heap, never
+    the queue. A message met twice in one walk (its envelope rewritten while
+    we read) is counted as the walk meets it, and a page holds it once.
+    """
+    heap: list[tuple[int, int, int, LiveMessage]] = []  # max-heap of the oldest by negated key (and position)
+    total = total_bytes = 0
+    for msg in iter_live(spool, flt, None, now):
+        total += 1
+        total_bytes += msg.envelope.body_size
+        key = arrival_key(msg)
+        if after is not None and key <= after:
+            continue
+        item = (-key[0], -key[1], -msg.pos, msg)
+        if len(heap) <= limit:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+    ordered = [m for *_, m in sorted(heap, reverse=True)]
+    unique: list[LiveMessage] = []
+    for m in ordered:
+        if not unique or unique[-1].message_id != m.message_id:
+            unique.append(m)
+    return OldestPage(unique[:limit], len(unique) > limit, total, total_bytes)
+
+
 def count(spool: Listable, flt: Filter | None = None, now: float | None = None) -> int:
     return sum(1 for _ in iter_live(spool, flt, None, now))
 
@@ -181,6 +244,53 @@ def find(spool: Listable, message_id: int) -> LiveMessage:
         if msg.message_id == message_id:
             return msg
     raise NotFound(f"no queued message with id {format_id(message_id)}")
+
+
+@attrs.frozen
+class Tried:
+    """A recipient's last outcome in the log, and when it was recorded."""
+
+    outcome: Outcome
+    time_ms: int
+
+
+def outcomes(spool: Listable, msg: LiveMessage) -> dict[str, Tried]:
+    """The last outcome of each recipient of ``msg`` that the log still holds (delivered ones included).
+
+    One walk from the message's first envelope (its id is that position) or
+    from the oldest segment left, following the message from envelope to
+    START, to its DELIVERY records, and through each FINISH to the envelope
+    that replaced it. Memory: the message's own attempts and recipients.
+    The history is what is still on disk: segments reclaimed behind the
+    oldest runner took older attempts with them, and damage is passed over
+    here (the listing that found ``msg`` reports it).
+    """
+    src = spool.source()
+    reader = LogReader(src.io, src.log_dir, durable=src.durable_end)
+    if not reader.segments:
+        return {}
+    start = max(msg.message_id, make_pos(reader.segments[0], SEGMENT_HEADER_SIZE))
+    envelopes = {msg.message_id, msg.pos}
+    starts: set[int] = set()
+    last: dict[str, Tried] = {}
+    wanted = (RecordType.START, RecordType.DELIVERY, RecordType.FINISH)
+    for frame in reader.frames(start, src.durable_end, _pass_over, types=wanted):
+        try:
+            record = decode_payload(frame.rtype, frame.payload)
+        except CorruptRecord:
+            continue
+        if isinstance(record, Start) and record.envelope in envelopes:
+            starts.add(frame.pos)
+        elif isinstance(record, Delivery) and record.start in starts:
+            for o in record.outcomes:
+                last[o.recipient] = Tried(o, record.time_ms)
+        elif isinstance(record, Finish) and record.start in starts and record.replacement is not None:
+            envelopes.add(record.replacement)
+    return last
+
+
+def _pass_over(_anomaly: object) -> None:
+    """A history is best effort: damage is reported by the listing and by ``spoolctl verify``."""
 
 
 AGE_BUCKETS = (300, 600, 1200, 2400, 4800, 9600, 19200, 38400, 76800, float("inf"))

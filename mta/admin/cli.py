@@ -4,11 +4,20 @@ The work is ``mta.admin.shards_merge.request``; its errors are exceptions
 (``mta.admin.errors``) that ``mta.cli`` turns into one line and an exit
 status. A change that failed for some ids is not an error of the command:
 its answer lists them, and the exit status is 1.
+
+What people read is shaped on Postfix's: ``list`` as ``postqueue -p``
+(a header, ``*`` for a message being delivered and ``!`` for a held one, the
+last error in parentheses, a ``-- N Kbytes in M Requests.`` totals line,
+``Mail queue is empty``), ``shape`` as ``qshape`` (a TOTAL row, a T column).
+Times are UTC, ISO 8601, with the age beside them. ``--json`` prints the
+answer itself (docs/operations.md, "Queue administration").
 """
 
 from __future__ import annotations
 
 import json
+import math
+import shlex
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,13 +27,57 @@ import click
 from mta.admin.shards_merge import check_ids, request
 from mta.cli_common import EXIT_FAILURE, config_option, json_option
 from mta.config import load_config
+from spool.units import format_age
+
+DEFAULT_LIMIT = 100
+EMPTY = "Mail queue is empty"
+NO_MATCH = "No queued message matches"
+_ID_WIDTH = 19  # a queue id and its mark: 16 hex digits, a shard suffix (-K) or two
+_LIST_HEAD = f"{'-Queue ID-':<{_ID_WIDTH}}{'--Size--':>9} {'----Arrival Time----':<21} -Sender/Recipient-------"
+_INDENT = " " * (_ID_WIDTH + 9 + 1 + 21 + 1)
+_MARKS = {"active": "*", "held": "!"}  # postqueue -p's: * being delivered, ! held
 
 
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
+def utc(seconds: float) -> str:
+    """A time for people: UTC, ISO 8601, to the second."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def when(seconds: float, now: float) -> str:
+    """``utc`` and how long ago (or how soon) that is: ``2026-11-23T10:00:00Z (3h 12m ago)``, ``... (in 5m)``."""
+    delta = round(now - seconds)
+    if delta == 0:
+        return f"{utc(seconds)} (now)"
+    return f"{utc(seconds)} ({format_age(delta)} ago)" if delta > 0 else f"{utc(seconds)} (in {format_age(-delta)})"
+
+
+def kbytes(size: int) -> int:
+    """postqueue's unit: kilobytes, rounded up."""
+    return math.ceil(size / 1024)
+
+
+def requests(n: int) -> str:
+    return f"{n} Request{'' if n == 1 else 's'}"
+
+
+def status_words(m: dict[str, Any]) -> str:
+    """Where a message stands, in words (the numbers stay in --json)."""
+    if m["state"] == "active":
+        return "being delivered"
+    if m["state"] == "held":
+        return f"held (mta queue release {m['id']} lets it go)"
+    if m["class"] == 0:
+        return "new" if not m["attempts"] else "due now (released or flushed)"
+    every = f", every {format_age(m['retry_every'])}" if m.get("retry_every") else ""
+    return f"deferred (retry class {m['class']}{every})"
+
+
+def reply_text(row: dict[str, Any]) -> str:
+    return " ".join(str(part) for part in (row["code"] or "", row["enhanced"], row["reply"]) if part)
+
+
+_RECIPIENT_WORDS = {"in_doubt": "in doubt (perhaps delivered before a crash; it will be tried again)",
+                    "active": "being delivered", "new": "not tried yet"}
 
 
 def _emit(as_json: bool, data: Any, human: Callable[[], None]) -> None:
@@ -46,7 +99,7 @@ def queue() -> None:
 @click.option("--recipient")
 @click.option("--held", is_flag=True, help="only held messages")
 @click.option("--in-doubt", is_flag=True, help="only messages with recipients possibly delivered before a crash")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 10_000), default=DEFAULT_LIMIT, show_default=True)
 @click.option("--cursor", default=None, help="continue where the previous page ended")
 @json_option
 def queue_list(config_path: str | None, domain: str | None, sender: str | None, recipient: str | None,
@@ -57,16 +110,38 @@ def queue_list(config_path: str | None, domain: str | None, sender: str | None, 
     answer = request(load_config(config_path), req)
 
     def human() -> None:
-        for m in answer["messages"]:
-            doubt = f"  in doubt: {', '.join(m['in_doubt'])}" if m["in_doubt"] else ""
-            click.echo(f"{m['id']:>16} {m['state']:<7} {_age(m['age']):>6} {m['size']:>9}  "
-                       f"<{m['sender']}> -> {', '.join(m['recipients'])}{doubt}")
-            if m["last_error"]:
-                click.echo(f"{'':>16} ({m['last_error']})")
-        if answer["next"] is not None:
-            click.echo(f"-- more: --cursor {answer['next']}")
+        if not answer["total"]:
+            filtered = any((domain, sender, recipient, held, in_doubt))
+            click.echo(NO_MATCH if filtered else EMPTY)
+            return
+        # The next page's command repeats what selected this one.
+        again = ["mta queue list", *(f"--{name} {shlex.quote(value)}" for name, value in
+                                     (("config", config_path), ("domain", domain), ("sender", sender),
+                                      ("recipient", recipient)) if value is not None),
+                 *(flag for flag, on in (("--held", held), ("--in-doubt", in_doubt)) if on),
+                 *([f"--limit {limit}"] if limit != DEFAULT_LIMIT else [])]
+        print_list(answer, " ".join(again))
 
     _emit(as_json, answer, human)
+
+
+def print_list(answer: dict[str, Any], again: str = "mta queue list") -> None:
+    """A page as ``postqueue -p`` prints the queue: header, one entry per message, totals last.
+
+    ``again``: the command that lists the next page, given its ``--cursor``.
+    """
+    click.echo(_LIST_HEAD)
+    for m in answer["messages"]:
+        mark = _MARKS.get(m["state"], "")
+        click.echo(f"{m['id'] + mark:<{_ID_WIDTH}}{m['size']:>9} {utc(m['arrival']):<21} {m['sender'] or '<>'}")
+        if m["last_error"]:
+            click.echo(f"({m['last_error']})")
+        for r in m["recipients"]:
+            click.echo(f"{_INDENT}{r}{' (in doubt)' if r in m['in_doubt'] else ''}")
+        click.echo("")
+    if answer["next"] is not None:
+        click.echo(f"-- {len(answer['messages'])} shown, more: {again} --cursor {answer['next']}")
+    click.echo(f"-- {kbytes(answer['total_bytes'])} Kbytes in {requests(answer['total'])}.")
 
 
 @queue.command("count")
@@ -89,22 +164,32 @@ def queue_show(config_path: str | None, queue_id: str, body: bool, as_json: bool
     """Show one message."""
     check_ids((queue_id,))
     answer = request(load_config(config_path), {"op": "show", "id": queue_id, "body": body})
+    _emit(as_json, answer, lambda: print_show(answer, time.time()))
 
-    def human() -> None:
-        for key in ("id", "state", "class", "sender", "recipients", "size", "age", "attempts", "in_doubt",
-                    "last_error"):
-            value = answer[key]
-            if key == "age":
-                value = _age(value)
-            if isinstance(value, list):
-                value = ", ".join(value)
-            click.echo(f"{key:>11}: {value}")
-        click.echo(f"{'arrival':>11}: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(answer['arrival']))}")
-        if body:
-            click.echo("")
-            click.echo(answer.get("body", ""), nl=False)
 
-    _emit(as_json, answer, human)
+def print_show(m: dict[str, Any], now: float) -> None:
+    """One message: where it stands, its times, and each recipient's status and last reply."""
+    lines = [("queue id", m["id"]), ("status", status_words(m)), ("arrival", when(m["arrival"], now)),
+             ("sender", f"<{m['sender']}>"), ("size", f"{m['size']} bytes")]
+    attempts = str(m["attempts"])
+    if m.get("last_attempt") is not None:
+        attempts += f", the last {when(m['last_attempt'], now)}"
+    lines.append(("attempts", attempts))
+    if m["next_retry"] is not None:
+        lines.append(("next retry", "now" if m["next_retry"] <= now else when(m["next_retry"], now)))
+    if m["last_error"]:
+        lines.append(("last error", m["last_error"]))
+    for key, value in lines:
+        click.echo(f"{key:>10}: {value}")
+    click.echo(f"{'recipients':>10}:")
+    for row in m["recipient_status"]:
+        text = f"  {row['recipient']}: {_RECIPIENT_WORDS.get(row['status'], row['status'])}"
+        click.echo(text + (f": {reply_text(row)}" if reply_text(row) else ""))
+        if row["time"] is not None:  # the reply's time and who gave it
+            click.echo(f"      at {when(row['time'], now)}" + (f" from {row['next_hop']}" if row["next_hop"] else ""))
+    if "body" in m:
+        click.echo("")
+        click.echo(m["body"], nl=False)
 
 
 def _change(op: str) -> Callable[..., None]:
@@ -147,10 +232,15 @@ def queue_shape(config_path: str | None, top: int, as_json: bool) -> None:
     """Queued messages by destination domain and age bucket (minutes), as Postfix's qshape."""
     answer = request(load_config(config_path), {"op": "shape", "top": top})
 
-    def human() -> None:
-        heads = [f"{int(b // 60)}" if b is not None else "more" for b in answer["buckets"]]
-        click.echo(f"{'domain':<32}{'T':>7}" + "".join(f"{h:>7}" for h in heads))
-        for row in answer["rows"]:
-            click.echo(f"{row['domain'][:31]:<32}{row['total']:>7}" + "".join(f"{c:>7}" for c in row["counts"]))
+    _emit(as_json, answer, lambda: print_shape(answer))
 
-    _emit(as_json, answer, human)
+
+def print_shape(answer: dict[str, Any]) -> None:
+    """As qshape: domains right-aligned, T the total column, TOTAL the first row, buckets in minutes."""
+    minutes = [int(b // 60) for b in answer["buckets"] if b is not None]
+    heads = ["T", *(str(m) for m in minutes), f"{minutes[-1]}+"]
+    click.echo(f"{'':>32}" + "".join(f"{h:>7}" for h in heads))
+    totals = answer["totals"]
+    for domain, total, counts in (("TOTAL", totals["total"], totals["counts"]),
+                                  *((r["domain"], r["total"], r["counts"]) for r in answer["rows"])):
+        click.echo(f"{domain[-31:]:>32}{total:>7}" + "".join(f"{c:>7}" for c in counts))

@@ -6,8 +6,16 @@ through it. When no relay runs, ``mta.admin.offline`` opens the spool itself
 (taking its lock, which also runs recovery) and calls the same functions. Requests and
 answers are plain JSON-able dicts either way.
 
-Reads are the spool's constant-memory walks (``spool.admin``); a page holds at
-most ``limit`` messages and the cursor is a log position.
+Reads are the spool's constant-memory walks (``spool.admin``). A ``list``
+page holds at most ``limit`` messages, oldest first, with the totals of every
+message the filter matches; its cursor is the last message's arrival time and
+queue id (``mta.shards.format_cursor``), so pages over several shards
+merge into one order.
+
+Answers are for programs (``--json``) as much as for people: times are
+seconds since the epoch, classes and sizes are numbers, and states are
+fixed words (``state``: queued, held, active; a recipient's ``status``:
+``RECIPIENT_STATUSES``). ``mta.admin.cli`` turns them into words for people.
 
 Each function serves one spool shard (``shard``, see ``mta.shards``): ids in
 requests must be that shard's and ids in answers carry its suffix. Spreading
@@ -22,9 +30,12 @@ from typing import Any
 
 import attrs
 
-from mta.shards import format_queue_id, parse_queue_id
+from mta.shards import Cursor, format_cursor, format_queue_id, parse_cursor, parse_queue_id
 from spool import admin
+from spool.config import SpoolConfig
+from spool.core import SpoolCore
 from spool.errors import NotFound, SpoolError
+from spool.record import Status
 
 MAX_LIMIT = 10_000
 MAX_POSITION = (1 << 64) - 1  # a log position: segment id << 32 | offset (``spool.record.make_pos``)
@@ -45,15 +56,15 @@ def shown(value: Any) -> str:
 class Request:
     """One admin request, every field checked for its type and range (``parse_request``).
 
-    ``filter``: for list and count; ``limit`` and ``cursor`` (a log position,
-    None for the start): list; ``id`` and ``body``: show; ``top``: shape;
+    ``filter``: for list and count; ``limit`` and ``cursor`` (the last listed
+    message's place, None for the oldest): list; ``id`` and ``body``: show; ``top``: shape;
     ``ids``: hold, release, delete and flush (empty: flush every deferred message).
     """
 
     op: str
     filter: admin.Filter = attrs.field(factory=admin.Filter)
     limit: int = 100
-    cursor: int | None = None
+    cursor: Cursor | None = None
     id: str = ""
     body: bool = False
     top: int = 20
@@ -136,15 +147,33 @@ def parse_request(req: Any) -> Request:
         raise RequestError("ids must be a list of queue ids (strings)")
     if not ids and op in CHANGES and op != "flush":
         raise RequestError(f"{op} needs at least one queue id")
-    cursor = get("cursor")
-    return Request(op=op, filter=flt, limit=_integer("limit", get("limit"), 100, 1, MAX_LIMIT),
-                   cursor=None if cursor is None else _integer("cursor", cursor, 0, 0, MAX_POSITION),
+    try:
+        cursor = parse_cursor(get("cursor"))
+    except ValueError:
+        raise RequestError(f"not a list cursor: {shown(get('cursor'))}") from None
+    return Request(op=op, filter=flt, limit=_integer("limit", get("limit"), 100, 1, MAX_LIMIT), cursor=cursor,
                    id=qid if isinstance(qid, str) else "", body=_flag("body", get("body")),
                    top=_integer("top", get("top"), 20, 1, MAX_LIMIT), ids=tuple(ids))
 
 
-def message_dict(m: admin.LiveMessage, now: float, shard: int = 0) -> dict[str, Any]:
+# A recipient's ``status`` in ``show``: a final outcome from the log, or where it stands in the queue.
+FINAL_STATUSES = {Status.DELIVERED: "delivered", Status.BOUNCED: "bounced", Status.EXPIRED: "expired",
+                  Status.DELETED: "deleted"}
+RECIPIENT_STATUSES = (*FINAL_STATUSES.values(), "deferred", "new", "held", "active", "in_doubt")
+
+
+def message_dict(m: admin.LiveMessage, now: float, shard: int = 0,
+                 config: SpoolConfig | None = None) -> dict[str, Any]:
+    """One message for an answer. ``retry_every`` and ``next_retry`` need the spool's ``config``.
+
+    ``next_retry`` (seconds since the epoch) is when its runner reaches the
+    envelope: written at ``appended``, due ``retry_every`` later (at once for
+    new mail); None while held or being delivered.
+    """
     env = m.envelope
+    every = None
+    if config is not None and m.state == "queued":  # a class beyond today's retry_intervals: the last one's
+        every = config.interval(min(m.klass, config.classes - 1))
     return {
         "id": format_queue_id(m.message_id, shard),
         "state": m.state,
@@ -157,16 +186,45 @@ def message_dict(m: admin.LiveMessage, now: float, shard: int = 0) -> dict[str, 
         "attempts": env.attempts,
         "in_doubt": list(env.in_doubt),
         "last_error": str(env.extra.get("last_error", "")),
+        "retry_every": every,
+        "next_retry": None if every is None else m.appended + every,
     }
+
+
+def recipient_rows(m: admin.LiveMessage, history: dict[str, admin.Tried]) -> list[dict[str, Any]]:
+    """Each recipient's status and last reply: those still queued first, then those done (from the log)."""
+    env = m.envelope
+    rows = []
+    for r in (*env.recipients, *(r for r in history if r not in env.recipients)):
+        tried = history.get(r)
+        o = tried.outcome if tried is not None else None
+        if o is not None and o.status.final:  # done, perhaps in the attempt still in flight
+            status = FINAL_STATUSES[o.status]
+        elif r in env.in_doubt:
+            status = "in_doubt"
+        elif m.state != "queued":
+            status = m.state
+        elif o is not None or m.klass > 0 or env.attempts:
+            status = "deferred"
+        else:
+            status = "new"
+        rows.append({"recipient": r, "status": status, "code": o.code if o else 0, "enhanced": o.enhanced if o else "",
+                     "reply": o.reply if o else "", "next_hop": o.next_hop if o else "",
+                     "time": tried.time_ms / 1000 if tried else None})
+    return rows
 
 
 def read_op(listable: admin.Listable, req: Request, read_body: Callable[[Any], Any] | None = None,
             shard: int = 0) -> dict[str, Any]:
     """list, count, show and shape: everything that does not change the queue."""
     now = time.time()
+    config = listable.config if isinstance(listable, SpoolCore) else None
     if req.op == "list":
-        msgs, nxt = admin.page(listable, req.filter, req.cursor, req.limit, now)
-        return {"messages": [message_dict(m, now, shard) for m in msgs], "next": nxt}
+        got = admin.oldest_first(listable, req.filter, _local_after(req.cursor, shard), req.limit, now)
+        last = got.messages[-1] if got.messages else None
+        nxt = format_cursor((last.envelope.arrival_ms, shard, last.message_id)) if got.more and last else None
+        return {"messages": [message_dict(m, now, shard, config) for m in got.messages], "next": nxt,
+                "total": got.total, "total_bytes": got.total_bytes}
     if req.op == "count":
         return {"count": admin.count(listable, req.filter, now)}
     if req.op == "show":
@@ -175,7 +233,12 @@ def read_op(listable: admin.Listable, req: Request, read_body: Callable[[Any], A
             msg = admin.find(listable, mid)
         except NotFound:
             raise NotFound(f"no queued message with id {format_queue_id(mid, shard)}") from None
-        out = message_dict(msg, now, shard)
+        out = message_dict(msg, now, shard, config)
+        history = admin.outcomes(listable, msg)
+        out["recipient_status"] = recipient_rows(msg, history)
+        out["last_attempt"] = max((t.time_ms for t in history.values()), default=None)
+        if out["last_attempt"] is not None:
+            out["last_attempt"] /= 1000
         if req.body and read_body is not None:
             data = b"".join(read_body(msg.envelope))
             out["body"] = data.decode("utf-8", "replace")
@@ -185,6 +248,20 @@ def read_op(listable: admin.Listable, req: Request, read_body: Callable[[Any], A
         return {"buckets": [b if b != float("inf") else None for b in admin.AGE_BUCKETS],
                 "rows": [{"domain": d, "total": t, "counts": c} for d, t, c in rows]}
     raise RequestError(f"{req.op} is not a read")
+
+
+def _local_after(cursor: Cursor | None, shard: int) -> admin.Key | None:
+    """The cursor of an order over every shard, as a bound on this shard's own (arrival, id) keys.
+
+    The order is (arrival, shard, id): after a message of a lower shard come
+    this shard's messages of the same millisecond, after a higher shard's only later ones.
+    """
+    if cursor is None:
+        return None
+    arrival_ms, owner, mid = cursor
+    if owner == shard:
+        return arrival_ms, mid
+    return (arrival_ms - 1, MAX_POSITION) if owner < shard else (arrival_ms, MAX_POSITION)
 
 
 def _id(value: str, shard: int) -> int:

@@ -4,8 +4,12 @@ Each shard answers for itself (``mta.admin.queue_ops``), through its relay's
 control socket if it runs (``mta.admin.client``) or from its spool on disk
 if not (``mta.admin.offline``). Here the answers become the one answer an
 operator asked for: counts and shapes add up, ``show`` and the changes go to
-each id's shard, ``list`` pages through shard 0, then shard 1, ... with a
-cursor that names the shard (``mta.shards``).
+each id's shard, and each shard's oldest messages of a ``list`` page merge
+into one page, oldest first over every shard.
+
+No queue command creates a spool: when shard 0's spool is not there, no
+relay has ever run on this config, and ``SpoolNotFound`` names the spool and
+the config that named it (``missing_spool``). Only ``mta serve`` makes one.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from typing import Any
 
 from mta.admin.client import ask_relay
 from mta.admin.control import socket_path
-from mta.admin.errors import BadRequest, NoSuchMessage, SpoolUnavailable
+from mta.admin.errors import BadRequest, NoSuchMessage, SpoolNotFound, SpoolUnavailable
 from mta.admin.offline import answer_offline
-from mta.config import Config
-from mta.shards import all_shards, format_cursor, parse_cursor, parse_queue_id
+from mta.config import DEFAULTS_SOURCE, Config
+from mta.shards import Cursor, all_shards, format_cursor, parse_cursor, parse_queue_id
 from spool import admin
+from spool.core import LOG_DIR
 
 SHAPE_TOP_PER_SHARD = 1000  # each shard's table before the merge: exact unless a shard sees more domains
 Shards = list[tuple[int, Config]]
@@ -54,15 +59,27 @@ def ask_shard(config: Config, shard: int, req: dict[str, Any]) -> dict[str, Any]
     answer = ask_relay(socket_path(config), req)
     if answer is not None:
         return answer
-    if shard and not os.path.isdir(config.spool.dir):
+    if not os.path.isdir(os.path.join(config.spool.dir, LOG_DIR)):
+        if not shard:
+            raise SpoolNotFound(missing_spool(config))
         return _empty_answer(req)  # configured but never started: it holds nothing
     return answer_offline(config, shard, req)
+
+
+def missing_spool(config: Config) -> str:
+    """One line: which spool is not there, which config named it, and that nothing was created."""
+    if config.source == DEFAULTS_SOURCE:
+        named = ("the built-in default spool.dir, relative to the current directory: no --config, "
+                 "$LOGSPOOL_CONFIG or ./logspool.toml")
+    else:
+        named = f"spool.dir of {os.path.abspath(config.source)}"
+    return f"no spool at {config.spool.dir} ({named}); nothing was created"
 
 
 def _empty_answer(req: dict[str, Any]) -> dict[str, Any]:
     op = req["op"]
     if op == "list":
-        return {"messages": [], "next": None}
+        return {"messages": [], "next": None, "total": 0, "total_bytes": 0}
     if op == "count":
         return {"count": 0}
     if op == "shape":
@@ -96,33 +113,45 @@ def shard_of(queue_id: str, count: int) -> int:
 
 
 def _list(shards: Shards, req: dict[str, Any]) -> dict[str, Any]:
-    """One page over the shards in turn (shard 0's messages first, each shard oldest first).
+    """One page, oldest first over every shard: each shard's oldest after the cursor, merged.
 
-    The cursor names the shard and the position inside it, so paging through
-    every shard needs no memory beyond one page.
+    Memory: a page per shard. The cursor is the last message's place in the
+    order (arrival, shard, id), which every shard can compare its own
+    messages with (``mta.admin.queue_ops``).
     """
     limit = int(req["limit"])
     try:
-        shard, pos = parse_cursor(req.get("cursor"))
+        parse_cursor(req.get("cursor"))
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    messages: list[Any] = []
-    nxt: int | str | None = None
-    while shard < len(shards):
-        answer = ask_shard(shards[shard][1], shard, {**req, "limit": limit - len(messages), "cursor": pos})
-        messages += answer["messages"]
-        if answer["next"] is not None:
-            nxt = format_cursor(shard, answer["next"])
-            break
-        shard, pos = shard + 1, None
-        if len(messages) >= limit:
-            nxt = format_cursor(shard, 0) if shard < len(shards) else None
-            break
-    return {"ok": True, "messages": messages, "next": nxt}
+    found: list[Any] = []
+    more = False
+    total = total_bytes = 0
+    for k, c in shards:
+        answer = ask_shard(c, k, req)
+        found += answer["messages"]
+        more = more or answer["next"] is not None
+        total += answer["total"]
+        total_bytes += answer["total_bytes"]
+    found.sort(key=_place)
+    page = found[:limit]
+    more = more or len(found) > limit
+    nxt = format_cursor(_place(page[-1])) if more and page else None
+    return {"ok": True, "messages": page, "next": nxt, "total": total, "total_bytes": total_bytes}
+
+
+def _place(message: dict[str, Any]) -> Cursor:
+    """A listed message's place in the order over every shard: (arrival in ms, shard, id)."""
+    shard, mid = parse_queue_id(message["id"])
+    return round(message["arrival"] * 1000), shard, mid  # seconds with 3 decimals, exact in a double
 
 
 def _shape(shards: Shards, req: dict[str, Any]) -> dict[str, Any]:
-    """Sum the shards' tables by domain, then keep the ``top`` largest (the rest as ``(others)``)."""
+    """Sum the shards' tables by domain, then keep the ``top`` largest (the rest as ``(others)``).
+
+    ``totals`` is qshape's TOTAL row: each column summed over every domain, so
+    a message to two domains counts in both rows and twice in it, as in qshape.
+    """
     top = int(req.get("top") or 20)
     table: dict[str, list[int]] = {}
     buckets: list[Any] = []
@@ -140,7 +169,8 @@ def _shape(shards: Shards, req: dict[str, Any]) -> dict[str, Any]:
     out = [{"domain": d, "total": sum(c), "counts": c} for d, c in rows[:top]]
     if others:
         out.append({"domain": "(others)", "total": sum(others), "counts": others})
-    return {"ok": True, "buckets": buckets, "rows": out}
+    columns = [sum(column) for column in zip(*(row["counts"] for row in out), strict=True)] or [0] * len(buckets)
+    return {"ok": True, "buckets": buckets, "rows": out, "totals": {"total": sum(columns), "counts": columns}}
 
 
 def _change_all(shards: Shards, req: dict[str, Any]) -> dict[str, Any]:

@@ -23,9 +23,13 @@ Where the file comes from (``find_config_file``): an explicit path, else
 file the embedded defaults make a working relay (listen on 127.0.0.1:2525,
 deliver ``@localhost`` to ``var/maildir``, everything else by MX).
 
-Relative paths (``spool.dir``, ``maildir:`` routes, TLS files, ...) are
-resolved against the current directory *when the config is loaded*, so a
-later ``chdir`` cannot move the spool.
+Relative paths (``spool.dir``, ``maildir:`` routes, TLS files, ...) in a
+file, and the relative defaults of a config read from a file, resolve against
+the file's directory (``base_dir_of``), as nginx and Postfix's ``main.cf``
+users expect: the same file names the same spool whichever directory ``mta``
+runs in. With no file, the embedded defaults resolve against the current
+directory (``make run``'s ``./var/spool``). Either way they are made absolute
+*when the config is loaded*, so a later ``chdir`` cannot move the spool.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ __all__ = [
     "ENV_VAR",
     "ConfigError",
     "ConfigProblems",
+    "base_dir_of",
     "definitions",
     "find_config_file",
     "key_name",
@@ -77,8 +82,18 @@ def find_config_file(
     return DEFAULT_FILE if os.path.isfile(DEFAULT_FILE) else None
 
 
+def base_dir_of(source: str) -> str | None:
+    """Where the relative paths of a config loaded from ``source`` resolve: the file's directory.
+
+    None for the embedded defaults (``DEFAULTS_SOURCE``): the current directory.
+    """
+    return None if source == DEFAULTS_SOURCE else os.path.dirname(os.path.abspath(source))
+
+
 def load_config(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """Find, read and validate the config (see ``find_config_file``); no file gives the defaults.
+
+    Relative paths resolve against the file's directory (``base_dir_of``).
 
     Raises:
         ConfigError: unreadable file, TOML syntax error, or a bad value (``problems`` has every one).
@@ -95,7 +110,7 @@ def load_config(path: str | os.PathLike[str] | None = None, environ: Mapping[str
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 at byte {e.start}", file) from None
-    return parse_config(text, file)
+    return parse_config(text, file, base_dir_of(file))
 
 
 def parse_config(text: str, source: str = "<string>", base_dir: str | None = None) -> Config:

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from mta.config.loader import load_config, problems_of
+from mta.config.loader import base_dir_of, load_config, problems_of
 from mta.config.model import Config
 from mta.config.show import show_config
 from mta.process.check import check_host
@@ -69,4 +69,5 @@ def check(config_path: str | None) -> None:
                                                        "(as postconf -n).")
 def show(config_path: str | None, only_changed: bool) -> None:
     """Every setting in effect, as TOML that reads back as the same config (defaults and derived values included)."""
-    click.echo(show_config(_load(config_path), only_changed=only_changed), nl=False)
+    cfg = _load(config_path)
+    click.echo(show_config(cfg, only_changed=only_changed, base_dir=base_dir_of(cfg.source)), nl=False)

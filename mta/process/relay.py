@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import trio
 
 from mta.admin.control import ControlServer
-from mta.config import Config
+from mta.config import DEFAULTS_SOURCE, Config, MaildirRoute
 from mta.delivery.local import DiscardTransport, MaildirTransport
 from mta.delivery.scheduler import Scheduler
 from mta.delivery.transport import Transport
@@ -55,6 +55,18 @@ def transports(config: Config, io: FileIO | None = None) -> Mapping[str, Transpo
     smtp = SmtpTransport(config)
     return {"maildir": MaildirTransport(config.server.hostname, io), "discard": DiscardTransport(),
             "smtp": smtp, "mx": smtp}
+
+
+def where_mail_goes(config: Config) -> str:
+    """The start line that says which config runs and where local mail lands (the rest goes by its routes).
+
+    ``make run`` relies on it to show where the maildir is, with the spool line above it.
+    """
+    source = "built-in defaults (no config file)" if config.source == DEFAULTS_SOURCE else \
+        os.path.abspath(config.source)
+    local = [f"{'any other domain' if domain == '*' else '@' + domain} into {route.path}/<localpart>/new/"
+             for domain, route in config.routes.items() if isinstance(route, MaildirRoute)]
+    return f"config {source}; " + (f"local delivery: {', '.join(local)}" if local else "no local delivery")
 
 
 class Relay:
@@ -123,6 +135,8 @@ class Relay:
             shard = f", shard {self.shard} (pid {os.getpid()})" if self.supervisor is not None else ""
             log.info("logspool relay %s listening on %s, spool %s%s", cfg.server.hostname, addrs, cfg.spool.dir,
                      shard)
+            if self.shard == 0:
+                log.info("%s", where_mail_goes(cfg))
             task_status.started(self)
 
     @property

@@ -10,6 +10,7 @@ and stderr nothing. The table is ``mta.cli.FAILURES`` (docs/operations.md,
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -37,6 +38,12 @@ def write_config(tmp_path: Path, spool_dir: str = "spool", route: str = "discard
     path.write_text(f'[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\n'
                     f'[spool]\ndir = "{spool_dir}"\n[routes]\n"*" = "{route}"\n')
     return str(path)
+
+
+def make_spool(path: Path) -> Path:
+    """An empty spool, as a relay's first start leaves it (the queue commands never create one)."""
+    Spool.open(str(path), SpoolConfig()).close()
+    return path
 
 
 def assert_fails(cwd: Path, args: list[str], status: int, code: str, pattern: str) -> None:
@@ -71,6 +78,7 @@ OFFLINE = {
 def test_a_bad_or_unknown_id_is_one_line_and_its_exit_status(tmp_path: Path,
                                                             case: tuple[list[str], int, str, str]) -> None:
     args, status, code, pattern = case
+    make_spool(tmp_path / "spool")
     assert_fails(tmp_path, [*args, "--config", write_config(tmp_path)], status, code, pattern)
 
 
@@ -90,7 +98,36 @@ def test_a_spool_that_cannot_exist_is_spool_not_found(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("not a directory\n")
     config = write_config(tmp_path, spool_dir="afile/spool")
     assert_fails(tmp_path, ["queue", "list", "--config", config], 1, "spool_not_found",
-                 f"spool {re.escape(str(tmp_path / 'afile' / 'spool'))}: Not a directory")
+                 f"no spool at {re.escape(str(tmp_path / 'afile' / 'spool'))} "
+                 f"\\(spool.dir of {re.escape(config)}\\); nothing was created")
+
+
+MISSING = {"list": ["list"], "count": ["count", "--held"], "show": ["show", "1A"], "shape": ["shape"],
+           "hold": ["hold", "1A"], "flush": ["flush"]}
+
+
+@pytest.mark.parametrize("command", list(MISSING.values()), ids=list(MISSING))
+def test_a_queue_command_on_a_missing_spool_names_it_and_its_config_and_creates_nothing(
+        tmp_path: Path, command: list[str]) -> None:
+    """Run elsewhere, a relative spool.dir must not become a new, empty spool there (issue 15)."""
+    etc, elsewhere = tmp_path / "etc", tmp_path / "elsewhere"
+    etc.mkdir()
+    elsewhere.mkdir()
+    config = write_config(etc, spool_dir="../var/spool")
+    assert_fails(elsewhere, ["queue", *command, "--config", config], 1, "spool_not_found",
+                 f"no spool at {re.escape(str(tmp_path / 'var' / 'spool'))} "
+                 f"\\(spool.dir of {re.escape(config)}\\); nothing was created")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["elsewhere", "etc", "relay.toml"]
+
+
+def test_with_no_config_file_the_missing_spool_is_the_default_one_in_the_current_directory(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LOGSPOOL_CONFIG"}
+    proc = run_mta("queue", "list", cwd=tmp_path, env=env)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr == (f"mta: no spool at {tmp_path / 'var' / 'spool'} (the built-in default spool.dir, "
+                           "relative to the current directory: no --config, $LOGSPOOL_CONFIG or ./logspool.toml); "
+                           "nothing was created\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture(name="locked_spool")
@@ -134,6 +171,23 @@ USAGE = {
 
 
 @pytest.mark.parametrize("args", list(USAGE.values()), ids=list(USAGE))
+def test_a_usage_error_without_json_is_one_line(tmp_path: Path, args: list[str]) -> None:
+    proc = run(tmp_path, *args)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    command = "mta " + " ".join(args[:2])
+    assert re.fullmatch(f"{command}: [^\n]+ \\(see '{command} --help'\\)\n", proc.stderr), proc.stderr
+    assert not (tmp_path / "spool").exists()
+
+
+def test_usage_errors_before_any_command_are_one_line_too(tmp_path: Path) -> None:
+    for args, expected in ((["--bogus"], "mta: No such option '--bogus'. (see 'mta --help')\n"),
+                           (["queue", "lst"], "mta queue: No such command 'lst'. Did you mean 'list'? "
+                                              "(see 'mta queue --help')\n")):
+        proc = run(tmp_path, *args)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", expected)
+
+
+@pytest.mark.parametrize("args", list(USAGE.values()), ids=list(USAGE))
 def test_a_usage_error_with_json_is_the_same_shape(tmp_path: Path, args: list[str]) -> None:
     proc = run(tmp_path, *args, "--json")
     assert proc.returncode == 2 and proc.stderr == "", proc.stderr
@@ -145,6 +199,7 @@ def test_a_usage_error_with_json_is_the_same_shape(tmp_path: Path, args: list[st
 
 def test_a_change_that_fails_for_some_ids_prints_its_answer_and_exits_1(tmp_path: Path) -> None:
     config = write_config(tmp_path)
+    make_spool(tmp_path / "spool")
     human = run(tmp_path, "queue", "hold", "1A", "--config", config)
     assert human.returncode == 1
     assert human.stdout == "hold: 0 done\n" and human.stderr == "1A: no queued message with id 1A\n"

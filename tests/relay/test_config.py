@@ -499,6 +499,35 @@ def test_relative_paths_resolve_against_cwd_at_load(tmp_path: Path, monkeypatch:
     assert config.server.control_socket == str(tmp_path / "s" / "control.sock")
 
 
+
+def test_relative_paths_in_a_file_resolve_against_its_directory(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same file names the same spool, maildir and TLS files whichever directory mta runs in (issue 15)."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    path = etc / "relay.toml"
+    path.write_text('[spool]\ndir = "../var/spool"\n[routes]\n"localhost" = "maildir:md"\n"*" = "discard"\n')
+    monkeypatch.chdir("/")
+    for named in (str(path), os.path.relpath(path, "/")):
+        config = load_config(named, environ={})
+        assert config.spool.dir == str(tmp_path / "var" / "spool")
+        assert config.route_for("localhost") == MaildirRoute(str(etc / "md"))
+        assert config.server.control_socket == str(tmp_path / "var" / "spool" / "control.sock")
+    monkeypatch.chdir(etc)
+    assert load_config(environ={"LOGSPOOL_CONFIG": "relay.toml"}).spool.dir == str(tmp_path / "var" / "spool")
+
+
+def test_a_files_relative_defaults_resolve_against_its_directory_and_no_file_against_the_cwd(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "etc" / "relay.toml"
+    path.parent.mkdir()
+    path.write_text("[log]\nlevel = \"info\"\n")
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    assert load_config(str(path), environ={}).spool.dir == str(tmp_path / "etc" / "var" / "spool")
+    assert load_config(environ={}).spool.dir == str(tmp_path / "run" / "var" / "spool")
+
+
 # ---------------------------------------------------------------- fuzz
 
 SECTIONS = {

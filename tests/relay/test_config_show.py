@@ -109,6 +109,17 @@ def test_show_n_writes_a_routes_table_whole(tmp_path: Path) -> None:
     same(shown, config, base_dir=str(tmp_path))
 
 
+def test_mta_config_show_n_run_elsewhere_reads_defaults_from_the_files_directory(tmp_path: Path) -> None:
+    """``-n`` compares with the defaults as the file's directory makes them: a default spool.dir is no change."""
+    path = tmp_path / "etc" / "relay.toml"
+    path.parent.mkdir()
+    path.write_text('[server]\nmax_sessions = 40\n')
+    run = run_mta("config", "show", "-n", "--config", str(path), cwd=Path("/"), env=ENV)
+    assert (run.returncode, run.stderr) == (0, ""), run.stderr
+    assert [line for line in run.stdout.splitlines() if line and not line.startswith("#")] == \
+        ["[server]", "max_sessions = 40"]
+
+
 def test_mta_config_show_as_a_command(tmp_path: Path) -> None:
     path = tmp_path / "relay.toml"
     path.write_text(FULL)

@@ -27,6 +27,8 @@ from relay_support import DeliveryWatch, NextHop, relay_config, start_relay, wri
 from mta.smtp.common import Reply
 from spool.record import Status
 
+MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
+
 
 def _send(port: int, rcpt: str, body: str, sender: str = "a@example.org") -> str:
     """Send one message; return the queue id from the 250 after DATA."""
@@ -181,12 +183,14 @@ async def test_serve_with_no_config_uses_the_make_run_defaults(tmp_path: Path) -
     """Empty directory, no file: 127.0.0.1:2525, spool in ./var/spool, @localhost into ./var/maildir."""
     env = {k: v for k, v in os.environ.items() if k != "LOGSPOOL_CONFIG"}
     port = 2525
+    source = "built-in defaults (no config file)"
     if _port_busy(port):  # someone else uses 2525: change only the port, and check every other default
         port = free_port()
-        override = tmp_path.parent / f"{tmp_path.name}-port.toml"
+        override = tmp_path / "port.toml"  # a file's relative defaults resolve in its directory: this one
         override.write_text(f'[server]\nlisten = ["127.0.0.1:{port}"]\n')
         env["LOGSPOOL_CONFIG"] = str(override)
-    assert os.listdir(tmp_path) == []
+        source = str(override)
+    assert os.listdir(tmp_path) in ([], ["port.toml"])
     lines: list[str] = []
     changed = [trio.Event()]
 
@@ -215,6 +219,8 @@ async def test_serve_with_no_config_uses_the_make_run_defaults(tmp_path: Path) -
             ready = await wait_line(r"listening on (\S+), spool (\S+)")
             assert ready.group(1) == f"127.0.0.1:{port}"
             assert ready.group(2) == str(tmp_path / "var" / "spool")
+            maildir = tmp_path / "var" / "maildir"
+            await wait_line(re.escape(f"config {source}; local delivery: @localhost into {maildir}/<localpart>/new/"))
             qid = await send(port, "someone@localhost", "Subject: default\r\n\r\nmake run works\r\n")
             sent = await wait_line(rf"{qid}: to=<someone@localhost>, relay=(\S+), .* status=sent")
             assert sent.group(1) == f"maildir:{tmp_path / 'var' / 'maildir'}"
@@ -224,6 +230,16 @@ async def test_serve_with_no_config_uses_the_make_run_defaults(tmp_path: Path) -
             assert (tmp_path / "var" / "spool" / "control.sock").exists()
             count = await mta(None, "queue", "count", "--json", cwd=tmp_path, env=env)
             assert count.returncode == 0 and json.loads(count.stdout) == {"ok": True, "count": 0}
+            # What make run says to try: its curl line (curl everywhere; swaks is tested elsewhere).
+            (hint,) = [line for line in MAKEFILE.read_text().splitlines() if "| curl " in line]
+            command = hint.split("or: ", 1)[1].rstrip('"').replace(":2525", f":{port}")
+            tried = await trio.run_process(["sh", "-c", command], cwd=str(tmp_path), check=False,
+                                           capture_stdout=True, capture_stderr=True)
+            assert tried.returncode == 0 and tried.stderr == b"", tried.stderr
+            await wait_line(r"to=<you@localhost>, .* status=sent")  # logged once the maildir file is durable
+            box = maildir / "you" / "new"
+            (name,) = os.listdir(box)
+            assert b"Subject: test" in (box / name).read_bytes()
             # Mail for anywhere else is routed by MX, and relaying is open to 127.0.0.0/8 only: accepted here.
             with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
                 s.ehlo("client.test")

@@ -53,11 +53,14 @@ def test_queue_ids_name_their_shard() -> None:
     for bad in ("", "-1", "1A4-", "1A4-0", "1A4-x", "1A4--1", "G1", "1A4-01"):
         with pytest.raises(ValueError, match="not a queue id"):
             parse_queue_id(bad)
-    assert parse_cursor(format_cursor(0, 77)) == (0, 77)
-    assert parse_cursor(format_cursor(2, 77)) == (2, 77)
-    assert parse_cursor(None) == (0, None)
-    with pytest.raises(ValueError, match="not a list cursor"):
-        parse_cursor("x-1")
+    assert format_cursor((1732356000123, 1, 0x1000001A4)) == "1732356000123.1000001A4-1"
+    for cursor in ((1732356000123, 0, 0x1000001A4), (0, 2, 77)):
+        assert parse_cursor(format_cursor(cursor)) == cursor
+    assert parse_cursor(None) is None
+    bad_cursors: list[object] = ["x-1", "77", "77-1", "1.", ".1A", "1.1A-0", "1.ZZ", 77, ["1.1A"], "1" * 16 + ".1A"]
+    for cursor_text in bad_cursors:
+        with pytest.raises(ValueError, match="not a list cursor"):
+            parse_cursor(cursor_text)
 
 
 def test_shard_layout_and_divided_limits(tmp_path: Path) -> None:
@@ -242,14 +245,18 @@ async def test_admin_commands_span_shards_and_fewer_processes_still_deliver(tmp_
             assert (await mta_json(config, "queue", "count"))["count"] == len(ids)
 
             listed: list[str] = []
+            arrivals: list[float] = []
             cursor: list[str] = []
             for _ in range(len(ids)):
                 page = await mta_json(config, "queue", "list", "--limit", str(len(ids) // 2 + 1), *cursor)
                 listed += [m["id"] for m in page["messages"]]
+                arrivals += [m["arrival"] for m in page["messages"]]
+                assert page["total"] == len(ids)
                 if page["next"] is None:
                     break
                 cursor = ["--cursor", str(page["next"])]
             assert sorted(listed) == sorted(ids)
+            assert arrivals == sorted(arrivals)  # oldest first over both shards, not shard by shard
 
             shown = await mta_json(config, "queue", "show", q1)
             assert shown["id"] == q1 and shown["recipients"] == [f"r{ids[q1]}@far.example"]

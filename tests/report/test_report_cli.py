@@ -33,16 +33,19 @@ def spool_dir_fixture(tmp_path: Any) -> str:
 
 def run(*args: str) -> Result:
     """Through the ``mta`` group, as an operator types it."""
-    return CliRunner().invoke(main, ["report", *args])
+    return CliRunner().invoke(main, ["report", *args], prog_name="mta")
 
 
 def error_line(result: Result) -> str:
-    """The line that says what is wrong; asserts there is no traceback."""
+    """The line that says what is wrong, the whole output (click's usage errors too); no traceback."""
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.startswith(("Error:", "mta report:"))]
-    assert len(lines) == 1, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mta report: "), result.output
     return lines[0]
+
+
+USAGE_HINT = " (see 'mta report --help')"
 
 
 def test_help_lists_every_option() -> None:
@@ -55,15 +58,15 @@ def test_help_lists_every_option() -> None:
 def test_since_not_a_time(spool_dir: str, tmp_path: Any) -> None:
     result = run("--input", spool_dir, "--out", str(tmp_path / "o"), "--since", "notatime")
     assert result.exit_code == 2
-    assert error_line(result) == ("Error: Invalid value for '--since': not a time: 'notatime' "
-                                  "(want 2024-05-01T12:00 or epoch seconds)")
+    assert error_line(result) == ("mta report: Invalid value for '--since': not a time: 'notatime' "
+                                  "(want 2024-05-01T12:00 or epoch seconds)" + USAGE_HINT)
     assert not os.path.exists(tmp_path / "o")
 
 
 def test_until_not_a_date(spool_dir: str, tmp_path: Any) -> None:
     result = run("--input", spool_dir, "--out", str(tmp_path / "o"), "--until", "2024-13-01")
     assert result.exit_code == 2
-    assert error_line(result).startswith("Error: Invalid value for '--until': not a time: '2024-13-01'")
+    assert error_line(result).startswith("mta report: Invalid value for '--until': not a time: '2024-13-01'")
 
 
 def test_since_after_until(spool_dir: str, tmp_path: Any) -> None:
@@ -76,13 +79,13 @@ def test_since_after_until(spool_dir: str, tmp_path: Any) -> None:
 def test_missing_out(spool_dir: str) -> None:
     result = run("--input", spool_dir)
     assert result.exit_code == 2
-    assert error_line(result) == "Error: Missing option '--out'."
+    assert error_line(result) == "mta report: Missing option '--out'." + USAGE_HINT
 
 
 def test_missing_input(tmp_path: Any) -> None:
     result = run("--out", str(tmp_path / "o"))
     assert result.exit_code == 2
-    assert error_line(result) == "Error: Missing option '--input'."
+    assert error_line(result) == "mta report: Missing option '--input'." + USAGE_HINT
 
 
 def test_nonexistent_input_among_good_ones(spool_dir: str, tmp_path: Any) -> None:
@@ -129,8 +132,8 @@ def test_out_cannot_be_made(spool_dir: str, tmp_path: Any) -> None:
 def test_bad_local_master(spool_dir: str, tmp_path: Any) -> None:
     result = run("--input", spool_dir, "--out", str(tmp_path / "o"), "--master", "local[two]")
     assert result.exit_code == 2
-    assert error_line(result) == ("Error: Invalid value for '--master': 'local[two]' "
-                                  "(want local, local[N], local[*] or a cluster URL)")
+    assert error_line(result) == ("mta report: Invalid value for '--master': 'local[two]' "
+                                  "(want local, local[N], local[*] or a cluster URL)" + USAGE_HINT)
 
 
 def test_no_java(spool_dir: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -528,6 +528,15 @@ def test_errors_are_one_line(made: Made, tmp_path: Path, monkeypatch: pytest.Mon
     assert words in result.stderr
 
 
+@pytest.mark.parametrize("command", ["segments", "checkpoint", "dump", "verify", "stats"])
+def test_a_read_on_a_missing_spool_names_it_in_one_line_and_creates_nothing(tmp_path: Path, command: str) -> None:
+    target = tmp_path / "var" / "spool"
+    result = run(command, str(target))
+    assert (result.exit_code, result.stdout) == (3, "")
+    assert result.stderr == f"spoolctl: error: {target}: no such directory\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_recover_on_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
     target = tmp_path / "absent"
     result = run("recover", str(target))
