@@ -416,9 +416,11 @@ def test_verify_flipped_byte_in_the_middle(tmp_path: Path) -> None:
     assert [d["offset"] for d in row["damage"]] == [off] and row["damage"][0]["torn"] is False
     dumped = run("dump", m.path)
     assert dumped.exit_code == 1 and "!!" in dumped.stdout
-    # and the engine refuses to open it, naming the same place
+    # and the engine's open quarantines it, naming the same place, and goes on
     rec = run("recover", m.path)
-    assert rec.exit_code != 0 and rec.stderr.count("\n") == 1
+    assert rec.exit_code == 0
+    assert f"{path} at offset {off} " in rec.stderr and "quarantined" in rec.stderr
+    assert os.path.exists(os.path.join(m.path, "quarantine", f"{seg:016x}-{off:010d}-damaged-record.bin"))
 
 
 def test_verify_flipped_byte_in_the_last_segment_is_damage_not_a_torn_tail(tmp_path: Path) -> None:
