@@ -101,6 +101,12 @@ class Quarantine:
             self._names = names
         return self._names
 
+    def totals(self) -> tuple[int, int, int]:
+        """What the directory holds: notes, bytes kept, messages named lost (read once, then kept up to date)."""
+        with self._lock:
+            self._load()
+            return self.entries_on_disk, self.bytes_on_disk, self.lost_on_disk
+
     def known(self, name: str) -> bool:
         """Is there a note by that name already (this damage was met and kept before)?"""
         with self._lock:

@@ -100,7 +100,9 @@ def queue_show(config_path: str | None, queue_id: str, body: bool, as_json: bool
                 value = ", ".join(value)
             click.echo(f"{key:>11}: {value}")
         click.echo(f"{'arrival':>11}: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(answer['arrival']))}")
-        if body:
+        if body and answer.get("body_error"):
+            click.echo(f"{'body':>11}: cannot be read: {answer['body_error']}")
+        elif body:
             click.echo("")
             click.echo(answer.get("body", ""), nl=False)
 

@@ -24,7 +24,7 @@ import attrs
 
 from mta.process.shards import format_queue_id, parse_queue_id
 from spool import admin
-from spool.errors import NotFound, SpoolError
+from spool.errors import DamagedBody, NotFound, SpoolError
 
 MAX_LIMIT = 10_000
 MAX_POSITION = (1 << 64) - 1  # a log position: segment id << 32 | offset (``spool.record.make_pos``)
@@ -177,8 +177,12 @@ def read_op(listable: admin.Listable, req: Request, read_body: Callable[[Any], A
             raise NotFound(f"no queued message with id {format_queue_id(mid, shard)}") from None
         out = message_dict(msg, now, shard)
         if req.body and read_body is not None:
-            data = b"".join(read_body(msg.envelope))
-            out["body"] = data.decode("utf-8", "replace")
+            try:
+                data = b"".join(read_body(msg.envelope))
+            except DamagedBody as exc:  # quarantined and named by the spool: the message is shown without it
+                out["body_error"] = str(exc)
+            else:
+                out["body"] = data.decode("utf-8", "replace")
         return out
     if req.op == "shape":
         rows = admin.shape(listable, now, req.top)
