@@ -191,10 +191,13 @@ class Recovery:
         sp, stats = self.sp, self.stats
         t0 = sp._now()
         cp = self.read_checkpoint()
-        ids = self.segments(cp)
+        ids, missing = self.segments(cp)
         last, end_off = self.find_log_end(cp, ids)
         if cp is not None and make_pos(last, end_off) < cp.head:
             last, end_off = self.fresh_segment(cp, ids, make_pos(last, end_off))
+        sp._recovery_end = make_pos(last, end_off)
+        for anomaly in missing:  # reported now that the end of the log is known: what they lost can be named
+            self.report(anomaly)
         first = ids[0]
         start, end = working_start(cp, first), make_pos(last, end_off)
         sp._recovery_end = end
@@ -260,8 +263,9 @@ class Recovery:
 
     # -- 2. segments ----------------------------------------------------------------------
 
-    def segments(self, cp: ckpt.Checkpoint | None) -> list[int]:
-        """The segment ids of the log, after finishing the deletions the checkpoint allows."""
+    def segments(self, cp: ckpt.Checkpoint | None) -> tuple[list[int], list[Anomaly]]:
+        """The segment ids of the log, after finishing the deletions the checkpoint allows, and the segments
+        it should hold and does not (a gap, a missing first or last one), for ``report``."""
         sp = self.sp
         ids = list_segments(self.io, self.log_dir)
         if cp is not None:
@@ -277,14 +281,15 @@ class Recovery:
                                     f"the checkpoint names segments {first_needed(cp)} to {head_seg} but none "
                                     "exist"))
                 self.create_segment(head_seg + 1)
-                return [head_seg + 1]
+                return [head_seg + 1], []
             self.create_segment(1)
-            return [1]
+            return [1], []
         if cp is None:
             log.warning("%s: no checkpoint: scanning the whole log (%d segments) to recover", sp.path, len(ids))
-        for anomaly in self.reader(cp, ids).missing():
-            self.report(anomaly)
-        return ids
+        missing = self.reader(cp, ids).missing()
+        if missing and self.sp.damage.mode == "refuse":
+            self.report(missing[0])  # refuses before anything is touched
+        return ids, missing
 
     def create_segment(self, seg: int) -> None:
         """A new, empty segment ``seg`` (the first of a new spool, or one after lost data), made durable."""
@@ -335,7 +340,7 @@ class Recovery:
             walk = reader.segment(last, from_off, types=(RecordType.ENVELOPE,))
             torn = None
             damage: list[Anomaly] = []
-            proven = self.proven_by_checkpoint(cp, last)
+            proven = proven_by_checkpoint(cp, last)
             after: list[Frame] = []  # envelopes after the first damage: what a cut would take
             for item in walk:
                 if isinstance(item, Anomaly):
@@ -368,14 +373,6 @@ class Recovery:
             if torn is not None:
                 self.cut(torn, last, end, size)
             return last, end
-
-    def proven_by_checkpoint(self, cp: ckpt.Checkpoint | None, last: int) -> int:
-        """How far the last segment is durable by the checkpoint alone: up to its head, if it lies there."""
-        if cp is None or pos_segment(cp.head) < last:
-            return 0
-        if pos_segment(cp.head) > last:
-            return 1 << 32  # the head lies beyond this segment: all of it was durable
-        return pos_offset(cp.head)
 
     def remove_half_created(self, torn: Anomaly, ids: list[int]) -> None:
         """A crash while creating a segment can leave it without its header: then it held nothing.
@@ -656,6 +653,15 @@ def describe(cp: ckpt.Checkpoint | None) -> str:
     if cp is None:
         return "no checkpoint: scanning from the first segment"
     return f"checkpoint {cp.sequence}: working suffix from {format_pos(cp.working_start)}"
+
+
+def proven_by_checkpoint(cp: ckpt.Checkpoint | None, last: int) -> int:
+    """How far the last segment is durable by the checkpoint alone: up to its head, if it lies there."""
+    if cp is None or pos_segment(cp.head) < last:
+        return 0
+    if pos_segment(cp.head) > last:
+        return 1 << 32  # the head lies beyond this segment: all of it was durable
+    return pos_offset(cp.head)
 
 
 def first_needed(cp: ckpt.Checkpoint | None) -> int | None:
