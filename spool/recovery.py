@@ -5,20 +5,30 @@ docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
 ``recover``; ``Recovery.run`` is the steps below, one method each.
 
 1. **Checkpoint.** Remove a temporary checkpoint left by an interrupted write;
-   read the checkpoint (none: scan from the first segment; a damaged one stops
-   the open with CorruptCheckpoint). Finish deleting the segments that lie
-   wholly behind its garbage-prefix end (a deletion the crash interrupted).
-2. **Segments.** The log is a contiguous run of segment ids that reaches the
-   checkpoint's head: a gap, or a missing segment where the head lies, is
-   damage (``LogReader.missing``). No segment and no checkpoint: a new spool,
-   whose first segment is created here.
+   read the checkpoint (none: scan from the first segment, and say so; a
+   damaged one is moved to the quarantine and the whole log scanned, or the
+   open refused with ``on_damage = "refuse"``). Finish deleting the segments
+   that lie wholly behind its garbage-prefix end (a deletion the crash
+   interrupted).
+2. **Segments.** The log is a contiguous run of segment ids from the oldest
+   one the checkpoint still needs to the one its head lies in: a gap, a
+   missing first segment, or a missing segment where the head lies, is damage
+   (``LogReader.missing``), reported once the end of the log is known. No
+   segment and no checkpoint: a new spool, whose first segment is created
+   here; no segment while a checkpoint names some: damage, and a new segment
+   after the head's.
 3. **The end of the log.** The last segment is walked from where the working
    suffix begins in it (or from its first record), every frame checked
    (``LogReader.segment``), and the reader is told the checkpoint's head is
    durable: nothing before it can be a torn tail. A torn tail is cut
-   (truncated and fsynced). A half-created last segment, a torn tail at offset
-   0 (its header never written, so nothing in it was ever promised), is
-   removed and the segment before it is walked as the last.
+   (truncated and fsynced), its bytes kept in the quarantine. Damage at or
+   past the last position recovery can prove durable (the checkpoint's head,
+   a garbage-marked record: docs/design.md, "Recovery") is an unacknowledged
+   tail: cut likewise. Damage before it is reported. A half-created last
+   segment, a torn tail at offset 0 (its header never written, so nothing in
+   it was ever promised), is removed and the segment before it is walked as
+   the last. A log that ends before the checkpoint's head (durable records
+   gone) goes on in a new segment, so that no queue id is given twice.
 4. **Sync the tail** (``Recovery.sync_tail``): make the log durable up to its end
    before acting on it. After a kill -9 the page cache still holds writes that
    were never synced; making them durable first means nothing below acts on a
@@ -50,18 +60,19 @@ docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
 Damage. Every anomaly the reader finds other than a torn tail — a damaged
 record, a damaged segment header, a segment of a newer format, a missing
 segment, a sealed size that disagrees with the successor's header, a segment
-that ends before the checkpoint's head — goes to one place: ``Recovery.report``,
-which hands each distinct anomaly once to the policy ``recover`` was given
-(``on_damage``, a ``spool.reader.Reporter``). The policy today, ``refuse``,
-raises the anomaly's error (CorruptSegment naming the file and offset, or
-FormatVersionError): recovery never starts on damage in the durable log. A
-policy that returns instead lets recovery go on with what the reader can
-read: the scan resynchronises on the next valid frame, a missing segment is
-passed over, a sealed segment is read up to the size its successor recorded,
-and the log ends after its last valid frame (``SegmentWalk.valid_end``). Not
-yet through the policy: the reads of one record at a known position (an
-in-flight attempt's envelope, a body copied forward), which raise
-CorruptRecord as before; and a damaged checkpoint (CorruptCheckpoint).
+that ends before the checkpoint's head — goes to one place:
+``Recovery.report``, which hands each distinct anomaly once to the spool's
+damage policy (``spool.damage_policy``; or the reporter ``recover`` was
+given). With ``on_damage = "quarantine"`` (the default) the policy copies
+the damaged bytes to the quarantine, names the messages lost and returns, and
+recovery goes on with what the reader can read: the scan resynchronises on
+the next valid frame, a missing segment is passed over, a sealed segment is
+read up to the size its successor recorded. With ``refuse`` it raises
+DamageRefused, saying what to run (a newer format is refused always). The
+reads of one record at a known position go to the same policy: an in-flight
+attempt's envelope that cannot be read (the message is named from its START
+and DELIVERY records and the attempt ended with a FINISH), a body copied
+forward (``DamagedBody``: the replacement carries no body and says why).
 
 Cost. Recovery reads the working suffix (the last segment's part of it twice:
 once to find the end, once to scan) plus one envelope (and its body, when it

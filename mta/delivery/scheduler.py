@@ -39,7 +39,8 @@ and named it by then, ``spool.damage_policy``) is bounced to its sender with
 the reason (``5.3.0``), or held for the administrator with
 ``delivery.on_damaged_body = "hold"``; never retried as if the next attempt
 could read it, and never the relay's end. Found while a batch is being sent
-(``StoredBody.damaged``), the rest of the batch is deferred and retried; found
+(``StoredBody.damaged``), the jobs of the batch the transport had not reached
+go back to their destination's queue untried; found
 when the body was copied forward on a deferral (the envelope's
 ``damaged_body``), the message goes straight to its fate.
 
@@ -308,6 +309,7 @@ class Scheduler:
             last = now
 
         local_failure = False
+        requeue: list[int] = []  # jobs of the batch sent back to the queue untried (a damaged body stopped it)
         try:  # the batch's boundary: reading, the transport, its callbacks
             for job, tracker in batch:
                 job.body = await self.aspool.read_body(tracker.attempt)
@@ -321,11 +323,10 @@ class Scheduler:
             damaged = {i: job.body.damaged for i, job in enumerate(jobs)
                        if isinstance(job.body, StoredBody) and job.body.damaged is not None}
             if damaged:
-                # A message's data could not be read: its fate is decided here; the rest of the batch
-                # (interrupted with it) is deferred and tried again.
-                reply = "delivery interrupted: the data of another message of the batch is damaged"
-                results = [self._damaged_outcomes(batch[i][1], job, damaged[i].reason) if i in damaged else
-                           [Outcome(r, Status.DEFERRED, 0, "4.3.0", reply, str(dest)) for r in job.recipients]
+                # A message's data could not be read: its fate is decided here. The jobs the transport had
+                # not reached (no outcome yet) were never sent: back to the queue, tried again at once.
+                requeue = [i for i in range(len(jobs)) if i not in damaged and i not in early]
+                results = [self._damaged_outcomes(batch[i][1], job, damaged[i].reason) if i in damaged else []
                            for i, job in enumerate(jobs)]
             else:
                 qids = ", ".join(job.queue_id for job in jobs)
@@ -334,6 +335,17 @@ class Scheduler:
                             for r in job.recipients] for job in jobs]
         results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
         duration = time.monotonic() - started
+        for i in reversed(requeue):
+            job, tracker = batch[i]
+            job.body = ()
+            state.queue.appendleft((job, tracker))
+            self.pending += 1
+        if requeue:
+            batch = [b for i, b in enumerate(batch) if i not in requeue]
+            kept = [i for i in range(len(results)) if i not in requeue]
+            results = [results[i] for i in kept]
+            early = {k: early[i] for k, i in enumerate(kept) if i in early}
+            self._wake()
         unreachable = not local_failure and all(o.code == 0 and o.status is Status.DEFERRED
                                                 for outs in results for o in outs)
         if unreachable:

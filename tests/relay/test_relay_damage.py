@@ -475,3 +475,28 @@ async def test_damage_met_when_a_deferral_copies_the_body(tmp_path: Path, templa
     assert any("met by a read of message data" in ln and f"at offset {pos_offset(body.pos)} " in ln for ln in lines)
     assert os.path.exists(os.path.join(spool, "quarantine", _qname(pos_segment(body.pos), pos_offset(body.pos),
                                                                    "damaged-record") + ".bin"))
+
+
+async def test_a_damaged_body_is_held_when_the_operator_says_so(tmp_path: Path, template: Template,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """``delivery.on_damaged_body = "hold"``: the message waits in the held class, saying why, for the
+    administrator; nothing is bounced, and everything else is delivered."""
+    caplog.set_level(logging.WARNING, logger="spool")
+    spool = template.copy(str(tmp_path / "spool"))
+    victim = next(m for m in template.messages if not m.new and pos_segment(m.body[0][0]) == 2)
+    flip_bits(spool, template.seg_rel(2), [(pos_offset(victim.body[0][0]) + HEADER_SIZE + 40, 3)])
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        cfg = relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{port}"}, retry='["1s", "1s"]',
+                           extra="[delivery]\non_damaged_body = \"hold\"", spool_extra=SPOOL_EXTRA)
+        relay, _took = await _start(nursery, cfg)
+        watch = DeliveryWatch(relay)
+        (held,) = await watch.wait_for(Status.DEFERRED, 1)
+        await hop.wait_messages(len(template.messages) - 1)
+        await relay.aspool.commit()
+        shown = await trio.to_thread.run_sync(ask_relay, socket_path(cfg), {"op": "show", "id": victim.qid})
+        nursery.cancel_scope.cancel()
+    assert held.recipient == victim.rcpt and "held for the administrator" in held.reply
+    assert watch.count(Status.BOUNCED) == 0
+    assert shown is not None and shown["state"] == "held" and "damaged" in shown["last_error"]
