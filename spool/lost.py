@@ -392,5 +392,30 @@ def _headers(head: bytes) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def in_flight(start_pos: int, env_pos: int, outcomes: dict[str, int]) -> LostMessage:
+    """An attempt in flight at the crash whose envelope the damage took: named by its START and its DELIVERY
+    records (``outcomes``: recipient -> status), which are all that is left of it."""
+    owed = tuple(r for r, status in outcomes.items() if not Status(status).final)
+    records = " and its DELIVERY records" if outcomes else ""
+    return LostMessage("envelope", None, None, owed,
+                       f"the START at {format_pos(start_pos)} of an attempt in flight at the crash{records}", env_pos)
+
+
+def outcomes_of(ctx: LogContext, start_pos: int) -> dict[str, int]:
+    """The last outcome each recipient got in the DELIVERY records of the START at ``start_pos``."""
+    out: dict[str, int] = {}
+    for item in ctx.reader.read(start_pos, ctx.end, types=(RecordType.DELIVERY,)):
+        if isinstance(item, Anomaly):
+            continue
+        try:
+            payload = decode_payload(item.rtype, item.payload)
+        except CorruptRecord:
+            continue
+        if isinstance(payload, Delivery) and payload.start == start_pos:
+            for o in payload.outcomes:
+                out[o.recipient] = int(o.status)
+    return out
+
+
 def describe_all(lost: Iterable[LostMessage]) -> list[dict[str, Any]]:
     return [m.as_dict() for m in lost]

@@ -89,12 +89,12 @@ import os
 import attrs
 
 from spool import checkpoint as ckpt
+from spool import lost
 from spool.core import BODY_SLACK
 from spool.damage import Anomaly, Kind
 from spool.errors import CheckpointFailed, CorruptRecord, DiskFull, FormatVersionError
 from spool.fileio import FileIO, write_all
 from spool.log import LogWriter
-from spool.lost import LostMessage
 from spool.reader import LogReader, Reporter
 from spool.reclaim import Reclaim
 from spool.record import (
@@ -579,10 +579,7 @@ class Recovery:
         env_pos = attempt.start.envelope
         anomaly = sp.anomaly_at(env_pos, reason)
         self.report(anomaly)
-        owed = tuple(r for r, status in attempt.outcomes.items() if not Status(status).final)
-        sp.damage.name_more(anomaly, [LostMessage(
-            "envelope", None, None, owed, f"the START at {format_pos(attempt.start_pos)} of an attempt in flight "
-            f"at the crash{' and its DELIVERY records' if attempt.outcomes else ''}", env_pos)])
+        sp.damage.name_more(anomaly, [lost.in_flight(attempt.start_pos, env_pos, attempt.outcomes)])
         fin = sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), None))
         sp._settling.append((fin, attempt.start_pos, env_pos))
 

@@ -11,7 +11,8 @@ reads, before starting anything, the same decisions the relay will make:
   kept in the quarantine (``spool.recovery.Recovery.find_log_end``, with
   ``proven_by_checkpoint`` and the garbage marks verify saw);
 - damage that recovery meets (missing segments, the last segment, the working
-  suffix, a sealed size the runners' check reads) is **quarantined at start**,
+  suffix, a sealed size the runners' check reads, the envelope of an attempt
+  that was in flight) is **quarantined at start**,
   with the messages it lost named (``spool.lost``, as the spool names them);
 - damage elsewhere is quarantined **later**, by the first runner or read that
   reaches it, with the same names;
@@ -34,7 +35,8 @@ import attrs
 from spool.core import BODY_SLACK
 from spool.damage import Anomaly, Kind
 from spool.inspection import LogFiles, active_envelopes
-from spool.lost import LogContext, LostMessage, find_lost
+from spool.lost import LogContext, LostMessage, find_lost, outcomes_of
+from spool.lost import in_flight as in_flight_lost
 from spool.quarantine import CUT, DIRNAME, SLUGS, entry_name
 from spool.record import RecordType, format_id, format_pos, pos_segment
 from spool.recovery import proven_by_checkpoint, working_start
@@ -88,6 +90,7 @@ def plan(files: LogFiles, report: VerifyReport) -> list[Action]:
                      BODY_SLACK + (cp.body_span if cp is not None else 0), format_id,
                      cp.working_start if cp is not None else 0)
     quarantined = _quarantined(files)
+    in_flight = active_envelopes(files, cp)  # envelope -> START: recovery reads each of these envelopes
     for a in report.anomalies:
         if a.torn:
             actions.append(_cut(files, a, "a torn tail: a write the crash interrupted, never acknowledged",
@@ -99,7 +102,11 @@ def plan(files: LogFiles, report: VerifyReport) -> list[Action]:
                                               "out of order, so nothing from there on was acknowledged",
                                     quarantined))
         else:
-            actions.append(_quarantine(ctx, a, _met_at_start(a, last, start, runners_from), quarantined))
+            hit = sorted((s, e) for e, s in in_flight.items() if a.pos <= e < a.end or
+                         (a.kind is Kind.MISSING_SEGMENT and pos_segment(e) == a.segment))
+            extra = tuple(in_flight_lost(s, e, outcomes_of(ctx, s)) for s, e in hit)
+            at_start = bool(hit) or _met_at_start(a, last, start, runners_from)
+            actions.append(_quarantine(ctx, a, at_start, quarantined, extra))
     if cp is not None and _log_end(report, cut) < cp.head:
         actions.append(Action("start", "new segment", f"go on in a new segment {max(pos_segment(cp.head), last) + 1}"
                                                       f": the log ends at {format_pos(_log_end(report, cut))}, before "
@@ -130,14 +137,15 @@ def _quarantined(files: LogFiles) -> set[str]:
         return set()
 
 
-def _quarantine(ctx: LogContext, a: Anomaly, at_start: bool, quarantined: set[str]) -> Action:
+def _quarantine(ctx: LogContext, a: Anomaly, at_start: bool, quarantined: set[str],
+                in_flight: tuple[LostMessage, ...] = ()) -> Action:
     when = "start" if at_start else "later"
     where = f"segment {a.segment} at {a.offset}"
     name = entry_name(a.segment, a.offset, SLUGS[a.kind])
     if name in quarantined:
         return Action(when, "known", f"meet the {a.kind.value} in {where} again: already quarantined "
                                      f"({DIRNAME}/{name}.json)", a)
-    lost = tuple(find_lost(ctx, a))
+    lost = tuple(find_lost(ctx, a)) + in_flight
     size = "no bytes (the file is gone)" if a.kind is Kind.MISSING_SEGMENT else f"{a.length} bytes"
     then = "and start" if at_start else "when a runner or a read reaches it, and go on"
     return Action(when, "quarantine", f"quarantine {size} of {where} ({a.kind.value}: {a.message()}) {then}; "

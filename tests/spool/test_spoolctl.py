@@ -401,7 +401,13 @@ def test_verify_flipped_byte_in_the_middle(tmp_path: Path) -> None:
     result = run("verify", m.path)
     assert result.exit_code == 1
     assert path in result.stdout and f"at offset {off}" in result.stdout
+    # ... and says what the relay will do with it: the in-flight attempt's envelope is met at start
+    assert "what the relay will do" in result.stdout
+    assert "at start: quarantine " in result.stdout and f"bytes of segment {seg} at {off} " in result.stdout, \
+        result.stdout
+    assert "spoolctl salvage" in result.stdout
     out = run_json("verify", m.path, code=1)
+    assert [a["when"] for a in out["relay_will"]] == ["start", "start"]  # the quarantine, and what refuse does
     damage = [p for p in out["problems"] if p["kind"] == "damage"]
     assert [(p["file"], p["offset"]) for p in damage] == [(path, off)]
     assert "checksum" in damage[0]["message"] and "resume" in damage[0]["message"]
