@@ -4,17 +4,22 @@
 
 The fixture is a spool made by the engine (the ``deliver`` workload, then one
 reopen so that the checkpoint's head covers the whole log) with its ledger.
-Each case copies it, damages one file, opens it and delivers everything
-(runners claim every live message and read every body, checksums verified).
-Acceptable outcomes:
+Each case copies it, damages one file, opens it (the default damage policy:
+quarantine, name, go on) and delivers everything (runners claim every live
+message and read every body, checksums verified). Acceptable outcomes:
 
-- *repaired*: the open succeeds and the ledger holds;
-- *detected*: the open or the delivery raises a ``SpoolError`` subclass whose
-  message names the file (and, for a ``CorruptRecord``, an offset).
+- *harmless*: the open succeeds and the ledger holds;
+- *repaired*: likewise, after a torn tail was cut;
+- *detected*: the open and the delivery succeed, the damage is in the
+  quarantine directory, and every acknowledged recipient that is gone was
+  named lost there (by its queue id or, where no record gave the id, its
+  address) or belongs to a message whose body read failed with DamagedBody
+  (the relay bounces those). Nothing else may be lost.
 
-Anything else fails the case: another exception type (a traceback), or a
-*silent* loss — the open and delivery succeed but the ledger does not hold (an
-acknowledged recipient missing, a recorded one back, a body changed).
+Anything else fails the case: an exception from the open or the delivery
+(the relay would be down, or the runner would die), or a *silent* loss: an
+acknowledged recipient gone and not named, a recorded one back, a body
+changed.
 
 Bit 0 of a frame's flags byte (the garbage mark) is outside the checksum by
 design (it is set in place without fsync); flips of that bit are not
@@ -31,16 +36,30 @@ import signal
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 
 from fault_injection import scratch_dir
-from fault_injection.ledger import Ledger, claimed, judge
+from fault_injection.ledger import FAR_FUTURE, Found, Ledger, judge
 from fault_injection.recording import RecordingFileIO
 from fault_injection.workloads import FakeClock, commit_logged, deliver, enqueue_logged, make_config
-from spool.errors import CorruptRecord, SpoolError
-from spool.record import FLAGS_OFFSET, HEADER, HEADER_SIZE
+from spool.errors import DamagedBody
+from spool.fileio import OsFileIO
+from spool.quarantine import read_entries
+from spool.reader import LogReader
+from spool.record import (
+    FLAGS_OFFSET,
+    HEADER,
+    HEADER_SIZE,
+    Delivery,
+    Envelope,
+    Finish,
+    RecordType,
+    decode_payload,
+    format_id,
+    make_pos,
+)
 from spool.segment import SEGMENT_HEADER_SIZE
 from spool.spool import Spool
 
@@ -102,12 +121,59 @@ class Mutation:
 
 
 @attrs.define
+class LogMap:
+    """What the fixture's log held, for telling a loss nothing could name from a silent one."""
+
+    envelopes: dict[int, Envelope] = attrs.field(factory=dict)  # position -> envelope, in log order
+    finished_by: dict[int, tuple[int, int]] = attrs.field(factory=dict)  # replacement -> (FINISH, START)
+    deliveries: dict[int, list[int]] = attrs.field(factory=dict)  # START -> its DELIVERY records
+
+    @classmethod
+    def read(cls, root: str) -> LogMap:
+        m = cls()
+        io = OsFileIO()
+        for frame in LogReader(io, os.path.join(root, "log")).frames():
+            if frame.rtype == RecordType.DATA:
+                continue
+            payload = decode_payload(frame.rtype, frame.payload)
+            if isinstance(payload, Envelope):
+                m.envelopes[frame.pos] = payload
+            elif isinstance(payload, Finish) and payload.replacement is not None:
+                m.finished_by[payload.replacement] = (frame.pos, payload.start)
+            elif isinstance(payload, Delivery):
+                m.deliveries.setdefault(payload.start, []).append(frame.pos)
+        return m
+
+    def unnameable(self, mid: int, damaged: Callable[[int], bool]) -> bool:
+        """Did the damage take every record that could name message ``mid`` (``spool.lost``'s rules)?
+
+        Its live envelope (the last one) lies in the damage, and so does what
+        would name it: for a new message, its body's first chunk; for a
+        replacement, the FINISH after it and the START or DELIVERY records of
+        the attempt that wrote it.
+        """
+        live = [(pos, env) for pos, env in self.envelopes.items() if env.message_id == mid]
+        if not live:
+            return False
+        pos, env = live[-1]
+        if not damaged(pos):
+            return False
+        if env.replaces is None:
+            return not env.body or damaged(env.body[0])
+        fin, start = self.finished_by.get(pos, (None, None))
+        if fin is None or start is None or not damaged(fin):
+            return False
+        return damaged(start) or all(damaged(d) for d in self.deliveries.get(start, []))
+
+
+@attrs.define
 class Fixture:
     root: str
     ledger: Ledger
     end_time: float
     files: dict[str, bytes]
     flag_offsets: dict[str, set[int]]
+    log: LogMap = attrs.field(factory=LogMap)
 
     @classmethod
     def build(cls, workdir: str, seed: int = 0) -> Fixture:
@@ -136,7 +202,7 @@ class Fixture:
                 with open(full, "rb") as fh:
                     files[os.path.relpath(full, root)] = fh.read()
         flags = {p: _flag_offsets(data) for p, data in files.items() if p.endswith(".seg")}
-        return cls(root, Ledger.from_events(rec.events()), clock.now, files, flags)
+        return cls(root, Ledger.from_events(rec.events()), clock.now, files, flags, LogMap.read(root))
 
     def copy(self, dst: str) -> None:
         shutil.copytree(self.root, dst)
@@ -176,15 +242,65 @@ class CaseOutcome:
     mutation: Mutation
     verdict: str  # "unchanged", "repaired", "detected" or "FAIL"
     detail: str = ""
+    named: int = 0  # messages lost and named
+    unnameable: int = 0  # messages lost with every record that could name them
+    bodies: int = 0  # messages whose body read failed (the relay bounces them)
 
 
-def _names_file(exc: BaseException, root: str) -> bool:
-    text = str(exc)
-    if root not in text:
-        return False
-    if isinstance(exc, CorruptRecord):
-        return bool(exc.path) and exc.offset >= 0
-    return True
+def claimed_or_damaged(sp: Spool) -> tuple[Found, set[int]]:
+    """``ledger.claimed``, where a body that cannot be read (DamagedBody: quarantined and named by the spool,
+    bounced by the relay) marks its message instead of stopping the drain."""
+    found: Found = {}
+    damaged: set[int] = set()
+    for _ in range(10_000):
+        batch = sp.poll_due(now=FAR_FUTURE, limit=1000)
+        if not batch:
+            break
+        for a in batch:
+            try:
+                body = b"".join(sp.read_body(a.envelope))
+            except DamagedBody:
+                damaged.add(a.message_id)
+                continue
+            if a.envelope.extra.get("damaged_body"):
+                damaged.add(a.message_id)
+                continue
+            found.setdefault(a.message_id, []).append((a.envelope.recipients, body))
+    return found, damaged
+
+
+@attrs.define
+class Named:
+    """What the quarantine notes say: messages named lost, and the damaged ranges."""
+
+    ids: set[str] = attrs.field(factory=set)
+    rcpts: set[str] = attrs.field(factory=set)  # where no record gave the queue id
+    notes: int = 0  # notes other than torn tails
+    ranges: list[tuple[int, int]] = attrs.field(factory=list)  # positions [lo, hi) the damage took
+
+    def damaged(self, pos: int) -> bool:
+        return any(lo <= pos < hi for lo, hi in self.ranges)
+
+
+def named_lost(root: str) -> Named:
+    named = Named()
+    for entry in read_entries(OsFileIO(), root):
+        note = entry.note
+        if not entry.name.endswith("torn-tail"):
+            named.notes += 1
+        seg = note.get("segment")
+        if isinstance(seg, int):
+            if note.get("kind") == "missing segment":
+                named.ranges.append((make_pos(seg, 0), make_pos(seg + 1, 0)))
+            else:
+                off = int(note.get("offset") or 0)
+                named.ranges.append((make_pos(seg, off), make_pos(seg, off + int(note.get("length") or 0))))
+        for m in entry.lost:
+            if m.get("queue_id"):
+                named.ids.add(str(m["queue_id"]))
+            else:
+                named.rcpts.update(str(r) for r in m.get("recipients") or [])
+    return named
 
 
 def try_mutation(fx: Fixture, mutations: list[Mutation], workdir: str) -> CaseOutcome:
@@ -199,20 +315,30 @@ def try_mutation(fx: Fixture, mutations: list[Mutation], workdir: str) -> CaseOu
         try:
             with deadline(CASE_SECONDS):
                 sp = Spool.open(root, make_config(FakeClock(fx.end_time + 5)))
-                res = judge(claimed(sp), fx.ledger)
+                found, damaged = claimed_or_damaged(sp)
+                res = judge(found, fx.ledger)
         except Hang as exc:
             return CaseOutcome(first, "FAIL", f"hang: {exc} (open, or runners claiming everything)")
-        except SpoolError as exc:
-            if _names_file(exc, root):
-                return CaseOutcome(first, "detected", f"{type(exc).__name__}: {exc}".replace(root + "/", ""))
-            return CaseOutcome(first, "FAIL", f"{type(exc).__name__} does not name file and offset: {exc}")
         except Exception as exc:
-            return CaseOutcome(first, "FAIL", f"{type(exc).__name__} (not a SpoolError): {exc}")
+            return CaseOutcome(first, "FAIL", f"{type(exc).__name__} (the relay would stop): {exc}".replace(
+                root + "/", ""))
         finally:
             if sp is not None:
                 sp.close()
-        if not res.ok:
-            return CaseOutcome(first, "FAIL", "silently lost or changed: " + "; ".join(res.violations[:3]))
+        named = named_lost(root)
+        unnamed = [(mid, r) for mid, r in res.lost
+                   if format_id(mid) not in named.ids and r not in named.rcpts and mid not in damaged]
+        gone = {mid for mid, _ in unnamed if fx.log.unnameable(mid, named.damaged)}
+        silent = [(mid, r) for mid, r in unnamed if mid not in gone]
+        others = [v for v in res.violations if " was lost" not in v]
+        if silent or others:
+            unnamed_lines = [f"acknowledged message {mid:X} recipient {r} was lost, not named" for mid, r in silent]
+            return CaseOutcome(first, "FAIL", "silently lost or changed: " + "; ".join((unnamed_lines + others)[:3]))
+        if named.notes or damaged:
+            lost = len({m for m, _ in res.lost} - damaged) - len(gone)
+            return CaseOutcome(first, "detected", f"{named.notes} quarantined; lost: {lost} messages named, "
+                                                  f"{len(gone)} with every record in the damage; "
+                                                  f"{len(damaged)} damaged bodies", lost, len(gone), len(damaged))
         stats = sp.recovery_stats
         return CaseOutcome(first, "repaired" if stats.tail_cut_bytes else "unchanged",
                            f"tail cut {stats.tail_cut_bytes} bytes" if stats.tail_cut_bytes else "")
@@ -234,7 +360,9 @@ class CorruptReport:
         kinds = Counter(o.mutation.kind for o in self.outcomes)
         out.append(f"corrupt: {len(self.outcomes)} cases ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}): "
                    f"detected {counts['detected']}, repaired {counts['repaired']}, harmless {counts['unchanged']}, "
-                   f"failed {counts['FAIL']}")
+                   f"failed {counts['FAIL']}; messages lost and named {sum(o.named for o in self.outcomes)}, lost "
+                   f"with every record that could name them {sum(o.unnameable for o in self.outcomes)}, damaged "
+                   f"bodies {sum(o.bodies for o in self.outcomes)}")
         return out
 
 

@@ -79,6 +79,9 @@ class CheckResult:
     violations: list[str] = attrs.field(factory=list)
     duplicates: int = 0
     live_messages: int = 0
+    # The acknowledged recipients that are neither live nor done (each is also a violation): for a harness
+    # that damages the spool on purpose and must tell named losses from silent ones.
+    lost: list[tuple[int, str]] = attrs.field(factory=list)
 
     @property
     def ok(self) -> bool:
@@ -116,6 +119,7 @@ def judge(found: Found, led: Ledger) -> CheckResult:
         for r in led.enqueued[mid][0]:
             if r not in live.get(mid, set()) and (mid, r) not in led.appended_final:
                 res.violations.append(f"acknowledged message {mid:X} recipient {r} was lost")
+                res.lost.append((mid, r))
     return res
 
 

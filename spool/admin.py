@@ -28,8 +28,11 @@ Two sources: the writable ``Spool`` (inside the relay, or offline), and
 
 Both read through the log reader (``spool.reader``), every frame checked: a
 listing meets the same anomalies, at the same segment and offset, as
-``spoolctl verify`` does, and raises the first it meets in the stretch it
-reads (CorruptSegment, or FormatVersionError for a newer segment).
+``spoolctl verify`` does, and hands each to the source's damage reporter
+(``Listable.damage_reporter``): the writable spool's quarantines and names it
+and the listing goes on (an admin read never fails on damage); the read-only
+view's raises the first it meets (CorruptSegment, or FormatVersionError for a
+newer segment), since it may not write a quarantine.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import attrs
 from spool import checkpoint as ckpt
 from spool.errors import CorruptRecord, NotFound
 from spool.fileio import FileIO, OsFileIO
-from spool.reader import LogReader
+from spool.reader import LogReader, Reporter, raise_anomaly
 from spool.record import (
     HELD_CLASS,
     Delivery,
@@ -139,12 +142,14 @@ class Listable(Protocol):
 
     def active(self) -> Mapping[int, object]: ...
 
+    def damage_reporter(self) -> Reporter: ...
+
 
 def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = None,
               now: float | None = None) -> Iterator[LiveMessage]:
     """Live messages in log order from ``cursor`` (a position) on.
 
-    Raises the first anomaly the reader meets in the stretch it reads (see the module docstring).
+    Damage goes to the source's reporter (see the module docstring).
     """
     flt = flt or Filter()
     now = time.time() if now is None else now
@@ -152,7 +157,8 @@ def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = N
     active = spool.active()
     start = max(spool.live_start(), cursor or 0)
     end = src.durable_end
-    for frame in LogReader(src.io, src.log_dir, durable=end).frames(start, end):
+    reporter = spool.damage_reporter()
+    for frame in LogReader(src.io, src.log_dir, durable=end).frames(start, end, reporter):
         if frame.rtype != RecordType.ENVELOPE:
             continue
         if frame.garbage and frame.pos not in active:
@@ -392,3 +398,7 @@ class SpoolView:
 
     def active(self) -> Mapping[int, object]:
         return self._active
+
+    def damage_reporter(self) -> Reporter:
+        """A read-only view writes no quarantine: it stops at the first damage, naming it."""
+        return raise_anomaly

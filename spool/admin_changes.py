@@ -14,8 +14,9 @@ from __future__ import annotations
 from spool import admin
 from spool.claims import Claims
 from spool.core import Attempt
-from spool.errors import MessageBusy
+from spool.errors import CorruptRecord, MessageBusy
 from spool.log import LogWriter
+from spool.reader import Reporter
 from spool.record import HELD_CLASS, Outcome, RecordType, StartKind, Status
 from spool.runner import Candidate
 
@@ -35,13 +36,23 @@ class AdminChanges(Claims):
     def active(self) -> dict[int, Attempt]:
         return self.by_envelope
 
+    def damage_reporter(self) -> Reporter:
+        """An admin read goes past damage: quarantined and named (``spool.damage_policy``)."""
+        return self.damage.reporter("an admin read")
+
     # -- the changes ---------------------------------------------------------------
 
     def claim_for_admin(self, pos: int) -> Attempt:
         """Claim a live envelope for an admin change. Raises MessageBusy while it is being delivered."""
         if pos in self.by_envelope or self.writer.mark_pending(pos):
             raise MessageBusy("the message is being delivered right now; try again when the attempt ends")
-        frame = self.writer.read_frame(pos)
+        try:
+            frame = self.writer.read_frame(pos)
+        except (CorruptRecord, FileNotFoundError) as exc:
+            anomaly = self.anomaly_at(pos, getattr(exc, "reason", None) or str(exc))
+            self.damage.report(anomaly, "an admin change")
+            raise CorruptRecord(f"the message's envelope is damaged: {anomaly.message()}", anomaly.path,
+                                anomaly.offset) from None
         if frame.garbage or frame.rtype != RecordType.ENVELOPE:
             raise MessageBusy("the message changed while we looked; list it again")
         return self._claim(Candidate(pos, frame.klass, frame.time, frame.payload), self._now(), StartKind.ADMIN)

@@ -11,7 +11,9 @@ chunk by chunk as it is iterated (bounded memory, and again from the start on
 a retry), served from the spool's body cache when the message was accepted a
 moment ago. Iterated with ``async for``, big bodies are read in a worker
 thread; small ones inline (one pread from the page cache is cheaper than the
-thread hop).
+thread hop). A chunk that cannot be read raises DamagedBody (quarantined and
+named by then) and is remembered in ``StoredBody.damaged``, so the scheduler
+knows which message of a batch it was.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import trio
 
-from spool.errors import DiskFull
+from spool.errors import DamagedBody, DiskFull
 from spool.group_commit import GroupCommit
 from spool.record import Outcome
 from spool.spool import Attempt, Spool
@@ -44,16 +46,24 @@ class StoredBody:
         self.positions = attempt.envelope.body
         self.size = attempt.envelope.body_size
         self._cached = core.cached_body(attempt.envelope)
+        self.damaged: DamagedBody | None = None  # set when a read found the data damaged
 
     @property
     def cached(self) -> bool:
         return self._cached is not None
 
+    def _read(self, pos: int) -> bytes:
+        try:
+            return self._core.read_chunk(pos)
+        except DamagedBody as exc:
+            self.damaged = exc
+            raise
+
     def __iter__(self) -> Iterator[bytes]:
         """Blocking reads: for worker threads, or small bodies."""
         if self._cached is not None:
             return iter(self._cached)
-        return (self._core.read_chunk(p) for p in self.positions)
+        return (self._read(p) for p in self.positions)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._cached is not None:
@@ -63,9 +73,9 @@ class StoredBody:
         inline = self.size <= INLINE_READ
         for pos in self.positions:
             if inline:
-                yield self._core.read_chunk(pos)
+                yield self._read(pos)
             else:
-                yield await trio.to_thread.run_sync(self._core.read_chunk, pos)
+                yield await trio.to_thread.run_sync(self._read, pos)
 
 
 class AsyncClaims(GroupCommit):

@@ -18,9 +18,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from spool.core import Attempt, SpoolCore
-from spool.errors import SpoolError
+from spool.damage import Anomaly, Kind
+from spool.errors import CorruptRecord, SpoolError
 from spool.record import (
     GARBAGE,
+    HEADER_SIZE,
     HELD_CLASS,
     Delivery,
     Envelope,
@@ -29,8 +31,11 @@ from spool.record import (
     Start,
     StartKind,
     decode_payload,
+    pos_offset,
+    pos_segment,
 )
 from spool.runner import Candidate
+from spool.segment import segment_path
 
 
 class Claims(SpoolCore):
@@ -89,10 +94,18 @@ class Claims(SpoolCore):
         for cand in runner.scan(self.writer, now, count, self.by_envelope):
             if self._gone(cand.pos):
                 continue
-            if cand.klass == HELD_CLASS:
-                self._carry_held(cand)
-                continue
-            out.append(self._claim(cand, now))
+            try:
+                if cand.klass == HELD_CLASS:
+                    self._carry_held(cand)
+                    continue
+                out.append(self._claim(cand, now))
+            except CorruptRecord as exc:
+                # A frame whose checksum passes but whose payload does not decode (written by a bug or a
+                # newer version): quarantined and named like any damage; the runner has moved past it.
+                seg, off = pos_segment(cand.pos), pos_offset(cand.pos)
+                self.damage.report(Anomaly(Kind.DAMAGED_RECORD, seg, segment_path(self.log_dir, seg), off,
+                                           HEADER_SIZE + len(cand.payload), f"envelope payload: {exc.reason}"),
+                                   f"runner {klass}")
 
     def _gone(self, pos: int) -> bool:
         """Was the envelope claimed since the runner read it into its window?
@@ -104,6 +117,7 @@ class Claims(SpoolCore):
         return self.writer.mark_pending(pos) or self.writer.read_flags(pos) & GARBAGE != 0
 
     def _claim(self, cand: Candidate, now: float, kind: StartKind = StartKind.DELIVERY) -> Attempt:
+        """Raises CorruptRecord (before appending anything) when the envelope's payload does not decode."""
         env = decode_payload(RecordType.ENVELOPE, cand.payload)
         assert isinstance(env, Envelope)
         start = self._append(RecordType.START, Start(cand.pos, int(now * 1000), kind))

@@ -277,7 +277,8 @@ def dump(directory: str, segment: int | None, start: int | None, types: tuple[in
 @_DIR
 @_json_option
 def verify(directory: str, as_json: bool) -> int:
-    """Every checksum and cross-reference; exit 0 only when clean, 1 when there are problems."""
+    """Every checksum and cross-reference, and what the relay will do with the damage at its next start;
+    exit 0 only when clean, 1 when there are problems."""
     files = _open(directory)
     report = verifier.verify(files)
     code = 0 if report.clean else EXIT_PROBLEMS
@@ -293,11 +294,16 @@ def verify(directory: str, as_json: bool) -> int:
     click.echo(f"checked {report.segments} segments, {report.records} records, {report.references} references "
                f"({report.reclaimed_references} into segments already reclaimed: fine); log ends at "
                f"{format_pos(report.log_end)}")
+    if report.plan:
+        click.echo("what the relay will do (on_damage = \"quarantine\", the default):")
+        for action in report.plan:
+            click.echo("  " + action.describe().replace("\n", "\n  "))
     if report.clean:
         click.echo("clean")
     else:
-        click.echo(f"{report.problems_total} problems. Damage before the tail stops the relay's open: restore "
-                   "the segment named above from a backup or archive (spoolctl dump shows what is around it).")
+        click.echo(f"{report.problems_total} problems. The relay quarantines damage in {directory}/quarantine and "
+                   f"starts; to copy every readable message into a fresh spool instead: spoolctl salvage "
+                   f"{directory} --into NEWDIR (docs/operations.md, \"When the disk lies\").")
     return code
 
 

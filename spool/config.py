@@ -10,7 +10,7 @@ import attrs
 
 from spool.fairness import QUIET, TRICKLE
 from spool.record import HELD_CLASS
-from spool.settings import Boolean, Duration, Fraction, Integer, ListOf, Optional, Path, Size, setting
+from spool.settings import Boolean, Duration, Fraction, Integer, ListOf, OneOf, Optional, Path, Size, setting
 
 MIB = 1024 * 1024
 # A position keeps a segment offset in 32 bits, and a record that does not fit the rest of a segment
@@ -63,6 +63,11 @@ class SpoolConfig:
     active_limit: int = setting(Integer(1), "messages in delivery at once", 10_000)
     archive_dir: str | None = setting(
         Optional(Path()), "unset, garbage segments are deleted; set, they are moved here (for `mta report`)", None)
+    on_damage: str = setting(
+        OneOf(("quarantine", "refuse")), "damage in the log (a bad record, a missing segment, a damaged checkpoint): "
+        "`quarantine` copies the damaged bytes to `<dir>/quarantine`, names the messages it lost and goes on; "
+        "`refuse` stops a start that meets it and says what to run (see \"When the disk lies\"); damage met while "
+        "running is quarantined either way", "quarantine")
     body_chunk: int = setting(Size(positive=True), "message data is stored in chunks of at most this size",
                               256 * 1024, in_file=False)
     # Message data held in memory before it is written (not synced): a write is asked for at half of

@@ -52,11 +52,26 @@ import attrs
 from spool import checkpoint as ckpt
 from spool.bodies import BodyCache, BodyWriter
 from spool.config import SpoolConfig
-from spool.errors import CorruptRecord, DiskFull
+from spool.damage import Anomaly, Kind
+from spool.damage_policy import DamagePolicy
+from spool.errors import CorruptRecord, DamagedBody, DiskFull
 from spool.fairness import DeferredBudget
 from spool.fileio import FileIO
 from spool.log import Batch, LogWriter
-from spool.record import Envelope, Finish, Outcome, RecordType, StartKind, format_id, make_pos, pos_segment
+from spool.lost import LogContext
+from spool.reader import LogReader
+from spool.record import (
+    Envelope,
+    Finish,
+    Outcome,
+    RecordType,
+    StartKind,
+    format_id,
+    format_pos,
+    make_pos,
+    pos_offset,
+    pos_segment,
+)
 from spool.reserve import Reserve
 from spool.runner import Runner
 from spool.segment import list_segments
@@ -64,6 +79,8 @@ from spool.segment import list_segments
 log = logging.getLogger("spool")
 BODY_SLACK = 2
 LOG_DIR = "log"
+# The key of an envelope's ``extra`` that says its data was found damaged (and not carried on): why.
+DAMAGED_BODY = "damaged_body"
 
 
 @attrs.define(eq=False)
@@ -125,6 +142,10 @@ class SpoolCore:
         # position, first position of the envelope and its body). See checkpoint_plan(durable_only=True).
         self._settling: deque[tuple[int, int, int]] = deque()
         self._restore_floor: int | None = None  # restore_message: ids below this position are not this spool's
+        # Damage (spool.damage_policy): quarantined, named, gone past. ``_recovery_end`` is how far the log
+        # reaches while recovery runs (there is no writer yet); the finder of lost messages reads no further.
+        self.damage = DamagePolicy(io, path, config.on_damage, self.damage_context)
+        self._recovery_end: int | None = None
 
     def _now(self) -> float:
         return self.config.clock()
@@ -274,11 +295,56 @@ class SpoolCore:
         return self.body_cache.get(envelope.body[0]) if envelope.body else None
 
     def read_chunk(self, pos: int) -> bytes:
-        """One DATA record's payload. Blocking: the trio layer calls it in a worker thread for big bodies."""
-        frame = self.writer.read_frame(pos)
+        """One DATA record's payload. Blocking: the trio layer calls it in a worker thread for big bodies.
+
+        Raises DamagedBody when it cannot be read: the damage is quarantined and named first.
+        """
+        try:
+            frame = self.writer.read_frame(pos)
+        except (CorruptRecord, FileNotFoundError) as exc:
+            raise self._damaged_body(pos, getattr(exc, "reason", None) or str(exc)) from None
         if frame.rtype != RecordType.DATA:
-            raise CorruptRecord(f"expected message data at position {pos}")
+            raise self._damaged_body(pos, f"a {RecordType(frame.rtype).name} record lies where message data "
+                                          "should be")
         return frame.payload
+
+    def _damaged_body(self, pos: int, reason: str) -> DamagedBody:
+        anomaly = self.anomaly_at(pos, reason)
+        self.damage.report(anomaly, "a read of message data")
+        self.damage.body_damaged()
+        return DamagedBody(f"the message data at {format_pos(pos)} is damaged: {anomaly.message()}",
+                           anomaly.path, anomaly.offset)
+
+    def anomaly_at(self, pos: int, reason: str) -> Anomaly:
+        """The anomaly that covers the record at ``pos``, which a read of that one record found damaged.
+
+        Named as the log reader names it (so it is quarantined and recognised
+        once, whoever meets it): the verifying walk of its segment, or the
+        segment's absence.
+        """
+        seg, off = pos_segment(pos), pos_offset(pos)
+        reader = LogReader(self.io, self.log_dir)
+        durable = self.writer.durable_end if hasattr(self, "writer") else self._recovery_end
+        try:
+            size = reader.size(seg)
+        except FileNotFoundError:
+            return Anomaly(Kind.MISSING_SEGMENT, seg, reader.path(seg), 0, 0,
+                           f"segment {seg} is missing; it held the record at {format_pos(pos)}")
+        end = pos_offset(durable) if durable is not None and pos_segment(durable) == seg else size
+        return reader.classify_at(seg, off, max(end, min(size, off + 1)), reason)
+
+    def damage_context(self) -> LogContext | None:
+        """What the finder of lost messages needs now (``spool.lost``): how far to read, the oldest runner,
+        the envelopes in flight. None before recovery knows where the log ends."""
+        end = self.writer.durable_end if hasattr(self, "writer") else self._recovery_end
+        if end is None:
+            return None
+        cp = self._checkpoint
+        runners = [r.pos for r in self.runners] or (list(cp.runners) if cp is not None else [])
+        live_from = min(runners) if runners else 0
+        return LogContext(LogReader(self.io, self.log_dir, durable=end), end, live_from,
+                          frozenset(self.by_envelope), BODY_SLACK + self.body_span, self.queue_id,
+                          cp.working_start if cp is not None else 0)
 
     @property
     def slack(self) -> int:
@@ -305,7 +371,7 @@ class SpoolCore:
         first, last = pos_segment(min(chunks)), pos_segment(max(chunks))
         if self.writer.segment_id + 1 - first <= BODY_SLACK + (last - first):
             return chunks, False
-        return tuple(self._append(RecordType.DATA, self.writer.read_frame(p).payload) for p in chunks), True
+        return tuple(self._append(RecordType.DATA, self.read_chunk(p)) for p in chunks), True
 
     # -- ending an attempt ---------------------------------------------------------------------
 
@@ -334,7 +400,14 @@ class SpoolCore:
         only recipients that go on. Written by a finished delivery, an admin
         change, the sweeper carrying a held message, and recovery.
         """
-        body, copied = self._localise(env.body)
+        try:
+            body, copied = self._localise(env.body)
+        except DamagedBody as exc:
+            # Its data cannot be copied (quarantined and named by now): the replacement carries no body and
+            # says why, and the relay bounces or holds the message when it comes due. Chunks copied before
+            # the damage are garbage with their segment.
+            body, copied = (), False
+            extra = {**(env.extra if extra is None else extra), DAMAGED_BODY: exc.reason}
         keep = set(recipients)
         new = attrs.evolve(
             env, recipients=tuple(recipients), body=body, attempts=attempts,

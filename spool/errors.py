@@ -59,6 +59,14 @@ class CorruptSegment(CorruptRecord):
     """A segment header is wrong, or a bad record sits before the tail of the log."""
 
 
+class DamagedBody(CorruptRecord):
+    """A message's data cannot be read back (a DATA record is damaged or its segment is gone).
+
+    The damage has been quarantined and named when this is raised; the caller
+    decides the message's fate (the relay bounces or holds it).
+    """
+
+
 class FormatVersionError(SpoolError, ValueError):
     """A file was written by a newer (or unknown) format version: refuse, never guess."""
 

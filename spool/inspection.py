@@ -46,7 +46,7 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.recovery import RecoveryStats
+from spool.recovery import RecoveryStats, first_needed
 from spool.segment import SEGMENT_HEADER_SIZE, list_segments, read_frame_at, segment_path
 from spool.spool import BODY_SLACK, LOG_DIR, Spool
 from spool.units import parse_duration
@@ -126,17 +126,6 @@ class LogFiles:
             return read_frame_at(self.io, fd, self.seg_path(seg), seg, pos_offset(pos))
         finally:
             self.io.close(fd)
-
-
-def first_needed(cp: ckpt.Checkpoint | None) -> int | None:
-    """The oldest segment a spool with this checkpoint must still have (None: no checkpoint, no rule).
-
-    The engine deletes a segment only below ``segment(garbage_end) - BODY_SLACK - body_span`` of a
-    durable checkpoint (docs/format.md, "Checkpoint"); segments are numbered from 1.
-    """
-    if cp is None:
-        return None
-    return max(1, pos_segment(cp.garbage_end) - BODY_SLACK - cp.body_span)
 
 
 def decode(frame: Frame, files: LogFiles) -> Payload:

@@ -46,7 +46,7 @@ import attrs
 
 from spool.errors import DiskFull, SpoolError, SyncFailed, no_space
 from spool.fileio import FileIO, write_all
-from spool.reader import LogReader
+from spool.reader import LogReader, Reporter, raise_anomaly
 from spool.record import (
     FLAGS_OFFSET,
     GARBAGE,
@@ -112,6 +112,9 @@ class LogWriter:
         # batch or checkpoint, and counted as pending meanwhile, so that no runner claims their envelopes.
         self._late_marks: list[int] = []
         self.closed_sizes: dict[int, int] = {}
+        # Where a sealed segment that is missing, or not the size its successor recorded, is reported when a
+        # runner asks for its end (``segment_end``); the spool sets its damage policy here after recovery.
+        self.on_damage: Reporter = raise_anomaly
 
     # -- append side (event loop thread) -------------------------------------
 
@@ -412,16 +415,27 @@ class LogWriter:
         return data[0] if data else 0
 
     def segment_end(self, seg: int) -> int:
-        """End offset of valid data in ``seg`` as far as readers may go (durable)."""
+        """End offset of valid data in ``seg`` as far as readers may go (durable).
+
+        A sealed segment that is missing, or not the size its successor's
+        header recorded, goes to ``on_damage``; if that returns, a missing
+        segment reads as empty and a mismatched one ends at the smaller size.
+        """
         if seg == pos_segment(self.durable_end):
             return pos_offset(self.durable_end)
         if seg in self.closed_sizes:
             return self.closed_sizes[seg]
-        with self._rlock:
-            size = self.io.size(self._rfd(seg))
+        try:
+            with self._rlock:
+                size = self.io.size(self._rfd(seg))
+        except FileNotFoundError:
+            self.on_damage(LogReader(self.io, self.log_dir).missing_segment(seg))
+            self.closed_sizes[seg] = SEGMENT_HEADER_SIZE
+            return SEGMENT_HEADER_SIZE
         sealed = LogReader(self.io, self.log_dir, segments=()).sealed_size(seg, size)
         if sealed is not None:
-            raise sealed.error()  # a runner met it: it raises, as the reader's other anomalies
+            self.on_damage(sealed)  # a runner met it: it is reported as the reader's other anomalies
+            size = sealed.offset
         self.closed_sizes[seg] = size
         return size
 

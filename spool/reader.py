@@ -152,6 +152,10 @@ class LogReader:
         listed = set(self.segments)
         return [self._missing(seg) for seg in self.segment_ids() if seg not in listed]
 
+    def missing_segment(self, seg: int) -> Anomaly:
+        """The anomaly of ``seg``, found missing by someone who expected it (a runner at its position)."""
+        return self._missing(seg)
+
     def _missing(self, seg: int) -> Anomaly:
         listed = self.segments
         before = [s for s in listed if s < seg]

@@ -5,20 +5,30 @@ docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
 ``recover``; ``Recovery.run`` is the steps below, one method each.
 
 1. **Checkpoint.** Remove a temporary checkpoint left by an interrupted write;
-   read the checkpoint (none: scan from the first segment; a damaged one stops
-   the open with CorruptCheckpoint). Finish deleting the segments that lie
-   wholly behind its garbage-prefix end (a deletion the crash interrupted).
-2. **Segments.** The log is a contiguous run of segment ids that reaches the
-   checkpoint's head: a gap, or a missing segment where the head lies, is
-   damage (``LogReader.missing``). No segment and no checkpoint: a new spool,
-   whose first segment is created here.
+   read the checkpoint (none: scan from the first segment, and say so; a
+   damaged one is moved to the quarantine and the whole log scanned, or the
+   open refused with ``on_damage = "refuse"``). Finish deleting the segments
+   that lie wholly behind its garbage-prefix end (a deletion the crash
+   interrupted).
+2. **Segments.** The log is a contiguous run of segment ids from the oldest
+   one the checkpoint still needs to the one its head lies in: a gap, a
+   missing first segment, or a missing segment where the head lies, is damage
+   (``LogReader.missing``), reported once the end of the log is known. No
+   segment and no checkpoint: a new spool, whose first segment is created
+   here; no segment while a checkpoint names some: damage, and a new segment
+   after the head's.
 3. **The end of the log.** The last segment is walked from where the working
    suffix begins in it (or from its first record), every frame checked
    (``LogReader.segment``), and the reader is told the checkpoint's head is
    durable: nothing before it can be a torn tail. A torn tail is cut
-   (truncated and fsynced). A half-created last segment, a torn tail at offset
-   0 (its header never written, so nothing in it was ever promised), is
-   removed and the segment before it is walked as the last.
+   (truncated and fsynced), its bytes kept in the quarantine. Damage at or
+   past the last position recovery can prove durable (the checkpoint's head,
+   a garbage-marked record: docs/design.md, "Recovery") is an unacknowledged
+   tail: cut likewise. Damage before it is reported. A half-created last
+   segment, a torn tail at offset 0 (its header never written, so nothing in
+   it was ever promised), is removed and the segment before it is walked as
+   the last. A log that ends before the checkpoint's head (durable records
+   gone) goes on in a new segment, so that no queue id is given twice.
 4. **Sync the tail** (``Recovery.sync_tail``): make the log durable up to its end
    before acting on it. After a kill -9 the page cache still holds writes that
    were never synced; making them durable first means nothing below acts on a
@@ -50,18 +60,19 @@ docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
 Damage. Every anomaly the reader finds other than a torn tail — a damaged
 record, a damaged segment header, a segment of a newer format, a missing
 segment, a sealed size that disagrees with the successor's header, a segment
-that ends before the checkpoint's head — goes to one place: ``Recovery.report``,
-which hands each distinct anomaly once to the policy ``recover`` was given
-(``on_damage``, a ``spool.reader.Reporter``). The policy today, ``refuse``,
-raises the anomaly's error (CorruptSegment naming the file and offset, or
-FormatVersionError): recovery never starts on damage in the durable log. A
-policy that returns instead lets recovery go on with what the reader can
-read: the scan resynchronises on the next valid frame, a missing segment is
-passed over, a sealed segment is read up to the size its successor recorded,
-and the log ends after its last valid frame (``SegmentWalk.valid_end``). Not
-yet through the policy: the reads of one record at a known position (an
-in-flight attempt's envelope, a body copied forward), which raise
-CorruptRecord as before; and a damaged checkpoint (CorruptCheckpoint).
+that ends before the checkpoint's head — goes to one place:
+``Recovery.report``, which hands each distinct anomaly once to the spool's
+damage policy (``spool.damage_policy``; or the reporter ``recover`` was
+given). With ``on_damage = "quarantine"`` (the default) the policy copies
+the damaged bytes to the quarantine, names the messages lost and returns, and
+recovery goes on with what the reader can read: the scan resynchronises on
+the next valid frame, a missing segment is passed over, a sealed segment is
+read up to the size its successor recorded. With ``refuse`` it raises
+DamageRefused, saying what to run (a newer format is refused always). The
+reads of one record at a known position go to the same policy: an in-flight
+attempt's envelope that cannot be read (the message is named from its START
+and DELIVERY records and the attempt ended with a FINISH), a body copied
+forward (``DamagedBody``: the replacement carries no body and says why).
 
 Cost. Recovery reads the working suffix (the last segment's part of it twice:
 once to find the end, once to scan) plus one envelope (and its body, when it
@@ -73,12 +84,15 @@ much deferred mail the queue holds. ``RecoveryStats`` counts what it read.
 from __future__ import annotations
 
 import logging
+import os
 
 import attrs
 
 from spool import checkpoint as ckpt
-from spool.damage import Anomaly
-from spool.errors import CheckpointFailed, CorruptRecord, DiskFull, SpoolError
+from spool import lost
+from spool.core import BODY_SLACK
+from spool.damage import Anomaly, Kind
+from spool.errors import CheckpointFailed, CorruptRecord, DiskFull, FormatVersionError
 from spool.fileio import FileIO, write_all
 from spool.log import LogWriter
 from spool.reader import LogReader, Reporter
@@ -87,6 +101,7 @@ from spool.record import (
     Delivery,
     Envelope,
     Finish,
+    Frame,
     RecordType,
     Start,
     StartKind,
@@ -140,22 +155,20 @@ class SuffixScan:
 
 
 def refuse(anomaly: Anomaly) -> None:
-    """The damage policy today: stop the open, naming the file, the offset and the reason.
-
-    Issue 14 replaces it (quarantine the bytes, name the messages, go on);
-    ``on_damage = "refuse"`` will keep it for operators who want to look first.
-    """
+    """A policy that stops the open at the first damage, naming the file, the offset and the reason (the
+    engine's behaviour before issue 14; ``on_damage = "refuse"`` is ``spool.damage_policy``'s, which also
+    says what to run)."""
     raise anomaly.error()
 
 
-def recover(sp: Reclaim, on_damage: Reporter = refuse) -> RecoveryStats:
+def recover(sp: Reclaim, on_damage: Reporter | None = None) -> RecoveryStats:
     """Recover the spool ``sp`` (its directory made and locked, nothing read yet).
 
     On return its writer stands at the end of the log, its runners at their
     positions, its in-flight attempts are ended, and a checkpoint is written.
-    Raises whatever ``on_damage`` raises (CorruptSegment, FormatVersionError),
-    CorruptCheckpoint, and SpoolError when a checkpoint names segments that
-    are all gone.
+    ``on_damage``: where the anomalies go (default: the spool's damage policy,
+    ``sp.damage``, as its config's ``on_damage`` says). Raises whatever that
+    raises (DamageRefused, FormatVersionError).
     """
     return Recovery(sp, on_damage).run()
 
@@ -169,29 +182,44 @@ def working_start(cp: ckpt.Checkpoint | None, first: int) -> int:
 class Recovery:
     """One recovery of one spool: the steps of the module docstring, in order."""
 
-    def __init__(self, sp: Reclaim, on_damage: Reporter = refuse) -> None:
+    def __init__(self, sp: Reclaim, on_damage: Reporter | None = None) -> None:
         self.sp = sp
         self.io: FileIO = sp.io
         self.log_dir = sp.log_dir
-        self.on_damage = on_damage
+        self.on_damage = on_damage if on_damage is not None else sp.damage.reporter("recovery")
         self.stats = RecoveryStats()
         self._reported: set[Anomaly] = set()
 
     def run(self) -> RecoveryStats:
+        sp = self.sp
+        sp.damage.starting = True
+        try:
+            return self._run()
+        finally:
+            sp.damage.starting = False
+
+    def _run(self) -> RecoveryStats:
         sp, stats = self.sp, self.stats
         t0 = sp._now()
         cp = self.read_checkpoint()
-        ids = self.segments(cp)
+        ids, missing = self.segments(cp)
         last, end_off = self.find_log_end(cp, ids)
+        if cp is not None and make_pos(last, end_off) < cp.head:
+            last, end_off = self.fresh_segment(cp, ids, make_pos(last, end_off))
+        sp._recovery_end = make_pos(last, end_off)
+        for anomaly in missing:  # reported now that the end of the log is known: what they lost can be named
+            self.report(anomaly)
         first = ids[0]
         start, end = working_start(cp, first), make_pos(last, end_off)
+        sp._recovery_end = end
         self.sync_tail(cp, pos_segment(start), end, ids)
         sp.writer = LogWriter(self.io, self.log_dir, sp.config.segment_size, last, end_off, int(t0))
+        sp.writer.on_damage = sp.damage.reporter("a runner")
         reader = self.reader(cp, ids)
         found = self.scan_suffix(reader, start, end)
         sp.body_span = max(sp.body_span, found.body_span)
         self.mark_garbage(found.to_mark)
-        self.start_runners(cp, first)
+        self.start_runners(cp, first, end)
         self.check_sealed(reader, min(r.pos for r in sp.runners), last)
         for attempt in sorted(found.unfinished.values(), key=lambda a: a.start_pos):
             self.close_in_flight(attempt, found.replaced)
@@ -217,8 +245,10 @@ class Recovery:
         self.on_damage(anomaly)
 
     def reader(self, cp: ckpt.Checkpoint | None, ids: list[int]) -> LogReader:
-        """The log as recovery reads it: these segments, and everything before the checkpoint's head durable."""
-        return LogReader(self.io, self.log_dir, segments=ids, durable=cp.head if cp is not None else None)
+        """The log as recovery reads it: these segments, everything before the checkpoint's head durable, and
+        every segment from the oldest one the checkpoint still needs (``first_needed``) present."""
+        return LogReader(self.io, self.log_dir, segments=ids, durable=cp.head if cp is not None else None,
+                         expect_first=first_needed(cp))
 
     # -- 1. checkpoint --------------------------------------------------------------------
 
@@ -226,7 +256,17 @@ class Recovery:
         sp = self.sp
         if ckpt.remove_temp(self.io, sp.path):
             log.info("%s: removed a temporary checkpoint left by an interrupted write", sp.path)
-        cp = ckpt.load(self.io, sp.path)
+        try:
+            cp = ckpt.load(self.io, sp.path)
+        except (ckpt.CorruptCheckpoint, FormatVersionError) as exc:
+            # Moved to the quarantine (refused with on_damage = "refuse"): the start scans the whole log, as
+            # without a checkpoint. Slower, never wrong: positions may lag, and none do now. A version this
+            # code does not know is handled alike: the version field is outside the checksum, so a flipped
+            # bit reads as one, and a spool truly written by a newer version is refused by its segments.
+            reason = exc.reason if isinstance(exc, CorruptRecord) else str(exc).removeprefix(
+                os.path.join(sp.path, ckpt.NAME) + ": ")
+            sp.damage.checkpoint_damaged(os.path.join(sp.path, ckpt.NAME), reason, sp._now_ms())
+            cp = None
         sp._checkpoint = cp
         if cp is not None:
             sp.body_span = cp.body_span
@@ -234,8 +274,9 @@ class Recovery:
 
     # -- 2. segments ----------------------------------------------------------------------
 
-    def segments(self, cp: ckpt.Checkpoint | None) -> list[int]:
-        """The segment ids of the log, after finishing the deletions the checkpoint allows."""
+    def segments(self, cp: ckpt.Checkpoint | None) -> tuple[list[int], list[Anomaly]]:
+        """The segment ids of the log, after finishing the deletions the checkpoint allows, and the segments
+        it should hold and does not (a gap, a missing first or last one), for ``report``."""
         sp = self.sp
         ids = list_segments(self.io, self.log_dir)
         if cp is not None:
@@ -244,49 +285,103 @@ class Recovery:
             ids = [s for s in ids if s >= keep_from]
         if not ids:
             if cp is not None:
-                raise SpoolError(f"{sp.path}: the checkpoint names segments but none exist")
-            self.create_first_segment()
-            return [1]
-        for anomaly in self.reader(cp, ids).missing():
-            self.report(anomaly)
-        return ids
+                # Every segment is gone, and the checkpoint says there were some: damage, loudly. The log
+                # goes on in a new segment after the checkpoint's head, so that no queue id is used twice.
+                head_seg = pos_segment(cp.head)
+                self.report(Anomaly(Kind.MISSING_SEGMENT, head_seg, segment_path(self.log_dir, head_seg), 0, 0,
+                                    f"the checkpoint names segments {first_needed(cp)} to {head_seg} but none "
+                                    "exist"))
+                self.create_segment(head_seg + 1)
+                return [head_seg + 1], []
+            self.create_segment(1)
+            return [1], []
+        if cp is None:
+            log.warning("%s: no checkpoint: scanning the whole log (%d segments) to recover", sp.path, len(ids))
+        missing = self.reader(cp, ids).missing()
+        if missing and self.sp.damage.mode == "refuse":
+            self.report(missing[0])  # refuses before anything is touched
+        return ids, missing
 
-    def create_first_segment(self) -> None:
-        path = segment_path(self.log_dir, 1)
+    def create_segment(self, seg: int) -> None:
+        """A new, empty segment ``seg`` (the first of a new spool, or one after lost data), made durable."""
+        path = segment_path(self.log_dir, seg)
         fd = self.io.open(path, create=True, truncate=True)
         try:
-            write_all(self.io, fd, encode_segment_header(1, int(self.sp._now())), 0)
+            write_all(self.io, fd, encode_segment_header(seg, int(self.sp._now())), 0)
             self.io.fsync(fd)
         finally:
             self.io.close(fd)
         self.io.fsync_dir(self.log_dir)
 
+    def fresh_segment(self, cp: ckpt.Checkpoint, ids: list[int], end: int) -> tuple[int, int]:
+        """The log ends before the checkpoint's head (the last segment is missing or cut short): records the
+        checkpoint vouched for are gone (reported as damage). Appending at ``end`` would give new records the
+        positions, and so the queue ids, of lost ones: the log goes on in a new segment instead.
+
+        The new segment records no sealed size for its predecessor (0: nothing to check it against).
+        """
+        seg = max(pos_segment(cp.head), ids[-1]) + 1
+        log.warning("%s: the log ends at %s, before the checkpoint's head %s: durable records are gone; the log "
+                    "goes on in a new segment %d", self.sp.path, format_pos(end), format_pos(cp.head), seg)
+        self.create_segment(seg)
+        ids.append(seg)
+        return seg, SEGMENT_HEADER_SIZE
+
     # -- 3. the end of the log ----------------------------------------------------------------
 
     def find_log_end(self, cp: ckpt.Checkpoint | None, ids: list[int]) -> tuple[int, int]:
-        """The last segment and the offset where its valid data ends, after cutting a torn tail.
+        """The last segment and the offset where its valid data ends, after cutting what was never acknowledged.
 
-        Removes a half-created last segment from ``ids`` (and from disk).
+        The last segment is walked from where the working suffix begins in it.
+        Damage at or past the last position recovery can prove durable
+        (``proven``) is an unacknowledged tail: cut from there, the bytes kept
+        in the quarantine (``cut_unacknowledged``). Damage before it is damage
+        (``report``). A torn tail is cut, its bytes kept too. Removes a
+        half-created last segment from ``ids`` (and from disk).
         """
         while True:
             last = ids[-1]
             start = working_start(cp, ids[0])
             reader = self.reader(cp, ids)
-            walk = reader.segment(last, pos_offset(start) if pos_segment(start) == last else None, payloads=False)
+            size = reader.size(last)
+            self.sp._recovery_end = make_pos(last, size)
+            # From where the working suffix begins in it; from its first record when it is shorter than that
+            # (it lost durable records: what is left of them is walked and named too).
+            from_off = pos_offset(start) if pos_segment(start) == last and pos_offset(start) <= size else None
+            walk = reader.segment(last, from_off, types=(RecordType.ENVELOPE,))
             torn = None
-            for anomaly in walk:  # payloads=False: anomalies only
-                assert isinstance(anomaly, Anomaly)
-                if anomaly.torn:
-                    torn = anomaly
-                else:
-                    self.report(anomaly)
+            damage: list[Anomaly] = []
+            proven = proven_by_checkpoint(cp, last)
+            after: list[Frame] = []  # envelopes after the first damage: what a cut would take
+            for item in walk:
+                if isinstance(item, Anomaly):
+                    if item.torn:
+                        torn = item
+                    else:
+                        damage.append(item)
+                    continue
+                if item.garbage:
+                    # A garbage mark is written only on a record already durable, after the commit that made
+                    # its START durable: everything up to its end was fdatasynced (docs/design.md, "Recovery").
+                    proven = max(proven, pos_offset(item.pos) + item.size)
+                if damage:
+                    after.append(item)
             self.stats.bytes_read += walk.bytes_read
             if torn is not None and torn.offset == 0:
                 self.remove_half_created(torn, ids)
                 continue
             size = walk.data_end
+            unacked = next((a for a in damage if a.kind is Kind.DAMAGED_RECORD and a.offset >= proven), None)
+            for anomaly in damage:
+                if unacked is None or anomaly.offset < unacked.offset:
+                    self.report(anomaly)
+            if unacked is not None:
+                cut_at = unacked.offset
+                self.cut_unacknowledged(unacked, last, proven, size,
+                                        [f for f in after if pos_offset(f.pos) >= cut_at])
+                return last, cut_at
             end = walk.valid_end
-            if end < size:
+            if torn is not None:
                 self.cut(torn, last, end, size)
             return last, end
 
@@ -304,19 +399,36 @@ class Recovery:
         self.io.fsync_dir(self.log_dir)
         ids.pop()
         if not ids:
-            self.create_first_segment()
+            self.create_segment(1)
             ids.append(1)
 
-    def cut(self, torn: Anomaly | None, seg: int, end: int, size: int) -> None:
-        """Cut the last segment to ``end``: a torn tail, or (when ``on_damage`` returned) what follows its
-        last valid frame."""
+    def cut(self, torn: Anomaly, seg: int, end: int, size: int) -> None:
+        """Cut a torn tail (an interrupted write: never acknowledged) from the last segment, its bytes kept."""
         path = segment_path(self.log_dir, seg)
-        if torn is not None:
-            log.warning("cutting torn tail of %s: %d bytes at offset %d", path, size - end, end)
-        else:
-            log.warning("cutting %s after its last valid record: %d bytes at offset %d", path, size - end, end)
+        tail = Anomaly(Kind.TORN_TAIL, seg, path, end, size - end, torn.reason)
+        note = self.sp.damage.cut(tail, "a torn tail: a write interrupted by the crash, never acknowledged; cut")
+        log.warning("cutting torn tail of %s: %d bytes at offset %d (%s)", path, size - end, end, _kept(note))
+        self.truncate(seg, end, size)
+
+    def cut_unacknowledged(self, first: Anomaly, seg: int, proven: int, size: int, envelopes: list[Frame]) -> None:
+        """Cut the last segment at the damage ``first``, which lies past every position recovery can prove
+        durable: pages written after the last fsync reached the disk out of order (docs/design.md,
+        "Recovery"), so nothing from there on was acknowledged. The cut bytes are kept in the quarantine
+        first (with the envelopes among them named, in case the disk, not a crash, damaged them)."""
+        path = segment_path(self.log_dir, seg)
+        span = Anomaly(Kind.DAMAGED_RECORD, seg, path, first.offset, size - first.offset, first.reason, first.resume)
+        named = [_unacknowledged(self.sp, f) for f in envelopes]
+        why = (f"damage at offset {first.offset} ({first.message()}) lies past the last position recovery can "
+               f"prove durable (offset {proven}): pages written after the last fsync reached the disk out of "
+               "order, so nothing from there on was acknowledged; cut")
+        note = self.sp.damage.cut(span, why, named)
+        log.warning("cut %d bytes of %s at offset %d (segment %d): %s (%s; %d envelopes among them, none "
+                    "acknowledged)", size - first.offset, path, first.offset, seg, why, _kept(note), len(named))
+        self.truncate(seg, first.offset, size)
+
+    def truncate(self, seg: int, end: int, size: int) -> None:
         self.stats.tail_cut_bytes += size - end
-        fd = self.io.open(path)
+        fd = self.io.open(segment_path(self.log_dir, seg))
         try:
             self.io.truncate(fd, end)
             self.io.fsync(fd)
@@ -395,15 +507,17 @@ class Recovery:
 
     # -- 7. runners -------------------------------------------------------------------------
 
-    def start_runners(self, cp: ckpt.Checkpoint | None, first: int) -> None:
+    def start_runners(self, cp: ckpt.Checkpoint | None, first: int, end: int) -> None:
+        """Runners at the checkpoint's positions, within the log (a position past its end, in records that
+        are gone, begins at the end)."""
         sp = self.sp
         origin = make_pos(first, SEGMENT_HEADER_SIZE)
         n = sp.config.classes
         for k in range(n):
             pos = cp.runners[k] if cp is not None and k < len(cp.runners) else (
                 min(cp.runners) if cp is not None and cp.runners else origin)
-            sp.runners.append(Runner(self.io, self.log_dir, k, sp.config.interval(k), max(pos, origin),
-                                     sweeper=k == n - 1))
+            sp.runners.append(Runner(self.io, self.log_dir, k, sp.config.interval(k), min(max(pos, origin), end),
+                                     sweeper=k == n - 1, reporter=sp.damage.reporter(f"runner {k}")))
 
     def check_sealed(self, reader: LogReader, start: int, last: int) -> None:
         """Every sealed segment the runners will read is as long as its successor's header says.
@@ -424,7 +538,14 @@ class Recovery:
         sp, stats = self.sp, self.stats
         stats.in_flight += 1
         env_pos = attempt.start.envelope
-        env = self.read_envelope(env_pos)
+        if env_pos in replaced:
+            sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), replaced[env_pos]))
+            return
+        try:
+            frame, env = self.read_envelope(env_pos)
+        except (CorruptRecord, FileNotFoundError) as exc:
+            self.lost_in_flight(attempt, getattr(exc, "reason", None) or str(exc))
+            return
         if env_pos in replaced:
             sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), replaced[env_pos]))
             return
@@ -435,21 +556,32 @@ class Recovery:
         replacement = None
         remaining = remaining_recipients(env, attempt)
         if remaining:
-            klass = sp.writer.read_frame(env_pos).klass
-            replacement = sp._write_replacement(env, env_pos, klass, remaining, attempts=env.attempts,
+            replacement = sp._write_replacement(env, env_pos, frame.klass, remaining, attempts=env.attempts,
                                                 in_doubt=tuple(dict.fromkeys(env.in_doubt + tuple(doubt))))
             stats.replacements += 1
         fin = sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), replacement))
         sp._settling.append((fin, attempt.start_pos, min((env_pos, *env.body))))
 
-    def read_envelope(self, pos: int) -> Envelope:
+    def read_envelope(self, pos: int) -> tuple[Frame, Envelope]:
+        """Raises CorruptRecord, FileNotFoundError (its segment is missing)."""
         frame = self.sp.writer.read_frame(pos)
         if frame.rtype != RecordType.ENVELOPE:
             raise CorruptRecord(f"expected an envelope at position {format_pos(pos)}",
                                 segment_path(self.log_dir, pos_segment(pos)), pos_offset(pos))
         env = decode_payload(frame.rtype, frame.payload)
         assert isinstance(env, Envelope)
-        return env
+        return frame, env
+
+    def lost_in_flight(self, attempt: OpenAttempt, reason: str) -> None:
+        """An attempt in flight at the crash whose envelope cannot be read: damage (reported), and its
+        message is lost, named by the attempt's START and DELIVERY records. A FINISH ends the attempt."""
+        sp = self.sp
+        env_pos = attempt.start.envelope
+        anomaly = sp.anomaly_at(env_pos, reason)
+        self.report(anomaly)
+        sp.damage.name_more(anomaly, [lost.in_flight(attempt.start_pos, env_pos, attempt.outcomes)])
+        fin = sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), None))
+        sp._settling.append((fin, attempt.start_pos, env_pos))
 
     # -- 9. commit ------------------------------------------------------------------------------
 
@@ -529,3 +661,40 @@ def describe(cp: ckpt.Checkpoint | None) -> str:
     if cp is None:
         return "no checkpoint: scanning from the first segment"
     return f"checkpoint {cp.sequence}: working suffix from {format_pos(cp.working_start)}"
+
+
+def proven_by_checkpoint(cp: ckpt.Checkpoint | None, last: int) -> int:
+    """How far the last segment is durable by the checkpoint alone: up to its head, if it lies there."""
+    if cp is None or pos_segment(cp.head) < last:
+        return 0
+    if pos_segment(cp.head) > last:
+        return 1 << 32  # the head lies beyond this segment: all of it was durable
+    return pos_offset(cp.head)
+
+
+def first_needed(cp: ckpt.Checkpoint | None) -> int | None:
+    """The oldest segment a spool with this checkpoint must still have (None: no checkpoint, no rule).
+
+    The engine deletes a segment only below ``segment(garbage_end) - BODY_SLACK - body_span`` of a
+    durable checkpoint (docs/format.md, "Checkpoint"); segments are numbered from 1.
+    """
+    if cp is None:
+        return None
+    return max(1, pos_segment(cp.garbage_end) - BODY_SLACK - cp.body_span)
+
+
+def _unacknowledged(sp: Reclaim, frame: Frame) -> dict[str, object]:
+    """An envelope among cut bytes, for the quarantine note."""
+    try:
+        env = decode_payload(frame.rtype, frame.payload)
+    except CorruptRecord:
+        return {"position": format_pos(frame.pos), "error": "payload does not decode"}
+    assert isinstance(env, Envelope)
+    return {"position": format_pos(frame.pos), "queue_id": sp.queue_id(env.message_id), "sender": env.sender,
+            "recipients": list(env.recipients), "replaces": None if env.replaces is None else format_pos(env.replaces)}
+
+
+def _kept(note: dict[str, object]) -> str:
+    if note.get("bytes_file"):
+        return f"kept in quarantine/{note['bytes_file']}"
+    return f"not kept: {note.get('copy_error', 'nothing to copy')}"

@@ -34,7 +34,7 @@ from typing import Protocol
 import attrs
 
 from spool.fileio import FileIO
-from spool.reader import HeaderWalk, LogReader
+from spool.reader import HeaderWalk, LogReader, Reporter, raise_anomaly
 from spool.record import HELD_CLASS, Frame, make_pos, pos_offset, pos_segment
 from spool.segment import SEGMENT_HEADER_SIZE
 
@@ -58,7 +58,7 @@ class Candidate:
 
 class Runner:
     def __init__(self, io: FileIO, log_dir: str, klass: int, interval: float, pos: int, *,
-                 sweeper: bool = False) -> None:
+                 sweeper: bool = False, reporter: Reporter = raise_anomaly) -> None:
         self.io = io
         self.log_dir = log_dir
         self.klass = klass
@@ -70,8 +70,7 @@ class Runner:
         self._end_seen: int | None = None
         self.passes = 0
         self._classes = frozenset((klass, HELD_CLASS) if sweeper else (klass,))
-        # Damage raises CorruptSegment naming what the reader names (its default reporter).
-        self._walk = HeaderWalk(LogReader(io, log_dir))
+        self._walk = HeaderWalk(LogReader(io, log_dir), reporter)
 
     @property
     def records_scanned(self) -> int:

@@ -51,11 +51,12 @@ class Spool(AdminChanges, Reclaim):
 
     @classmethod
     def open(cls, path: str, config: SpoolConfig | None = None, io: FileIO | None = None,
-             *, lock: bool = True, on_damage: Reporter = recovery.refuse) -> Spool:
-        """Open (creating if needed) and recover. Raises SpoolLocked, CorruptSegment, ...
+             *, lock: bool = True, on_damage: Reporter | None = None) -> Spool:
+        """Open (creating if needed) and recover. Raises SpoolLocked, DamageRefused, FormatVersionError, ...
 
-        ``on_damage``: what recovery does with damage in the log (``spool.recovery``,
-        "Damage"); the default refuses to open, naming the file and offset.
+        Damage in the log goes to the spool's damage policy (``spool.damage_policy``), as
+        ``config.on_damage`` says: quarantined, named, and gone past (the default), or refused.
+        ``on_damage``: a reporter that recovery hands its anomalies to instead (tests).
         """
         sp = cls(path, config or SpoolConfig(), io or OsFileIO())
         sp.io.makedirs(sp.log_dir)

@@ -40,6 +40,7 @@ from spool.record import (
     Start,
     format_pos,
     make_pos,
+    pos_offset,
     pos_segment,
 )
 from spool.segment import SEGMENT_HEADER_SIZE
@@ -89,6 +90,14 @@ class VerifyReport:
     problems_total: int = 0
     torn_tail: Anomaly | None = None
     log_end: int = 0
+    # For what the relay will do at start (``spool.start_plan``): the checkpoint (None: missing or damaged,
+    # ``checkpoint_error`` says which), the reader's anomalies (capped like the problems), and how far each
+    # segment holds a garbage-marked envelope (a mark proves the log durable up to it).
+    checkpoint: ckpt.Checkpoint | None = None
+    checkpoint_error: str | None = None
+    anomalies: list[Anomaly] = attrs.field(factory=list)
+    marked_end: dict[int, int] = attrs.field(factory=dict)
+    plan: list[Any] = attrs.field(factory=list)  # spool.start_plan.Action
 
     @property
     def clean(self) -> bool:
@@ -100,7 +109,8 @@ class VerifyReport:
                 "references": self.references, "reclaimed_references": self.reclaimed_references,
                 "log_end": format_pos(self.log_end),
                 "torn_tail": None if self.torn_tail is None else self.torn_tail.as_dict(),
-                "problems_total": self.problems_total, "problems": [p.as_dict() for p in self.problems]}
+                "problems_total": self.problems_total, "problems": [p.as_dict() for p in self.problems],
+                "relay_will": [a.as_dict() for a in self.plan]}
 
 
 # Which references each payload makes: (target, expected type, field name).
@@ -188,7 +198,7 @@ class _Verifier:
 
     def run(self) -> VerifyReport:
         files, report = self.files, self.report
-        cp = self._checkpoint()
+        cp = report.checkpoint = self._checkpoint()
         self.live_from = live_start(files, cp)
         self.active = active_envelopes(files, cp)
         reader = files.reader(cp)
@@ -205,6 +215,7 @@ class _Verifier:
         try:
             return self.files.load_checkpoint()
         except (CorruptRecord, FormatVersionError) as exc:
+            self.report.checkpoint_error = str(getattr(exc, "reason", None) or exc)
             path = getattr(exc, "path", "") or os.path.join(self.files.path, ckpt.NAME)
             self.problem(Problem("checkpoint", f"{getattr(exc, 'reason', exc)}; removing it makes the next "
                                                "open scan the whole log", path=path,
@@ -225,6 +236,8 @@ class _Verifier:
             report.records += 1
             report.by_type[type_name(item.rtype)] += 1
             report.log_end = item.pos + item.size
+            if item.garbage and item.rtype == RecordType.ENVELOPE:
+                report.marked_end[seg] = pos_offset(item.pos) + item.size
             try:
                 payload = decode(item, self.files)
             except CorruptRecord as exc:
@@ -239,6 +252,8 @@ class _Verifier:
 
     def _anomaly(self, a: Anomaly, before: int) -> None:
         report = self.report
+        if len(report.anomalies) < self.max_problems:
+            report.anomalies.append(a)
         if a.kind is Kind.MISSING_SEGMENT:
             self.problem(Problem.of(a))
             return
@@ -268,7 +283,13 @@ def verify(files: LogFiles, *, recent: int = 1 << 16, max_problems: int = 1000) 
     """Every checksum, every payload, every cross-reference, the checkpoint's positions.
 
     References into segments already reclaimed are counted, not problems.
+    ``report.plan`` says what the relay will do with the damage at its next
+    start, and later (``spool.start_plan``).
     """
-    return _Verifier(files, recent, max_problems).run()
+    from spool.start_plan import plan  # here: start_plan reads a VerifyReport
+
+    report = _Verifier(files, recent, max_problems).run()
+    report.plan = plan(files, report)
+    return report
 
 

@@ -187,7 +187,9 @@ def print_show(m: dict[str, Any], now: float) -> None:
         click.echo(text + (f": {reply_text(row)}" if reply_text(row) else ""))
         if row["time"] is not None:  # the reply's time and who gave it
             click.echo(f"      at {when(row['time'], now)}" + (f" from {row['next_hop']}" if row["next_hop"] else ""))
-    if "body" in m:
+    if m.get("body_error"):
+        click.echo(f"{'body':>10}: cannot be read: {m['body_error']}")
+    elif "body" in m:
         click.echo("")
         click.echo(m["body"], nl=False)
 

@@ -34,7 +34,7 @@ from mta.shards import Cursor, format_cursor, format_queue_id, parse_cursor, par
 from spool import admin
 from spool.config import SpoolConfig
 from spool.core import SpoolCore
-from spool.errors import NotFound, SpoolError
+from spool.errors import DamagedBody, NotFound, SpoolError
 from spool.record import Status
 
 MAX_LIMIT = 10_000
@@ -240,8 +240,12 @@ def read_op(listable: admin.Listable, req: Request, read_body: Callable[[Any], A
         if out["last_attempt"] is not None:
             out["last_attempt"] /= 1000
         if req.body and read_body is not None:
-            data = b"".join(read_body(msg.envelope))
-            out["body"] = data.decode("utf-8", "replace")
+            try:
+                data = b"".join(read_body(msg.envelope))
+            except DamagedBody as exc:  # quarantined and named by the spool: the message is shown without it
+                out["body_error"] = str(exc)
+            else:
+                out["body"] = data.decode("utf-8", "replace")
         return out
     if req.op == "shape":
         rows = admin.shape(listable, now, req.top)

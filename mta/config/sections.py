@@ -216,6 +216,9 @@ class DeliveryConfig:
         derived=Derived("`MAILER-DAEMON@<hostname>`", lambda r: f"MAILER-DAEMON@{r('server.hostname')}"))
     delay_warning: float | None = setting(
         Optional(Duration(positive=True)), "a duration after arrival for delay notices; not set, none", None)
+    on_damaged_body: str = setting(
+        OneOf(("bounce", "hold")), "a message whose data the spool finds damaged when delivering it: `bounce` it to "
+        "its sender with the reason, or `hold` it for the administrator (see \"When the disk lies\")", "bounce")
     tls_ca_file: str | None = setting(
         Optional(ReadableFile()), "PEM CA certificates that `smtp://...?tls=verify` routes trust besides the "
         "system's (a private smarthost's CA)", None)

@@ -33,6 +33,17 @@ scheduler pauses and resumes by itself. A crash while it waits makes the
 recipients in doubt: a remote's 250 not yet recorded may be delivered again,
 the known duplicate window.
 
+A damaged body. A message whose data the spool cannot read back (a DATA
+record that fails its checksum, a segment gone: the spool has quarantined
+and named it by then, ``spool.damage_policy``) is bounced to its sender with
+the reason (``5.3.0``), or held for the administrator with
+``delivery.on_damaged_body = "hold"``; never retried as if the next attempt
+could read it, and never the relay's end. Found while a batch is being sent
+(``StoredBody.damaged``), the jobs of the batch the transport had not reached
+go back to their destination's queue untried; found
+when the body was copied forward on a deferral (the envelope's
+``damaged_body``), the message goes straight to its fate.
+
 Dead destinations. When every recipient of a batch failed to even connect,
 the destination is backed off (doubling from 2 s up to 5 min); while it is,
 its jobs are deferred at once without a connection attempt, as Postfix's
@@ -65,9 +76,10 @@ from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery.transport import Destination, Job, Transport
 from mta.observe.metrics import Metrics
-from spool.commit import AsyncSpool
-from spool.errors import DiskFull
-from spool.record import Outcome, Status
+from spool.commit import AsyncSpool, StoredBody
+from spool.core import DAMAGED_BODY
+from spool.errors import DamagedBody, DiskFull
+from spool.record import HELD_CLASS, Outcome, Status
 from spool.spool import Attempt
 
 log = logging.getLogger("mta.delivery")
@@ -83,6 +95,7 @@ class Tracker:
     attempt: Attempt
     outstanding: int = 0
     last_error: str = ""
+    hold: bool = False  # its data is damaged and on_damaged_body = "hold": it goes to the held class
 
 
 @attrs.define(eq=False)
@@ -158,6 +171,10 @@ class Scheduler:
         if attempt.expired:
             self._nursery.start_soon(self._expire, tracker)
             return
+        damaged = env.extra.get(DAMAGED_BODY)
+        if damaged:
+            self._nursery.start_soon(self._damaged, tracker, str(damaged))
+            return
         groups: dict[Destination, list[str]] = {}
         unroutable: list[str] = []
         failed: list[Outcome] = []  # routing raised: deferred, with the reason
@@ -214,6 +231,26 @@ class Scheduler:
         outs = [Outcome(r, Status.EXPIRED, 0, "4.4.7", text, "") for r in rcpts]
         tracker.outstanding = 1
         await self._complete(tracker, Job(self.aspool.core.queue_id(env.message_id), env.sender, rcpts, (), 0), outs)
+
+    async def _damaged(self, tracker: Tracker, reason: str) -> None:
+        """A message whose data was found damaged when it was copied forward: bounced or held now."""
+        env = tracker.attempt.envelope
+        rcpts = tuple(tracker.attempt.remaining)
+        tracker.outstanding = 1
+        job = Job(self.aspool.core.queue_id(env.message_id), env.sender, rcpts, (), 0)
+        await self._complete(tracker, job, self._damaged_outcomes(tracker, job, reason))
+
+    def _damaged_outcomes(self, tracker: Tracker, job: Job, reason: str) -> list[Outcome]:
+        """The outcomes of a message whose data cannot be read: bounced, or (``on_damaged_body = "hold"``)
+        deferred into the held class. One log line says which, and why."""
+        if self.config.delivery.on_damaged_body == "hold":
+            tracker.hold = True
+            text = f"the message's data in the spool is damaged ({reason}); held for the administrator"
+            log.error("%s: %s", job.queue_id, text)
+            return [Outcome(r, Status.DEFERRED, 0, "4.3.0", text, "") for r in job.recipients]
+        text = f"the message's data in the spool is damaged ({reason}); it cannot be delivered, please send it again"
+        log.error("%s: %s; bounced to <%s>", job.queue_id, text, job.sender)
+        return [Outcome(r, Status.BOUNCED, 0, "5.3.0", text, "") for r in job.recipients]
 
     # -- delivering -----------------------------------------------------------
 
@@ -272,6 +309,7 @@ class Scheduler:
             last = now
 
         local_failure = False
+        requeue: list[int] = []  # jobs of the batch sent back to the queue untried (a damaged body stopped it)
         try:  # the batch's boundary: reading, the transport, its callbacks
             for job, tracker in batch:
                 job.body = await self.aspool.read_body(tracker.attempt)
@@ -282,12 +320,32 @@ class Scheduler:
             if is_fatal(exc, self.aspool.core):
                 raise
             local_failure = True  # our fault, not the destination's: no backoff
-            qids = ", ".join(job.queue_id for job in jobs)
-            log.error("delivery of %s to %s failed, deferred: %s", qids, dest, local_error(exc), exc_info=exc)
-            results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
-                        for r in job.recipients] for job in jobs]
+            damaged = {i: job.body.damaged for i, job in enumerate(jobs)
+                       if isinstance(job.body, StoredBody) and job.body.damaged is not None}
+            if damaged:
+                # A message's data could not be read: its fate is decided here. The jobs the transport had
+                # not reached (no outcome yet) were never sent: back to the queue, tried again at once.
+                requeue = [i for i in range(len(jobs)) if i not in damaged and i not in early]
+                results = [self._damaged_outcomes(batch[i][1], job, damaged[i].reason) if i in damaged else []
+                           for i, job in enumerate(jobs)]
+            else:
+                qids = ", ".join(job.queue_id for job in jobs)
+                log.error("delivery of %s to %s failed, deferred: %s", qids, dest, local_error(exc), exc_info=exc)
+                results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
+                            for r in job.recipients] for job in jobs]
         results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
         duration = time.monotonic() - started
+        for i in reversed(requeue):
+            job, tracker = batch[i]
+            job.body = ()
+            state.queue.appendleft((job, tracker))
+            self.pending += 1
+        if requeue:
+            batch = [b for i, b in enumerate(batch) if i not in requeue]
+            kept = [i for i in range(len(results)) if i not in requeue]
+            results = [results[i] for i in kept]
+            early = {k: early[i] for k, i in enumerate(kept) if i in early}
+            self._wake()
         unreachable = not local_failure and all(o.code == 0 and o.status is Status.DEFERRED
                                                 for outs in results for o in outs)
         if unreachable:
@@ -382,11 +440,14 @@ class Scheduler:
         tracker.outstanding -= 1
         if tracker.outstanding <= 0:
             extra = {"last_error": tracker.last_error} if tracker.last_error else None
-            self.aspool.finish(attempt, extra=extra)
+            self.aspool.finish(attempt, extra=extra, next_class=HELD_CLASS if tracker.hold else None)
 
     def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome]) -> None:
         env = attempt.envelope
-        headers = dsnmod.extract_headers(self.aspool.core.read_body(env))
+        try:
+            headers = dsnmod.extract_headers(self.aspool.core.read_body(env))
+        except DamagedBody:
+            headers = b""  # the bounce of a damaged message says why, without its headers
         failures = [dsnmod.RecipientFailure(
             recipient=o.recipient, status=o.enhanced or ("5.0.0" if o.status is Status.BOUNCED else "4.4.7"),
             action="failed", diagnostic=f"smtp; {o.code} {o.enhanced} {o.reply}".replace("  ", " ") if o.code

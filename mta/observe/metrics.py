@@ -46,6 +46,24 @@ class _SpoolCollector:
                                 value=stats.bytes_read)
         yield GaugeMetricFamily("logspool_recovery_in_doubt", "recipients in doubt after the last recovery",
                                 value=stats.in_doubt)
+        # Damage (spool.damage_policy; docs/operations.md, "When the disk lies").
+        damage = core.damage
+        found = GaugeMetricFamily("logspool_damage_found", "damage met since start, each piece once, by kind "
+                                  "(damaged_record, missing_segment, size_mismatch, ends_early, bad_header, cut, "
+                                  "checkpoint)", labels=["kind"])
+        for kind, n in sorted(damage.found.items()):
+            found.add_metric([kind], n)
+        yield found
+        yield GaugeMetricFamily("logspool_damage_lost_messages", "messages named lost to damage since start",
+                                value=damage.lost_named)
+        yield GaugeMetricFamily("logspool_damaged_bodies", "message bodies found damaged since start (those messages "
+                                "are bounced or held)", value=damage.damaged_bodies)
+        entries, kept, lost = damage.quarantine.totals()
+        yield GaugeMetricFamily("logspool_quarantine_entries", "pieces of damage kept in the quarantine directory",
+                                value=entries)
+        yield GaugeMetricFamily("logspool_quarantine_bytes", "bytes kept in the quarantine directory", value=kept)
+        yield GaugeMetricFamily("logspool_quarantine_lost_messages", "messages the quarantine directory's notes name "
+                                "lost (every start's)", value=lost)
 
 
 class Metrics:

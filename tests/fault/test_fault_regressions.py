@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import attrs
 import pytest
 from spool_support import tiny_config
 
@@ -35,17 +36,22 @@ def test_power_cut_during_the_first_start_recovers(tmp_path: Path) -> None:
 
 
 def test_first_segment_that_holds_records_is_not_recreated(tmp_path: Path) -> None:
-    """The guard for the fix above: only an empty first segment may be recreated."""
+    """The guard for the fix above: only an empty first segment may be recreated. One whose header is
+    damaged keeps its records (each frame is salted with the id in its file name); the header is damage."""
     sp = Spool.open(str(tmp_path), tiny_config())
-    sp.enqueue("a@example.org", ["b@example.org"], b"hello")
+    mid = sp.enqueue("a@example.org", ["b@example.org"], b"hello")
     sp.commit()
     sp.close()
     seg = tmp_path / "log" / "0000000000000001.seg"
     data = seg.read_bytes()
     seg.write_bytes(bytes(32) + data[32:])
     os.remove(tmp_path / "checkpoint")
-    with pytest.raises(SpoolError):
-        Spool.open(str(tmp_path), tiny_config())
+    sp = Spool.open(str(tmp_path), tiny_config())
+    try:
+        assert [m.message_id for m in admin.iter_live(sp)] == [mid]
+        assert (tmp_path / "quarantine" / f"{1:016x}-{0:010d}-bad-header.bin").read_bytes() == bytes(32)
+    finally:
+        sp.close()
 
 
 def test_checkpoint_after_a_failed_checkpoint_fsync_is_refused(tmp_path: Path) -> None:
@@ -84,8 +90,15 @@ def test_last_segment_truncated_below_the_checkpoint_head_is_reported(tmp_path: 
     with open(seg, "r+b") as fh:
         fh.truncate(size // 2)
     with pytest.raises(CorruptSegment) as info:
-        Spool.open(str(tmp_path), tiny_config())
+        Spool.open(str(tmp_path), attrs.evolve(tiny_config(), on_damage="refuse"))
     assert info.value.path.endswith("0000000000000001.seg")
+    sp = Spool.open(str(tmp_path), tiny_config())  # quarantined, named, and the log goes on in a new segment
+    try:
+        assert any(n.endswith("-ends-early.json") for n in os.listdir(tmp_path / "quarantine"))
+        assert sp.writer.segment_id == 2
+        assert len(list(admin.iter_live(sp))) < 6
+    finally:
+        sp.close()
 
 
 # -- found by `python -m fault_injection corrupt --cases 80 --seed 0` -----------------------------------------

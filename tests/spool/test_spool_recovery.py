@@ -177,19 +177,34 @@ def test_zeroed_tail_after_crash_is_cut(tmp_path: Path) -> None:
 
 
 def test_damage_before_the_checkpointed_head_is_not_a_torn_tail(tmp_path: Path) -> None:
-    """Records a checkpoint vouched for are never cut silently: open stops and names the file."""
+    """Records a checkpoint vouched for are never cut silently: the loss is quarantined as damage (or the
+    open refuses, naming the file, with on_damage = "refuse"), and the log goes on in a new segment, so that
+    no queue id of a lost message is given again."""
     clock = Clock()
     sp = Spool.open(str(tmp_path), config(clock))
     start = os.path.getsize(last_segment(sp))
-    sp.enqueue("s@src.example", [RCPT], b"durable" * 10)
+    lost = sp.enqueue("s@src.example", [RCPT], b"durable" * 10)
     sp.commit()
     sp.checkpoint()
     path = last_segment(sp)
     sp.close()
     os.truncate(path, start + 20)
     with pytest.raises(CorruptSegment) as info:
-        Spool.open(str(tmp_path), config(clock))
-    assert info.value.path == path
+        Spool.open(str(tmp_path), config(clock, on_damage="refuse"))
+    assert info.value.path == path and "spoolctl verify" in str(info.value)
+    assert os.path.getsize(path) == start + 20  # refusing touched nothing
+    sp = Spool.open(str(tmp_path), config(clock))
+    try:
+        notes = sorted(os.listdir(tmp_path / "quarantine"))
+        assert [n for n in notes if n.endswith(".json")] == [
+            f"{1:016x}-{start:010d}-damaged-record.json", f"{1:016x}-{start + 20:010d}-ends-early.json"]
+        assert os.path.getsize(path) == start + 20  # the damaged segment is kept as it is
+        fresh = sp.enqueue("s@src.example", [RCPT], b"new")
+        sp.commit()
+        assert fresh > lost and pos_segment(fresh) == 2
+        assert set(live(sp)) == {fresh}
+    finally:
+        sp.close()
 
 
 # -- in doubt ----------------------------------------------------------------------
@@ -282,10 +297,11 @@ def test_committed_final_outcomes_survive_and_message_is_done(tmp_path: Path) ->
 # -- damage: one policy ------------------------------------------------------------
 
 
-def test_damage_goes_to_the_one_damage_policy_once_and_refuse_is_the_default(tmp_path: Path) -> None:
+def test_damage_goes_to_the_one_damage_policy_once(tmp_path: Path) -> None:
     """Recovery meets a damaged record twice (finding the log's end, scanning the suffix) and hands it to
-    its policy once. ``refuse`` (the default) stops the open there; a policy that returns (what issue 14's
-    quarantine will be) lets recovery go on past it, on the next valid record."""
+    its policy once. ``refuse`` stops the open there; a policy that returns (the default quarantine) lets
+    recovery go on past it, on the next valid record. The garbage marks of the claims after it prove the
+    damage durable (it is not an unacknowledged tail, which would be cut)."""
     clock = Clock()
     sp = Spool.open(str(tmp_path / "a"), config(clock))
     for i in range(3):
@@ -304,7 +320,7 @@ def test_damage_goes_to_the_one_damage_policy_once_and_refuse_is_the_default(tmp
     shutil.copytree(tmp_path / "a", tmp_path / "b")
 
     with pytest.raises(CorruptSegment) as info:
-        Spool.open(str(tmp_path / "a"), config(clock))
+        Spool.open(str(tmp_path / "a"), config(clock, on_damage="refuse"))
     assert (info.value.path, info.value.offset) == (path, pos_offset(damaged))
 
     met: list[Anomaly] = []

@@ -378,7 +378,13 @@ def test_verify_flipped_byte_in_the_middle(tmp_path: Path) -> None:
     result = run("verify", m.path)
     assert result.exit_code == 1
     assert path in result.stdout and f"at offset {off}" in result.stdout
+    # ... and says what the relay will do with it: the in-flight attempt's envelope is met at start
+    assert "what the relay will do" in result.stdout
+    assert "at start: quarantine " in result.stdout and f"bytes of segment {seg} at {off} " in result.stdout, \
+        result.stdout
+    assert "spoolctl salvage" in result.stdout
     out = run_json("verify", m.path, code=1)
+    assert [a["when"] for a in out["relay_will"]] == ["start", "start"]  # the quarantine, and what refuse does
     damage = [p for p in out["problems"] if p["kind"] == "damage"]
     assert [(p["file"], p["offset"]) for p in damage] == [(path, off)]
     assert "checksum" in damage[0]["message"] and "resume" in damage[0]["message"]
@@ -393,9 +399,11 @@ def test_verify_flipped_byte_in_the_middle(tmp_path: Path) -> None:
     assert [d["offset"] for d in row["damage"]] == [off] and row["damage"][0]["torn"] is False
     dumped = run("dump", m.path)
     assert dumped.exit_code == 1 and "!!" in dumped.stdout
-    # and the engine refuses to open it, naming the same place
+    # and the engine's open quarantines it, naming the same place, and goes on
     rec = run("recover", m.path)
-    assert rec.exit_code != 0 and rec.stderr.count("\n") == 1
+    assert rec.exit_code == 0
+    assert f"{path} at offset {off} " in rec.stderr and "quarantined" in rec.stderr
+    assert os.path.exists(os.path.join(m.path, "quarantine", f"{seg:016x}-{off:010d}-damaged-record.bin"))
 
 
 def test_verify_flipped_byte_in_the_last_segment_is_damage_not_a_torn_tail(tmp_path: Path) -> None:
