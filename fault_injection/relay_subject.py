@@ -21,7 +21,7 @@ worker. The pieces, all in the harness process except the relay:
 - Clients: ``concurrency`` threads with ``smtplib``, each sending one
   message at a time; a ``250`` after DATA is an ``ack``.
 - The relay's stderr, read line by line: the delivery log line
-  (``QID: to=<R>, ... status=sent``) is written after the DELIVERY record
+  (``event=delivery qid=QID to=<R> ... status=sent``) is written after the DELIVERY record
   is durable, so it is the ``rec`` event that closes the duplicate window.
 
 Waits are on the relay's output, the queue's content, or threads ending;
@@ -68,8 +68,8 @@ SENDER_DOMAIN = "senders.example"
 N_HEADER = b"X-Kill9-N: "
 SENDER_RE = re.compile(r"^s(\d+)@" + re.escape(SENDER_DOMAIN) + r"$")
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
-ACCEPTED = re.compile(r" ([0-9A-F]+): from=<([^>]*)>, size=")
-DELIVERED = re.compile(r" ([0-9A-F]+): to=<([^>]*)>, relay=.*, status=sent \(")
+ACCEPTED = re.compile(r" event=accepted qid=([0-9A-F]+) from=<([^>]*)> size=")
+DELIVERED = re.compile(r" event=delivery qid=([0-9A-F]+) to=<([^>]*)> relay=.* status=sent ")
 FINAL_RCPT = re.compile(rb"^Final-Recipient:\s*rfc822;\s*(\S+?)\s*$", re.MULTILINE | re.IGNORECASE)
 QUEUED_AS = re.compile(rb"queued as ([0-9A-F]+)")
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import signal
-import sys
 from typing import Any, NoReturn
 
 import attrs
@@ -35,6 +33,7 @@ from mta.admin.errors import (
 )
 from mta.cli_common import EXIT_FAILURE, EXIT_USAGE, JSON_REQUESTED, config_option, takes_json
 from mta.config import ConfigError, load_config, parse_listen_address
+from mta.observe.logline import install as install_logging
 from mta.process.config_cli import config as config_command
 from spool.errors import SpoolError, SpoolLocked
 
@@ -169,10 +168,8 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
         spool_config(config)  # the engine's own checks, before any process or socket: one line, not a traceback
     except ValueError as exc:
         raise ConfigError(str(exc), config.source, "spool") from None
-    # Several processes write to one stderr: each line names its process, as Postfix's do.
-    fmt = "%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s" if count > 1 else \
-        "%(asctime)s %(name)s %(levelname)s %(message)s"
-    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr, format=fmt)
+    # One line per event, each naming its process, as Postfix's do (mta.observe.logline).
+    install_logging(config.log.level, config.log.format)
     try:
         if shard is not None:
             assert supervisor_pid is not None

@@ -12,6 +12,7 @@ copying a deferred message's body forward, is the spool's
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from spool.config import SpoolConfig
@@ -27,6 +28,8 @@ class BodySink(Protocol):
     _open_bodies: dict[int, int]  # id(writer) -> position of its first DATA record, while it is written
 
     def _append(self, rtype: RecordType, payload: Any, klass: int = 0) -> int: ...
+
+    def _next_position(self) -> int: ...
 
     def _maybe_flush(self) -> None: ...
 
@@ -86,6 +89,10 @@ class BodyWriter:
     appended (not synced) as they fill; the enqueue's commit makes them durable
     together with the envelope. A body small enough for the spool's body cache
     also keeps its chunks (references to bytes made anyway) for that cache.
+
+    ``message_id``: set by ``begin``, the message's id decided as its body
+    starts (docs/design.md, "Queue ids"); None until then, and then the
+    enqueue gives the message its id.
     """
 
     def __init__(self, spool: BodySink) -> None:
@@ -96,7 +103,29 @@ class BodyWriter:
         self.closed = False
         self.discarding = False
         self.kept: list[bytes] | None = [] if spool.body_cache.item_limit > 0 else None
+        self.message_id: int | None = None
 
+    def begin(self, first: Callable[[int], bytes]) -> int:
+        """Decide the message's id now and start the body with ``first(id)``, as a record of its own.
+
+        Why: a receiver writes the id into the body's first bytes (the
+        ``Received:`` header names the queue id), long before the envelope.
+        The id is the log head as that first record is appended: the same
+        rule as an enqueue's (the head as the envelope is appended), so ids
+        stay unique and increasing, here in the order bodies began. The
+        record is appended at once so that no other message can be given
+        the same head.
+
+        Raises SpoolError if anything was written to the body already.
+        """
+        if self.chunks or self._buf or self.closed or self.discarding:
+            raise SpoolError("begin() must come before anything else is written to a body")
+        mid = self._spool._next_position()
+        data = first(mid)
+        self.size += len(data)
+        self._emit(data)
+        self.message_id = mid
+        return mid
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.discarding:
             self.size += len(data)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -153,6 +153,10 @@ class SpoolCore:
     def _now_ms(self) -> int:
         return int(self._now() * 1000)
 
+    def _next_position(self) -> int:
+        """The log head: the position the next record appended will get, unless it opens a new segment."""
+        return self.writer.head
+
     def queue_id(self, message_id: int) -> str:
         """The id an operator sees for a message of this spool (hex, plus ``config.id_suffix``)."""
         return format_id(message_id) + self.config.id_suffix
@@ -209,9 +213,11 @@ class SpoolCore:
         if not rcpts:
             raise ValueError("a message needs at least one recipient")
         chunks, size = self._body_chunks(body)
-        # The head before the append: unique and monotonic, and the envelope's own
-        # position unless the append rotates to a new segment.
-        mid = self.writer.head
+        # The head as the message is given its id: unique and increasing (docs/design.md, "Queue ids").
+        # Here, the head before the envelope's append (its own position unless the append opens a new
+        # segment); or the id the body took when it began (BodyWriter.begin).
+        reserved = body.message_id if isinstance(body, BodyWriter) else None
+        mid = reserved if reserved is not None else self.writer.head
         env = Envelope(mid, sender, rcpts, chunks, size, arrival_ms if arrival_ms is not None else self._now_ms(),
                        extra=extra or {})
         pos = self._append(RecordType.ENVELOPE, env, 0)
@@ -261,8 +267,12 @@ class SpoolCore:
         self.commit()
         return ids
 
-    def begin_body(self) -> BodyWriter:
-        return BodyWriter(self)
+    def begin_body(self, first: Callable[[int], bytes] | None = None) -> BodyWriter:
+        """A body to stream into; with ``first``, the message's id is decided now (``BodyWriter.begin``)."""
+        writer = BodyWriter(self)
+        if first is not None:
+            writer.begin(first)
+        return writer
 
     def _body_chunks(self, body: bytes | BodyWriter | Iterable[bytes]) -> tuple[tuple[int, ...], int]:
         if isinstance(body, BodyWriter):

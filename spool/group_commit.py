@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -72,6 +72,10 @@ class GroupCommit:
         self._synced = trio.Event()
         self._lazy = trio.Event()
         self.batch_sizes: list[int] = []
+        # Told, after each commit that made new messages durable, how many (the relay's
+        # logspool_commit_batch_messages). Called in the event loop; must not block.
+        self.commit_observers: list[Callable[[int], None]] = []
+        self._unsynced_messages = 0  # enqueued since the last sync batch was taken
         self.lazy_commits = 0
         self._want_sync = False  # someone waits for durability, not only for the bytes to be written
         self._writing = 0  # bytes of the batch the committer's thread is writing now
@@ -187,6 +191,9 @@ class GroupCommit:
                 sync, self._want_sync = self._want_sync, False
                 was_full = writer.full is not None
                 batch = writer.take_batch(sync=sync)
+                messages = 0
+                if sync:  # a failed sync batch's messages are cancelled by their enqueue: they are not counted
+                    messages, self._unsynced_messages = self._unsynced_messages, 0
                 self._writing = batch.size
                 try:
                     await trio.to_thread.run_sync(writer.write_batch, batch)
@@ -204,6 +211,9 @@ class GroupCommit:
                 self.batch_sizes.append(before)
                 if len(self.batch_sizes) > 1024:
                     del self.batch_sizes[:512]
+                if messages:
+                    for observe in self.commit_observers:
+                        observe(messages)
                 synced, self._synced = self._synced, trio.Event()
                 synced.set()
                 self._signal_change()
@@ -342,8 +352,9 @@ class GroupCommit:
 
     # -- enqueue ----------------------------------------------------------------
 
-    def begin_body(self) -> BodyWriter:
-        return self.core.begin_body()
+    def begin_body(self, first: Callable[[int], bytes] | None = None) -> BodyWriter:
+        """A body to stream into; ``first``: decide the message's id now (``spool.bodies.BodyWriter.begin``)."""
+        return self.core.begin_body(first)
 
     async def enqueue(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
                       extra: dict[str, Any] | None = None) -> int:
@@ -353,6 +364,7 @@ class GroupCommit:
         it will not be delivered once the disk has room again.
         """
         msg = self.core.append_message(sender, recipients, body, extra=extra)
+        self._unsynced_messages += 1
         try:
             await self.commit()
         except DiskFull:
@@ -362,6 +374,7 @@ class GroupCommit:
 
     async def enqueue_many(self, messages: Iterable[tuple[str, Iterable[str], bytes]]) -> list[int]:
         appended = [self.core.append_message(s, r, b) for s, r, b in messages]
+        self._unsynced_messages += len(appended)
         try:
             await self.commit()
         except DiskFull:

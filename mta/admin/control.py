@@ -13,6 +13,12 @@ kind of failure it is, for the client to tell its operator (``ERROR_CODES``).
 One request is the unit that fails: an
 unexpected exception while serving it is logged once with its traceback and
 answered with an error, and the relay goes on (``ControlServer.handle``).
+
+Every request is logged once (``event=admin``): the operation, the ids it
+named, what came of it, and who asked: the uid and pid of the client
+process, from the kernel (SO_PEERCRED), not from anything the client says.
+Changes (hold, release, delete, flush) and refused requests are logged at
+INFO, reads at DEBUG.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 import math
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +36,7 @@ import trio
 
 from mta.admin.queue_ops import CHANGES, Request, RequestError, change_op, parse_request, read_op, shown
 from mta.config import Config
+from mta.observe.logline import event
 from spool import admin
 from spool.commit import AsyncSpool
 from spool.errors import NotFound, SpoolError
@@ -113,6 +121,35 @@ def internal_error(exc: BaseException) -> dict[str, Any]:
     return error_answer(f"internal error ({type(exc).__name__}); see the relay's log", "internal")
 
 
+def peer_credentials(stream: trio.SocketStream) -> tuple[int, int] | None:
+    """``(uid, pid)`` of the process at the other end of the Unix socket, from the kernel; None where unknown."""
+    option = getattr(socket, "SO_PEERCRED", None)  # Linux
+    if option is None:
+        return None
+    try:
+        raw = stream.socket.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", raw)
+    except (OSError, struct.error):
+        return None
+    return uid, pid
+
+
+def log_request(req: Request | None, answer: dict[str, Any], peer: tuple[int, int] | None) -> None:
+    """The admin line: ``event=admin command=hold ids=... uid=... peer_pid=... result=ok done=... failed=...``."""
+    changes = req is not None and req.op in CHANGES
+    ok = bool(answer.get("ok"))
+    ids = list(req.ids) if req is not None and req.ids else [req.id] if req is not None and req.id else []
+    done = answer.get("done")
+    event(log, "admin", ids[0] if len(ids) == 1 else None,
+          level=logging.INFO if changes or not ok else logging.DEBUG,
+          command=req.op if req is not None else "-", ids=ids or None, all=(changes and not ids) or None,
+          uid=peer[0] if peer else None, peer_pid=peer[1] if peer else None,
+          result="ok" if ok else str(answer.get("code", "failed")),
+          done=done if isinstance(done, int) else list(done) if isinstance(done, list) and done else None,
+          skipped=list(answer.get("skipped") or []) or None, failed=list(answer.get("errors") or {}) or None,
+          error=None if ok else str(answer.get("error", "")))
+
+
 class ControlServer:
     """One shard's control socket: its ids are ``HEX-K`` for shard K >= 1 (``mta.shards``)."""
 
@@ -145,7 +182,7 @@ class ControlServer:
         """
         try:
             with trio.move_on_after(REQUEST_TIMEOUT):
-                await stream.send_all(encode(await self.serve_one(stream)))
+                await stream.send_all(encode(await self.serve_one(stream, peer_credentials(stream))))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client left before its answer
         except Exception as exc:
@@ -158,17 +195,22 @@ class ControlServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def serve_one(self, stream: trio.abc.ReceiveStream) -> dict[str, Any]:
-        """The answer to the one request on ``stream``; the client's mistakes are answers, not exceptions."""
+    async def serve_one(self, stream: trio.abc.ReceiveStream, peer: tuple[int, int] | None = None
+                        ) -> dict[str, Any]:
+        """The answer to the one request on ``stream`` (logged, with ``peer``'s uid and pid); the client's
+        mistakes are answers, not exceptions."""
+        req: Request | None = None
         try:
             req = parse_request(decode(await read_line(stream)))
-            return {"ok": True, **await self.dispatch(req)}
+            answer = {"ok": True, **await self.dispatch(req)}
         except RequestError as exc:
-            return error_answer(str(exc), "bad_request")
+            answer = error_answer(str(exc), "bad_request")
         except NotFound as exc:
-            return error_answer(str(exc), "not_found")
+            answer = error_answer(str(exc), "not_found")
         except SpoolError as exc:
-            return error_answer(str(exc), "failed")
+            answer = error_answer(str(exc), "failed")
+        log_request(req, answer, peer)
+        return answer
 
     async def dispatch(self, req: Request) -> dict[str, Any]:
         core = self.aspool.core

@@ -234,7 +234,8 @@ class LogConfig:
 
     level: str = setting(OneOf(LOG_LEVELS), "the least severe log line written", "info")
     format: str = setting(OneOf(LOG_FORMATS),
-                          "text or json (json is accepted but `mta serve` writes text either way for now)", "text")
+                          "`text`: one `key=value` line per event (logfmt); `json`: one JSON object per line. "
+                          "Both are described, with a sample of every line, under \"Log lines\"", "text")
 
 
 # The sections of the file, in the order the loader reads them and ``mta config show`` writes them.

@@ -17,6 +17,15 @@ back and loop; ``should_bounce`` refuses to make one for a message that
 already had a null sender. It is marked ``Auto-Submitted: auto-replied``
 (RFC 3834) so vacation responders stay quiet. All lines end in CRLF.
 
+The per-message block names the message as Postfix's does: ``Reporting-MTA:
+dns; <hostname>``, the queue id (``X-Logspool-Queue-ID``, an extension field
+as RFC 3464 §3.3 allows, like Postfix's ``X-Postfix-Queue-ID``), the envelope
+sender (``X-Logspool-Sender: rfc822; ...``), ``Original-Envelope-Id`` when
+the client gave an ENVID, and ``Arrival-Date``. ``Remote-MTA`` is the DNS
+name of the host that answered (``dns; mx.example.com``), only when one did
+(``remote_mta_name``). The human part names the queue id and arrival too, so
+a sender quoting the bounce gives the operator something to grep for.
+
 Text that comes from outside (remote replies, addresses) is flattened to one
 line and length-capped, so a hostile server cannot inject header fields into
 the report. Non-ASCII addresses use the ``utf-8`` address type of RFC 6533.
@@ -32,7 +41,7 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["HEADER_LIMIT", "RecipientFailure", "build_dsn", "extract_headers", "should_bounce"]
+__all__ = ["HEADER_LIMIT", "RecipientFailure", "build_dsn", "extract_headers", "remote_mta_name", "should_bounce"]
 
 HEADER_LIMIT = 64 * 1024
 _MAX_FIELD = 900  # well under RFC 5322's 998-octet line limit, with room for the field name
@@ -65,6 +74,16 @@ class RecipientFailure:
     last_attempt: dt.datetime | None = None
     original_recipient: str = ""
     will_retry_until: dt.datetime | None = None
+
+
+def remote_mta_name(next_hop: str) -> str:
+    """The DNS name in a next hop as the SMTP transport records it (``mx.example.com[192.0.2.5]:25 tls=none``).
+
+    Empty for anything else (a Maildir, a destination that was never reached):
+    RFC 3464's Remote-MTA is the host that gave the answer, and there was none.
+    """
+    host, bracket, _ = next_hop.partition("[")
+    return host.strip() if bracket and host.strip() and " " not in host.strip() else ""
 
 
 def should_bounce(sender: str) -> bool:
@@ -113,10 +132,12 @@ def build_dsn(
     now: dt.datetime | None = None,
     *,
     from_address: str = "",
+    queue_id: str = "",
 ) -> bytes:
     """The complete DSN message (headers and body, CRLF), addressed to ``original_sender``.
 
-    ``from_address`` defaults to ``MAILER-DAEMON@<reporting_mta>``. Naive
+    ``from_address`` defaults to ``MAILER-DAEMON@<reporting_mta>``; ``queue_id``
+    is the failed message's, named in both the report and the text. Naive
     datetimes are taken as UTC.
 
     Raises:
@@ -134,8 +155,9 @@ def build_dsn(
     subject = "Delayed Mail (still being retried)" if delayed_only else "Undelivered Mail Returned to Sender"
 
     headers_part = _crlf(original_headers).rstrip(b"\r\n") + b"\r\n"
-    status_part = _delivery_status(reporting_mta, original_envelope_id, arrival_time, failed, now)
-    text_part = _human_text(reporting_mta, failed, delayed_only)
+    status_part = _delivery_status(reporting_mta, original_envelope_id, arrival_time, failed, now,
+                                   queue_id=queue_id, sender=original_sender)
+    text_part = _human_text(reporting_mta, failed, delayed_only, queue_id=queue_id, arrival_time=arrival_time)
     parts = [
         (_content_type("text/plain; charset=utf-8", text_part), text_part),
         (_content_type(_status_type(failed), status_part), status_part),
@@ -180,11 +202,18 @@ def _delivery_status(
     arrival_time: dt.datetime,
     failed: Sequence[RecipientFailure],
     now: dt.datetime,
+    *,
+    queue_id: str = "",
+    sender: str = "",
 ) -> bytes:
-    lines = [_field("Reporting-MTA", f"dns; {reporting_mta}")]
-    if envelope_id:
-        lines.append(_field("Original-Envelope-Id", envelope_id))
+    # In RFC 3464 §2.2's order: the envelope id, the reporting MTA, the arrival, then extension fields.
+    lines = [_field("Original-Envelope-Id", envelope_id)] if envelope_id else []
+    lines.append(_field("Reporting-MTA", f"dns; {reporting_mta}"))
     lines.append(_field("Arrival-Date", email.utils.format_datetime(_aware(arrival_time))))
+    if queue_id:
+        lines.append(_field("X-Logspool-Queue-ID", queue_id))
+    if sender:
+        lines.append(_field("X-Logspool-Sender", _address_field(sender)))
     for f in failed:
         lines.append("")
         if f.original_recipient:
@@ -207,7 +236,8 @@ def _address_field(address: str) -> str:
     return f"rfc822; {address}" if address.isascii() else f"utf-8; {address}"
 
 
-def _human_text(reporting_mta: str, failed: Sequence[RecipientFailure], delayed_only: bool) -> bytes:
+def _human_text(reporting_mta: str, failed: Sequence[RecipientFailure], delayed_only: bool, *, queue_id: str = "",
+                arrival_time: dt.datetime | None = None) -> bytes:
     if delayed_only:
         intro = [
             f"This is the mail system at host {reporting_mta}.",
@@ -223,6 +253,9 @@ def _human_text(reporting_mta: str, failed: Sequence[RecipientFailure], delayed_
             "be delivered to one or more recipients. The reasons are below.",
         ]
     lines = [*intro, ""]
+    if queue_id:
+        received = f", received {email.utils.format_datetime(_aware(arrival_time))}" if arrival_time else ""
+        lines += [_flat(f"The message has queue id {queue_id}{received}."), ""]
     for f in failed:
         reason = f.diagnostic.partition(";")[2].strip() or f"status {f.status}"
         where = f" (from {f.remote_mta})" if f.remote_mta else ""

@@ -75,17 +75,21 @@ from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, Smt
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery.transport import Destination, Job, Transport
+from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from spool.commit import AsyncSpool, StoredBody
 from spool.core import DAMAGED_BODY
 from spool.errors import DamagedBody, DiskFull
-from spool.record import HELD_CLASS, Outcome, Status
+from spool.record import HELD_CLASS, Envelope, Outcome, Status
 from spool.spool import Attempt
 
 log = logging.getLogger("mta.delivery")
 
 BACKOFF_MIN = 2.0
 BACKOFF_MAX = 300.0
+# An outcome as the delivery line says it (Postfix's words).
+STATUS_WORDS = {Status.DELIVERED: "sent", Status.DEFERRED: "deferred", Status.BOUNCED: "bounced",
+                Status.EXPIRED: "expired", Status.DELETED: "deleted"}
 
 
 @attrs.define(eq=False)
@@ -96,6 +100,8 @@ class Tracker:
     outstanding: int = 0
     last_error: str = ""
     hold: bool = False  # its data is damaged and on_damaged_body = "hold": it goes to the held class
+    # DSNs appended and not yet logged: (the job whose outcomes they report, the DSN's queue id, recipients).
+    dsns: list[tuple[Job, str, int]] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
@@ -105,6 +111,15 @@ class DestState:
     failures: int = 0
     backoff_until: float = 0.0
     last_error: str = ""
+
+
+def _lifetime(seconds: float) -> str:
+    """``5 days``, ``6 hours``, ``90 s``: the queue lifetime as an expiry's reply names it."""
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if (seconds >= size and seconds % size == 0) or seconds >= 2 * size:
+            count = f"{seconds / size:.3g}"
+            return f"{count} {unit}" if count == "1" else f"{count} {unit}s"
+    return f"{seconds:.3g} s"
 
 
 def destination_for(config: Config, recipient: str) -> Destination | NoRoute:
@@ -185,7 +200,8 @@ class Scheduler:
             except Exception as exc:
                 if is_fatal(exc, self.aspool.core):
                     raise
-                log.error("%s: routing <%s> failed, deferred: %s", qid, rcpt, local_error(exc), exc_info=exc)
+                event(log, "routing_error", qid, level=logging.ERROR, exc_info=exc, to=f"<{rcpt}>",
+                      error=local_error(exc), status="deferred")
                 failed.append(Outcome(rcpt, Status.DEFERRED, 0, "4.3.0", f"{local_error(exc)} (routing)", ""))
                 continue
             if isinstance(dest, NoRoute):
@@ -225,7 +241,7 @@ class Scheduler:
         env = tracker.attempt.envelope
         rcpts = tuple(tracker.attempt.remaining)
         lifetime = self.config.spool.max_queue_lifetime
-        text = f"message expired after {lifetime / 86400:g} days in the queue"
+        text = f"message expired after {_lifetime(lifetime)} in the queue"
         if tracker.attempt.envelope.extra.get("last_error"):
             text += f"; last error: {tracker.attempt.envelope.extra['last_error']}"
         outs = [Outcome(r, Status.EXPIRED, 0, "4.4.7", text, "") for r in rcpts]
@@ -246,10 +262,11 @@ class Scheduler:
         if self.config.delivery.on_damaged_body == "hold":
             tracker.hold = True
             text = f"the message's data in the spool is damaged ({reason}); held for the administrator"
-            log.error("%s: %s", job.queue_id, text)
+            event(log, "damaged_body", job.queue_id, level=logging.ERROR, reason=reason, action="held")
             return [Outcome(r, Status.DEFERRED, 0, "4.3.0", text, "") for r in job.recipients]
         text = f"the message's data in the spool is damaged ({reason}); it cannot be delivered, please send it again"
-        log.error("%s: %s; bounced to <%s>", job.queue_id, text, job.sender)
+        event(log, "damaged_body", job.queue_id, level=logging.ERROR, reason=reason, action="bounced",
+              sender=f"<{job.sender}>")
         return [Outcome(r, Status.BOUNCED, 0, "5.3.0", text, "") for r in job.recipients]
 
     # -- delivering -----------------------------------------------------------
@@ -305,7 +322,8 @@ class Scheduler:
             if i in early:
                 return
             now = time.monotonic()
-            early[i] = self._append(batch[i][1], outcomes, int((now - last) * 1000))
+            job, tracker = batch[i]
+            early[i] = self._append(tracker, job, outcomes, int((now - last) * 1000))
             last = now
 
         local_failure = False
@@ -329,8 +347,8 @@ class Scheduler:
                 results = [self._damaged_outcomes(batch[i][1], job, damaged[i].reason) if i in damaged else []
                            for i, job in enumerate(jobs)]
             else:
-                qids = ", ".join(job.queue_id for job in jobs)
-                log.error("delivery of %s to %s failed, deferred: %s", qids, dest, local_error(exc), exc_info=exc)
+                event(log, "delivery_error", None, level=logging.ERROR, exc_info=exc,
+                      qids=[job.queue_id for job in jobs], relay=str(dest), error=local_error(exc), status="deferred")
                 results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
                             for r in job.recipients] for job in jobs]
         results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
@@ -373,7 +391,8 @@ class Scheduler:
         ``recorded``: the indexes in ``done`` whose outcomes were appended as
         they came (``on_outcome``); they only wait for the commit here.
         """
-        done = [(tracker, job, outcomes if i in recorded else self._append(tracker, outcomes, int(duration * 1000)))
+        done = [(tracker, job, outcomes if i in recorded else
+                 self._append(tracker, job, outcomes, int(duration * 1000)))
                 for i, (tracker, job, outcomes) in enumerate(done)]
         await self._commit_outcomes(len(done))
         for tracker, job, outcomes in done:
@@ -390,11 +409,11 @@ class Scheduler:
                 await self.aspool.commit()
                 return
             except DiskFull as exc:
-                log.warning("outcomes of %d messages not yet durable (%s): delivery pauses until there is room",
-                            count, exc)
+                event(log, "no_room", None, level=logging.WARNING, outcomes=count, error=str(exc),
+                      action="delivery pauses until there is room")
                 await self.aspool.wait_for_space()
 
-    def _append(self, tracker: Tracker, outcomes: list[Outcome], duration_ms: int) -> list[Outcome]:
+    def _append(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration_ms: int) -> list[Outcome]:
         """Append a DELIVERY record, after the DSN for its failures (no fsync; the commit follows).
 
         The DSN comes first in the log, so no crash keeps the bounce without
@@ -407,14 +426,14 @@ class Scheduler:
         failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
         if failed and dsnmod.should_bounce(attempt.envelope.sender) and not attempt.envelope.extra.get("dsn"):
             try:
-                self._enqueue_dsn(attempt, failed)
+                tracker.dsns.append((job, self._enqueue_dsn(attempt, failed), len(failed)))
             except Exception as exc:
                 if is_fatal(exc, self.aspool.core):
                     raise
                 # No bounce without its DSN: the failed recipients are deferred and tried again later.
                 qid = self.aspool.core.queue_id(attempt.envelope.message_id)
-                log.error("%s: building the DSN failed, recipients deferred: %s", qid, local_error(exc),
-                          exc_info=exc)
+                event(log, "dsn_error", qid, level=logging.ERROR, exc_info=exc, error=local_error(exc),
+                      status="deferred")
                 reason = f"{local_error(exc)} (building the DSN)"
                 outcomes = [Outcome(o.recipient, Status.DEFERRED, 0, "4.3.0", f"{reason}; was: {o.reply}",
                                     o.next_hop) if o in failed else o for o in outcomes]
@@ -428,13 +447,18 @@ class Scheduler:
         now = time.time()
         for o in outcomes:
             self._log(job.queue_id, env, o, now, duration)
+        for dsn_qid, count in [(q, n) for j, q, n in tracker.dsns if j is job]:  # durable with these outcomes
+            event(log, "bounce", job.queue_id, to=f"<{env.sender}>", dsn=dsn_qid, nrcpt=count)
+        tracker.dsns = [d for d in tracker.dsns if d[0] is not job]
+        for o in outcomes:
             for observe in self.observers:
                 try:
                     observe(job.queue_id, o)
                 except Exception as exc:  # a reader of outcomes must not stop the message's next step
                     if is_fatal(exc, self.aspool.core):
                         raise
-                    log.error("%s: an outcome observer failed: %s", job.queue_id, local_error(exc), exc_info=exc)
+                    event(log, "observer_error", job.queue_id, level=logging.ERROR, exc_info=exc,
+                          error=local_error(exc))
             if o.status is Status.DEFERRED:
                 tracker.last_error = o.reply
         tracker.outstanding -= 1
@@ -442,7 +466,8 @@ class Scheduler:
             extra = {"last_error": tracker.last_error} if tracker.last_error else None
             self.aspool.finish(attempt, extra=extra, next_class=HELD_CLASS if tracker.hold else None)
 
-    def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome]) -> None:
+    def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome]) -> str:
+        """Append the DSN for ``failed`` (no commit: the caller's covers it); returns the DSN's queue id."""
         env = attempt.envelope
         try:
             headers = dsnmod.extract_headers(self.aspool.core.read_body(env))
@@ -451,22 +476,25 @@ class Scheduler:
         failures = [dsnmod.RecipientFailure(
             recipient=o.recipient, status=o.enhanced or ("5.0.0" if o.status is Status.BOUNCED else "4.4.7"),
             action="failed", diagnostic=f"smtp; {o.code} {o.enhanced} {o.reply}".replace("  ", " ") if o.code
-            else f"x-logspool; {o.reply}", remote_mta=o.next_hop) for o in failed]
+            else f"x-logspool; {o.reply}", remote_mta=dsnmod.remote_mta_name(o.next_hop) if o.code else "")
+            for o in failed]
+        params = env.extra.get("params")
+        envid = params.get("ENVID") if isinstance(params, dict) else None
+        qid = self.aspool.core.queue_id(env.message_id)
         message = dsnmod.build_dsn(
             reporting_mta=self.config.server.hostname, original_sender=env.sender,
-            original_envelope_id=None, arrival_time=dt.datetime.fromtimestamp(env.arrival_ms / 1000, dt.UTC),
-            failed=failures,
-            original_headers=headers, from_address=self.config.delivery.bounce_sender)
-        qid = self.aspool.core.queue_id(env.message_id)
-        self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": qid})
+            original_envelope_id=envid if isinstance(envid, str) else None,
+            arrival_time=dt.datetime.fromtimestamp(env.arrival_ms / 1000, dt.UTC), failed=failures,
+            original_headers=headers, from_address=self.config.delivery.bounce_sender, queue_id=qid)
+        dsn_id = self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": qid})
         self.metrics.bounced_dsn.inc()
+        return self.aspool.core.queue_id(dsn_id)
 
-    def _log(self, qid: str, env: object, o: Outcome, now: float, duration: float) -> None:
-        arrival = getattr(env, "arrival_ms", 0) / 1000
-        delay = max(0.0, now - arrival)
-        status = {Status.DELIVERED: "sent", Status.DEFERRED: "deferred", Status.BOUNCED: "bounced",
-                  Status.EXPIRED: "expired", Status.DELETED: "deleted"}[o.status]
-        log.info("%s: to=<%s>, relay=%s, delay=%.2f, dsn=%s, status=%s (%s%s)", qid, o.recipient,
-                 o.next_hop or "none", delay, o.enhanced or "-", status,
-                 f"{o.code} " if o.code else "", o.reply)
+    def _log(self, qid: str, env: Envelope, o: Outcome, now: float, duration: float) -> None:
+        """The delivery line, Postfix's ``to=<...>, relay=..., delay=..., dsn=..., status=...`` as key=value."""
+        delay = max(0.0, now - env.arrival_ms / 1000)
+        relay, _, tls = (o.next_hop or "none").partition(" tls=")
+        event(log, "delivery", qid, to=f"<{o.recipient}>", relay=relay, tls=tls or None, delay=delay,
+              attempts=env.attempts + 1, dsn=o.enhanced or "-", status=STATUS_WORDS[o.status],
+              reply=f"{o.code} {o.reply}" if o.code else o.reply)
         self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0)

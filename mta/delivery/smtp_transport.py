@@ -14,19 +14,33 @@ to connect, a timeout or a broken connection is a deferral with code 0, which
 the scheduler reads as "destination unreachable" for its backoff. The TLS
 outcome (none, opportunistic, verified) is part of each outcome's next-hop
 text, so the delivery log records it.
+
+Failures are named per address tried, as Postfix names them (``connect to
+mx[192.0.2.5]:25: connection refused``, ``... timed out while receiving the
+initial server greeting``, ``TLS handshake failed: ...``): each gets an
+``event=connect_failed`` line with a one-word ``cause`` (refused, timeout,
+unreachable, lost, tls, dns, rejected, protocol, error), and a deferral's reply
+lists them (``failure_text``), so the operator sees the cause in the queue and
+in a DSN, not ``all attempts to connect ... failed``. A new connection's TLS
+session gets an ``event=tls`` line.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import ssl
 from collections.abc import Sequence
 
+import attrs
 import trio
 
 from mta.config import Config
 from mta.delivery import mx
 from mta.delivery.transport import Destination, Job, OnOutcome, body_chunks
+from mta.observe.logline import event
+from mta.observe.tlsinfo import TlsInfo, tls_info
 from mta.smtp.client import (
     ClientConnection,
     CommandReply,
@@ -41,16 +55,87 @@ from mta.smtp.client import Event as ClientEvent
 from mta.smtp.common import LocalProtocolError, RemoteProtocolError, Reply
 from spool.record import Outcome, Status
 
+log = logging.getLogger("mta.smtp")
 # Body bytes gathered before a send_all: one write per this much, instead of one per stored chunk.
 SEND_SIZE = 65536
+# A deferral's reply names at most this many failed addresses (an MX set can be long).
+FAILURES_SHOWN = 5
+# What a conversation with a next hop can raise that is the hop's doing (or the network's), not ours.
+_NETWORK_ERRORS = (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                   RemoteProtocolError, LocalProtocolError, ssl.SSLError)
 
 
 class HopFailed(Exception):
-    """This hop cannot take the mail now; ``reply`` is what it said, if anything."""
+    """This hop cannot take the mail now; ``reply`` is what it said, if anything; ``cause`` one word for why."""
 
-    def __init__(self, message: str, reply: Reply | None = None) -> None:
+    def __init__(self, message: str, reply: Reply | None = None, cause: str = "protocol") -> None:
         super().__init__(message)
         self.reply = reply
+        self.cause = cause
+
+
+@attrs.frozen
+class HopFailure:
+    """One address that could not take the batch: ``cause`` (one word) and ``detail`` (what happened)."""
+
+    hop: str
+    cause: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.hop}: {self.detail}"
+
+
+# errno of a failed connect -> (cause, words): what ``connect to HOP: ...`` says.
+_CONNECT_ERRORS = {
+    errno.ECONNREFUSED: ("refused", "connection refused"),
+    errno.ETIMEDOUT: ("timeout", "connection timed out"),
+    errno.EHOSTUNREACH: ("unreachable", "no route to host"),
+    errno.ENETUNREACH: ("unreachable", "network is unreachable"),
+    errno.EADDRNOTAVAIL: ("unreachable", "address not available"),
+    errno.ECONNRESET: ("lost", "connection reset by peer"),
+    errno.EPIPE: ("lost", "connection closed by peer"),
+}
+
+
+def _first_os_error(exc: OSError) -> OSError:
+    """trio's ``all attempts to connect ... failed`` holds the real errors in its cause: the first of them."""
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        inner = [e for e in cause.exceptions if isinstance(e, OSError)]
+        if inner:
+            return inner[0]
+    return exc
+
+
+def classify(exc: BaseException, hop: str, stage: str) -> HopFailure:
+    """What went wrong at ``hop`` while it was in ``stage`` (``Session.stage``), for the log and the reply."""
+    if isinstance(exc, HopFailed):
+        return HopFailure(hop, exc.cause, f"{exc}" + (f": {exc.reply}" if exc.reply else ""))
+    if isinstance(exc, trio.TooSlowError):
+        return HopFailure(hop, "timeout", f"timed out while {stage}")
+    if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
+        first = _first_os_error(exc)
+        cause, words = _CONNECT_ERRORS.get(first.errno or 0, ("error", first.strerror or str(first)))
+        if stage == "connecting":
+            return HopFailure(hop, cause, f"connect to {hop}: {words}")
+        return HopFailure(hop, cause, f"{words} while {stage}")
+    if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError)):
+        return HopFailure(hop, "lost", f"lost connection while {stage}")
+    if isinstance(exc, ssl.SSLError):
+        return HopFailure(hop, "tls", f"TLS error while {stage}: {exc}")
+    if isinstance(exc, RemoteProtocolError):
+        return HopFailure(hop, "protocol", f"protocol error while {stage}: {exc}")
+    return HopFailure(hop, "error", f"{type(exc).__name__} while {stage}: {exc}")
+
+
+def failure_text(failures: Sequence[HopFailure]) -> str:
+    """A deferral's reply: each address tried and what went wrong there (the first ``FAILURES_SHOWN``)."""
+    if not failures:
+        return "delivery failed: no address to try"
+    shown = "; ".join(f.detail if f.detail.startswith("connect to ") else str(f) for f in failures[:FAILURES_SHOWN])
+    more = len(failures) - FAILURES_SHOWN
+    return shown + (f"; and {more} more address{'es' if more > 1 else ''}" if more > 0 else "")
 
 
 def outcome_for(rcpt: str, reply: Reply, hop: str) -> Outcome:
@@ -88,7 +173,9 @@ class _Session:
         self.config = config
         self.conn = ClientConnection()
         self.tls = "none"
+        self.tls_info: TlsInfo | None = None
         self.sent = 0  # messages this connection has carried
+        self.stage = "receiving the initial server greeting"  # what it was doing, for a failure's words
 
     async def alive(self) -> bool:
         """RSET and its 250: is a connection that sat idle still usable? Never raises."""
@@ -116,24 +203,26 @@ class _Session:
         t = self.config.delivery.command_timeout
         ev = await self._event(t)
         if not isinstance(ev, Greeting) or not ev.reply.is_positive:
-            raise HopFailed(f"{self.host} greeting", getattr(ev, "reply", None))
+            raise HopFailed("refused in the greeting", getattr(ev, "reply", None), "rejected")
         await self._hello(t)
         caps = self.conn.capabilities
         if tls_mode == "none":
             return
         if caps is None or not caps.starttls:
             if tls_mode in ("require", "verify"):
-                raise HopFailed(f"{self.host} does not offer STARTTLS and the route requires TLS")
+                raise HopFailed("does not offer STARTTLS and the route requires TLS", cause="tls")
             return
+        self.stage = "sending STARTTLS"
         self.conn.starttls()
         ev = await self._event(t)
         if not isinstance(ev, CommandReply) or not ev.reply.is_positive:
             if tls_mode in ("require", "verify"):
-                raise HopFailed(f"{self.host} refused STARTTLS", getattr(ev, "reply", None))
+                raise HopFailed("STARTTLS refused", getattr(ev, "reply", None), "tls")
             return
         await self.stream.send_all(self.conn.data_to_send())
         ctx = client_ssl_context(tls_mode, self.config.delivery.tls_ca_file)
         tls_stream = trio.SSLStream(self.stream, ctx, server_hostname=server_name)
+        self.stage = "performing the TLS handshake"
         try:
             with trio.fail_after(t):
                 await tls_stream.do_handshake()
@@ -141,21 +230,24 @@ class _Session:
             # trio reports a failed handshake as BrokenResourceError; the reason (an
             # unverifiable certificate, say) is its cause and belongs in the log.
             reason = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
-            raise HopFailed(f"TLS handshake with {self.host} failed: {reason}") from None
+            raise HopFailed(f"TLS handshake failed: {reason}", cause="tls") from None
         self.stream = tls_stream
         self.conn.tls_started()
         self.tls = "verified" if tls_mode == "verify" else "encrypted"
+        self.tls_info = tls_info(tls_stream, verified=tls_mode == "verify")
         await self._hello(t)
 
     async def _hello(self, timeout: float) -> None:
+        self.stage = "sending EHLO"
         self.conn.ehlo(self.config.server.hostname)
         ev = await self._event(timeout)
         if isinstance(ev, EhloReply) and ev.reply.is_positive:
             return
+        self.stage = "sending HELO"
         self.conn.helo(self.config.server.hostname)
         ev = await self._event(timeout)
         if not isinstance(ev, EhloReply) or not ev.reply.is_positive:
-            raise HopFailed(f"{self.host} refused HELO", getattr(ev, "reply", None))
+            raise HopFailed("refused HELO", getattr(ev, "reply", None), "rejected")
 
     async def send(self, job: Job, hop: str) -> list[Outcome]:
         t = self.config.delivery.command_timeout
@@ -169,6 +261,7 @@ class _Session:
         if isinstance(body_param, dict) and str(body_param.get("BODY", "")).upper() == "8BITMIME" \
                 and caps is not None and caps.eightbitmime:
             params["BODY"] = "8BITMIME"
+        self.stage = "sending the envelope (MAIL, RCPT, DATA)"
         self.conn.mail(job.sender, params)
         for rcpt in job.recipients:
             self.conn.rcpt(rcpt)
@@ -176,6 +269,7 @@ class _Session:
         while True:
             ev = await self._event(t)
             if isinstance(ev, DataReply) and ev.go_ahead:
+                self.stage = "sending the message body"
                 with trio.fail_after(self.config.delivery.data_timeout):
                     async for chunk in body_chunks(job.body):  # big stored bodies are read in a worker thread
                         self.conn.send_body(chunk)
@@ -183,13 +277,14 @@ class _Session:
                             await self.stream.send_all(self.conn.data_to_send())
                     self.conn.end_data()
                     await self.stream.send_all(self.conn.data_to_send())  # the rest and the final dot, together
+                self.stage = "waiting for the reply to the end of data"
             elif isinstance(ev, MessageReply):
                 return [outcome_for(o.address, o.reply, hop) for o in ev.outcomes]
             elif isinstance(ev, ServerClosed):
-                raise HopFailed(f"{self.host} closed the connection")
+                raise HopFailed(f"connection closed by the server while {self.stage}", cause="lost")
             elif not isinstance(ev, CommandReply | DataReply) and hasattr(ev, "reply") and \
                     ev.reply.code == 421:
-                raise HopFailed(f"{self.host} is closing", ev.reply)
+                raise HopFailed("the server is closing the connection", ev.reply, "rejected")
 
     async def close(self) -> None:
         try:
@@ -287,21 +382,36 @@ class SmtpTransport:
         """The connection cache's keeper; without it every batch opens and closes its own connection."""
         await self.cache.run(task_status=task_status)
 
-    async def _connect(self, destination: Destination, hop: mx.Hop, key: CacheKey) -> _Session:
-        """A live connection to ``hop``, ready for MAIL: from the cache if one is alive, else a new one."""
+    async def _connect(self, destination: Destination, hop: mx.Hop, key: CacheKey, qids: list[str]) -> _Session:
+        """A live connection to ``hop``, ready for MAIL: from the cache if one is alive, else a new one.
+
+        Raises HopFailed (a timeout to connect included), OSError (the connect's own, ECONNREFUSED say),
+        or whatever the greeting, EHLO and TLS raise; ``classify`` names each.
+        """
         while (cached := self.cache.take(key)) is not None:
             if await cached.alive():
                 self.cache.reused += 1
                 return cached
             await cached.close()
-        with trio.fail_after(self.config.delivery.connect_timeout):
-            stream = await trio.open_tcp_stream(hop.address, hop.port)
+        timeout = self.config.delivery.connect_timeout
+        try:
+            with trio.fail_after(timeout):
+                stream = await trio.open_tcp_stream(hop.address, hop.port)
+        except trio.TooSlowError:
+            raise HopFailed(f"connect to {_label(hop)}: timed out after {timeout:g} s", cause="timeout") from None
         session = _Session(stream, hop.host, self.config)
         try:
             await session.open(destination.tls, hop.host)
+        except _NETWORK_ERRORS as exc:
+            await session.close()
+            failure = classify(exc, _label(hop), session.stage)  # the stage dies with the session: name it now
+            raise HopFailed(failure.detail, cause=failure.cause) from None
         except BaseException:
             await session.close()
             raise
+        if session.tls_info is not None:
+            event(log, "tls", None, {"direction": "out", "qids": qids, "relay": _label(hop),
+                                     **session.tls_info.fields()})
         return session
 
     async def _hops(self, dest: Destination) -> list[mx.Hop]:
@@ -313,22 +423,25 @@ class SmtpTransport:
     async def deliver(self, destination: Destination, jobs: Sequence[Job],
                       on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
         results: list[list[Outcome] | None] = [None] * len(jobs)
+        qids = [job.queue_id for job in jobs]
         try:
             hops = await self._hops(destination)
         except mx.LookupError_ as exc:
             status, code, enh = (Status.BOUNCED, 550, "5.1.2") if exc.permanent else (Status.DEFERRED, 0, "4.4.3")
+            event(log, "connect_failed", None, qids=qids, relay=destination.target, cause="dns", detail=str(exc),
+                  permanent=exc.permanent)
             return [[Outcome(r, status, code, enh, str(exc), str(destination)) for r in job.recipients]
                     for job in jobs]
-        last_error = "no hop tried"
+        failures: list[HopFailure] = []
         for hop in hops:
             todo = [i for i, r in enumerate(results) if r is None]
             if not todo:
                 break
-            label = f"{hop.host}[{hop.address}]:{hop.port}"
+            label = _label(hop)
             key = (destination, hop.address, hop.port)
             session: _Session | None = None
             try:
-                session = await self._connect(destination, hop, key)
+                session = await self._connect(destination, hop, key, [qids[i] for i in todo])
                 for i in todo:
                     outcomes = results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
                     session.sent += 1
@@ -337,15 +450,20 @@ class SmtpTransport:
                 if session.conn.idle and session.sent < self.config.delivery.max_messages_per_connection \
                         and self.cache.put(key, session):
                     session = None  # the cache has it now
-            except HopFailed as exc:
-                last_error = f"{exc}" + (f": {exc.reply}" if exc.reply else "")
-            except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
-                    RemoteProtocolError, LocalProtocolError, ssl.SSLError) as exc:
-                last_error = f"{label}: {type(exc).__name__}: {exc}".rstrip(": ")
+            except (HopFailed, *_NETWORK_ERRORS) as exc:
+                failure = classify(exc, label, session.stage if session is not None else "connecting")
+                failures.append(failure)
+                event(log, "connect_failed", None, qids=[qids[i] for i, r in enumerate(results) if r is None],
+                      relay=label, cause=failure.cause, detail=failure.detail)
             finally:
                 if session is not None:
                     await session.close()
+        text = failure_text(failures)
         return [r if r is not None else
-                [Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", f"delivery failed: {last_error}", str(destination))
-                 for rcpt in job.recipients]
+                [Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", text, str(destination)) for rcpt in job.recipients]
                 for r, job in zip(results, jobs, strict=True)]
+
+
+def _label(hop: mx.Hop) -> str:
+    """How a hop is named in replies and logs, as Postfix does: ``mx.example.com[192.0.2.5]:25``."""
+    return f"{hop.host}[{hop.address}]:{hop.port}"

@@ -44,9 +44,12 @@ from mta.containment import is_fatal, local_error
 from mta.inbound.admission import Refusal, SessionSlots
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.listen import open_listeners
+from mta.observe.logline import event
 from mta.observe.metrics import Metrics
+from mta.observe.tlsinfo import TlsInfo, tls_info
 from mta.smtp.common import Reply, received_header, received_protocol
 from mta.smtp.server import (
+    END_OF_DATA,
     ConnectionClosed,
     DataAborted,
     DataChunk,
@@ -58,6 +61,7 @@ from mta.smtp.server import (
     NeedData,
     Quit,
     RcptTo,
+    Rejection,
     Rset,
     ServerConnection,
     StartTls,
@@ -204,7 +208,8 @@ class SmtpServer:
     async def _refuse(self, stream: trio.SocketStream, client_ip: str, why: Refusal) -> None:
         """Over a session limit: ``421 4.7.0`` and close, before any greeting."""
         self.metrics.sessions_refused.labels(why.value).inc()
-        log.warning("connection from %s refused: session limit (%s)", client_ip, why.value)
+        event(log, "reject", level=logging.WARNING, client=client_ip, command="CONNECT",
+              reply=str(R_TOO_MANY_SESSIONS), reason="session_limit", limit=why.value)
         with trio.move_on_after(FAREWELL_TIMEOUT):
             try:
                 await stream.send_all(R_TOO_MANY_SESSIONS.to_bytes())
@@ -223,7 +228,10 @@ class _Session:
         self.conn = ServerConnection(
             s.hostname, max_message_size=s.max_message_size, max_line_length=s.line_length_limit,
             max_recipients=s.max_recipients, max_errors=s.max_errors, normalize_bare_lf=s.normalize_bare_lf,
-            tls_available=server.ssl_context is not None)
+            tls_available=server.ssl_context is not None, on_reject=self._rejected)
+        self.tls: TlsInfo | None = None
+        self.queue_id: str | None = None  # decided as DATA begins (the Received: header names it)
+        self.mail_from: str | None = None  # the sender of the transaction, once MAIL was accepted
         self.sender = ""
         self.recipients: list[str] = []
         self.body: BodyWriter | None = None
@@ -261,8 +269,8 @@ class _Session:
         gets the replies already decided and then ``421 4.3.0``, if the
         connection still takes them (within 5 s).
         """
-        log.error("session from %s ended by an unexpected error: %s", self.client_ip, local_error(exc),
-                  exc_info=exc)
+        event(log, "session_error", self.queue_id, level=logging.ERROR, exc_info=exc, client=self.client_ip,
+              error=local_error(exc), reply=str(R_LOCAL_ERROR))
         with trio.move_on_after(5):
             try:
                 await self.stream.send_all(self.conn.data_to_send() + R_LOCAL_ERROR.to_bytes())
@@ -275,7 +283,7 @@ class _Session:
         if self._timer.cancelled_caught:
             phase = "data" if self.deadlines.in_data else "command"
             self.server.metrics.timeouts.labels(phase).inc()
-            log.info("timeout in %s from %s", phase, self.client_ip)
+            self._log_reject("DATA" if phase == "data" else "-", "", R_TIMEOUT, "timeout", phase=phase)
             await self._farewell(R_TIMEOUT)
 
     async def _farewell(self, reply: Reply) -> None:
@@ -313,7 +321,7 @@ class _Session:
             if self.deadlines.session_over(now):
                 await self._flush()
                 self.server.metrics.timeouts.labels("session").inc()
-                log.info("session time limit reached for %s", self.client_ip)
+                self._log_reject("-", "", R_SESSION_OVER, "session_time_limit")
                 await self._farewell(R_SESSION_OVER)
                 return False
         await self._flush()
@@ -351,10 +359,11 @@ class _Session:
                 self._data_end()
                 await self._flush()
                 await self._end_of_data()
-            elif isinstance(ev, DataAborted):
+                self._transaction_over()
+            elif isinstance(ev, DataAborted):  # its refusal (if it ended with one) went through _rejected
                 self._data_end()
                 self.abort_body()
-                self.server.metrics.rejected.labels("content").inc()
+                self._transaction_over()
             elif isinstance(ev, StartTls):
                 if not await self._starttls():
                     return
@@ -394,8 +403,21 @@ class _Session:
             except DiskFull:
                 body.discard()
 
+    def _rejected(self, r: Rejection) -> None:
+        """Every 4xx/5xx the session sends (the core's ``on_reject``): counted and logged, once each."""
+        self.server.metrics.rejected.labels(r.reason).inc()
+        self._log_reject(r.command, r.argument, r.reply, r.reason)
+
+    def _log_reject(self, command: str, argument: str, reply: Reply, reason: str, phase: str | None = None) -> None:
+        in_transaction = self.mail_from is not None and command in ("RCPT", "DATA", END_OF_DATA)
+        event(log, "reject", self.queue_id if command == END_OF_DATA else None, client=self.client_ip,
+              helo=self.conn.helo_name, command=command, arg=argument or None,
+              from_=f"<{self.mail_from}>" if in_transaction else None, reply=str(reply), reason=reason, phase=phase)
+
     def _reset(self) -> None:
         self.abort_body()
+        self.mail_from = None
+        self.queue_id = None
         self.sender = ""
         self.recipients = []
         self.mail_params = {}
@@ -403,19 +425,18 @@ class _Session:
     def _mail(self, ev: MailFrom) -> None:
         self._reset()
         if not self.server._disk_ok():
-            self.server.metrics.rejected.labels("disk").inc()
-            self.conn.reject(R_DISK_FULL)
+            self.conn.reject(R_DISK_FULL, "disk")
             return
         size = ev.params.get("SIZE")
         if isinstance(size, str) and size.isdigit():
             if int(size) > self.config.server.max_message_size:
-                self.conn.reject(R_TOO_BIG)
+                self.conn.reject(R_TOO_BIG, "size")
                 return
             if self.server._disk_refusal(int(size)) is R_TOO_BIG_FOR_DISK:  # a declared size that can never fit
-                self.server.metrics.rejected.labels("disk").inc()
-                self.conn.reject(R_TOO_BIG_FOR_DISK)
+                self.conn.reject(R_TOO_BIG_FOR_DISK, "disk")
                 return
         self.sender = ev.address
+        self.mail_from = ev.address
         self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
         self.conn.accept()
 
@@ -425,11 +446,10 @@ class _Session:
             address = ev.address
             domain = address.rpartition("@")[2].lower()
             if not domain or not self.config.may_relay(self.client_ip, domain):
-                self.server.metrics.rejected.labels("relay").inc()
-                self.conn.reject(R_RELAY_DENIED)
+                self.conn.reject(R_RELAY_DENIED, "relay")
                 return
             if isinstance(self.config.route_for(domain), NoRoute):
-                self.conn.reject(R_NO_ROUTE)
+                self.conn.reject(R_NO_ROUTE, "no_route")
                 return
         # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
         if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
@@ -440,12 +460,20 @@ class _Session:
     def _data_start(self) -> None:
         self.deadlines.data_start(trio.current_time())
         self._arm()
-        self.body = self.server.aspool.begin_body()
-        tls = isinstance(self.stream, trio.SSLStream)
-        proto = received_protocol(esmtp=self.conn.esmtp, tls=tls, smtputf8="SMTPUTF8" in self.mail_params)
-        self.body.write(received_header(helo=self.conn.helo_name or "unknown", client_ip=self.client_ip,
-                                        by=self.config.server.hostname, protocol=proto,
-                                        recipient=self.recipients[0] if len(self.recipients) == 1 else None))
+        core = self.server.aspool.core
+        proto = received_protocol(esmtp=self.conn.esmtp, tls=self.tls is not None,
+                                  smtputf8="SMTPUTF8" in self.mail_params)
+
+        def received(message_id: int) -> bytes:
+            return received_header(helo=self.conn.helo_name or "unknown", client_ip=self.client_ip,
+                                   by=self.config.server.hostname, protocol=proto, queue_id=core.queue_id(message_id),
+                                   recipient=self.recipients[0] if len(self.recipients) == 1 else None,
+                                   tls=self.tls.using() if self.tls is not None else None)
+
+        # The queue id is decided here, as the body begins, so that the Received: header can name it.
+        self.body = self.server.aspool.begin_body(first=received)
+        assert self.body.message_id is not None
+        self.queue_id = core.queue_id(self.body.message_id)
 
     async def _end_of_data(self) -> None:
         body, self.body = self.body, None
@@ -461,26 +489,32 @@ class _Session:
             with self._relay_busy():
                 mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
         except DiskFull as exc:
-            log.warning("no room to queue a message from %s (%d bytes): %s", self.client_ip, body.size, exc)
+            event(log, "no_room", self.queue_id, level=logging.WARNING, client=self.client_ip, size=body.size,
+                  error=str(exc))
             self._refuse_for_disk(body)  # the spool cancelled it: it is never delivered
             return
         self.server.metrics.accepted.inc()
         queue_id = self.server.aspool.core.queue_id(mid)
-        if log.isEnabledFor(logging.INFO):  # skip building the arguments when nobody listens
-            log.info("%s: from=<%s>, size=%d, nrcpt=%d, client=%s", queue_id, self.sender, body.size,
-                     len(self.recipients), self.client_ip)
+        event(log, "accepted", queue_id, from_=f"<{self.sender}>", size=body.size, nrcpt=len(self.recipients),
+              client=self.client_ip, helo=self.conn.helo_name, proto=received_protocol(
+                  esmtp=self.conn.esmtp, tls=self.tls is not None, smtputf8="SMTPUTF8" in self.mail_params),
+              tls=self.tls.protocol if self.tls is not None else None)
         self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {queue_id}"))
         self.recipients = []
 
+    def _transaction_over(self) -> None:
+        """The message was answered (or its data ended with the connection): its sender and id are forgotten."""
+        self.mail_from = None
+        self.queue_id = None
+
     def _refuse_for_disk(self, body: BodyWriter) -> None:
         body.abort()
-        self.server.metrics.rejected.labels("disk").inc()
-        self.conn.reject(self.server._disk_refusal(body.size))
+        self.conn.reject(self.server._disk_refusal(body.size), "disk")
 
     async def _starttls(self) -> bool:
         ctx = self.server.ssl_context
         if ctx is None or isinstance(self.stream, trio.SSLStream):
-            self.conn.reject(R_NO_TLS)
+            self.conn.reject(R_NO_TLS, "tls_unavailable")
             return True
         self.conn.accept()
         await self._flush()
@@ -488,10 +522,19 @@ class _Session:
         # The handshake has a whole command_timeout of its own; a 421 in plaintext would only confuse it.
         self._timer.deadline = math.inf
         with trio.move_on_after(self.config.server.command_timeout) as scope:
-            await tls.do_handshake()
+            try:
+                await tls.do_handshake()
+            except (trio.BrokenResourceError, ssl.SSLError) as exc:
+                # trio reports a failed handshake as BrokenResourceError; the SSL error is its cause.
+                why = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
+                event(log, "tls_failed", direction="in", client=self.client_ip, reason="handshake",
+                      error=str(why) or type(why).__name__)
+                return False
         if scope.cancelled_caught:
-            log.info("timeout in the TLS handshake from %s", self.client_ip)
+            event(log, "tls_failed", direction="in", client=self.client_ip, reason="timeout")
             return False
+        self.tls = tls_info(tls)
+        event(log, "tls", None, {"direction": "in", "client": self.client_ip, **self.tls.fields()})
         self.stream = tls
         self.conn.tls_started()
         self._command_done = True

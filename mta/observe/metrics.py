@@ -88,7 +88,9 @@ class Metrics:
         self.server: MetricsServer | None = None
 
     def watch_spool(self, aspool: Any) -> None:
+        """Read the engine's counters at each scrape, and observe each acceptance commit's size as it happens."""
         self.registry.register(_SpoolCollector(aspool))
+        aspool.commit_observers.append(self.batch.observe)
 
     def outcome(self, status: Status, delay: float) -> None:
         self.outcomes.labels(status.name.lower()).inc()

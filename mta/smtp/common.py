@@ -575,14 +575,22 @@ def received_header(
     recipient: str | None = None,
     client_host: str | None = None,
     when: _dt.datetime | None = None,
+    tls: str | None = None,
 ) -> bytes:
     """A folded ``Received:`` trace header (RFC 5321 §4.4), CRLF-terminated.
 
+    ``tls``: how the session was encrypted, written as Postfix does in a
+    comment line after ``from`` (``using TLSv1.3 with cipher ...``, see
+    ``mta.observe.tlsinfo``), followed by ``(No client certificate requested)``.
     Peer-supplied text is sanitised, so a hostile HELO cannot inject headers.
     """
     when = when or _dt.datetime.now(_dt.UTC)
     host = _clean(client_host) if client_host else "unknown"
-    parts = [f"Received: from {_clean(helo)} ({host} [{_clean(client_ip, 64)}])", f"\tby {_clean(by)} with {protocol}"]
+    parts = [f"Received: from {_clean(helo)} ({host} [{_clean(client_ip, 64)}])"]
+    if tls:
+        # Our TLS library's words, not the peer's: only control characters could harm, and they are replaced.
+        parts += [f"\t({_CONTROL_RE.sub('?', tls)})", "\t(No client certificate requested)"]
+    parts.append(f"\tby {_clean(by)} with {protocol}")
     if queue_id:
         parts[-1] += f" id {_clean(queue_id, 64)}"
     if recipient:

@@ -15,7 +15,10 @@ syntax and sequence errors, limits). Four events need a decision from the
 shell — ``MailFrom``, ``RcptTo``, ``EndOfData`` and ``StartTls`` — and until it
 calls ``accept()`` or ``reject(reply)`` the core reads no further input
 (``next_event`` raises ``LocalProtocolError``). That is how the ``250`` after
-DATA waits for the spool's commit. The events are small frozen classes in
+DATA waits for the spool's commit. Every 4xx/5xx reply, the core's own and
+the shell's ``reject``, is also handed to ``on_reject`` as a ``Rejection``
+(command, argument, reply, a one-word reason), so the shell logs each
+refusal once, whoever decided it. The events are small frozen classes in
 ``mta.smtp.server_events`` (offered here too).
 
 States and steps
@@ -65,6 +68,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Final
 
+import attrs
+
 from mta.smtp.common import (
     DATA_CHUNK_SIZE,
     DEFAULT_MAX_ERRORS,
@@ -72,6 +77,9 @@ from mta.smtp.common import (
     DEFAULT_MAX_RECIPIENTS,
     MAX_COMMAND_LINE,
     MAX_TEXT_LINE,
+    R_DATA_BARE_NEWLINE,
+    R_DATA_LONG_LINE,
+    R_DATA_NUL,
     R_TOO_BIG,
     ContentDecoder,
     LocalProtocolError,
@@ -116,6 +124,8 @@ __all__ = [  # the events are defined in mta.smtp.server_events and offered here
     "NeedData",
     "Quit",
     "RcptTo",
+    "RejectHook",
+    "Rejection",
     "Rset",
     "ServerConnection",
     "StartTls",
@@ -236,6 +246,30 @@ _SEQUENCE_HINT: Final = {
 
 # Told of every step taken: (from, step, to). For tests and tracing; it must not call back into the connection.
 TransitionHook = Callable[[State, Step, State], None]
+
+
+@attrs.frozen
+class Rejection:
+    """A 4xx/5xx reply the session sent, whoever decided it (the core, or the shell's ``reject``).
+
+    ``command``: the verb as the client wrote it, upper-cased (``RCPT``);
+    ``END-OF-DATA`` for the answer to the content; ``-`` for a line that
+    could not be read as a command. ``argument``: the rest of the line as
+    the client sent it, at most ``ARGUMENT_SHOWN`` characters, raw: whoever
+    writes it out escapes it. ``reason``: a short fixed word for what was
+    wrong (``syntax``, ``relay``, ``size`` ...), the metric's label.
+    """
+
+    command: str
+    argument: str
+    reply: Reply
+    reason: str
+
+
+# Told of every refusal, for the log and the metrics; like TransitionHook it must not call back into the connection.
+RejectHook = Callable[[Rejection], None]
+ARGUMENT_SHOWN: Final = 200
+END_OF_DATA: Final = "END-OF-DATA"
 # The step an accepted decision takes.
 _ON_ACCEPT: Final[dict[type[Decision], Step]] = {
     MailFrom: Step.MAIL_ACCEPTED,
@@ -261,6 +295,9 @@ R_TOO_MANY_RCPTS: Final = Reply(452, "4.5.3", "Too many recipients")
 R_NEED_UTF8: Final = Reply(553, "5.6.7", "Non-ASCII address needs SMTPUTF8")
 R_DATA_GO: Final = Reply(354, None, "End data with <CR><LF>.<CR><LF>")
 R_CONTROL_IN_ARGUMENT: Final = Reply(501, "5.5.4", "Control character in argument")
+# Why the content was refused at its end, by the reply the decoder chose.
+_CONTENT_REASONS: Final = {R_TOO_BIG: "size", R_DATA_BARE_NEWLINE: "bare_newline", R_DATA_LONG_LINE: "line_too_long",
+                           R_DATA_NUL: "nul"}
 
 
 class ServerConnection:
@@ -270,7 +307,8 @@ class ServerConnection:
     ``max_line_length`` (content lines incl. CRLF), ``max_recipients``,
     ``max_errors`` (core-detected 5xx before 421), ``normalize_bare_lf``,
     ``tls_available`` (offer STARTTLS), ``tls_active`` (implicit TLS),
-    ``on_transition`` (told of every step; see ``TransitionHook``).
+    ``on_transition`` (told of every step; see ``TransitionHook``),
+    ``on_reject`` (told of every 4xx/5xx reply; see ``Rejection``).
 
     Raises: ``LocalProtocolError`` when the shell calls a method at the wrong
     time. Malformed input from the client never raises; it is answered.
@@ -289,6 +327,7 @@ class ServerConnection:
         tls_active: bool = False,
         greeting: str = "ESMTP logspool",
         on_transition: TransitionHook | None = None,
+        on_reject: RejectHook | None = None,
     ) -> None:
         self.hostname = hostname
         self.max_message_size = max_message_size
@@ -300,6 +339,9 @@ class ServerConnection:
         self.tls_active = tls_active
         self._state = State.CONNECTED
         self._on_transition = on_transition
+        self._on_reject = on_reject
+        self._command = "-"  # the command being answered, for Rejection
+        self._argument = ""
         self.errors = 0
         self._buf = bytearray()
         self._pos = 0
@@ -373,12 +415,12 @@ class ServerConnection:
             self._buf.clear()
             self._pos = 0
 
-    def reject(self, reply: Reply) -> None:
-        """Say no to the pending event with a 4xx/5xx ``reply``."""
+    def reject(self, reply: Reply, reason: str = "policy") -> None:
+        """Say no to the pending event with a 4xx/5xx ``reply``; ``reason`` is the ``Rejection``'s."""
         if reply.is_positive:
             raise LocalProtocolError(f"reject() with a positive reply {reply}")
         ev = self._take_pending()
-        self._send(reply)
+        self._refuse(reply, reason)
         if isinstance(ev, EndOfData):  # the content is gone either way: the transaction ends
             self._fire(Step.MESSAGE_REJECTED)
 
@@ -451,6 +493,7 @@ class ServerConnection:
     def _command_event(self) -> Event | None:
         """Consume one command line; return its event, None if only answered."""
         buf = self._buf
+        self._command, self._argument = "-", ""
         if self._skip_line:
             i = buf.find(b"\n", self._pos)
             if i < 0:
@@ -464,33 +507,37 @@ class ServerConnection:
         if i < 0:
             if end - self._pos >= MAX_COMMAND_LINE:
                 self._skip_line = True
-                self._error(R_LINE_TOO_LONG)
+                self._error(R_LINE_TOO_LONG, "line_too_long")
                 return None
             return self._at_eof()
         line = bytes(buf[self._pos : i + 1])
         self._pos = i + 1
         self.command_lines += 1
         if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
-            self._error(R_BARE_NEWLINE)
+            self._error(R_BARE_NEWLINE, "bare_newline")
             return None
         try:
             text = line[:-2].decode("utf-8")
         except UnicodeDecodeError:
-            self._error(Reply(500, "5.5.2", "Invalid UTF-8 in command"))
+            self._error(Reply(500, "5.5.2", "Invalid UTF-8 in command"), "encoding")
             return None
         verb, _, arg = text.partition(" ")
         verb = verb.upper()
+        self._command, self._argument = verb[:16], arg[:ARGUMENT_SHOWN]
         allowed = _ALLOWED.get(verb)
         if allowed is None:
-            self._error(Reply(502, "5.5.1", "Command not implemented") if verb == "EXPN" else R_UNKNOWN)
+            if verb == "EXPN":
+                self._error(Reply(502, "5.5.1", "Command not implemented"), "not_implemented")
+            else:
+                self._error(R_UNKNOWN, "unknown_command")
             return None
         if self._state not in allowed:
-            self._error(Reply(503, "5.5.1", _SEQUENCE_HINT.get(verb, "Bad sequence of commands")))
+            self._error(Reply(503, "5.5.1", _SEQUENCE_HINT.get(verb, "Bad sequence of commands")), "sequence")
             return None
         try:
             return self._dispatch(verb, arg)
         except RemoteProtocolError as e:
-            self._error(e.reply)
+            self._error(e.reply, "control_character" if "control character" in str(e) else "syntax")
             return None
 
     def _at_eof(self) -> Event:
@@ -558,7 +605,7 @@ class ServerConnection:
                 if value is None or not value.isdigit() or len(value) > 20:
                     raise RemoteProtocolError("bad SIZE", Reply(501, "5.5.4", "Bad SIZE value"))
                 if int(value) > self.max_message_size:
-                    self._send(R_TOO_BIG)
+                    self._refuse(R_TOO_BIG, "size")
                     return None
             elif key == "BODY":
                 if value is None or value.upper() not in ("7BIT", "8BITMIME"):
@@ -583,13 +630,13 @@ class ServerConnection:
         if not address.isascii() and not self._smtputf8:
             raise RemoteProtocolError("utf8 rcpt", R_NEED_UTF8)
         if self._rcpt_count >= self.max_recipients:
-            self._send(R_TOO_MANY_RCPTS)  # not counted as an error: a client obeying the limit retries later
+            self._refuse(R_TOO_MANY_RCPTS, "too_many_recipients")  # not an error: a client obeying it retries later
             return None
         return RcptTo(address, params)
 
     def _data(self) -> Event | None:
         if self._state is State.MAIL:
-            self._send(R_NO_RCPT)
+            self._refuse(R_NO_RCPT, "no_recipients")
             return None
         self._send(R_DATA_GO)
         self._fire(Step.DATA_STARTED)
@@ -598,10 +645,10 @@ class ServerConnection:
 
     def _starttls(self) -> Event | None:
         if self.tls_active:
-            self._error(Reply(503, "5.5.1", "TLS already active"))
+            self._error(Reply(503, "5.5.1", "TLS already active"), "sequence")
             return None
         if not self.tls_available:
-            self._error(Reply(502, "5.5.1", "STARTTLS not available"))
+            self._error(Reply(502, "5.5.1", "STARTTLS not available"), "tls_unavailable")
             return None
         return StartTls()
 
@@ -624,9 +671,10 @@ class ServerConnection:
         return NeedData()
 
     def _finish_data(self) -> Event:
+        self._command, self._argument = END_OF_DATA, ""
         doom = self._decoder.refusal
         if doom is not None:
-            self._send(doom)
+            self._refuse(doom, _CONTENT_REASONS.get(doom, "content"))
             self._fire(Step.MESSAGE_REFUSED)
             return DataAborted(doom)
         return EndOfData(self._decoder.size)
@@ -636,12 +684,18 @@ class ServerConnection:
     def _send(self, reply: Reply) -> None:
         self._out += reply.to_bytes()
 
-    def _error(self, reply: Reply) -> None:
-        """A client mistake the core caught; too many of them end the session."""
+    def _refuse(self, reply: Reply, reason: str) -> None:
+        """Send a 4xx/5xx ``reply`` and tell ``on_reject`` why."""
         self._send(reply)
+        if self._on_reject is not None:
+            self._on_reject(Rejection(self._command, self._argument, reply, reason))
+
+    def _error(self, reply: Reply, reason: str) -> None:
+        """A client mistake the core caught; too many of them end the session."""
+        self._refuse(reply, reason)
         self.errors += 1
         if self.errors >= self.max_errors:
-            self._send(R_TOO_MANY_ERRORS)
+            self._refuse(R_TOO_MANY_ERRORS, "too_many_errors")
             self._fire(Step.TOO_MANY_ERRORS)
 
     def _reset_transaction(self) -> None:

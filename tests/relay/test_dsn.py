@@ -14,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mta.delivery.dsn import HEADER_LIMIT, RecipientFailure, build_dsn, extract_headers, should_bounce
+from mta.delivery.dsn import (
+    HEADER_LIMIT,
+    RecipientFailure,
+    build_dsn,
+    extract_headers,
+    remote_mta_name,
+    should_bounce,
+)
 
 ARRIVAL = dt.datetime(2024, 3, 1, 12, 0, 0, tzinfo=dt.UTC)
 NOW = dt.datetime(2024, 3, 6, 12, 0, 5, tzinfo=dt.UTC)
@@ -307,3 +314,30 @@ def test_any_input_gives_a_parsable_report(failed: list[RecipientFailure], heade
     assert len(blocks) == 1 + len(failed)
     assert [b["Status"] for b in blocks[1:]] == [f.status for f in failed]
     assert [b["Action"] for b in blocks[1:]] == [f.action for f in failed]
+
+
+def test_the_report_names_the_queue_id_the_sender_and_the_arrival() -> None:
+    message = parse(report(queue_id="1000004BC"))
+    per_message, _ = status_blocks(message)
+    assert per_message["X-Logspool-Queue-ID"] == "1000004BC"
+    assert per_message["X-Logspool-Sender"] == "rfc822; alice@example.org"
+    assert email.utils.parsedate_to_datetime(per_message["Arrival-Date"]) == ARRIVAL
+    raw = part(message, 1).get_payload()
+    text = str(raw[0]) if isinstance(raw, list) else str(raw)
+    # RFC 3464 §2.2's order: Original-Envelope-Id, Reporting-MTA, Arrival-Date, then extension fields.
+    order = [text.index(f) for f in ("Original-Envelope-Id", "Reporting-MTA", "Arrival-Date", "X-Logspool-Queue-ID")]
+    assert order == sorted(order), text
+    assert "queue id 1000004BC" in part(message, 0).get_content()
+
+
+@pytest.mark.parametrize(("next_hop", "name"), [
+    ("mx.dest.example[192.0.2.5]:25 tls=encrypted", "mx.dest.example"),
+    ("mx.dest.example[192.0.2.5]:25", "mx.dest.example"),
+    ("127.0.0.1[127.0.0.1]:2525 tls=none", "127.0.0.1"),
+    ("smtp:10.0.0.5:25", ""),  # a destination no host of which answered
+    ("mx:dest.example", ""),
+    ("maildir:/var/mail", ""),
+    ("", ""),
+])
+def test_remote_mta_is_the_dns_name_of_the_host_that_answered(next_hop: str, name: str) -> None:
+    assert remote_mta_name(next_hop) == name

@@ -75,7 +75,9 @@ def build_sample(root: Path, now: float) -> dict[str, str]:
                               arrival_ms=int((now - 3600) * 1000))
         sp.commit()
         greylisted = "451 4.7.1 greylisted, try again later"
-        for attempt in sp.poll_due(now):
+        # A second may tick over between ``now`` and the appends (records carry whole seconds): claim as of
+        # a moment after them, or the new-mail runner may not pass them yet.
+        for attempt in sp.poll_due(time.time() + 1):
             rcpts = attempt.envelope.recipients
             sp.record_delivery(attempt, [
                 Outcome(r, Status.DELIVERED, 250, "2.0.0", "ok", "mx.near.example[192.0.2.8]:25")
