@@ -33,10 +33,13 @@ import dns.flags
 import dns.resolver
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
+from cryptography.x509.verification import Criticality, ExtensionPolicy, PolicyBuilder, Store, VerificationError
 
 DANE_TA = 2
 DANE_EE = 3
+# The server's certificate under a DANE-TA anchor: names in a subjectAltName, critical or not, and nothing else
+# of the CA/Browser Forum profile (RFC 7672 §3.2.2 asks for the name only).
+_EE_POLICY = ExtensionPolicy.permit_all().require_present(x509.SubjectAlternativeName, Criticality.AGNOSTIC, None)
 
 
 @attrs.frozen
@@ -132,10 +135,13 @@ def check(chain_der: Sequence[bytes], records: Sequence[Tlsa], names: Sequence[s
     if not anchors:
         return "no certificate the server sent matches its TLSA records"
     when = now or dt.datetime.now(dt.UTC)
+    # CA certificates keep the WebPKI rules (a leaf must not act as a CA); the server's own certificate is held
+    # to no CA/Browser Forum profile (a critical subjectAltName, say): RFC 7672 asks only for the name.
+    builder = PolicyBuilder().store(Store(anchors)).time(when).extension_policies(
+        ca_policy=ExtensionPolicy.webpki_defaults_ca(), ee_policy=_EE_POLICY)
     problems: list[str] = []
     for name in names:
-        verifier = PolicyBuilder().store(Store(anchors)).time(when).build_server_verifier(
-            x509.DNSName(name.rstrip(".").lower()))
+        verifier = builder.build_server_verifier(x509.DNSName(name.rstrip(".").lower()))
         try:
             verifier.verify(leaf, chain[1:])
             return None
