@@ -291,3 +291,14 @@ def normal(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(normal(v) for v in value)
     return value
+
+
+@pytest.mark.parametrize(("url", "line"), [
+    ("s3://no-such-bucket-here/fleet", "mta report: --input s3://no-such-bucket-here/fleet: no such file or directory"),
+    ("nosuch://x/y", "mta report: --input nosuch://x/y: unknown URL scheme nosuch://"),
+])
+def test_report_input_urls_that_cannot_be_read_are_one_line_before_spark(s3_endpoint: str, tmp_path: Any, url: str,
+                                                                          line: str) -> None:
+    result = CliRunner().invoke(main, ["report", "--input", url, "--out", str(tmp_path / "o")], prog_name="mta")
+    assert (result.exit_code, result.output) == (2, line + "\n")
+    assert not os.path.exists(tmp_path / "o")
