@@ -108,14 +108,16 @@ def _url(fs: Any, path: str) -> str:
 @contextlib.contextmanager
 def store_errors(url: str, kind: type[Exception]) -> Iterator[None]:
     """Whatever a store's library raises beyond OSError (botocore's ``NoCredentialsError``, an
-    ``aiohttp`` error, a bad endpoint's ``ValueError``) as ``kind``, in one line that names ``url``: so a
-    report names it, and a command says it without a traceback."""
+    ``aiohttp`` error, a bad endpoint's ``ValueError``) as ``kind``, in one line: so a report names it, and
+    a command says it without a traceback. A PlaceError names ``url``; an OSError does not (its catcher
+    says which file it was reading)."""
     try:
         yield
     except (OSError, PlaceError):
         raise
     except Exception as exc:
-        raise kind(f"{url}: {' '.join(str(exc).split()) or type(exc).__name__}") from exc
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise kind(f"{url}: {why}" if issubclass(kind, PlaceError) else why) from exc
 
 
 class Listing:

@@ -22,7 +22,9 @@ log (``plan``): the newest segment of a log may end in a torn tail, every
 other one is checked against the size its successor recorded, and a gap in a
 directory's sequence of segments gives an error row for each missing one.
 The relay name is the ``relay`` option, or else taken from the directory:
-``NAME/log/*.seg``, ``NAME/archive/*.seg`` and ``NAME/*.seg`` all give ``NAME``.
+``NAME/log/*.seg``, ``NAME/archive/*.seg`` and ``NAME/*.seg`` all give ``NAME``
+(shard K's ``NAME-K``). Files may be local or at a URL (``spool.remote``):
+the driver lists, and each task opens its own file where it runs.
 """
 
 from __future__ import annotations
@@ -120,17 +122,29 @@ def _absolute(place: str) -> str:
     return place if remote.is_remote(place) else os.path.abspath(remote.local_path(place))
 
 
-def relay_name_for(file: str) -> str:
-    """``NAME/log/0000….seg``, ``NAME/archive/0000….seg`` and ``NAME/0000….seg`` belong to relay ``NAME``,
-    locally or at a URL (``s3://fleet/NAME/0000….seg``); shard K of relay ``NAME`` (``NAME/shards/K/…``) is
-    ``NAME-K``, as its queue ids end in ``-K``."""
+def _where(file: str) -> tuple[str, str]:
+    """``(relay directory, shard)`` of a segment file: ``NAME/log/S``, ``NAME/archive/S`` and ``NAME/S`` are
+    ``(NAME, "")``; shard K's ``NAME/shards/K/log/S`` and ``NAME/archive/shards/K/S`` (its archive inside the
+    spool's, as ``mta.shards`` lays it out) and ``NAME/shards/K/S`` are ``(NAME, "K")``."""
     parent = remote.dirname(_absolute(file))
     if remote.basename(parent) in SPOOL_SUBDIRS:
         parent = remote.dirname(parent)
     shard = remote.basename(parent)
-    if _is_shard(shard) and remote.basename(remote.dirname(parent)) == SHARDS_DIR:
-        return f"{remote.basename(remote.dirname(remote.dirname(parent))) or '-'}-{shard}"
-    return remote.basename(parent) or "-"
+    if not (_is_shard(shard) and remote.basename(remote.dirname(parent)) == SHARDS_DIR):
+        return parent, ""
+    parent = remote.dirname(remote.dirname(parent))
+    if remote.basename(parent) in SPOOL_SUBDIRS:
+        parent = remote.dirname(parent)
+    return parent, shard
+
+
+def relay_name_for(file: str) -> str:
+    """``NAME/log/0000….seg``, ``NAME/archive/0000….seg`` and ``NAME/0000….seg`` belong to relay ``NAME``,
+    locally or at a URL (``s3://fleet/NAME/0000….seg``); shard K of relay ``NAME`` (``NAME/shards/K/…``) is
+    ``NAME-K``, as its queue ids end in ``-K``."""
+    parent, shard = _where(file)
+    name = remote.basename(parent) or "-"
+    return f"{name}-{shard}" if shard else name
 
 
 def _entries(directory: str, listing: remote.Listing) -> list[tuple[str, bool]]:
@@ -141,14 +155,14 @@ def _entries(directory: str, listing: remote.Listing) -> list[tuple[str, bool]]:
 
 
 def _segments_in(directory: str, listing: remote.Listing) -> list[str]:
-    """A spool directory gives its ``log/`` and ``archive/``; any other directory, itself. Either gives
-    its shards' too (``shards/K``, laid out the same way)."""
+    """A spool directory gives its ``log/`` and ``archive/``; any other directory, itself. Each gives its
+    shards' too (``shards/K``, laid out the same way)."""
     entries = _entries(directory, listing)
     dirs = {remote.basename(p): p for p, is_dir in entries if is_dir}
     subdirs = [dirs[d] for d in SPOOL_SUBDIRS if d in dirs]
     out: list[str] = []
     for d in subdirs:
-        out.extend(p for p, is_dir in _entries(d, listing) if not is_dir and parse_segment_name(remote.basename(p)))
+        out.extend(_segments_in(d, listing))
     if not subdirs:
         out.extend(p for p, is_dir in entries if not is_dir and parse_segment_name(remote.basename(p)) is not None)
     if SHARDS_DIR in dirs:
@@ -205,9 +219,9 @@ def _segment_id(path: str) -> int:
 
 
 def _log_of(file: str) -> str:
-    """The directory that holds a file's whole log: a spool directory for ``log/`` and ``archive/``."""
-    parent = remote.dirname(file)
-    return remote.dirname(parent) if remote.basename(parent) in SPOOL_SUBDIRS else parent
+    """What names a file's whole log: its spool (``log/`` and ``archive/`` together), or its shard's."""
+    parent, shard = _where(file)
+    return remote.join(parent, f"{SHARDS_DIR}/{shard}") if shard else parent
 
 
 def plan(patterns: Iterable[str]) -> list[SegmentTask]:

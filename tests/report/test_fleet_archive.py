@@ -23,7 +23,7 @@ from mta.archive.upload import CHECKSUM_KEY, Sent, archived, upload_directory
 from mta.cli import main
 from mta.report.figures import Figures
 from mta.report.job import run_report
-from spool.rows import ERROR_TYPE, plan, segment_rows
+from spool.rows import ERROR_TYPE, plan, relay_name_for, segment_rows
 
 pytestmark = pytest.mark.timeout(1800)  # the Spark tests may be the first to start the shared session
 
@@ -302,3 +302,24 @@ def test_report_input_urls_that_cannot_be_read_are_one_line_before_spark(s3_endp
     result = CliRunner().invoke(main, ["report", "--input", url, "--out", str(tmp_path / "o")], prog_name="mta")
     assert (result.exit_code, result.output) == (2, line + "\n")
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_a_sharded_relay_uploads_each_shard_apart_and_the_report_names_them(
+        relays: dict[str, str], bucket: str, tmp_path: Any) -> None:
+    """Shard K archives into ``archive_dir/shards/K`` with segment ids of its own spool: it goes to
+    ``URL/RELAY/shards/K/`` and the report calls it ``RELAY-K``, as its queue ids end in ``-K``."""
+    d = tmp_path / "mx7"
+    shutil.copytree(os.path.join(relays["mx1"], "archive"), d / "archive")
+    shutil.copytree(os.path.join(relays["mx2"], "archive"), d / "archive" / "shards" / "1")
+    os.makedirs(d / "shards" / "1")  # the shard's spool directory: how the relay knows it has two
+    result = upload(config_file(tmp_path, str(d)), f"s3://{bucket}", "--relay", "mx7")
+    assert result.exit_code == 0, result.output
+    want = {**{f"mx7/{k.split('/')[1]}": v for k, v in local_archive(relays["mx1"], "mx1").items()},
+            **{f"mx7/shards/1/{k.split('/')[1]}": v for k, v in local_archive(relays["mx2"], "mx2").items()}}
+    assert objects(bucket) == want
+    tasks = plan([f"s3://{bucket}/mx7"])
+    assert len(tasks) == len(want)
+    names = {relay_name_for(t.path) for t in tasks}
+    assert names == {"mx7", "mx7-1"}
+    local = {relay_name_for(t.path) for t in plan([str(d)])}
+    assert local == {"mx7", "mx7-1"}
