@@ -77,9 +77,14 @@ def filesystem(url: str) -> Any:
     try:
         fs, _path = fsspec.core.url_to_fs(url)
     except ImportError as exc:
-        raise PlaceError(f"{url}: the library for {scheme(url)}:// is not installed ({exc.msg})") from None
+        hint = "pip install 'logspool[fleet]'" if scheme(url) in ("s3", "s3a") else exc.msg
+        raise PlaceError(f"{url}: the library for {scheme(url)}:// is not installed ({hint})") from None
     except ValueError:
         raise PlaceError(f"{url}: unknown URL scheme {scheme(url)}://") from None
+    except OSError as exc:  # HDFS: pyarrow connects as the file system is made, through the host's libhdfs
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        hint = " (HDFS needs the Hadoop client on this host: HADOOP_HOME, CLASSPATH)" if scheme(url) == "hdfs" else ""
+        raise PlaceError(f"{url}: {first}{hint}") from None
     return fs
 
 

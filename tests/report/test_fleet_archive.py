@@ -312,3 +312,17 @@ def test_a_sharded_relay_uploads_each_shard_apart_and_the_report_names_them(
     assert names == {"mx7", "mx7-1"}
     local = {relay_name_for(t.path) for t in plan([str(d)])}
     assert local == {"mx7", "mx7-1"}
+
+
+def test_the_driver_only_lists(relays: dict[str, str], bucket: str) -> None:
+    """Planning a prefix whose every object is in cold storage (unreadable) succeeds: the driver reads no
+    segment, it only lists; each object is opened by its own task. A file:// URL plans as its path."""
+    d = os.path.join(relays["mx3"], "archive")
+    upload_directory(d, f"s3://{bucket}/mx3")
+    s3 = s3_server.client()
+    for key in objects(bucket):
+        s3.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": key}, StorageClass="GLACIER")
+    tasks = plan([f"s3://{bucket}/mx3"])
+    assert [os.path.basename(t.path) for t in tasks] == [os.path.basename(p) for _s, p in archived(d)]
+    assert all(t.missing is None for t in tasks) and tasks[-1].last and not tasks[0].last
+    assert plan([f"file://{d}"]) == plan([d])
