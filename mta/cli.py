@@ -33,6 +33,7 @@ from mta.admin.errors import (
 )
 from mta.cli_common import EXIT_FAILURE, EXIT_USAGE, JSON_REQUESTED, config_option, takes_json
 from mta.config import ConfigError, load_config, parse_listen_address
+from mta.dkim.cli import dkim as dkim_command
 from mta.observe.logline import install as install_logging
 from mta.process.config_cli import config as config_command
 from spool.errors import SpoolError, SpoolLocked
@@ -197,3 +198,4 @@ def _register_report() -> None:
 
 _register_report()
 main.add_command(config_command)
+main.add_command(dkim_command)

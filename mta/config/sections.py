@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from mta.config.dkim import DkimSection
 from mta.config.routes import Domain
 from mta.config.values import (
     Address,
@@ -245,6 +246,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("relay", RelayConfig),
     ("delivery", DeliveryConfig),
     ("log", LogConfig),
+    ("dkim", DkimSection),  # its keys, [[dkim.key]], are read by mta.config.dkim.parse_dkim_keys
 )
 
 

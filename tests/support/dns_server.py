@@ -1,6 +1,6 @@
 """A small authoritative DNS server for tests: dnspython messages on a trio UDP socket.
 
-The test chooses the records (MX, A, AAAA) and how a name misbehaves: a name
+The test chooses the records (MX, A, AAAA, TXT) and how a name misbehaves: a name
 the server knows nothing about gets NXDOMAIN; a known name asked for a type
 it lacks gets an empty NOERROR answer (what makes the relay fall back from MX
 to the implicit MX); ``servfail`` answers SERVFAIL and ``drop`` never
@@ -54,6 +54,10 @@ class DnsServer:
 
     def aaaa(self, host: str, address: str) -> None:
         self._add(host, "AAAA", address)
+
+    def txt(self, name: str, rdata: str) -> None:
+        """A TXT record; ``rdata`` in zone-file form, one or more quoted strings (``"v=DKIM1; ..." "..."``)."""
+        self._add(name, "TXT", rdata)
 
     def exists(self, name: str) -> None:
         """A name with no records at all (every question gets an empty answer)."""
