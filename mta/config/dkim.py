@@ -134,7 +134,7 @@ def parse_dkim_keys(raw: object, base_dir: str | None) -> tuple[tuple[DkimKey, .
         entries = expect(raw, list, "an array of tables ([[dkim.key]])")
     except ConfigError as e:
         return (), [e.at("key")]
-    keys: list[DkimKey] = []
+    keys: list[tuple[int, DkimKey]] = []  # with its index in the file, for the problems' names
     for i, entry in enumerate(entries):
         where = f"key[{i}]"
         if not isinstance(entry, dict):
@@ -142,9 +142,9 @@ def parse_dkim_keys(raw: object, base_dir: str | None) -> tuple[tuple[DkimKey, .
             continue
         key = _one_key(entry, base_dir, where, problems)
         if key is not None:
-            keys.append(key)
+            keys.append((i, key))
     problems += _rules(keys)
-    return tuple(keys), problems
+    return tuple(key for _, key in keys), problems
 
 
 def _one_key(entry: Mapping[str, Any], base_dir: str | None, where: str,
@@ -167,11 +167,11 @@ def _one_key(entry: Mapping[str, Any], base_dir: str | None, where: str,
     return DkimKey(**values)
 
 
-def _rules(keys: list[DkimKey]) -> list[ConfigError]:
+def _rules(keys: list[tuple[int, DkimKey]]) -> list[ConfigError]:
     problems: list[ConfigError] = []
     seen: dict[tuple[str, str], int] = {}
     per_domain: dict[str, int] = {}
-    for i, key in enumerate(keys):
+    for i, key in keys:
         if (key.domain, key.selector.lower()) in seen:
             problems.append(ConfigError(f"selector {key.selector!r} of {key.domain} is already key "
                                         f"[{seen[key.domain, key.selector.lower()]}]").at(f"key[{i}].selector"))
