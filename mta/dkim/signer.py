@@ -74,7 +74,19 @@ class Signer:
         return bool(self.by_domain)
 
     def sign(self, message: bytes) -> Signature | Unsigned:
-        """The signatures for ``message`` (CRLF line ends, as the spool keeps it), or why there are none."""
+        """The signatures for ``message`` (CRLF line ends, as the spool keeps it), or why there are none.
+
+        Never raises: the message is a client's bytes, and whatever dkimpy
+        makes of them (its own refusals, or an exception it did not mean to
+        raise) leaves the message unsigned, not refused.
+        """
+        try:
+            return self._sign(message)
+        except Exception as exc:  # dkimpy on a peer's bytes: the mail goes on unsigned
+            return Unsigned("error", detail=f"{type(exc).__name__}: {exc}")
+
+    def _sign(self, message: bytes) -> Signature | Unsigned:
+        """``sign``; dkimpy's own refusals (DKIMException) are an Unsigned, anything else is raised."""
         start = time.perf_counter()
         try:
             parsed = dkim.DKIM(message, linesep=b"\r\n")

@@ -8,6 +8,7 @@ the TXT record exactly as keygen printed it). docs/security.md, "DKIM signing".
 from __future__ import annotations
 
 import email
+import logging
 import re
 import smtplib
 from collections.abc import Callable
@@ -239,4 +240,21 @@ async def test_only_trusted_clients_mail_is_signed(tmp_path: Path, keys: dict[st
         got = {m.data.split(b"Subject: ")[1][:9]: m.data for m in await hop.wait_messages(3)}
         assert signatures(got[b"message 1"]) == [] and signatures(got[b"message 2"]) == []
         assert [tag(s, "s") for s in signatures(got[b"message 3"])] == ["ed2026"]  # the inactive RSA key did not
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_message_the_signer_cannot_parse_is_delivered_unsigned_and_logged(
+        tmp_path: Path, keys: dict[str, Key], caplog: pytest.LogCaptureFixture) -> None:
+    """A header line without a colon: dkimpy refuses to sign it; the mail is not refused for that."""
+    caplog.set_level(logging.INFO)
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        cfg = relay_config(str(tmp_path), {"dest.test": f"smtp://127.0.0.1:{port}"}, extra=key_config(keys["ed25519"]))
+        relay = await start_relay(nursery, cfg)
+        await send(relay.ports[0], "alice@example.com", ["bob@dest.test"], b"No colon on this line\r\n" + message(5))
+        (m,) = await hop.wait_messages(1)
+        assert signatures(m.data) == [] and m.data.endswith(message(5))
+        (line,) = [r for r in caplog.records if "event=dkim_failed" in r.getMessage()]
+        assert line.levelno == logging.WARNING and "Unexpected characters in RFC822 header" in line.getMessage()
         nursery.cancel_scope.cancel()

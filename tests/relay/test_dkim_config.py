@@ -1,4 +1,5 @@
-"""``[dkim]`` and ``[[dkim.key]]`` as the loader reads them: every mistake named by its key, all of them at once.
+"""``[dkim]`` and ``[[dkim.key]]`` as the loader reads them (every mistake named by its key, all at once), and
+the signer on whatever bytes a client sends.
 
 The key files themselves are tried at start (tests/security/test_security_dkim_start.py).
 """
@@ -8,10 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mta.config import ConfigError, parse_config, problems_of
+from mta.config.dkim import DkimSection
 from mta.config.show import show_config
-from mta.dkim.signer import from_domain
+from mta.dkim.keys import signing_key
+from mta.dkim.signer import Signature, Signer, Unsigned, from_domain
 
 
 def problems(tmp_path: Path, text: str) -> list[str]:
@@ -64,3 +70,27 @@ def test_the_signing_domain_is_the_one_domain_of_from(value: bytes, domain: str 
     found = from_domain([(b"From", value)])
     assert (found if isinstance(found, str) else None) == domain
     assert not isinstance(from_domain([(b"From", value), (b"from", value)]), str)  # two From: fields: none
+
+
+_ED = signing_key(ed25519.Ed25519PrivateKey.generate(), "example.com", "s1")
+_FROM = st.sampled_from([b"From: a@example.com\r\n", b"From: a@example.com\r\nFrom: b@example.com\r\n", b""])
+_LINE = st.one_of(st.binary(max_size=80).map(lambda b: b + b"\r\n"), st.sampled_from(
+    [b"Subject: \xff\xfe\r\n", b"No colon here\r\n", b" folded\r\n", b"\r\n", b"To:\r\n", b"\n", b"\r"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_LINE, max_size=12), _FROM, st.lists(_LINE, max_size=12))
+def test_whatever_a_client_sends_is_signed_or_left_unsigned_never_an_exception(
+        before: list[bytes], sender: bytes, after: list[bytes]) -> None:
+    """The signer gets a client's bytes: any of them give a Signature or an Unsigned, never an exception."""
+    signer = Signer((_ED,), DkimSection())
+    result = signer.sign(b"".join(before) + sender + b"".join(after))
+    assert isinstance(result, Signature | Unsigned)
+    if isinstance(result, Signature):
+        assert result.header.startswith(b"DKIM-Signature: ") and result.header.endswith(b"\r\n")
+
+
+def test_a_message_dkimpy_trips_over_is_left_unsigned() -> None:
+    """A message opening with a continuation line makes dkimpy raise IndexError (not one of its own errors)."""
+    result = Signer((_ED,), DkimSection()).sign(b" folded\r\nFrom: a@example.com\r\n\r\nbody\r\n")
+    assert isinstance(result, Unsigned) and result.reason == "error" and "IndexError" in result.detail
