@@ -10,7 +10,7 @@ import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
 from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
-from mta.config.sections import DeliveryConfig, LogConfig, RelayConfig, ServerConfig, SpoolSection
+from mta.config.sections import DeliveryConfig, LogConfig, RelayConfig, ServerConfig, SpoolSection, TlsPolicyConfig
 from mta.config.values import IPAddress
 
 __all__ = ["DEFAULTS_SOURCE", "Config"]
@@ -30,6 +30,7 @@ class Config:
     spool: SpoolSection
     relay: RelayConfig
     delivery: DeliveryConfig
+    tls_policy: TlsPolicyConfig
     log: LogConfig
     dkim: DkimSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)

@@ -55,7 +55,7 @@ def publish(server: DnsServer, record: str) -> None:
     """Serve a zone-file line ``NAME TTL IN TXT "..." ...`` as keygen printed it."""
     name, _ttl, klass, rtype, rdata = record.split(None, 4)
     assert (klass, rtype) == ("IN", "TXT")
-    server.txt(name, rdata)
+    server.txt_record(name, rdata)
 
 
 def dns_lookup(port: int) -> Callable[..., bytes | None]:

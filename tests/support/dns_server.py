@@ -55,8 +55,16 @@ class DnsServer:
     def aaaa(self, host: str, address: str) -> None:
         self._add(host, "AAAA", address)
 
-    def txt(self, name: str, rdata: str) -> None:
-        """A TXT record; ``rdata`` in zone-file form, one or more quoted strings (``"v=DKIM1; ..." "..."``)."""
+    def txt(self, name: str, text: str) -> None:
+        self._add(name, "TXT", '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"')
+
+    def forget(self, name: str, rtype: str) -> None:
+        """Drop ``name``'s records of ``rtype`` (the name stays known)."""
+        self.records.pop((_key(name), rtype), None)
+
+    def txt_record(self, name: str, rdata: str) -> None:
+        """A TXT record in zone-file form, one or more quoted strings (``"v=DKIM1; ..." "..."``): a DKIM key's
+        record as ``mta dkim keygen`` prints it, longer than one string holds."""
         self._add(name, "TXT", rdata)
 
     def exists(self, name: str) -> None:
