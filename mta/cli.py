@@ -35,6 +35,7 @@ from mta.archive.cli import archive
 from mta.archive.errors import ArchiveError, UploadFailed
 from mta.cli_common import EXIT_FAILURE, EXIT_USAGE, JSON_REQUESTED, config_option, takes_json
 from mta.config import ConfigError, load_config, parse_listen_address
+from mta.dkim.cli import dkim as dkim_command
 from mta.observe.logline import install as install_logging
 from mta.process.config_cli import config as config_command
 from spool.errors import SpoolError, SpoolLocked
@@ -202,3 +203,4 @@ def _register_report() -> None:
 
 _register_report()
 main.add_command(config_command)
+main.add_command(dkim_command)

@@ -126,6 +126,37 @@ class BodyWriter:
         self._emit(data)
         self.message_id = mid
         return mid
+
+    def add_header(self, data: bytes) -> None:
+        """Add a header field known only once the whole message is (a DKIM-Signature), after the first record.
+
+        Why here and so: the signature covers the client's data, so it can
+        only be made after the last chunk was written, yet it must be sent
+        before them. It is appended now as a DATA record of its own and listed
+        second in the body, after the record ``begin`` wrote (the
+        ``Received:`` header): the message reads ``Received:``, ``data``, then
+        the client's bytes, which are never touched. The body's first record
+        stays its oldest, which is what reclaim and the body cache rely on;
+        the rest of the list is in message order, not log order
+        (docs/format.md, ENVELOPE key 3). Closes the body.
+
+        Raises SpoolError if the body was not begun with ``begin``, or was aborted.
+        """
+        if self.message_id is None or not self.chunks or self.discarding:
+            raise SpoolError("add_header() needs a body begun with begin() and not aborted")
+        if self.closed and id(self) not in self._spool._open_bodies:
+            raise SpoolError("add_header() on a body already given to its envelope or aborted")
+        self.close()
+        self.size += len(data)
+        pos = self._spool._append(RecordType.DATA, data)
+        self.chunks.insert(1, pos)
+        if self.kept is not None:
+            if self.size > self._spool.body_cache.item_limit:
+                self.kept = None
+            else:
+                self.kept.insert(1, data)
+        self._spool._maybe_flush()
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self.discarding:
             self.size += len(data)

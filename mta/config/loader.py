@@ -41,6 +41,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from mta.config.dkim import DkimKey, parse_dkim_keys
 from mta.config.model import DEFAULTS_SOURCE, Config
 from mta.config.routes import DEFAULT_ROUTES, NoRoute, Route, TlsPolicy, check_domain, parse_route
 from mta.config.sections import SECTIONS, file_settings
@@ -62,6 +63,8 @@ __all__ = [
 ]
 
 ENV_VAR = "LOGSPOOL_CONFIG"
+# Tables inside a section that are not settings: read by their own parsers.
+NESTED = {"dkim": ("key",)}
 DEFAULT_FILE = "logspool.toml"
 
 
@@ -183,7 +186,7 @@ class _Reader:
         explicit: dict[str, Any] = {}
         for section, cls in SECTIONS:
             table = self.table(data, section)
-            names = [s.name for s in file_settings(cls)]
+            names = [s.name for s in file_settings(cls)] + list(NESTED.get(section, ()))
             for s in file_settings(cls):
                 if s.name in table and not (s.blank_is_default and table[s.name] == ""):
                     try:
@@ -192,9 +195,10 @@ class _Reader:
                         self.problem(e, f"{section}.{s.name}")
             self.unknown(table, names, f"{section}.")
         routes = self.routes(data)
+        dkim_keys = self.dkim_keys(data)
         self.unknown(data, [section for section, _ in SECTIONS] + ["routes"], "")
         if not self.problems:
-            config = self.build(explicit, routes)
+            config = self.build(explicit, routes, dkim_keys)
             if not self.problems:
                 return config
         raise ConfigProblems(self.problems)
@@ -227,11 +231,21 @@ class _Reader:
                 self.problem(e, key)
         return routes
 
-    def build(self, explicit: Mapping[str, Any], routes: Mapping[str, Route]) -> Config:
+    def dkim_keys(self, data: Mapping[str, Any]) -> tuple[DkimKey, ...]:
+        table = data.get("dkim", {})
+        if not isinstance(table, dict) or "key" not in table:
+            return ()
+        keys, problems = parse_dkim_keys(table["key"], self.base_dir)
+        for e in problems:
+            self.problems.append(ConfigError(e.problem, self.source, f"dkim.{e.key}"))
+        return keys
+
+    def build(self, explicit: Mapping[str, Any], routes: Mapping[str, Route],
+              dkim_keys: tuple[DkimKey, ...] = ()) -> Config:
         value = _Defaults(explicit, self.base_dir)
         sections = {section: cls(**{s.name: value(f"{section}.{s.name}") for s in file_settings(cls)})
                     for section, cls in SECTIONS}
-        config = Config(**sections, routes=routes, source=self.source)
+        config = Config(**sections, routes=routes, source=self.source, dkim_keys=dkim_keys)
         self.rules(config, explicit)
         return config
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from mta.config.dkim import DkimKey, DkimSection
 from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
 from mta.config.sections import DeliveryConfig, LogConfig, RelayConfig, ServerConfig, SpoolSection, TlsPolicyConfig
 from mta.config.values import IPAddress
@@ -31,8 +32,10 @@ class Config:
     delivery: DeliveryConfig
     tls_policy: TlsPolicyConfig
     log: LogConfig
+    dkim: DkimSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE
+    dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from mta.config.dkim import DkimSection
 from mta.config.routes import Domain
 from mta.config.values import (
     Address,
@@ -279,6 +280,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("delivery", DeliveryConfig),
     ("tls_policy", TlsPolicyConfig),
     ("log", LogConfig),
+    ("dkim", DkimSection),  # its keys, [[dkim.key]], are read by mta.config.dkim.parse_dkim_keys
 )
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from mta.config.dkim import DkimKey
 from mta.config.loader import key_name
 from mta.config.model import Config
 from mta.config.routes import DEFAULT_ROUTES, format_route, parse_route
 from mta.config.sections import SECTIONS, file_settings
-from spool.settings import TomlValue
+from spool.settings import TomlValue, settings_of
 
 __all__ = ["show_config", "toml_value"]
 
@@ -74,6 +75,10 @@ def _lines(config: Config, only_changed: bool, base_dir: str | None) -> Iterator
         if lines:
             yield f"\n[{section}]\n"
             yield from lines
+    for key in config.dkim_keys:
+        yield "\n[[dkim.key]]\n"
+        for s in settings_of(DkimKey):
+            yield f"{s.name} = {toml_value(s.kind.write(getattr(key, s.name)))}\n"
     defaults = {domain: parse_route(route, base_dir) for domain, route in DEFAULT_ROUTES.items()}
     if not only_changed or dict(config.routes) != defaults:
         yield "\n[routes]\n"

@@ -8,7 +8,8 @@ same functions ``mta serve`` uses, in the same words, but nothing is created,
 repaired, bound or opened for writing, so it is safe while the relay runs (as
 ``postfix check``):
 
-- the TLS certificate and key (PEM, matching, the key private) and every
+- the TLS certificate and key (PEM, matching, the key private), the DKIM
+  keys (private, readable, able to sign), and every
   shard's control socket path (``mta.process.startup``);
 - the spool directory: if it exists, that no other user can change it
   (``mta.process.security``, without its repairs: entries others could only
@@ -36,7 +37,7 @@ import attrs
 from mta.config.model import Config
 from mta.errors import StartError
 from mta.process.security import UnsafeFile, check_spool_dir
-from mta.process.startup import check_control_socket, check_tls
+from mta.process.startup import check_control_socket, check_dkim_keys, check_tls
 from mta.shards import shard_config, shard_count
 from spool.errors import ConfigError
 
@@ -77,6 +78,12 @@ def _located(exc: ConfigError | StartError, config: Config) -> ConfigError | Sta
 def _tls(config: Config) -> Iterator[Finding]:
     """Raises what ``mta serve`` raises (``check_start``); finds nothing else."""
     check_tls(config)
+    yield from ()
+
+
+def _dkim_keys(config: Config) -> Iterator[Finding]:
+    """Each DKIM key private, readable and able to sign (``check_start``); the first problem only, as serve."""
+    check_dkim_keys(config)
     yield from ()
 
 
@@ -151,5 +158,5 @@ def _archive_dir(config: Config) -> Iterator[Finding]:
                                  "spool.archive_dir"))
 
 
-CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _control_sockets, _spool_dir, _free_space,
-                                                              _archive_dir)
+CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _dkim_keys, _control_sockets, _spool_dir,
+                                                              _free_space, _archive_dir)

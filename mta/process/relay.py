@@ -23,6 +23,8 @@ from mta.config import DEFAULTS_SOURCE, Config, MaildirRoute
 from mta.delivery.local import DiscardTransport, MaildirTransport
 from mta.delivery.scheduler import Scheduler
 from mta.delivery.transport import Transport
+from mta.dkim import signer_for
+from mta.dkim.accept import AcceptSigner
 from mta.inbound.listen import bind_error
 from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
@@ -98,6 +100,7 @@ class Relay:
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
+        signer = signer_for(cfg)  # a key that cannot sign stops the start before the spool is touched
         os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
         check_spool_dir(cfg.spool.dir)
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard), self.io)
@@ -106,7 +109,8 @@ class Relay:
             if self.supervisor is not None and self.poll_parent:
                 nursery.start_soon(watch_parent, self.supervisor)
             await nursery.start(self.aspool.run)
-            server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg))
+            server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg),
+                                dkim=AcceptSigner(signer) if signer else None)
             server.reuse_port = self.reuse_port
             self.listeners = await nursery.start(server.serve)
             control = ControlServer(self.aspool, cfg, shard=self.shard)

@@ -10,7 +10,8 @@ traceback: that is for bugs.
 
 ``check_start`` runs everything that a config file alone cannot tell but this
 host can, before any file is created or any socket bound: the TLS certificate
-and key (PEM, matching, the key private), and the control socket's path (short
+and key (PEM, matching, the key private), the DKIM keys (private, and able to
+sign: ``mta.dkim.keys``), and the control socket's path (short
 enough for a Unix socket, in a directory that exists and that no other user
 may write, and not a file that is not a socket). Listening addresses are
 checked where they are bound (``mta.inbound.listen``, ``mta.process.supervisor``), with the
@@ -54,6 +55,7 @@ def check_start(config: Config, *, listen: bool = True) -> None:
         StartError: a file's permissions or a host condition (names the key).
     """
     check_tls(config)
+    check_dkim_keys(config)
     check_control_socket(config)
     addresses: list[tuple[int | str, ListenAddress]] = list(enumerate(config.server.listen)) if listen else []
     if config.server.metrics_listen is not None:
@@ -134,6 +136,26 @@ def check_tls(config: Config) -> None:
         raise _config_error(config, "server.tls_key", f"{key} is not a PEM private key ({_reason(exc)})") from None
     except OSError as exc:
         raise _config_error(config, "server.tls_key", f"cannot read {key}: {exc.strerror or exc}") from None
+
+
+def check_dkim_keys(config: Config) -> None:
+    """Each ``[[dkim.key]]`` file private (as a TLS key must be), readable, and a key that signs.
+
+    Raises:
+        StartError: a key file others may read or change (exit 1, as for the TLS key).
+        ConfigError: a key file that cannot be read or used (``mta.dkim.keys.KeyProblem``, exit 2).
+    """
+    from mta.dkim.keys import load_key
+
+    for i, key in enumerate(config.dkim_keys):
+        try:
+            check_tls_key(key.key_file)
+        except UnsafeFile as exc:
+            raise StartError(f"the key of {key.domain} (selector {key.selector}): {exc}; refusing to start",
+                             config.source, f"dkim.key[{i}]") from None
+        except OSError:
+            pass  # unreadable: load_key says so, as a config error
+        load_key(key, f"dkim.key[{i}]", config.source)
 
 
 def _reason(exc: BaseException) -> str:

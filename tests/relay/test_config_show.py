@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from process_support import run_mta
 
 from mta.config import Config, ConfigError, parse_config
+from mta.config.dkim import HeaderName
 from mta.config.loader import definitions
 from mta.config.routes import Domain
 from mta.config.show import show_config, toml_value
@@ -178,6 +179,8 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
     match kind:
         case Optional(inner):
             return st.one_of(st.just(""), raw_values(inner))
+        case ListOf(HeaderName(), rule=rule) if rule is not None:  # dkim.headers: From among them
+            return st.lists(raw_values(HeaderName()), max_size=4).map(lambda xs: ["From", *xs])
         case ListOf(item, least):
             items = st.lists(raw_values(item), min_size=least, max_size=4)
             if isinstance(item, Duration):  # retry intervals must not decrease: sort them by what they mean
@@ -214,6 +217,8 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
             return st.builds(lambda dot, host: dot + host, st.sampled_from(["", "."]), HOST)
         case Processes():
             return st.one_of(st.integers(1, 8), st.just("auto"))
+        case HeaderName():
+            return st.sampled_from(["From", "subject", "X-Mailer", "List-Unsubscribe", "DATE"])
         case Text(nonempty):
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1 if nonempty else 0,
                            max_size=20)

@@ -1,6 +1,6 @@
 """A small authoritative DNS server for tests: dnspython messages on a trio UDP socket.
 
-The test chooses the records (MX, A, AAAA) and how a name misbehaves: a name
+The test chooses the records (MX, A, AAAA, TXT) and how a name misbehaves: a name
 the server knows nothing about gets NXDOMAIN; a known name asked for a type
 it lacks gets an empty NOERROR answer (what makes the relay fall back from MX
 to the implicit MX); ``servfail`` answers SERVFAIL and ``drop`` never
@@ -61,6 +61,11 @@ class DnsServer:
     def forget(self, name: str, rtype: str) -> None:
         """Drop ``name``'s records of ``rtype`` (the name stays known)."""
         self.records.pop((_key(name), rtype), None)
+
+    def txt_record(self, name: str, rdata: str) -> None:
+        """A TXT record in zone-file form, one or more quoted strings (``"v=DKIM1; ..." "..."``): a DKIM key's
+        record as ``mta dkim keygen`` prints it, longer than one string holds."""
+        self._add(name, "TXT", rdata)
 
     def exists(self, name: str) -> None:
         """A name with no records at all (every question gets an empty answer)."""

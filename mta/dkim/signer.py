@@ -1,0 +1,137 @@
+"""Which keys sign a message, and the DKIM-Signature header fields they make (dkimpy does the cryptography).
+
+Theory of operation
+-------------------
+A message is signed for the domain of its ``From:`` (RFC 5322.From), the
+identity receivers show and DMARC aligns with, not for its envelope sender:
+mail whose ``From:`` is at a domain with keys gets one signature per active
+key of that domain (two while a key is rotated, or an RSA and an Ed25519 key
+side by side), in the order of the config. Nothing else is signed: a domain without
+keys, a message with no ``From:`` or with several (RFC 5322 allows one; a
+receiver applying DMARC rejects such mail anyway), or with mailboxes at
+several domains in it. Who may have mail signed at all is the caller's
+decision (``mta.dkim.accept``: clients the relay trusts to relay).
+
+Canonicalisation is relaxed/relaxed (RFC 6376 §3.4.2, §3.4.4): it survives
+the header refolding and trailing-space changes that relays make. The ``h=``
+list is the configured fields as often as the message has them, then each
+over-signed field once more, so that a copy added in transit makes the
+signature fail (RFC 6376 §8.15). No ``l=`` (a body length would let anyone
+append to the message).
+
+``sign`` is blocking and CPU-bound (an RSA-2048 signature in pure Python
+is a few milliseconds, hashing scales with the body): the relay calls it in
+a worker thread.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+
+import attrs
+import dkim
+
+from mta.config.dkim import DkimSection
+from mta.dkim.keys import SigningKey
+
+__all__ = ["Signature", "Signer", "Unsigned"]
+
+CANONICALIZE = (b"relaxed", b"relaxed")
+
+
+@attrs.frozen
+class Signature:
+    """The DKIM-Signature field(s) to put before the message, CRLF-ended, and who signed."""
+
+    header: bytes
+    signed_by: tuple[str, ...]  # ``domain/selector`` of each signature, in header order
+    seconds: float  # the time spent signing (parsing, hashing, the signatures)
+
+
+@attrs.frozen
+class Unsigned:
+    """Why a message was not signed: ``no_key`` (its From: domain has none), ``no_from``, ``several_from``,
+    ``mixed_from``, or ``error`` (dkimpy refused the message: ``detail`` says why)."""
+
+    reason: str
+    domain: str = ""
+    detail: str = ""
+
+
+class Signer:
+    """The configured keys by domain and the header policy; ``sign`` makes a message's signatures."""
+
+    def __init__(self, keys: tuple[SigningKey, ...], section: DkimSection) -> None:
+        self.by_domain: dict[str, list[SigningKey]] = {}
+        for key in keys:
+            if key.active:
+                self.by_domain.setdefault(key.domain, []).append(key)
+        self.headers = tuple(dict.fromkeys(h.lower().encode() for h in section.headers))
+        self.oversign = tuple(dict.fromkeys(h.lower().encode() for h in section.oversign))
+
+    def __bool__(self) -> bool:
+        return bool(self.by_domain)
+
+    def sign(self, message: bytes) -> Signature | Unsigned:
+        """The signatures for ``message`` (CRLF line ends, as the spool keeps it), or why there are none.
+
+        Never raises: the message is a client's bytes, and whatever dkimpy
+        makes of them (its own refusals, or an exception it did not mean to
+        raise) leaves the message unsigned, not refused.
+        """
+        try:
+            return self._sign(message)
+        except Exception as exc:  # dkimpy on a peer's bytes: the mail goes on unsigned
+            return Unsigned("error", detail=f"{type(exc).__name__}: {exc}")
+
+    def _sign(self, message: bytes) -> Signature | Unsigned:
+        """``sign``; dkimpy's own refusals (DKIMException) are an Unsigned, anything else is raised."""
+        start = time.perf_counter()
+        try:
+            parsed = dkim.DKIM(message, linesep=b"\r\n")
+        except dkim.DKIMException as exc:
+            return Unsigned("error", detail=str(exc))
+        domain = from_domain(parsed.headers)
+        if isinstance(domain, Unsigned):
+            return domain
+        keys = self.by_domain.get(domain)
+        if not keys:
+            return Unsigned("no_key", domain)
+        include = self.include_headers(parsed.headers)
+        fields = []
+        try:
+            for key in keys:
+                fields.append(parsed.sign(key.selector.encode(), key.domain.encode(), key.private,
+                                          signature_algorithm=key.algorithm, canonicalize=CANONICALIZE,
+                                          include_headers=list(include)))
+        except dkim.DKIMException as exc:
+            return Unsigned("error", domain, str(exc))
+        return Signature(b"".join(fields), tuple(f"{k.domain}/{k.selector}" for k in keys),
+                         time.perf_counter() - start)
+
+    def include_headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, ...]:
+        """``h=``: each configured field as many times as present, then each over-signed field once more."""
+        count: dict[bytes, int] = {}
+        for name, _ in headers:
+            count[name.lower()] = count.get(name.lower(), 0) + 1
+        include = [h for h in self.headers for _ in range(count.get(h, 0))]
+        return tuple(include + list(self.oversign))
+
+
+def from_domain(headers: list[tuple[bytes, bytes]]) -> str | Unsigned:
+    """The one domain of the message's From: field, in lower case, or why there is none."""
+    values = [value for name, value in headers if name.lower() == b"from"]
+    if not values:
+        return Unsigned("no_from")
+    if len(values) > 1:
+        return Unsigned("several_from")
+    text = values[0].decode("utf-8", "replace").replace("\r\n", "")
+    domains = {addr.rpartition("@")[2].strip().rstrip(".").lower()
+               for _, addr in email.utils.getaddresses([text]) if "@" in addr}
+    domains.discard("")
+    if not domains:
+        return Unsigned("no_from")
+    if len(domains) > 1:
+        return Unsigned("mixed_from")
+    return domains.pop()
