@@ -50,6 +50,7 @@ from mta.config.sections import (
     RelayConfig,
     ServerConfig,
     SpoolSection,
+    SubmissionConfig,
 )
 from mta.config.values import IPAddress, IPNetwork, ListenAddress, parse_listen_address
 from spool.errors import ConfigError
@@ -79,6 +80,7 @@ __all__ = [
     "ServerConfig",
     "SmtpRoute",
     "SpoolSection",
+    "SubmissionConfig",
     "TlsMode",
     "base_dir_of",
     "find_config_file",

@@ -248,6 +248,13 @@ class _Reader:
         if relay.open_to_all() and not relay.allow_open_relay:
             self.problem(ConfigError("covers every address, which makes an open relay (anyone may send anywhere); "
                                      "set [relay] allow_open_relay = true if that is really meant"), "relay.mynetworks")
+        submission = config.submission
+        if submission.enabled and server.tls_cert is None:
+            self.problem(ConfigError("a submission listener needs TLS: set [server] tls_cert and tls_key"),
+                         "submission.listen" if submission.listen else "submission.implicit_tls_listen")
+        if submission.enabled and submission.users_file is None:
+            self.problem(ConfigError("a submission listener needs users to authenticate: set users_file"),
+                         "submission.users_file")
         if isinstance(config.route_for_recipient(relay.postmaster), NoRoute):
             self.problem(ConfigError(f"no route delivers {relay.postmaster!r}: add a route for its domain"),
                          "relay.postmaster")
