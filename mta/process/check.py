@@ -36,7 +36,7 @@ import attrs
 from mta.config.model import Config
 from mta.errors import StartError
 from mta.process.security import UnsafeFile, check_spool_dir
-from mta.process.startup import check_control_socket, check_tls
+from mta.process.startup import check_control_socket, check_tls, check_users_file
 from mta.shards import shard_config, shard_count
 from spool.errors import ConfigError
 
@@ -77,6 +77,12 @@ def _located(exc: ConfigError | StartError, config: Config) -> ConfigError | Sta
 def _tls(config: Config) -> Iterator[Finding]:
     """Raises what ``mta serve`` raises (``check_start``); finds nothing else."""
     check_tls(config)
+    yield from ()
+
+
+def _users_file(config: Config) -> Iterator[Finding]:
+    """The submission users file, as ``mta serve`` checks it (``check_start``)."""
+    check_users_file(config)
     yield from ()
 
 
@@ -151,5 +157,5 @@ def _archive_dir(config: Config) -> Iterator[Finding]:
                                  "spool.archive_dir"))
 
 
-CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _control_sockets, _spool_dir, _free_space,
-                                                              _archive_dir)
+CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _users_file, _control_sockets, _spool_dir,
+                                                              _free_space, _archive_dir)

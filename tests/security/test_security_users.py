@@ -148,6 +148,8 @@ def test_submission_without_a_users_file_or_with_an_open_one_does_not_start(tmp_
     assert run.returncode == 2
     assert one_line(run.stderr) == f"mta: {config}: submission.users_file: no such file: {users} " \
                                    "(mta user add NAME creates it)"
+    check = run_mta("config", "check", "--config", str(config), cwd=tmp_path)  # says the same, starting nothing
+    assert check.returncode == 2 and one_line(run.stderr) in check.stderr.splitlines()
     add_user(str(users), "alice", "pw")
     os.chmod(users, 0o644)
     run = run_mta("serve", "--config", str(config), cwd=tmp_path)
