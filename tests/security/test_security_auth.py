@@ -37,7 +37,7 @@ def users_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def auth_config_extra(tmp_path: Path, ca: trustme.CA, users: Path, *, failures: int = 3) -> str:
+def auth_config_extra(tmp_path: Path, ca: trustme.CA, users: Path, *, failures: int = 3, more: str = "") -> str:
     cert, key = tls_files(tmp_path, ca)
     return f"""tls_cert = "{cert}"
 tls_key = "{key}"
@@ -50,6 +50,7 @@ users_file = "{users}"
 max_auth_failures = {failures}
 auth_failure_delay = "0s"
 authenticated_header = true
+{more}
 """
 
 
@@ -246,3 +247,32 @@ async def test_the_user_is_kept_in_the_envelope_of_a_message_that_waits(
         nursery.cancel_scope.cancel()
     (message,) = admin.iter_live(SpoolView(str(tmp_path / "spool")))
     assert message.envelope.extra["auth"] == "alice" and message.envelope.extra["client"] == "127.0.0.1"
+
+
+async def test_password_checks_run_beside_the_loop_so_other_sessions_are_answered_meanwhile(
+        tmp_path: Path, ca: trustme.CA, users_file: Path) -> None:
+    """Three AUTHs queue for one worker (auth_concurrency = 1: three Argon2 checks, a second of CPU at least);
+    a NOOP on another connection, sent after them, is answered before any of them. Were a check run on the
+    loop, nothing else could be answered while it ran."""
+    async with trio.open_nursery() as nursery:
+        relay = await start_relay(nursery, relay_config(str(tmp_path), {}, extra=auth_config_extra(
+            tmp_path, ca, users_file, more="auth_concurrency = 1")))
+        clients = [await tls_client(relay, ca, Port.SUBMISSIONS) for _ in range(3)]
+        other = await RawClient.connect(relay.ports[0])
+        await other.reply()
+        answered: list[str] = []
+
+        async def auth(i: int) -> None:
+            assert await clients[i].reply() == [b"235 2.7.0 Authentication successful"]
+            answered.append(f"auth{i}")
+
+        async with trio.open_nursery() as inner:
+            for i, c in enumerate(clients):
+                await c.send(b"AUTH PLAIN " + plain("alice", PASSWORD) + b"\r\n")
+                inner.start_soon(auth, i)
+            assert await other.command(b"NOOP") == [b"250 2.0.0 Ok"]
+            answered.append("noop")
+        assert len(answered) == 4 and answered[0] == "noop", answered
+        for c in [*clients, other]:
+            await c.aclose()
+        nursery.cancel_scope.cancel()
