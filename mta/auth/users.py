@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import stat
 import tempfile
@@ -111,13 +112,21 @@ def check_private(path: str) -> None:
         raise UsersFileError(f"{path} is open to other users (mode {mode:04o}); chmod 600 it")
 
 
+@functools.cache
+def _dummy_hash() -> str:
+    """What an unknown user's password is checked against: made on first need, in the worker thread that needs it.
+
+    Not at import: a hash costs a third of a second and a 64 MiB peak, which every relay process (and every
+    ``mta`` command) would pay whether it serves submission or not.
+    """
+    return _HASHER.hash("a password no user has")
+
+
 class UsersFile:
     """The relay's view of the users file, reread when it changes. Safe to call from several threads.
 
     Raises at construction what ``read_users`` raises: a relay does not start with a bad file.
     """
-
-    _DUMMY: Final = _HASHER.hash("a password no user has")
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -153,7 +162,7 @@ class UsersFile:
         """
         hashed = self.users().get(username)
         try:
-            return _HASHER.verify(hashed or self._DUMMY, password) and hashed is not None
+            return _HASHER.verify(hashed or _dummy_hash(), password) and hashed is not None
         except (VerifyMismatchError, VerificationError, InvalidHashError):
             return False
 
