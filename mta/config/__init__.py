@@ -39,8 +39,11 @@ from mta.config.routes import (
     Route,
     SmtpRoute,
     TlsMode,
+    TlsPolicy,
     format_route,
     parse_route,
+    parse_tls,
+    tls_text,
 )
 from mta.config.sections import (
     LOG_FORMATS,
@@ -82,6 +85,7 @@ __all__ = [
     "SpoolSection",
     "SubmissionConfig",
     "TlsMode",
+    "TlsPolicy",
     "base_dir_of",
     "find_config_file",
     "format_route",
@@ -91,5 +95,7 @@ __all__ = [
     "parse_listen_address",
     "parse_route",
     "parse_size",
+    "parse_tls",
     "problems_of",
+    "tls_text",
 ]

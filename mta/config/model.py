@@ -9,7 +9,15 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
-from mta.config.sections import DeliveryConfig, LogConfig, RelayConfig, ServerConfig, SpoolSection, SubmissionConfig
+from mta.config.sections import (
+    DeliveryConfig,
+    LogConfig,
+    RelayConfig,
+    ServerConfig,
+    SpoolSection,
+    SubmissionConfig,
+    TlsPolicyConfig,
+)
 from mta.config.values import IPAddress
 
 __all__ = ["DEFAULTS_SOURCE", "Config"]
@@ -30,6 +38,7 @@ class Config:
     relay: RelayConfig
     delivery: DeliveryConfig
     submission: SubmissionConfig
+    tls_policy: TlsPolicyConfig
     log: LogConfig
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE

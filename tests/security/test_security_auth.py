@@ -138,7 +138,8 @@ async def test_auth_before_starttls_gets_538_and_is_not_offered_and_mail_needs_s
             relay.ports_of(Port.SUBMISSION)[0], "--auth", "PLAIN", "--auth-user", "alice", "--auth-password",
             PASSWORD, "--auth-plaintext"))
         assert run.returncode != 0  # a real client will not send its password where AUTH is not offered
-        assert "did not advertise authentication" in run.stderr and "235" not in run.stdout, run.stdout
+        # "235 2.7.0", not "235": the port swaks names may hold those digits.
+        assert "did not advertise authentication" in run.stderr and "235 2.7.0" not in run.stdout, run.stdout
         nursery.cancel_scope.cancel()
 
 
@@ -172,12 +173,12 @@ async def test_wrong_password_is_535_and_after_the_limit_the_address_gets_421(
             tmp_path, ca, users_file, failures=3)))
         run = await trio.to_thread.run_sync(lambda: swaks(
             relay.ports_of(Port.SUBMISSION)[0], "--tls", "--auth", "LOGIN", "--auth-user", "alice",
-            "--auth-password", "wrong"))
+            "--auth-password", "Tr0ub4dor&3"))
         assert run.returncode != 0 and "535 5.7.8 Authentication credentials invalid" in run.stdout, run.stdout
         c = await tls_client(relay, ca, Port.SUBMISSIONS)
         assert await c.command(b"AUTH PLAIN " + plain("nobody", PASSWORD)) == [
             b"535 5.7.8 Authentication credentials invalid"]  # an unknown user reads the same
-        assert await c.command(b"AUTH PLAIN " + plain("alice", "wrong again")) == [
+        assert await c.command(b"AUTH PLAIN " + plain("alice", "Tr0ub4dor&4")) == [
             b"421 4.7.0 Too many failed authentication attempts; try again later"]
         assert await c.closed() == b""
         c = await tls_client(relay, ca)  # a new connection from the same address, with the right password
@@ -188,7 +189,7 @@ async def test_wrong_password_is_535_and_after_the_limit_the_address_gets_421(
         assert [(e["user"], e["reason"]) for e in failed] == [
             ("alice", "credentials"), ("nobody", "credentials"), ("alice", "rate_limit"), ("alice", "rate_limit")]
         assert all(e["client"] == "127.0.0.1" for e in failed)
-        assert "wrong" not in caplog.text and plain("alice", "wrong again").decode() not in caplog.text
+        assert "Tr0ub4dor" not in caplog.text and plain("alice", "Tr0ub4dor&4").decode() not in caplog.text
         nursery.cancel_scope.cancel()
 
 
