@@ -33,6 +33,8 @@ from mta.admin.errors import (
 )
 from mta.archive.cli import archive
 from mta.archive.errors import ArchiveError, UploadFailed
+from mta.auth.cli import user
+from mta.auth.users import UsersFileError
 from mta.cli_common import EXIT_FAILURE, EXIT_USAGE, JSON_REQUESTED, config_option, takes_json
 from mta.config import ConfigError, load_config, parse_listen_address
 from mta.dkim.cli import dkim as dkim_command
@@ -52,6 +54,7 @@ FAILURES: tuple[tuple[type[BaseException], int, str], ...] = (
     (SpoolNotFound, EXIT_FAILURE, "spool_not_found"),
     (SpoolUnavailable, EXIT_FAILURE, "spool_unavailable"),
     (RequestFailed, EXIT_FAILURE, "failed"),
+    (UsersFileError, EXIT_FAILURE, "users_file"),
     (AdminError, EXIT_FAILURE, "failed"),  # a class added to mta/admin/errors.py and not to this table
     (UploadFailed, EXIT_FAILURE, "upload_failed"),
     (ArchiveError, EXIT_USAGE, "archive"),
@@ -191,6 +194,7 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
 
 main.add_command(queue)
 main.add_command(archive)
+main.add_command(user)
 
 
 def _register_report() -> None:

@@ -53,6 +53,7 @@ from mta.config.sections import (
     RelayConfig,
     ServerConfig,
     SpoolSection,
+    SubmissionConfig,
 )
 from mta.config.values import IPAddress, IPNetwork, ListenAddress, parse_listen_address
 from spool.errors import ConfigError
@@ -82,6 +83,7 @@ __all__ = [
     "ServerConfig",
     "SmtpRoute",
     "SpoolSection",
+    "SubmissionConfig",
     "TlsMode",
     "TlsPolicy",
     "base_dir_of",

@@ -262,6 +262,13 @@ class _Reader:
         if relay.open_to_all() and not relay.allow_open_relay:
             self.problem(ConfigError("covers every address, which makes an open relay (anyone may send anywhere); "
                                      "set [relay] allow_open_relay = true if that is really meant"), "relay.mynetworks")
+        submission = config.submission
+        if submission.enabled and server.tls_cert is None:
+            self.problem(ConfigError("a submission listener needs TLS: set [server] tls_cert and tls_key"),
+                         "submission.listen" if submission.listen else "submission.implicit_tls_listen")
+        if submission.enabled and submission.users_file is None:
+            self.problem(ConfigError("a submission listener needs users to authenticate: set users_file"),
+                         "submission.users_file")
         dane = [domain for domain, route in config.routes.items() if TlsPolicy.DANE in getattr(route, "policies", ())]
         if dane and config.delivery.resolver is None:
             self.problem(ConfigError(f"route {dane[0]!r} uses DANE, which needs a validating resolver named here "

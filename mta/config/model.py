@@ -10,7 +10,15 @@ import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
 from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
-from mta.config.sections import DeliveryConfig, LogConfig, RelayConfig, ServerConfig, SpoolSection, TlsPolicyConfig
+from mta.config.sections import (
+    DeliveryConfig,
+    LogConfig,
+    RelayConfig,
+    ServerConfig,
+    SpoolSection,
+    SubmissionConfig,
+    TlsPolicyConfig,
+)
 from mta.config.values import IPAddress
 
 __all__ = ["DEFAULTS_SOURCE", "Config"]
@@ -30,6 +38,7 @@ class Config:
     spool: SpoolSection
     relay: RelayConfig
     delivery: DeliveryConfig
+    submission: SubmissionConfig
     tls_policy: TlsPolicyConfig
     log: LogConfig
     dkim: DkimSection

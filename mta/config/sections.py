@@ -61,6 +61,7 @@ __all__ = [
     "RelayConfig",
     "ServerConfig",
     "SpoolSection",
+    "SubmissionConfig",
     "TlsPolicyConfig",
     "file_settings",
 ]
@@ -258,6 +259,41 @@ class TlsPolicyConfig:
         derived=Derived("`<relay.postmaster>`", lambda r: r("relay.postmaster")))
 
 
+@attrs.frozen(kw_only=True)
+class SubmissionConfig:
+    """``[submission]``: mail from the relay's own users, authenticated (RFC 6409, RFC 8314, RFC 4954).
+
+    A submission listener relays for authenticated clients only: MAIL before
+    AUTH gets ``530 5.7.0``, AUTH before TLS gets ``538 5.7.11``. Needs
+    ``server.tls_cert`` and ``users_file``. docs/security.md, "SMTP AUTH".
+    """
+
+    listen: tuple[ListenAddress, ...] = setting(
+        ListOf(Listen()), "submission addresses with STARTTLS, required before AUTH and MAIL (port 587); none: off",
+        ())
+    implicit_tls_listen: tuple[ListenAddress, ...] = setting(
+        ListOf(Listen()), "submission addresses with TLS from the first byte (port 465, RFC 8314); none: off", ())
+    users_file: str | None = setting(
+        Optional(Path()), "the users and their Argon2 hashes, written by `mta user add|passwd|del` (mode 0600); "
+        "reread when it changes", None)
+    max_auth_failures: int = setting(
+        Integer(1), "failed AUTH attempts from one client address within `auth_failure_window`: the one that "
+        "reaches it, and every AUTH from that address while it holds, gets `421 4.7.0` and the connection is closed", 5)
+    auth_failure_window: float = setting(Duration(positive=True), "see `max_auth_failures`", 900.0)
+    auth_failure_delay: float = setting(
+        Duration(), "how long a failed AUTH waits before its `535 5.7.8` (slows guessing on one connection)", 1.0)
+    auth_concurrency: int = setting(
+        Integer(1, 64), "password checks at once (each an Argon2 verification: ~0.3 s of CPU and 64 MiB); more wait",
+        2)
+    authenticated_header: bool = setting(
+        Boolean(), "name the user in the `Received:` header, `(Authenticated sender: NAME)` as Postfix writes it "
+        "(Postfix's smtpd_sasl_authenticated_header); the envelope keeps it either way", False)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.listen or self.implicit_tls_listen)
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("text", "json")
 
@@ -278,6 +314,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("spool", SpoolSection),
     ("relay", RelayConfig),
     ("delivery", DeliveryConfig),
+    ("submission", SubmissionConfig),
     ("tls_policy", TlsPolicyConfig),
     ("log", LogConfig),
     ("dkim", DkimSection),  # its keys, [[dkim.key]], are read by mta.config.dkim.parse_dkim_keys

@@ -45,8 +45,9 @@ def bind_error(addr: ListenAddress, index: int | str, exc: OSError) -> ConfigErr
     return StartError(f"{where}: {exc.strerror or exc}", key=key)
 
 
-async def open_listeners(addrs: Iterable[ListenAddress], *, reuse_port: bool = False) -> list[trio.SocketListener]:
-    """Listen on every address (all of a host name's addresses).
+async def open_listeners(addrs: Iterable[ListenAddress], *, reuse_port: bool = False,
+                         key: str = "server.listen") -> list[trio.SocketListener]:
+    """Listen on every address (all of a host name's addresses); ``key``: the setting they come from.
 
     Raises:
         ConfigError, StartError: an address cannot be had (see ``bind_error``).
@@ -58,7 +59,7 @@ async def open_listeners(addrs: Iterable[ListenAddress], *, reuse_port: bool = F
                 out += await (_open_reusing(addr) if reuse_port else
                               trio.open_tcp_listeners(addr.port, host=addr.host, backlog=BACKLOG))
             except OSError as exc:
-                raise bind_error(addr, index, exc) from None
+                raise bind_error(addr, index if key == "server.listen" else f"{key}[{index}]", exc) from None
     except BaseException:
         for listener in out:
             listener.socket.close()

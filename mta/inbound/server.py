@@ -16,6 +16,16 @@ outside a session). A spool failure (a failed fsync above all, or anything
 once the log writer is poisoned: ``mta.containment.is_fatal``) is not
 contained: it ends the relay, crash-only, and the next start recovers.
 
+Submission (``[submission]``, docs/security.md "SMTP AUTH"): the same
+sessions serve the submission listeners, with AUTH offered once TLS is up
+and MAIL refused before it (``Port``); port 465's sessions do the TLS
+handshake before the greeting (RFC 8314). The password check (Argon2, in
+``mta.auth.users``) runs in a worker thread, at most ``auth_concurrency`` at
+once, so that it never blocks the loop; failures are counted per client
+address (``mta.auth.limiter``) and answered after ``auth_failure_delay``. An
+authenticated session may relay anywhere, as a client in ``mynetworks`` may;
+its user is logged and kept in the envelope (``extra["auth"]``).
+
 Disk space: new mail is refused with ``452 4.3.1`` while the spool's disk is
 short (``_disk_ok``: free space less what the spool has not yet written below
 ``queue_minfree``, a write waiting for room, or the spool's reserve not whole),
@@ -29,6 +39,8 @@ message larger than the filesystem could ever hold above the floor gets
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
 import logging
 import math
 import os
@@ -39,7 +51,9 @@ from typing import Any
 
 import trio
 
-from mta.config import Config, NoRoute
+from mta.auth.limiter import FailureLimiter
+from mta.auth.users import UsersFile
+from mta.config import Config, ListenAddress, NoRoute
 from mta.containment import is_fatal, local_error
 from mta.dkim.accept import AcceptSigner
 from mta.dkim.signer import Signature
@@ -50,8 +64,10 @@ from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from mta.observe.tlsinfo import TlsInfo, tls_info
 from mta.smtp.common import Reply, received_header, received_protocol
+from mta.smtp.sasl import R_BAD_CREDENTIALS
 from mta.smtp.server import (
     END_OF_DATA,
+    AuthRequest,
     ConnectionClosed,
     DataAborted,
     DataChunk,
@@ -84,6 +100,8 @@ R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
 R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
 R_TOO_BIG_FOR_DISK = Reply(552, "5.3.4", "Message too big for this system's disk")
 R_LOCAL_ERROR = Reply(421, "4.3.0", "Local error, closing connection; try again later")
+R_AUTH_LOCKED = Reply(421, "4.7.0", "Too many failed authentication attempts; try again later")
+R_AUTH_UNAVAILABLE = Reply(454, "4.7.0", "Temporary authentication failure")
 READ_SIZE = 65536
 # How long a last reply (421) may take to leave when the session is being ended anyway.
 FAREWELL_TIMEOUT = 5.0
@@ -130,6 +148,14 @@ class CachedFreeSpace:
         return self._value
 
 
+class Port(enum.Enum):
+    """What a listener is for: relay and inbound mail (25), submission with STARTTLS (587), with implicit TLS (465)."""
+
+    SMTP = "smtp"
+    SUBMISSION = "submission"
+    SUBMISSIONS = "submissions"  # RFC 8314's name for port 465
+
+
 class SmtpServer:
     def __init__(self, config: Config, aspool: AsyncSpool, metrics: Metrics,
                  ssl_context: ssl.SSLContext | None = None,
@@ -137,6 +163,7 @@ class SmtpServer:
         """``free_space`` (tests inject one) is asked at every check; the default is a ``CachedFreeSpace``.
 
         ``dkim``: signs the mail of trusted clients as it is accepted (``mta.dkim.accept``); None: no keys.
+        Raises (with ``[submission]`` on): ``OSError``, ``UsersFileError`` for a users file that cannot be read.
         """
         self.config = config
         self.dkim = dkim
@@ -146,23 +173,44 @@ class SmtpServer:
         self.free_space = free_space or CachedFreeSpace(config.spool.queue_minfree)
         self.slots = SessionSlots(config)
         self.reuse_port = False  # set when several relay processes share the listening addresses
+        sub = config.submission
+        self.users = UsersFile(sub.users_file) if sub.enabled and sub.users_file else None
+        self.auth_failures = FailureLimiter(sub.max_auth_failures, sub.auth_failure_window)
+        self.auth_slots = trio.CapacityLimiter(sub.auth_concurrency)
+        self.users_error: str | None = None  # the users file's last problem, logged once
+        self.listeners: dict[Port, list[trio.SocketListener]] = {}
 
     async def serve(self, *, task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        listeners = await open_listeners(self.config.server.listen, reuse_port=self.reuse_port)
+        """Listen on every address; ``started`` with the SMTP listeners (``listeners`` has them all, by ``Port``)."""
+        sub = self.config.submission
+        wanted: list[tuple[Port, tuple[ListenAddress, ...], str]] = [
+            (Port.SMTP, self.config.server.listen, "server.listen"),
+            (Port.SUBMISSION, sub.listen, "submission.listen"),
+            (Port.SUBMISSIONS, sub.implicit_tls_listen, "submission.implicit_tls_listen")]
+        try:
+            for port, addrs, key in wanted:
+                self.listeners[port] = await open_listeners(addrs, reuse_port=self.reuse_port, key=key)
+        except BaseException:
+            for opened in self.listeners.values():
+                for listener in opened:
+                    listener.socket.close()
+            raise
         async with trio.open_nursery() as nursery:
-            task_status.started(listeners)
-            for listener in listeners:
-                nursery.start_soon(trio.serve_listeners, self._serve_connection, [listener])
+            task_status.started(self.listeners[Port.SMTP])
+            for port, opened in self.listeners.items():
+                for listener in opened:
+                    nursery.start_soon(trio.serve_listeners, functools.partial(self._serve_connection, port=port),
+                                       [listener])
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+    async def _serve_connection(self, stream: trio.SocketStream, port: Port = Port.SMTP) -> None:
         """The last boundary of one connection: nothing raised while serving it ends the listener.
 
         Sessions contain their own failures (``handle``); this catches what
         happens around them (a peer gone before it was answered, say).
         """
         try:
-            await self.handle(stream)
+            await self.handle(stream, port)
         except Exception as exc:
             if is_fatal(exc, self.aspool.core):  # before the network errors: SyncFailed is an OSError
                 raise
@@ -186,7 +234,7 @@ class SmtpServer:
             return R_DISK_FULL
         return R_TOO_BIG_FOR_DISK if 0 < room < size else R_DISK_FULL
 
-    async def handle(self, stream: trio.SocketStream) -> None:
+    async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP) -> None:
         try:
             peer: Any = stream.socket.getpeername()
             client_ip = str(peer[0])
@@ -197,7 +245,7 @@ class SmtpServer:
             await self._refuse(stream, client_ip, slot)
             return
         self.metrics.sessions.inc()
-        session = _Session(self, stream, client_ip)
+        session = _Session(self, stream, client_ip, port)
         try:
             await session.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, ConnectionError):
@@ -225,16 +273,19 @@ class SmtpServer:
 
 
 class _Session:
-    def __init__(self, server: SmtpServer, stream: trio.abc.Stream, client_ip: str) -> None:
+    def __init__(self, server: SmtpServer, stream: trio.abc.Stream, client_ip: str, port: Port = Port.SMTP) -> None:
         self.server = server
         self.config = server.config
         self.stream: trio.abc.Stream = stream
         self.client_ip = client_ip
+        self.port = port
         s = self.config.server
+        submission = port is not Port.SMTP
         self.conn = ServerConnection(
             s.hostname, max_message_size=s.max_message_size, max_line_length=s.line_length_limit,
             max_recipients=s.max_recipients, max_errors=s.max_errors, normalize_bare_lf=s.normalize_bare_lf,
-            tls_available=server.ssl_context is not None, on_reject=self._rejected)
+            tls_available=server.ssl_context is not None, tls_active=port is Port.SUBMISSIONS,
+            auth=submission, require_auth=submission, on_reject=self._rejected)
         self.tls: TlsInfo | None = None
         self.queue_id: str | None = None  # decided as DATA begins (the Received: header names it)
         self.mail_from: str | None = None  # the sender of the transaction, once MAIL was accepted
@@ -284,6 +335,8 @@ class _Session:
                 pass
 
     async def run(self) -> None:
+        if self.port is Port.SUBMISSIONS and not await self._handshake():
+            return
         with self._timer:
             await self._serve()
         if self._timer.cancelled_caught:
@@ -373,6 +426,10 @@ class _Session:
             elif isinstance(ev, StartTls):
                 if not await self._starttls():
                     return
+            elif isinstance(ev, AuthRequest):
+                if not await self._authenticate(ev):
+                    await self._flush()
+                    return
             elif isinstance(ev, (Rset, Ehlo, Helo)):
                 self._reset()
             elif isinstance(ev, (Quit, ConnectionClosed)):
@@ -451,7 +508,7 @@ class _Session:
         if address is None:
             address = ev.address
             domain = address.rpartition("@")[2].lower()
-            if not domain or not self.config.may_relay(self.client_ip, domain):
+            if not domain or not (self.conn.authenticated is not None or self.config.may_relay(self.client_ip, domain)):
                 self.conn.reject(R_RELAY_DENIED, "relay")
                 return
             if isinstance(self.config.route_for(domain), NoRoute):
@@ -467,14 +524,14 @@ class _Session:
         self.deadlines.data_start(trio.current_time())
         self._arm()
         core = self.server.aspool.core
-        proto = received_protocol(esmtp=self.conn.esmtp, tls=self.tls is not None,
-                                  smtputf8="SMTPUTF8" in self.mail_params)
+        proto = self._protocol()
+        user = self.conn.authenticated if self.config.submission.authenticated_header else None
 
         def received(message_id: int) -> bytes:
             return received_header(helo=self.conn.helo_name or "unknown", client_ip=self.client_ip,
                                    by=self.config.server.hostname, protocol=proto, queue_id=core.queue_id(message_id),
                                    recipient=self.recipients[0] if len(self.recipients) == 1 else None,
-                                   tls=self.tls.using() if self.tls is not None else None)
+                                   tls=self.tls.using() if self.tls is not None else None, authenticated=user)
 
         # The queue id is decided here, as the body begins, so that the Received: header can name it.
         self.body = self.server.aspool.begin_body(first=received)
@@ -489,6 +546,8 @@ class _Session:
             self._refuse_for_disk(body)
             return
         extra: dict[str, Any] = {"client": self.client_ip}
+        if self.conn.authenticated is not None:
+            extra["auth"] = self.conn.authenticated
         if self.mail_params:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
         try:
@@ -503,22 +562,27 @@ class _Session:
         self.server.metrics.accepted.inc()
         queue_id = self.server.aspool.core.queue_id(mid)
         event(log, "accepted", queue_id, from_=f"<{self.sender}>", size=body.size, nrcpt=len(self.recipients),
-              client=self.client_ip, helo=self.conn.helo_name, proto=received_protocol(
-                  esmtp=self.conn.esmtp, tls=self.tls is not None, smtputf8="SMTPUTF8" in self.mail_params),
-              tls=self.tls.protocol if self.tls is not None else None,
+              client=self.client_ip, helo=self.conn.helo_name, proto=self._protocol(),
+              tls=self.tls.protocol if self.tls is not None else None, auth=self.conn.authenticated,
               dkim=",".join(signed.signed_by) if signed is not None else None)
         self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {queue_id}"))
         self.recipients = []
 
+    def _protocol(self) -> str:
+        """The ``with`` of the Received: header and the accepted line (ESMTPSA: TLS and AUTH)."""
+        return received_protocol(esmtp=self.conn.esmtp, tls=self.tls is not None,
+                                 smtputf8="SMTPUTF8" in self.mail_params, auth=self.conn.authenticated is not None)
+
     async def _sign(self, body: BodyWriter) -> Signature | None:
-        """DKIM-sign the message of a client trusted to relay (in mynetworks), once, before it is committed.
+        """DKIM-sign the message of a client trusted to relay (in mynetworks, or authenticated), once, before it
+        is committed.
 
         Mail from anyone else (to the relay's own domains) is never signed,
         whatever its From: says: a signature vouches that the mail came from
         the domain's own users. docs/security.md, "DKIM signing".
         """
         dkim = self.server.dkim
-        if dkim is None or not self.config.in_mynetworks(self.client_ip):
+        if dkim is None or not (self.config.in_mynetworks(self.client_ip) or self.conn.authenticated is not None):
             return None
         result = await dkim.sign(self.server.aspool, body, self.queue_id)
         return result if isinstance(result, Signature) else None
@@ -539,9 +603,21 @@ class _Session:
             return True
         self.conn.accept()
         await self._flush()
-        tls = trio.SSLStream(self.stream, ctx, server_side=True)
         # The handshake has a whole command_timeout of its own; a 421 in plaintext would only confuse it.
         self._timer.deadline = math.inf
+        if not await self._handshake():
+            return False
+        self.conn.tls_started()
+        self._command_done = True
+        self._reset()
+        return True
+
+    async def _handshake(self) -> bool:
+        """The server side of a TLS handshake, within ``command_timeout``: after STARTTLS's 220, or first of all
+        on an implicit-TLS port. False (and a ``tls_failed`` line): it failed, the session is over."""
+        ctx = self.server.ssl_context
+        assert ctx is not None  # a submission listener needs TLS: the loader saw to it
+        tls = trio.SSLStream(self.stream, ctx, server_side=True)
         with trio.move_on_after(self.config.server.command_timeout) as scope:
             try:
                 await tls.do_handshake()
@@ -557,7 +633,50 @@ class _Session:
         self.tls = tls_info(tls)
         event(log, "tls", None, {"direction": "in", "client": self.client_ip, **self.tls.fields()})
         self.stream = tls
-        self.conn.tls_started()
-        self._command_done = True
-        self._reset()
         return True
+
+    async def _authenticate(self, ev: AuthRequest) -> bool:
+        """Decide a complete AUTH exchange: ``235``, ``535`` after the failure delay, or ``421`` past the limit.
+
+        The Argon2 check runs in a worker thread (``auth_slots`` bounds how
+        many at once); neither it nor the delay is the client's time. False:
+        the session is to end (the 421 was queued).
+        """
+        server, sub, client = self.server, self.config.submission, self.client_ip
+        if server.auth_failures.blocked(client):
+            event(log, "auth_failed", level=logging.WARNING, client=client, user=ev.username, mechanism=ev.mechanism,
+                  reason="rate_limit", failures=server.auth_failures.failures(client))
+            self.conn.reject(R_AUTH_LOCKED, "auth_rate_limit")
+            return False
+        users = server.users
+        try:
+            if users is None:
+                raise FileNotFoundError("no users_file")
+            with self._relay_busy():
+                good = await trio.to_thread.run_sync(users.verify, ev.username, ev.password,
+                                                     limiter=server.auth_slots)
+        except OSError as exc:
+            event(log, "auth_error", level=logging.ERROR, client=client, user=ev.username,
+                  error=exc.strerror or str(exc))
+            self.conn.reject(R_AUTH_UNAVAILABLE, "auth_unavailable")
+            return True
+        if users.last_error != server.users_error:
+            server.users_error = users.last_error
+            if users.last_error is not None:
+                event(log, "users_file_error", level=logging.ERROR, error=users.last_error)
+        if good:
+            server.auth_failures.succeeded(client)
+            event(log, "auth", client=client, user=ev.username, mechanism=ev.mechanism,
+                  port=self.port.value)
+            self.conn.accept()
+            return True
+        failures = server.auth_failures.failed(client)
+        locked = failures >= sub.max_auth_failures
+        event(log, "auth_failed", level=logging.WARNING, client=client, user=ev.username, mechanism=ev.mechanism,
+              reason="rate_limit" if locked else "credentials", failures=failures)
+        if sub.auth_failure_delay > 0:
+            await self._flush()
+            with self._relay_busy():
+                await trio.sleep(sub.auth_failure_delay)
+        self.conn.reject(R_AUTH_LOCKED if locked else R_BAD_CREDENTIALS, "auth_rate_limit" if locked else "auth_failed")
+        return not locked

@@ -37,7 +37,7 @@ import attrs
 from mta.config.model import Config
 from mta.errors import StartError
 from mta.process.security import UnsafeFile, check_spool_dir
-from mta.process.startup import check_control_socket, check_dkim_keys, check_tls
+from mta.process.startup import check_control_socket, check_dkim_keys, check_tls, check_users_file
 from mta.shards import shard_config, shard_count
 from spool.errors import ConfigError
 
@@ -84,6 +84,12 @@ def _tls(config: Config) -> Iterator[Finding]:
 def _dkim_keys(config: Config) -> Iterator[Finding]:
     """Each DKIM key private, readable and able to sign (``check_start``); the first problem only, as serve."""
     check_dkim_keys(config)
+    yield from ()
+
+
+def _users_file(config: Config) -> Iterator[Finding]:
+    """The submission users file, as ``mta serve`` checks it (``check_start``)."""
+    check_users_file(config)
     yield from ()
 
 
@@ -158,5 +164,5 @@ def _archive_dir(config: Config) -> Iterator[Finding]:
                                  "spool.archive_dir"))
 
 
-CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _dkim_keys, _control_sockets, _spool_dir,
-                                                              _free_space, _archive_dir)
+CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _dkim_keys, _users_file, _control_sockets,
+                                                              _spool_dir, _free_space, _archive_dir)

@@ -26,7 +26,7 @@ from mta.delivery.transport import Transport
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
 from mta.inbound.listen import bind_error
-from mta.inbound.server import SmtpServer
+from mta.inbound.server import Port, SmtpServer
 from mta.observe.metrics import Metrics
 from mta.process.security import check_spool_dir
 from mta.process.startup import check_start, unwrapped
@@ -95,6 +95,7 @@ class Relay:
         self.metrics = Metrics()
         self.aspool: AsyncSpool
         self.listeners: list[trio.SocketListener] = []
+        self.server: SmtpServer | None = None
         self.metrics_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
 
@@ -112,6 +113,7 @@ class Relay:
             server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg),
                                 dkim=AcceptSigner(signer) if signer else None)
             server.reuse_port = self.reuse_port
+            self.server = server
             self.listeners = await nursery.start(server.serve)
             control = ControlServer(self.aspool, cfg, shard=self.shard)
             await nursery.start(control.serve)
@@ -137,6 +139,10 @@ class Relay:
             addrs = ", ".join(f"{lst.socket.getsockname()[0]}:{lst.socket.getsockname()[1]}"
                               for lst in self.listeners)
             shard = f", shard {self.shard} (pid {os.getpid()})" if self.supervisor is not None else ""
+            for port in (Port.SUBMISSION, Port.SUBMISSIONS):
+                if server.listeners[port]:
+                    addrs += f"; {port.value} on " + ", ".join(
+                        "{}:{}".format(*lst.socket.getsockname()[:2]) for lst in server.listeners[port])
             log.info("logspool relay %s listening on %s, spool %s%s", cfg.server.hostname, addrs, cfg.spool.dir,
                      shard)
             if self.shard == 0:
@@ -146,6 +152,11 @@ class Relay:
     @property
     def ports(self) -> list[int]:
         return [int(lst.socket.getsockname()[1]) for lst in self.listeners]
+
+    def ports_of(self, port: Port) -> list[int]:
+        """The ports the listeners of one kind were given (submission's, say, when the OS picked them)."""
+        listeners = self.server.listeners.get(port, []) if self.server is not None else []
+        return [int(lst.socket.getsockname()[1]) for lst in listeners]
 
 
 def serve(config: Config) -> None:

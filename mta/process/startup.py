@@ -57,7 +57,10 @@ def check_start(config: Config, *, listen: bool = True) -> None:
     check_tls(config)
     check_dkim_keys(config)
     check_control_socket(config)
+    check_users_file(config)
     addresses: list[tuple[int | str, ListenAddress]] = list(enumerate(config.server.listen)) if listen else []
+    for key in ("listen", "implicit_tls_listen"):
+        addresses += [(f"submission.{key}[{i}]", a) for i, a in enumerate(getattr(config.submission, key))]
     if config.server.metrics_listen is not None:
         addresses.append(("server.metrics_listen", config.server.metrics_listen))
     probe_listen(config, addresses)
@@ -97,6 +100,25 @@ def probe_listen(config: Config, addresses: list[tuple[int | str, ListenAddress]
 
 def _config_error(config: Config, key: str, problem: str) -> ConfigError:
     return ConfigError(problem, config.source, key)
+
+
+def check_users_file(config: Config) -> None:
+    """With submission on: the users file exists, is private and reads as one (``mta.auth.users``)."""
+    from mta.auth.users import UsersFileError, check_private, read_users
+
+    path = config.submission.users_file
+    if not config.submission.enabled or path is None:
+        return
+    key = "submission.users_file"
+    try:
+        check_private(path)
+        read_users(path)
+    except FileNotFoundError:
+        raise _config_error(config, key, f"no such file: {path} (mta user add NAME creates it)") from None
+    except OSError as exc:
+        raise StartError(f"cannot read {path}: {exc.strerror or exc}", config.source, key) from None
+    except UsersFileError as exc:
+        raise StartError(f"{exc}; refusing to start", config.source, key) from None
 
 
 def check_tls(config: Config) -> None:

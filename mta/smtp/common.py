@@ -556,13 +556,11 @@ def _clean(s: str, limit: int = 255) -> str:
     return _UNSAFE_RE.sub("?", s)[:limit]
 
 
-def received_protocol(*, esmtp: bool, tls: bool, smtputf8: bool) -> str:
-    """The ``with`` keyword (RFC 3848, RFC 6531 §3.7.3)."""
-    if smtputf8:
-        return "UTF8SMTPS" if tls else "UTF8SMTP"
-    if not esmtp:
+def received_protocol(*, esmtp: bool, tls: bool, smtputf8: bool, auth: bool = False) -> str:
+    """The ``with`` keyword (RFC 3848, RFC 6531 §3.7.3): ``S`` for TLS, ``A`` for an authenticated client."""
+    if not esmtp and not smtputf8:
         return "SMTP"
-    return "ESMTPS" if tls else "ESMTP"
+    return ("UTF8SMTP" if smtputf8 else "ESMTP") + ("S" if tls else "") + ("A" if auth else "")
 
 
 def received_header(
@@ -576,12 +574,14 @@ def received_header(
     client_host: str | None = None,
     when: _dt.datetime | None = None,
     tls: str | None = None,
+    authenticated: str | None = None,
 ) -> bytes:
     """A folded ``Received:`` trace header (RFC 5321 §4.4), CRLF-terminated.
 
     ``tls``: how the session was encrypted, written as Postfix does in a
     comment line after ``from`` (``using TLSv1.3 with cipher ...``, see
-    ``mta.observe.tlsinfo``), followed by ``(No client certificate requested)``.
+    ``mta.observe.tlsinfo``), followed by ``(No client certificate requested)``;
+    ``authenticated``: the AUTH user, ``(Authenticated sender: NAME)`` as Postfix writes it.
     Peer-supplied text is sanitised, so a hostile HELO cannot inject headers.
     """
     when = when or _dt.datetime.now(_dt.UTC)
@@ -590,6 +590,8 @@ def received_header(
     if tls:
         # Our TLS library's words, not the peer's: only control characters could harm, and they are replaced.
         parts += [f"\t({_CONTROL_RE.sub('?', tls)})", "\t(No client certificate requested)"]
+    if authenticated:
+        parts.append(f"\t(Authenticated sender: {_clean(authenticated)})")
     parts.append(f"\tby {_clean(by)} with {protocol}")
     if queue_id:
         parts[-1] += f" id {_clean(queue_id, 64)}"

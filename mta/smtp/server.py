@@ -11,8 +11,8 @@ commands are answered in order and a line after ``DATA`` is never parsed as a
 command: by the time it is looked at, the state already says "content".
 
 What needs no policy is answered here (NOOP, HELP, VRFY, RSET, QUIT, EHLO/HELO,
-syntax and sequence errors, limits). Four events need a decision from the
-shell — ``MailFrom``, ``RcptTo``, ``EndOfData`` and ``StartTls`` — and until it
+syntax and sequence errors, limits). Five events need a decision from the
+shell — ``MailFrom``, ``RcptTo``, ``EndOfData``, ``StartTls`` and ``AuthRequest`` — and until it
 calls ``accept()`` or ``reject(reply)`` the core reads no further input
 (``next_event`` raises ``LocalProtocolError``). That is how the ``250`` after
 DATA waits for the spool's commit. Every 4xx/5xx reply, the core's own and
@@ -34,9 +34,17 @@ states a command is heard in; elsewhere it gets ``503 5.5.1``). In short::
     CONNECTED -HELLO-> IDLE -MAIL_ACCEPTED-> MAIL -RCPT_ACCEPTED-> RCPT -DATA_STARTED-> DATA
     DATA -MESSAGE_ACCEPTED | MESSAGE_REJECTED | MESSAGE_REFUSED-> IDLE
     IDLE -STARTTLS_ACCEPTED-> TLS -TLS_STARTED-> CONNECTED
+    IDLE -AUTH_STARTED-> AUTH -AUTH_SUCCEEDED | AUTH_FAILED | AUTH_ABORTED-> IDLE
     CONNECTED, IDLE, MAIL, RCPT: -HELLO-> IDLE, -RSET-> IDLE (CONNECTED stays),
                                   -QUIT | TOO_MANY_ERRORS | EOF-> CLOSED
-    DATA -EOF-> CLOSED;  CLOSED is the end: no step leaves it
+    DATA, AUTH -EOF-> CLOSED;  CLOSED is the end: no step leaves it
+
+AUTH (RFC 4954) is offered only once TLS is active; its SASL exchange
+(PLAIN, LOGIN) is parsed in ``mta.smtp.sasl``. In state AUTH each line is a
+response, never a command; a complete exchange is an ``AuthRequest``
+decision. A successful AUTH lasts the session (EHLO and RSET keep it). No
+part of an AUTH argument after the mechanism, and no response line, is kept
+in a ``Rejection``: they carry credentials.
 
 A step also decides what the session forgets (``_FORGETS_SESSION``,
 ``_FORGETS_TRANSACTION``), wherever it fires. Beside this machine runs a
@@ -68,8 +76,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Final
 
-import attrs
-
 from mta.smtp.common import (
     DATA_CHUNK_SIZE,
     DEFAULT_MAX_ERRORS,
@@ -91,7 +97,13 @@ from mta.smtp.common import (
     parse_rcpt_to,
     printable,
 )
+from mta.smtp.sasl import MAX_SASL_LINE, R_AUTH_OK, Challenge, Credentials, Failed, SaslExchange
+from mta.smtp.sasl import R_LINE_TOO_LONG as R_SASL_LINE_TOO_LONG
+from mta.smtp.sasl import start as start_sasl
 from mta.smtp.server_events import (
+    ARGUMENT_SHOWN,
+    END_OF_DATA,
+    AuthRequest,
     ConnectionClosed,
     DataAborted,
     DataChunk,
@@ -105,12 +117,16 @@ from mta.smtp.server_events import (
     NeedData,
     Quit,
     RcptTo,
+    RejectHook,
+    Rejection,
     Rset,
     StartTls,
 )
 
 __all__ = [  # the events are defined in mta.smtp.server_events and offered here too, with the connection
+    "END_OF_DATA",
     "TRANSITIONS",
+    "AuthRequest",
     "ConnectionClosed",
     "DataAborted",
     "DataChunk",
@@ -146,6 +162,7 @@ class State(TableKey):
     RCPT = "rcpt"  # at least one recipient accepted
     DATA = "data"  # reading content
     TLS = "tls"  # STARTTLS accepted, waiting for tls_started()
+    AUTH = "auth"  # in an AUTH exchange: lines are SASL responses (mta.smtp.sasl), or an AuthRequest is pending
     CLOSED = "closed"  # nothing more is read or answered
 
 
@@ -162,6 +179,10 @@ class Step(TableKey):
     RSET = "RSET answered 250"
     STARTTLS_ACCEPTED = "accept() of StartTls"
     TLS_STARTED = "tls_started() after the handshake"
+    AUTH_STARTED = "AUTH answered 334, or its initial response completed the credentials"
+    AUTH_SUCCEEDED = "accept() of AuthRequest, 235 sent"
+    AUTH_FAILED = "reject() of AuthRequest"
+    AUTH_ABORTED = "the exchange ended without credentials: cancel, not base64, too long, malformed"
     QUIT = "QUIT answered 221"
     TOO_MANY_ERRORS = "the error limit reached, 421 sent"
     EOF = "the peer closed its side"
@@ -180,6 +201,7 @@ TRANSITIONS: Final[Mapping[State, Mapping[Step, State]]] = {
         Step.HELLO: State.IDLE,
         Step.MAIL_ACCEPTED: State.MAIL,
         Step.STARTTLS_ACCEPTED: State.TLS,
+        Step.AUTH_STARTED: State.AUTH,
         Step.RSET: State.IDLE,
         Step.QUIT: State.CLOSED,
         Step.TOO_MANY_ERRORS: State.CLOSED,
@@ -211,6 +233,12 @@ TRANSITIONS: Final[Mapping[State, Mapping[Step, State]]] = {
     State.TLS: {  # input is ignored until the handshake is done
         Step.TLS_STARTED: State.CONNECTED,
     },
+    State.AUTH: {  # no command is read here: each line is a response, until the exchange ends
+        Step.AUTH_SUCCEEDED: State.IDLE,
+        Step.AUTH_FAILED: State.IDLE,
+        Step.AUTH_ABORTED: State.IDLE,
+        Step.EOF: State.CLOSED,
+    },
     State.CLOSED: {},
 }
 # What a step makes the session forget, from whichever state it fires: the
@@ -236,52 +264,34 @@ _ALLOWED: Final[dict[str, frozenset[State]]] = {
     "VRFY": _COMMAND_STATES,
     "QUIT": _COMMAND_STATES,
     "STARTTLS": frozenset({State.IDLE}),
+    "AUTH": frozenset({State.IDLE}),
 }
 _SEQUENCE_HINT: Final = {
     "MAIL": "Send HELO/EHLO first, and only one MAIL per transaction",
     "RCPT": "Need MAIL before RCPT",
     "DATA": "Need MAIL and RCPT before DATA",
     "STARTTLS": "STARTTLS only after EHLO and outside a transaction",
+    "AUTH": "AUTH only after EHLO and outside a transaction",
 }
 
 # Told of every step taken: (from, step, to). For tests and tracing; it must not call back into the connection.
 TransitionHook = Callable[[State, Step, State], None]
 
 
-@attrs.frozen
-class Rejection:
-    """A 4xx/5xx reply the session sent, whoever decided it (the core, or the shell's ``reject``).
-
-    ``command``: the verb as the client wrote it, upper-cased (``RCPT``);
-    ``END-OF-DATA`` for the answer to the content; ``-`` for a line that
-    could not be read as a command. ``argument``: the rest of the line as
-    the client sent it, at most ``ARGUMENT_SHOWN`` characters, raw: whoever
-    writes it out escapes it. ``reason``: a short fixed word for what was
-    wrong (``syntax``, ``relay``, ``size`` ...), the metric's label.
-    """
-
-    command: str
-    argument: str
-    reply: Reply
-    reason: str
-
-
-# Told of every refusal, for the log and the metrics; like TransitionHook it must not call back into the connection.
-RejectHook = Callable[[Rejection], None]
-ARGUMENT_SHOWN: Final = 200
-END_OF_DATA: Final = "END-OF-DATA"
 # The step an accepted decision takes.
 _ON_ACCEPT: Final[dict[type[Decision], Step]] = {
     MailFrom: Step.MAIL_ACCEPTED,
     RcptTo: Step.RCPT_ACCEPTED,
     EndOfData: Step.MESSAGE_ACCEPTED,
     StartTls: Step.STARTTLS_ACCEPTED,
+    AuthRequest: Step.AUTH_SUCCEEDED,
 }
 _DEFAULT_ACCEPT: Final[dict[type[Decision], Reply]] = {
     MailFrom: Reply(250, "2.1.0", "Ok"),
     RcptTo: Reply(250, "2.1.5", "Ok"),
     EndOfData: Reply(250, "2.0.0", "Ok: queued"),
     StartTls: Reply(220, "2.0.0", "Ready to start TLS"),
+    AuthRequest: R_AUTH_OK,
 }
 
 R_OK: Final = Reply(250, "2.0.0", "Ok")
@@ -295,6 +305,11 @@ R_TOO_MANY_RCPTS: Final = Reply(452, "4.5.3", "Too many recipients")
 R_NEED_UTF8: Final = Reply(553, "5.6.7", "Non-ASCII address needs SMTPUTF8")
 R_DATA_GO: Final = Reply(354, None, "End data with <CR><LF>.<CR><LF>")
 R_CONTROL_IN_ARGUMENT: Final = Reply(501, "5.5.4", "Control character in argument")
+R_NO_AUTH: Final = Reply(502, "5.5.1", "AUTH not available on this port")
+R_ENCRYPTION_REQUIRED: Final = Reply(538, "5.7.11", "Encryption required for requested authentication mechanism")
+R_ALREADY_AUTHENTICATED: Final = Reply(503, "5.5.1", "Already authenticated")
+R_STARTTLS_FIRST: Final = Reply(530, "5.7.0", "Must issue a STARTTLS command first")
+R_AUTH_REQUIRED: Final = Reply(530, "5.7.0", "Authentication required")
 # Why the content was refused at its end, by the reply the decoder chose.
 _CONTENT_REASONS: Final = {R_TOO_BIG: "size", R_DATA_BARE_NEWLINE: "bare_newline", R_DATA_LONG_LINE: "line_too_long",
                            R_DATA_NUL: "nul"}
@@ -307,6 +322,10 @@ class ServerConnection:
     ``max_line_length`` (content lines incl. CRLF), ``max_recipients``,
     ``max_errors`` (core-detected 5xx before 421), ``normalize_bare_lf``,
     ``tls_available`` (offer STARTTLS), ``tls_active`` (implicit TLS),
+    ``auth`` (offer AUTH PLAIN LOGIN, once TLS is active: RFC 4954 §4 and
+    RFC 8314; before it AUTH gets ``538 5.7.11``), ``require_auth`` (MAIL
+    needs STARTTLS and AUTH first: a submission port, ``530 5.7.0``),
+    ``auth_without_tls`` (AUTH over plaintext: for tests of this table only),
     ``on_transition`` (told of every step; see ``TransitionHook``),
     ``on_reject`` (told of every 4xx/5xx reply; see ``Rejection``).
 
@@ -325,6 +344,9 @@ class ServerConnection:
         normalize_bare_lf: bool = False,
         tls_available: bool = False,
         tls_active: bool = False,
+        auth: bool = False,
+        require_auth: bool = False,
+        auth_without_tls: bool = False,
         greeting: str = "ESMTP logspool",
         on_transition: TransitionHook | None = None,
         on_reject: RejectHook | None = None,
@@ -337,6 +359,11 @@ class ServerConnection:
         self.normalize_bare_lf = normalize_bare_lf
         self.tls_available = tls_available
         self.tls_active = tls_active
+        self.auth = auth
+        self.require_auth = require_auth
+        self.auth_without_tls = auth_without_tls
+        self._exchange: SaslExchange | None = None
+        self._authenticated: str | None = None
         self._state = State.CONNECTED
         self._on_transition = on_transition
         self._on_reject = on_reject
@@ -394,6 +421,11 @@ class ServerConnection:
         return self._helo
 
     @property
+    def authenticated(self) -> str | None:
+        """The user name an accepted AUTH proved, kept until TLS starts afresh (never, in practice)."""
+        return self._authenticated
+
+    @property
     def pending(self) -> Decision | None:
         """The event waiting for accept()/reject(), if any."""
         return self._pending
@@ -410,6 +442,8 @@ class ServerConnection:
         self._fire(_ON_ACCEPT[type(ev)])
         if isinstance(ev, RcptTo):
             self._rcpt_count += 1
+        elif isinstance(ev, AuthRequest):
+            self._authenticated = ev.username
         elif isinstance(ev, StartTls):
             # CVE-2011-0411: nothing sent in plaintext after STARTTLS may be obeyed.
             self._buf.clear()
@@ -423,6 +457,8 @@ class ServerConnection:
         self._refuse(reply, reason)
         if isinstance(ev, EndOfData):  # the content is gone either way: the transaction ends
             self._fire(Step.MESSAGE_REJECTED)
+        elif isinstance(ev, AuthRequest):
+            self._fire(Step.AUTH_FAILED)
 
     def tls_started(self) -> None:
         """The TLS handshake is done: a fresh session, the client must EHLO again.
@@ -431,6 +467,7 @@ class ServerConnection:
         """
         self._fire(Step.TLS_STARTED)
         self.tls_active = True
+        self._authenticated = None
         self._buf.clear()
         self._pos = 0
 
@@ -479,9 +516,11 @@ class ServerConnection:
                 ev = ConnectionClosed()
             elif self._state is State.DATA:
                 ev = self._data_event()
+            elif self._state is State.AUTH:
+                ev = self._auth_event()
             else:
                 ev = self._command_event()
-        if isinstance(ev, MailFrom | RcptTo | EndOfData | StartTls):
+        if isinstance(ev, MailFrom | RcptTo | EndOfData | StartTls | AuthRequest):
             self._pending = ev
         return ev
 
@@ -523,7 +562,8 @@ class ServerConnection:
             return None
         verb, _, arg = text.partition(" ")
         verb = verb.upper()
-        self._command, self._argument = verb[:16], arg[:ARGUMENT_SHOWN]
+        # AUTH's argument after the mechanism is a credential: never kept for the log.
+        self._command, self._argument = verb[:16], (arg.split(" ")[0] if verb == "AUTH" else arg)[:ARGUMENT_SHOWN]
         allowed = _ALLOWED.get(verb)
         if allowed is None:
             if verb == "EXPN":
@@ -577,6 +617,8 @@ class ServerConnection:
             return self._data()
         elif verb == "STARTTLS":
             return self._starttls()
+        elif verb == "AUTH":
+            return self._auth(arg)
         return None
 
     def _hello(self, verb: str, arg: str) -> Event:
@@ -593,10 +635,15 @@ class ServerConnection:
         caps = ["PIPELINING", f"SIZE {self.max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES"]
         if self.tls_available and not self.tls_active:
             caps.append("STARTTLS")
+        if self.auth and (self.tls_active or self.auth_without_tls):
+            caps.append("AUTH PLAIN LOGIN")
         self._send(Reply(250, None, "\n".join([self.hostname, *caps])))
         return Ehlo(name)
 
     def _mail(self, arg: str) -> Event | None:
+        if self.require_auth and self._authenticated is None:
+            self._error(R_AUTH_REQUIRED if self.tls_active else R_STARTTLS_FIRST, "auth_required")
+            return None
         address, params = parse_mail_from(arg)
         if params and not self._esmtp:
             raise RemoteProtocolError("params after HELO", Reply(555, "5.5.4", "Parameters need EHLO"))
@@ -651,6 +698,56 @@ class ServerConnection:
             self._error(Reply(502, "5.5.1", "STARTTLS not available"), "tls_unavailable")
             return None
         return StartTls()
+
+    # -------------------------------------------------------------- AUTH (RFC 4954)
+
+    def _auth(self, arg: str) -> Event | None:
+        """``AUTH mechanism [initial-response]``: refused here, or an exchange begins (``mta.smtp.sasl``)."""
+        refusal = (R_NO_AUTH if not self.auth else
+                   R_ENCRYPTION_REQUIRED if not (self.tls_active or self.auth_without_tls) else
+                   R_ALREADY_AUTHENTICATED if self._authenticated is not None else
+                   Reply(503, "5.5.1", "Send EHLO first") if not self._esmtp else None)
+        if refusal is not None:
+            self._error(refusal, "auth_refused")
+            return None
+        exchange, outcome = start_sasl(arg)
+        if isinstance(outcome, Failed):  # no exchange began: the state stays
+            self._error(outcome.reply, outcome.reason)
+            return None
+        self._exchange = exchange
+        self._fire(Step.AUTH_STARTED)
+        return self._sasl(outcome)
+
+    def _auth_event(self) -> Event | None:
+        """Consume one response line of the exchange (at most ``MAX_SASL_LINE`` bytes before its CRLF)."""
+        buf = self._buf
+        self._command, self._argument = "AUTH", ""  # a response is a credential: never kept for the log
+        end = min(len(buf), self._pos + MAX_SASL_LINE + 2)
+        i = buf.find(b"\n", self._pos, end)
+        if i < 0:
+            if end - self._pos >= MAX_SASL_LINE + 2:
+                self._skip_line = True  # the rest is discarded as the next command line would be
+                return self._sasl(Failed(R_SASL_LINE_TOO_LONG, "auth_line_too_long"))
+            return self._at_eof()
+        line = bytes(buf[self._pos : i + 1])
+        self._pos = i + 1
+        self.command_lines += 1
+        if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
+            return self._sasl(Failed(R_BARE_NEWLINE, "bare_newline"))
+        assert self._exchange is not None
+        return self._sasl(self._exchange.respond(line[:-2]))
+
+    def _sasl(self, outcome: Challenge | Credentials | Failed) -> Event | None:
+        """Act on an exchange's outcome, in state AUTH: ask again, hand the credentials over, or end it."""
+        if isinstance(outcome, Challenge):
+            self._send(outcome.reply)
+            return None
+        self._exchange = None
+        if isinstance(outcome, Credentials):
+            return AuthRequest(outcome.mechanism, outcome.username, outcome.password)
+        self._fire(Step.AUTH_ABORTED)
+        self._error(outcome.reply, outcome.reason)
+        return None
 
     # -------------------------------------------------------------- content
 

@@ -1,6 +1,6 @@
 """What the SMTP server core (``mta.smtp.server``) hands its shell: one small frozen class per event.
 
-Four of them are decisions (``Decision``): the core reads no further input
+Five of them are decisions (``Decision``): the core reads no further input
 until the shell answers them with ``accept()`` or ``reject()``. The rest are
 news, already answered by the core, or requests to send and read
 (``NeedData``) or to close (``Quit``, ``ConnectionClosed``).
@@ -8,9 +8,15 @@ news, already answered by the core, or requests to send and read
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Final
+
 import attrs
 
 from mta.smtp.common import Params, Reply
+
+ARGUMENT_SHOWN: Final = 200  # characters of a refused command's argument kept in its Rejection
+END_OF_DATA: Final = "END-OF-DATA"  # the Rejection's command for the answer to the content
 
 
 @attrs.frozen
@@ -87,6 +93,18 @@ class StartTls:
 
 
 @attrs.frozen
+class AuthRequest:
+    """A complete AUTH exchange (mta.smtp.sasl): needs accept() (235, the session is authenticated) or reject().
+
+    The core has checked the form only; whether the password is right is the shell's to find out.
+    """
+
+    mechanism: str
+    username: str
+    password: str = attrs.field(repr=False)
+
+
+@attrs.frozen
 class Quit:
     """221 was queued; send data_to_send() and close."""
 
@@ -112,8 +130,31 @@ Event = (
     | DataAborted
     | Rset
     | StartTls
+    | AuthRequest
     | Quit
     | ConnectionClosed
     | NeedData
 )
-Decision = MailFrom | RcptTo | EndOfData | StartTls
+Decision = MailFrom | RcptTo | EndOfData | StartTls | AuthRequest
+
+
+@attrs.frozen
+class Rejection:
+    """A 4xx/5xx reply the session sent, whoever decided it (the core, or the shell's ``reject``).
+
+    ``command``: the verb as the client wrote it, upper-cased (``RCPT``);
+    ``END-OF-DATA`` for the answer to the content; ``-`` for a line that
+    could not be read as a command. ``argument``: the rest of the line as
+    the client sent it, at most ``ARGUMENT_SHOWN`` characters, raw: whoever
+    writes it out escapes it. ``reason``: a short fixed word for what was
+    wrong (``syntax``, ``relay``, ``size`` ...), the metric's label.
+    """
+
+    command: str
+    argument: str
+    reply: Reply
+    reason: str
+
+
+# Told of every refusal, for the log and the metrics; it must not call back into the connection.
+RejectHook = Callable[[Rejection], None]
