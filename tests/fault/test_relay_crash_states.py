@@ -1,0 +1,101 @@
+"""Power cuts under the running relay (issue 14, part 1): the crash-state kinds, and a bounded harness run.
+
+The harness (``fault_injection.relaycrash``) records the real relay accepting
+over SMTP, delivering into Maildirs and to a next hop, rotating 16 KiB
+segments, checkpointing and deleting segments; then it recovers a few hundred
+crash states and checks that nothing answered 250 was lost. The last test
+shows that it would see a Maildir whose new directories are not fsynced into
+their parents (issue 14 §5).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from fault_injection import crashstates, relaycrash
+from fault_injection.crashstates import Recipe, Walker
+from fault_injection.recording import Event, Link, Recording, Sync, SyncDir, Write
+from mta.delivery.maildir import MaildirWriter
+
+STATES = 300  # make test's share; make crashtest runs 20,000
+
+
+def _at_end(rec: Recording) -> Walker:
+    walker = Walker(rec)
+    for _ in walker.points():
+        pass
+    return walker
+
+
+def test_page_order_states_keep_any_subset_of_the_dirty_pages() -> None:
+    rec = Recording()
+    rec.ops += [Link(0, "f", 1, False), SyncDir(0), Write(1, 0, b"a" * 4096), Sync(1),
+                Write(1, 4096, b"b" * 4096), Write(1, 8192, b"c" * 100), Write(1, 0, b"d" * 10)]
+    walker = _at_end(rec)
+    assert walker.dirty_pages(1) == [0, 1, 2]
+    # the third page reached the disk, the second did not: a hole of zeros, at the issued size
+    assert walker.paged(1, 0b100, 1) == b"a" * 4096 + bytes(4096) + b"c" * 100
+    # the first page (rewritten) reached the disk, the size stayed the durable one
+    assert walker.paged(1, 0b001, 0) == b"d" * 10 + b"a" * 4086
+    state = walker.state(Recipe(walker.point, (), (), ((1, 0b011, 1),)))
+    assert state.files["f"] == b"d" * 10 + b"a" * 4086 + b"b" * 4096 + bytes(100)
+
+
+def test_recipe_with_pages_round_trips() -> None:
+    r = Recipe(40, ((3, 1, 512),), ((0, 2),), ((7, 0b1011, 1), (9, 0, 0)))
+    assert Recipe.parse(r.text()) == r
+
+
+def test_names_state_drops_unsynced_entries_and_keeps_the_data() -> None:
+    rec = Recording()
+    rec.ops += [Link(0, "old", 1, False), SyncDir(0), Link(0, "new", 2, False), Write(2, 0, b"x" * 600), Sync(2),
+                Event("ack", ())]
+    walker = _at_end(rec)
+    kinds = {kind: relaycrash.draw(walker, kind, random.Random(1)) for kind in relaycrash.KINDS}
+    names = kinds["names"]
+    assert names is not None and walker.state(names).files == {"old": b""}  # fsynced data, but no name for it
+    synced = kinds["synced"]
+    assert synced is not None and sorted(walker.state(synced).files) == ["old"]
+    torn = kinds["torn"]
+    assert torn is None  # the only write was synced: nothing to tear
+
+
+def test_relay_crash_states_lose_nothing() -> None:
+    report = relaycrash.run(STATES, seed=0, relay_every=25)
+    assert report.failures == []
+    assert report.states == STATES
+    assert report.lost == 0 and report.refusals == 0
+    assert all(report.by_kind[k] > 0 for k in relaycrash.KINDS), report.by_kind
+    assert report.relay_starts >= STATES // 25
+    assert report.checked > STATES  # each state checks every acknowledged recipient before its crash point
+
+
+def test_harness_sees_a_maildir_without_the_parent_directory_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The question of issue 14 §5, decided: without fsyncing a new mailbox into its parent, mail is lost."""
+
+    def ensure_without_parent_fsync(self: MaildirWriter, maildir: str) -> None:
+        for path in (os.path.dirname(maildir), maildir, *(os.path.join(maildir, s) for s in ("cur", "new", "tmp"))):
+            if not self.io.exists(path):
+                self.io.makedirs(path)
+        self.io.fsync_dir(maildir)  # cur/ new/ tmp/ are durable; the Maildir's own name is not
+
+    monkeypatch.setattr(MaildirWriter, "_ensure_maildir", ensure_without_parent_fsync)
+    report = relaycrash.run(150, seed=0, relay_every=1000)
+    assert report.lost > 0
+    assert any("@local.test" in f or "@senders.test" in f for f in report.failures)
+
+
+def test_a_failed_state_replays_from_its_saved_recording(tmp_path: os.PathLike[str]) -> None:
+    from fault_injection.relayload import record
+
+    run = record(os.path.join(str(tmp_path), "run"), seed=3, messages=12)
+    path = os.path.join(str(tmp_path), "run.pickle")
+    run.save(path)
+    last = len(run.recording.ops)
+    res = relaycrash.replay(path, Recipe(last, (), ()).text())
+    assert res.violations == [] and res.relay_started
+    assert res.checked == sum(len(ev.data[2]) for ev in run.recording.events() if ev.kind == "ack")
+    assert crashstates.state_of(run.recording, Recipe(last, (), ()))[1] == len(run.recording.events())
