@@ -201,7 +201,25 @@ class Walker:
         elif isinstance(op, SyncDir):
             for ns in self.pending_ns.pop(op.ino, []):
                 _apply_ns(self.entries, ns)
+                if isinstance(ns, Rename):
+                    self._settle_source(ns)
             self.pending_ns_index.pop(op.ino, None)
+
+    def _settle_source(self, rename: Rename) -> None:
+        """A durable rename also settles the unsynced create of its source name (Maildir's ``tmp/`` file).
+
+        The inode has one name: once it is durable under the new one, the old
+        name cannot come back in a later crash state (a journal commits the
+        create with the rename that moved it).
+        """
+        ops = self.pending_ns.get(rename.src_parent, [])
+        keep = [i for i, ns in enumerate(ops) if not (isinstance(ns, Link) and ns.ino == rename.ino)]
+        if len(keep) < len(ops):
+            index = self.pending_ns_index[rename.src_parent]
+            self.pending_ns[rename.src_parent] = [ops[i] for i in keep]
+            self.pending_ns_index[rename.src_parent] = [index[i] for i in keep]
+            if not keep:
+                del self.pending_ns[rename.src_parent], self.pending_ns_index[rename.src_parent]
 
     def choices(self) -> tuple[list[list[tuple[int, int, int]]], list[list[tuple[int, int]]]]:
         """Per dirty file and per dirty directory, the options at the current crash point."""

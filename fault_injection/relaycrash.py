@@ -98,6 +98,7 @@ class Report:
     relay_starts: int = 0
     recordings: int = 0
     ops: int = 0
+    segments_deleted: int = 0  # by the recorded runs' checkpoints, all runs together
     failures: list[str] = attrs.field(factory=list)
 
     @property
@@ -107,8 +108,9 @@ class Report:
     def line(self) -> str:
         kinds = ", ".join(f"{k} {self.by_kind[k]}" for k in KINDS)
         return (f"relay crash states {self.states} ({kinds}) from {self.recordings} recorded runs ({self.ops} file "
-                f"ops); {self.relay_starts} recovered by a whole relay start, the rest by Spool.open; acknowledged "
-                f"recipients checked {self.checked}; lost {self.lost}; refusals to start {self.refusals}; "
+                f"ops, {self.segments_deleted} segments deleted); {self.relay_starts} recovered by a whole relay "
+                f"start, the rest by Spool.open; acknowledged recipients checked {self.checked}; lost {self.lost}; "
+                f"refusals to start {self.refusals}; "
                 f"duplicates {self.duplicates}; failed states {len(self.failures)}")
 
 
@@ -386,6 +388,7 @@ def run(states: int, seed: int = 0, *, messages: int = 40, per_recording: int = 
             shutil.rmtree(workdir, ignore_errors=True)
         report.recordings += 1
         report.ops += len(recorded.recording.ops)
+        report.segments_deleted += recorded.segments_deleted
         before = report.states
         explore(recorded, min(per_recording, states - report.states), s, report, relay_every=relay_every,
                 progress=progress)

@@ -31,12 +31,15 @@ sender ``sN@senders.test``, whose Maildir ``<root>/mail/sN/`` is made for
 it). Message ``n`` carries ``X-Crash-N: n``; its bytes follow from the seed
 alone (``message``).
 
-The run ends once every message is acknowledged and every recipient has a
-durable outcome, and the log's oldest segments were deleted behind a
-checkpoint (or a bound passed). What is seeded: the messages, their
-recipients and sizes, the next hop's deferrals. What is not: the order in
-which threads and sessions interleave, so a recording is saved to a file
-(``save``) when a state fails, and replayed from it.
+The run ends once every message is acknowledged, every recipient has a
+durable outcome, every DSN was delivered, and the checkpointer has deleted at
+least two segments behind its checkpoints (the recorder says when it unlinks
+one; ``Run.segments_deleted`` says how many), or a bound passed.
+
+What is seeded: the messages, their recipients and sizes, the next hop's
+deferrals. What is not: the order in which threads and sessions interleave,
+so a recording is saved to a file (``save``) when a state fails, and
+replayed from it.
 """
 
 from __future__ import annotations
@@ -69,7 +72,6 @@ from mta.smtp.server import (
     ServerConnection,
 )
 from spool.record import Outcome, Status
-from spool.segment import list_segments
 
 SEGMENT_SIZE = 16 * 1024
 LOCAL_DOMAIN = "local.test"
@@ -82,6 +84,7 @@ N_HEADER = b"X-Crash-N: "
 QUEUED_AS = re.compile(r"queued as (\S+)")
 RUN_BOUND = 120.0  # seconds: a bound on one recorded run, not a pace
 DEFER_FIRST = 0.25
+MIN_DELETED = 2  # by default the run goes on until the checkpointer has deleted this many segments
 
 CONFIG = """\
 [server]
@@ -230,6 +233,21 @@ class NextHop:
         conn.accept()
 
 
+class WatchedFileIO(RecordingFileIO):
+    """The recorder, also telling the run when a segment was deleted (from whichever thread deleted it)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.segments_deleted = 0
+        self.on_segment_deleted: Callable[[], None] = lambda: None
+
+    def unlink(self, path: str) -> None:
+        super().unlink(path)
+        if path.endswith(".seg"):
+            self.segments_deleted += 1
+            self.on_segment_deleted()
+
+
 @attrs.define
 class Run:
     """A recorded run: the recording, what was sent, and what the run saw (for its summary line)."""
@@ -269,7 +287,7 @@ def _send(port: int, plan: Plan, n: int) -> tuple[str, tuple[str, ...]] | None:
         return (found.group(1), plan.recipients[n]) if code == 250 and found else None
 
 
-async def _drive(root: str, plan: Plan, run: Run, rio: RecordingFileIO, concurrency: int) -> None:
+async def _drive(root: str, plan: Plan, run: Run, rio: WatchedFileIO, concurrency: int, min_deleted: int) -> None:
     hop = NextHop(plan.seed, rio.event)
     final: set[tuple[str, str]] = set()
     bounced: set[str] = set()  # queue ids with a bounced recipient: each owes its sender one DSN
@@ -312,22 +330,31 @@ async def _drive(root: str, plan: Plan, run: Run, rio: RecordingFileIO, concurre
             want = {(qid, r) for qid, rcpts in acked for r in rcpts}
             while not want <= final or len(dsns) < len(bounced):
                 await changed.wait()
-            log_dir = relay.aspool.core.log_dir
-            while min(list_segments(rio, log_dir), default=0) <= 1:
-                await trio.sleep(0.05)  # polling for the checkpointer's deletion, bounded by RUN_BOUND
+            # Then the checkpointer deletes segments once the runners (trailing by their intervals) passed them.
+            token = trio.lowlevel.current_trio_token()
+            while rio.segments_deleted < min_deleted:
+                deleted = trio.Event()
+                rio.on_segment_deleted = functools.partial(token.run_sync_soon, deleted.set)
+                if rio.segments_deleted < min_deleted:  # none came between the test above and the hook
+                    await deleted.wait()
+            rio.on_segment_deleted = lambda: None
         run.acked = len(acked)
         run.outcomes = len(final)
-        run.segments_deleted = min(list_segments(rio, log_dir)) - 1
+        run.segments_deleted = rio.segments_deleted
         nursery.cancel_scope.cancel()
 
 
-def record(workdir: str, seed: int, messages: int = 40, concurrency: int = 4) -> Run:
-    """Run the relay's workload in ``workdir`` (which must be empty or missing) under the recorder."""
+def record(workdir: str, seed: int, messages: int = 40, concurrency: int = 4, min_deleted: int = MIN_DELETED) -> Run:
+    """Run the relay's workload in ``workdir`` (which must be empty or missing) under the recorder.
+
+    ``min_deleted``: segments the checkpointer must have deleted before the run ends (a run of a
+    dozen messages fills too few segments for any to be deleted: 0 for those).
+    """
     os.makedirs(os.path.join(workdir, "spool"), mode=0o700, exist_ok=True)
-    rio = RecordingFileIO(workdir)
+    rio = WatchedFileIO(workdir)
     run = Run(seed, messages, rio.rec)
     t0 = time.monotonic()
-    trio.run(_drive, workdir, Plan.make(seed, messages), run, rio, concurrency)
+    trio.run(_drive, workdir, Plan.make(seed, messages), run, rio, concurrency, min_deleted)
     run.seconds = time.monotonic() - t0
     if run.acked != messages:
         raise RuntimeError(f"only {run.acked} of {messages} messages were accepted in the recorded run")

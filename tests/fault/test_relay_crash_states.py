@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 
 import pytest
 
-from fault_injection import crashstates, relaycrash
+from fault_injection import crashstates, relaycrash, scratch_dir
 from fault_injection.crashstates import Recipe, Walker
-from fault_injection.recording import Event, Link, Recording, Sync, SyncDir, Write
+from fault_injection.recording import Event, Link, Recording, Rename, Snapshot, Sync, SyncDir, Write
+from fault_injection.relayload import record
 from mta.delivery.maildir import MaildirWriter
 
 STATES = 300  # make test's share; make crashtest runs 20,000
@@ -63,6 +66,18 @@ def test_names_state_drops_unsynced_entries_and_keeps_the_data() -> None:
     assert torn is None  # the only write was synced: nothing to tear
 
 
+def test_a_durable_rename_settles_the_unsynced_create_of_its_source_name() -> None:
+    """Maildir's order: create tmp/f (tmp/ never fsynced), fsync f, rename to new/f, fsync new/: f has one name."""
+    rec = Recording()
+    rec.ops += [Link(0, "tmp", 1, True), Link(0, "new", 2, True), SyncDir(0), Link(1, "f", 3, False),
+                Write(3, 0, b"mail"), Sync(3), Rename(1, "f", 2, "f", 3), SyncDir(2)]
+    rec.dir_inos.update({1, 2})  # the recorder notes directories as it links them
+    walker = _at_end(rec)
+    _files, dirs = walker.choices()
+    assert dirs == []  # the create in tmp/ is settled by the durable rename
+    assert walker.state(Recipe(walker.point, (), ())).files == {"new/f": b"mail"}
+
+
 def test_relay_crash_states_lose_nothing() -> None:
     report = relaycrash.run(STATES, seed=0, relay_every=25)
     assert report.failures == []
@@ -70,6 +85,7 @@ def test_relay_crash_states_lose_nothing() -> None:
     assert report.lost == 0 and report.refusals == 0
     assert all(report.by_kind[k] > 0 for k in relaycrash.KINDS), report.by_kind
     assert report.relay_starts >= STATES // 25
+    assert report.segments_deleted > 0
     assert report.checked > STATES  # each state checks every acknowledged recipient before its crash point
 
 
@@ -88,10 +104,34 @@ def test_harness_sees_a_maildir_without_the_parent_directory_fsync(monkeypatch: 
     assert any("@local.test" in f or "@senders.test" in f for f in report.failures)
 
 
-def test_a_failed_state_replays_from_its_saved_recording(tmp_path: os.PathLike[str]) -> None:
-    from fault_injection.relayload import record
+def test_the_recording_sees_every_file_operation_of_the_relay() -> None:
+    """Every op issued, replayed from the recording, gives the tree the relay left on disk: nothing bypassed it.
 
-    run = record(os.path.join(str(tmp_path), "run"), seed=3, messages=12)
+    Maildir delivery included (its files, renames, the directories it made); the
+    spool's lock and control socket are not data and are left out.
+    """
+    workdir = tempfile.mkdtemp(prefix="logspool-test-relayrec-", dir=scratch_dir())
+    try:
+        root = os.path.join(workdir, "run")
+        run = record(root, seed=5, messages=16, min_deleted=0)
+        walker = _at_end(run.recording)
+        files, dirs = walker.choices()
+        issued = Recipe(walker.point, tuple(max((o for o in g if o[2] < 0), key=lambda o: o[1]) for g in files),
+                        tuple(g[-1] for g in dirs))
+        state = walker.state(issued)
+        os.unlink(os.path.join(root, "spool", "control.sock"))  # a socket: bound, not written
+        on_disk = Snapshot.capture(root)
+        assert sorted(state.dirs) == sorted(on_disk.dirs)
+        assert state.files == on_disk.files
+        mail = [p for p in state.files if p.startswith("mail/") and "/new/" in p]
+        assert len(mail) >= 5  # local deliveries and DSNs landed, and were recorded
+        assert any(isinstance(op, SyncDir) and op.ino != 0 for op in run.recording.ops)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_failed_state_replays_from_its_saved_recording(tmp_path: os.PathLike[str]) -> None:
+    run = record(os.path.join(str(tmp_path), "run"), seed=3, messages=12, min_deleted=0)
     path = os.path.join(str(tmp_path), "run.pickle")
     run.save(path)
     last = len(run.recording.ops)
