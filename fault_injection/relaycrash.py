@@ -68,6 +68,7 @@ from mta.process.startup import check_start, unwrapped
 from mta.shards import spool_config
 from spool import admin
 from spool.errors import SpoolError
+from spool.quarantine import DIRNAME as QUARANTINE_DIR
 from spool.record import Status
 from spool.spool import Spool
 
@@ -85,6 +86,7 @@ class Outcome:
     duplicates: int = 0
     refused: bool = False
     relay_started: bool = False
+    quarantined: bool = False  # recovery cut damage (bytes that cannot have been acknowledged) into quarantine
 
 
 @attrs.define
@@ -96,6 +98,7 @@ class Report:
     refusals: int = 0
     duplicates: int = 0
     relay_starts: int = 0
+    quarantined: int = 0
     recordings: int = 0
     ops: int = 0
     segments_deleted: int = 0  # by the recorded runs' checkpoints, all runs together
@@ -110,8 +113,8 @@ class Report:
         return (f"relay crash states {self.states} ({kinds}) from {self.recordings} recorded runs ({self.ops} file "
                 f"ops, {self.segments_deleted} segments deleted); {self.relay_starts} recovered by a whole relay "
                 f"start, the rest by Spool.open; acknowledged recipients checked {self.checked}; lost {self.lost}; "
-                f"refusals to start {self.refusals}; "
-                f"duplicates {self.duplicates}; failed states {len(self.failures)}")
+                f"refusals to start {self.refusals}; duplicates {self.duplicates}; states where recovery "
+                f"quarantined damage {self.quarantined}; failed states {len(self.failures)}")
 
 
 def draw(walker: Walker, kind: str, rng: random.Random) -> Recipe | None:
@@ -281,6 +284,8 @@ def check_state(run: Run, state: State, events: int, workdir: str, *, whole_rela
             out.refused = True
             out.violations.append(f"the start refused: {type(exc).__name__}: {exc}")
             return out
+        qdir = os.path.join(root, "spool", QUARANTINE_DIR)
+        out.quarantined = os.path.isdir(qdir) and bool(os.listdir(qdir))
         _check(run, root, Promised.of(run, events), out)
         return out
     finally:
@@ -354,6 +359,7 @@ def explore(run: Run, budget: int, seed: int, report: Report, *, relay_every: in
                 report.duplicates += res.duplicates
                 report.relay_starts += whole
                 report.refusals += res.refused
+                report.quarantined += res.quarantined
                 report.lost += sum(1 for v in res.violations if v.startswith("LOST"))
                 if res.violations:
                     where = saved or save_recording(run)
