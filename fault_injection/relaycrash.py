@@ -21,6 +21,9 @@ file operation in one sequence. The recording is walked once
   renames and unlinks not followed by an fsync of that directory only a prefix
   does, often none (names vanish while their data stays).
 
+A draw whose crash point has no state of its kind (nothing to tear, no
+unsynced name) is tried again at the following points.
+
 Each distinct state (content and acknowledgements) is written to a scratch
 directory and recovered as the relay starts: ``mta.process.startup.check_start``
 and ``Relay.run`` on the real files until it listens (every ``relay_every``-th
@@ -74,7 +77,7 @@ from spool.spool import Spool
 
 FINAL_RCPT = re.compile(rb"^Final-Recipient:\s*rfc822;\s*(\S+?)\s*$", re.MULTILINE | re.IGNORECASE)
 KINDS = ("synced", "prefix", "torn", "pages", "names")
-DEAD_PORT = 9  # the next hop of a recovered relay: nothing listens there, so delivery defers and changes nothing
+DEAD_PORT = 9  # the next hop of a recovered relay: nothing listens there (a delivery it starts defers)
 
 
 @attrs.define
@@ -339,13 +342,14 @@ def explore(run: Run, budget: int, seed: int, report: Report, *, relay_every: in
         wanted = _plan_states(run, budget, seed)
         seen: set[tuple[str, int]] = set()
         walker = Walker(run.recording)
+        carried: list[tuple[str, int]] = []  # draws whose point had no state of their kind: the next points try
         for point in walker.points():
-            for kind, sub in wanted.get(point, []):
+            todo, carried = carried + wanted.get(point, []), []
+            for kind, sub in todo:
                 recipe = draw(walker, kind, random.Random(sub))
                 if recipe is None:
-                    recipe = draw(walker, "prefix", random.Random(sub))
-                    kind = "prefix"
-                assert recipe is not None
+                    carried.append((kind, sub))
+                    continue
                 state = walker.state(recipe)
                 key = (state.digest(), walker.events)
                 if key in seen:
