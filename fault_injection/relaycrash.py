@@ -335,8 +335,12 @@ def _plan_states(run: Run, budget: int, seed: int) -> dict[int, list[tuple[str, 
 
 
 def explore(run: Run, budget: int, seed: int, report: Report, *, relay_every: int = 25,
-            progress: Callable[[str], None] | None = None, saved: str | None = None) -> None:
-    """Check up to ``budget`` distinct states of ``run`` (fewer when draws repeat a state), adding to ``report``."""
+            progress: Callable[[str], None] | None = None, save_dir: str | None = None) -> None:
+    """Check up to ``budget`` distinct states of ``run`` (fewer when draws repeat a state), adding to ``report``.
+
+    A failed state's recording is saved (once per run) in ``save_dir`` (None: the temporary directory).
+    """
+    saved: str | None = None
     workdir = tempfile.mkdtemp(prefix="logspool-relaycrash-", dir=scratch_dir())
     try:
         wanted = _plan_states(run, budget, seed)
@@ -366,7 +370,7 @@ def explore(run: Run, budget: int, seed: int, report: Report, *, relay_every: in
                 report.quarantined += res.quarantined
                 report.lost += sum(1 for v in res.violations if v.startswith("LOST"))
                 if res.violations:
-                    where = saved or save_recording(run)
+                    where = saved or save_recording(run, save_dir)
                     saved = where
                     line = (f"FAIL seed {run.seed} kind {kind}: python -m fault_injection relaycrash --recording "
                             f"{where} --replay '{recipe.text()}'\n  " + "\n  ".join(res.violations[:5]))
@@ -377,15 +381,16 @@ def explore(run: Run, budget: int, seed: int, report: Report, *, relay_every: in
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def save_recording(run: Run) -> str:
-    fd, path = tempfile.mkstemp(prefix=f"relaycrash-seed{run.seed}-", suffix=".pickle", dir=tempfile.gettempdir())
+def save_recording(run: Run, directory: str | None = None) -> str:
+    fd, path = tempfile.mkstemp(prefix=f"relaycrash-seed{run.seed}-", suffix=".pickle",
+                                dir=directory or tempfile.gettempdir())
     os.close(fd)
     run.save(path)
     return path
 
 
 def run(states: int, seed: int = 0, *, messages: int = 40, per_recording: int = 1000, relay_every: int = 25,
-        progress: Callable[[str], None] | None = None) -> Report:
+        progress: Callable[[str], None] | None = None, save_dir: str | None = None) -> Report:
     """Record runs (seed, seed+1, ...) and check their crash states until ``states`` were checked."""
     report = Report()
     s = seed
@@ -401,7 +406,7 @@ def run(states: int, seed: int = 0, *, messages: int = 40, per_recording: int = 
         report.segments_deleted += recorded.segments_deleted
         before = report.states
         explore(recorded, min(per_recording, states - report.states), s, report, relay_every=relay_every,
-                progress=progress)
+                progress=progress, save_dir=save_dir)
         if progress:
             progress(f"seed {s}: {len(recorded.recording.ops)} ops recorded in {recorded.seconds:.1f}s, "
                      f"{report.states - before} states checked [{time.monotonic() - t0:.0f}s]; total {report.states}")

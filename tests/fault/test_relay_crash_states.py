@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -89,7 +90,8 @@ def test_relay_crash_states_lose_nothing() -> None:
     assert report.checked > STATES  # each state checks every acknowledged recipient before its crash point
 
 
-def test_harness_sees_a_maildir_without_the_parent_directory_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_harness_sees_a_maildir_without_the_parent_directory_fsync(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
     """The question of issue 14 §5, decided: without fsyncing a new mailbox into its parent, mail is lost."""
 
     def ensure_without_parent_fsync(self: MaildirWriter, maildir: str) -> None:
@@ -99,9 +101,15 @@ def test_harness_sees_a_maildir_without_the_parent_directory_fsync(monkeypatch: 
         self.io.fsync_dir(maildir)  # cur/ new/ tmp/ are durable; the Maildir's own name is not
 
     monkeypatch.setattr(MaildirWriter, "_ensure_maildir", ensure_without_parent_fsync)
-    report = relaycrash.run(150, seed=0, relay_every=1000)
+    report = relaycrash.run(150, seed=0, relay_every=1000, save_dir=str(tmp_path))
     assert report.lost > 0
     assert any("@local.test" in f or "@senders.test" in f for f in report.failures)
+    # A failure names its saved recording and recipe; replaying them finds the same loss again.
+    (saved,) = tmp_path.glob("relaycrash-seed0-*.pickle")
+    first = report.failures[0]
+    assert f"--recording {saved} --replay '" in first
+    recipe = first.split("--replay '", 1)[1].split("'", 1)[0]
+    assert any(v.startswith("LOST") for v in relaycrash.replay(str(saved), recipe).violations)
 
 
 def test_the_recording_sees_every_file_operation_of_the_relay() -> None:
@@ -130,9 +138,9 @@ def test_the_recording_sees_every_file_operation_of_the_relay() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def test_a_failed_state_replays_from_its_saved_recording(tmp_path: os.PathLike[str]) -> None:
-    run = record(os.path.join(str(tmp_path), "run"), seed=3, messages=12, min_deleted=0)
-    path = os.path.join(str(tmp_path), "run.pickle")
+def test_a_failed_state_replays_from_its_saved_recording(tmp_path: Path) -> None:
+    run = record(str(tmp_path / "run"), seed=3, messages=12, min_deleted=0)
+    path = str(tmp_path / "run.pickle")
     run.save(path)
     last = len(run.recording.ops)
     res = relaycrash.replay(path, Recipe(last, (), ()).text())
