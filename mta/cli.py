@@ -31,6 +31,8 @@ from mta.admin.errors import (
     SpoolNotFound,
     SpoolUnavailable,
 )
+from mta.archive.cli import archive
+from mta.archive.errors import ArchiveError, UploadFailed
 from mta.cli_common import EXIT_FAILURE, EXIT_USAGE, JSON_REQUESTED, config_option, takes_json
 from mta.config import ConfigError, load_config, parse_listen_address
 from mta.observe.logline import install as install_logging
@@ -50,6 +52,8 @@ FAILURES: tuple[tuple[type[BaseException], int, str], ...] = (
     (SpoolUnavailable, EXIT_FAILURE, "spool_unavailable"),
     (RequestFailed, EXIT_FAILURE, "failed"),
     (AdminError, EXIT_FAILURE, "failed"),  # a class added to mta/admin/errors.py and not to this table
+    (UploadFailed, EXIT_FAILURE, "upload_failed"),
+    (ArchiveError, EXIT_USAGE, "archive"),
     (SpoolLocked, EXIT_FAILURE, "spool_locked"),
     (SpoolError, EXIT_FAILURE, "spool"),
     (OSError, EXIT_FAILURE, "os"),
@@ -185,6 +189,7 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
 
 
 main.add_command(queue)
+main.add_command(archive)
 
 
 def _register_report() -> None:

@@ -344,10 +344,14 @@ def stats(directory: str, as_json: bool) -> int:
 @cli.command()
 @_DIR
 @_INTERVALS
+@click.option("--in-doubt", "in_doubt", type=click.Choice(["hold", "redeliver"]), default="hold", show_default=True,
+              help="a message with recipients in doubt: held for the operator, or due again (as the relay's "
+                   "[spool] in_doubt)")
 @_json_option
-def recover(directory: str, retry_intervals: tuple[float, ...], as_json: bool) -> int:
+def recover(directory: str, retry_intervals: tuple[float, ...], in_doubt: str, as_json: bool) -> int:
     """Open the spool for writing (takes its lock; the relay must be stopped) and run recovery:
-    cuts a torn tail, closes attempts that were in flight, writes a checkpoint."""
+    cuts a torn tail, closes attempts that were in flight (holding those in doubt, by default), writes a
+    checkpoint."""
     files = _open(directory)
     # Recovery's warnings (torn tail cut, recipients in doubt) are for the operator: show them.
     handler = _EchoHandler()
@@ -356,7 +360,7 @@ def recover(directory: str, retry_intervals: tuple[float, ...], as_json: bool) -
     level = engine_log.level
     engine_log.setLevel(logging.WARNING)  # whatever the embedding process chose, recover shows these
     try:
-        rs = inspection.recover(files, SpoolConfig(retry_intervals=retry_intervals))
+        rs = inspection.recover(files, SpoolConfig(retry_intervals=retry_intervals, in_doubt=in_doubt))
     finally:
         engine_log.setLevel(level)
         engine_log.removeHandler(handler)

@@ -68,6 +68,13 @@ class SpoolConfig:
         "`quarantine` copies the damaged bytes to `<dir>/quarantine`, names the messages it lost and goes on; "
         "`refuse` stops a start that meets it and says what to run (see \"When the disk lies\"); damage met while "
         "running is quarantined either way", "quarantine")
+    # What recovery does with a message whose delivery attempt was in flight at a crash and left recipients
+    # with no outcome (the next hop may have taken them): hold it for the operator, or deliver it again.
+    in_doubt: str = setting(
+        OneOf(("hold", "redeliver")), "a message whose delivery was in flight at a crash, with recipients the "
+        "next hop may have taken (no outcome recorded): `hold` holds it at the restart, logged and listed by `mta "
+        "queue list --in-doubt`, until `mta queue release` or `delete`; `redeliver` delivers it again at once (a "
+        "possible duplicate); see \"After a crash\"", "hold")
     body_chunk: int = setting(Size(positive=True), "message data is stored in chunks of at most this size",
                               256 * 1024, in_file=False)
     # Message data held in memory before it is written (not synced): a write is asked for at half of

@@ -271,13 +271,17 @@ class LogReader:
                        f"it was {how}")
 
     def _recorded_size(self, seg: int) -> int | None:
+        """The sealed size of ``seg - 1`` that ``seg``'s header records (0: the log began at ``seg``); None
+        when ``seg`` is not there or cannot be read (its own walk names that, not its predecessor's)."""
         path = self.path(seg)
         try:
             fd = self.io.open_read(path)
-        except FileNotFoundError:
+        except OSError:
             return None
         try:
             head = read_exact(self.io, fd, SEGMENT_HEADER_SIZE, 0)
+        except OSError:
+            return None
         finally:
             self.io.close(fd)
         try:

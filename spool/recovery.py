@@ -47,8 +47,11 @@ docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
    the recipients without a final outcome (body shared or copied forward,
    class and attempt count kept) and a FINISH ends the attempt. A recipient
    of a delivery attempt with no DELIVERY record at all is *in doubt*: the
-   remote may have taken it before the crash. It is logged, kept in the
-   replacement's ``in_doubt`` list, and delivered again.
+   remote may have taken it before the crash. It is logged (one line per
+   message) and kept in the replacement's ``in_doubt`` list; with
+   ``in_doubt = "hold"`` (the default) the replacement is held (the held
+   class and flag, as ``mta queue hold`` writes it) until the operator
+   releases or deletes it, with ``"redeliver"`` it is delivered again.
 9. **Commit** the replacement envelopes and FINISH records. On a full disk
    they wait in memory (safe: they need no fsync of their own, and a crash
    before they are written recovers the same attempts again;
@@ -98,6 +101,7 @@ from spool.log import LogWriter
 from spool.reader import LogReader, Reporter
 from spool.reclaim import Reclaim
 from spool.record import (
+    HELD_CLASS,
     Delivery,
     Envelope,
     Finish,
@@ -128,7 +132,8 @@ class RecoveryStats:
     segments_scanned: int = 0
     tail_cut_bytes: int = 0
     in_flight: int = 0
-    in_doubt: int = 0
+    in_doubt: int = 0  # recipients
+    held: int = 0  # messages held in doubt (``in_doubt = "hold"``)
     replacements: int = 0
     marks: int = 0
     syncs: int = 0  # fdatasyncs and directory fsyncs made to secure the log's tail before acting on it
@@ -225,8 +230,10 @@ class Recovery:
             self.close_in_flight(attempt, found.replaced)
         self.commit()
         stats.seconds = sp._now() - t0
-        log.info("recovered %s: %s; read %d records, %d bytes; %d in flight, %d in doubt", sp.path, describe(cp),
-                 stats.records_read, stats.bytes_read, stats.in_flight, stats.in_doubt)
+        log.info("recovered %s: %s; read %d records, %d bytes; %d in flight, %d in doubt%s", sp.path, describe(cp),
+                 stats.records_read, stats.bytes_read, stats.in_flight, stats.in_doubt,
+                 f" ({stats.held} message{'s' if stats.held > 1 else ''} held: mta queue list --in-doubt)"
+                 if stats.held else "")
         self.first_checkpoint()
         return stats
 
@@ -550,13 +557,18 @@ class Recovery:
             sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), replaced[env_pos]))
             return
         doubt = in_doubt_recipients(env, attempt)
+        # Held in doubt: the replacement is in the held class with the held flag, the same record an admin
+        # hold writes, so a second restart finds it held and only `mta queue release` lets it go.
+        hold = bool(doubt) and sp.config.in_doubt == "hold"
         if doubt:
-            report_in_doubt(sp.queue_id(env.message_id), doubt)
+            report_in_doubt(sp.queue_id(env.message_id), doubt, held=hold)
             stats.in_doubt += len(doubt)
+            stats.held += hold
         replacement = None
-        remaining = remaining_recipients(env, attempt)
+        remaining = remaining_recipients(env, attempt)  # every recipient in doubt is among them
         if remaining:
-            replacement = sp._write_replacement(env, env_pos, frame.klass, remaining, attempts=env.attempts,
+            replacement = sp._write_replacement(env, env_pos, HELD_CLASS if hold else frame.klass, remaining,
+                                                attempts=env.attempts, held=hold,
                                                 in_doubt=tuple(dict.fromkeys(env.in_doubt + tuple(doubt))))
             stats.replacements += 1
         fin = sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), replacement))
@@ -651,10 +663,12 @@ def remaining_recipients(envelope: Envelope, attempt: OpenAttempt) -> list[str]:
             if r not in attempt.outcomes or not Status(attempt.outcomes[r]).final]
 
 
-def report_in_doubt(queue_id: str, recipients: list[str]) -> None:
-    for r in recipients:
-        log.warning("in doubt: queue id %s recipient %s: an attempt was in flight at the crash with no "
-                    "outcome recorded; it will be delivered again", queue_id, r)
+def report_in_doubt(queue_id: str, recipients: list[str], *, held: bool) -> None:
+    """One line per message: its queue id, its recipients in doubt (comma-joined), and what happens next."""
+    fate = (f"the message is held: `mta queue release {queue_id}` delivers it again, `mta queue delete "
+            f"{queue_id}` drops it" if held else "it will be delivered again")
+    log.warning("in doubt: queue id %s recipient%s %s: an attempt was in flight at the crash with no outcome "
+                "recorded; %s", queue_id, "s" if len(recipients) > 1 else "", ",".join(recipients), fate)
 
 
 def describe(cp: ckpt.Checkpoint | None) -> str:

@@ -22,7 +22,9 @@ log (``plan``): the newest segment of a log may end in a torn tail, every
 other one is checked against the size its successor recorded, and a gap in a
 directory's sequence of segments gives an error row for each missing one.
 The relay name is the ``relay`` option, or else taken from the directory:
-``NAME/log/*.seg``, ``NAME/archive/*.seg`` and ``NAME/*.seg`` all give ``NAME``.
+``NAME/log/*.seg``, ``NAME/archive/*.seg`` and ``NAME/*.seg`` all give ``NAME``
+(shard K's ``NAME-K``). Files may be local or at a URL (``spool.remote``):
+the driver lists, and each task opens its own file where it runs.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from typing import Any, Final
 
 import attrs
 
+from spool import remote
 from spool.damage import Anomaly, Kind
 from spool.errors import CorruptRecord, SpoolError
-from spool.fileio import OsFileIO
+from spool.fileio import read_exact
 from spool.reader import LogReader
-from spool.record import RecordType, decode_fields
+from spool.record import RecordType, decode_fields, make_pos
+from spool.remote import PlaceError
 from spool.segment import SEGMENT_HEADER_SIZE, SUFFIX, parse_segment_name, segment_header_fields
 
 FORMAT_NAME: Final = "logspool"
@@ -107,24 +111,73 @@ def _arrow_schema() -> Any:
 
 
 SPOOL_SUBDIRS: Final = ("log", "archive")
+SHARDS_DIR: Final = "shards"  # a relay's shard K: spool ``DIR/shards/K``, archive ``ARCHIVE/shards/K`` (mta.shards)
+
+
+def _is_shard(name: str) -> bool:
+    return name.isdigit() and not name.startswith("0")
+
+
+def _absolute(place: str) -> str:
+    return place if remote.is_remote(place) else os.path.abspath(remote.local_path(place))
+
+
+def _where(file: str) -> tuple[str, str]:
+    """``(relay directory, shard)`` of a segment file: ``NAME/log/S``, ``NAME/archive/S`` and ``NAME/S`` are
+    ``(NAME, "")``; shard K's ``NAME/shards/K/log/S`` and ``NAME/archive/shards/K/S`` (its archive inside the
+    spool's, as ``mta.shards`` lays it out) and ``NAME/shards/K/S`` are ``(NAME, "K")``."""
+    parent = remote.dirname(_absolute(file))
+    if remote.basename(parent) in SPOOL_SUBDIRS:
+        parent = remote.dirname(parent)
+    shard = remote.basename(parent)
+    if not (_is_shard(shard) and remote.basename(remote.dirname(parent)) == SHARDS_DIR):
+        return parent, ""
+    parent = remote.dirname(remote.dirname(parent))
+    if remote.basename(parent) in SPOOL_SUBDIRS:
+        parent = remote.dirname(parent)
+    return parent, shard
 
 
 def relay_name_for(file: str) -> str:
-    """``NAME/log/0000….seg``, ``NAME/archive/0000….seg`` and ``NAME/0000….seg``
-    belong to relay ``NAME``."""
-    parent = os.path.dirname(os.path.abspath(file))
-    if os.path.basename(parent) in SPOOL_SUBDIRS:
-        parent = os.path.dirname(parent)
-    return os.path.basename(parent) or "-"
+    """``NAME/log/0000….seg``, ``NAME/archive/0000….seg`` and ``NAME/0000….seg`` belong to relay ``NAME``,
+    locally or at a URL (``s3://fleet/NAME/0000….seg``); shard K of relay ``NAME`` (``NAME/shards/K/…``) is
+    ``NAME-K``, as its queue ids end in ``-K``."""
+    parent, shard = _where(file)
+    name = remote.basename(parent) or "-"
+    return f"{name}-{shard}" if shard else name
 
 
-def _segments_in(directory: str) -> list[str]:
-    """A spool directory gives its ``log/`` and ``archive/``; any other directory, itself."""
-    subdirs = [os.path.join(directory, d) for d in SPOOL_SUBDIRS if os.path.isdir(os.path.join(directory, d))]
+def _entries(directory: str, listing: remote.Listing) -> list[tuple[str, bool]]:
+    """``(path, is a directory)`` in a local directory or at a URL."""
+    if remote.is_remote(directory):
+        return listing.entries(directory)
+    return [(os.path.join(directory, n), os.path.isdir(os.path.join(directory, n))) for n in os.listdir(directory)]
+
+
+def _segments_in(directory: str, listing: remote.Listing) -> list[str]:
+    """A spool directory gives its ``log/`` and ``archive/``; any other directory, itself. Each gives its
+    shards' too (``shards/K``, laid out the same way)."""
+    entries = _entries(directory, listing)
+    dirs = {remote.basename(p): p for p, is_dir in entries if is_dir}
+    subdirs = [dirs[d] for d in SPOOL_SUBDIRS if d in dirs]
     out: list[str] = []
-    for d in subdirs or [directory]:
-        out.extend(os.path.join(d, n) for n in os.listdir(d) if parse_segment_name(n) is not None)
+    for d in subdirs:
+        out.extend(_segments_in(d, listing))
+    if not subdirs:
+        out.extend(p for p, is_dir in entries if not is_dir and parse_segment_name(remote.basename(p)) is not None)
+    if SHARDS_DIR in dirs:
+        for shard, is_dir in _entries(dirs[SHARDS_DIR], listing):
+            if is_dir and _is_shard(remote.basename(shard)):
+                out.extend(_segments_in(shard, listing))
     return out
+
+
+def _matches(pattern: str, listing: remote.Listing) -> list[tuple[str, bool]]:
+    """``(path, is a directory)`` for each match of a path, URL or glob of either."""
+    if remote.is_remote(pattern):
+        return listing.matches(pattern)
+    found = sorted(glob.glob(os.path.expanduser(remote.local_path(pattern))))
+    return [(m, os.path.isdir(m)) for m in found if os.path.isdir(m) or os.path.isfile(m)]
 
 
 @attrs.frozen
@@ -151,20 +204,24 @@ class SegmentTask:
 
 def _segment_id(path: str) -> int:
     """The id in the file's name, or (a file named otherwise) in its header, or 0."""
-    seg = parse_segment_name(os.path.basename(path))
+    seg = parse_segment_name(remote.basename(path))
     if seg is not None:
         return seg
     try:
-        with open(path, "rb") as f:
-            return segment_header_fields(f.read(SEGMENT_HEADER_SIZE), path)[0]
+        io = remote.file_io(path)
+        fd = io.open_read(path)
+        try:
+            return segment_header_fields(read_exact(io, fd, SEGMENT_HEADER_SIZE, 0), path)[0]
+        finally:
+            io.close(fd)
     except (OSError, SpoolError):
         return 0
 
 
 def _log_of(file: str) -> str:
-    """The directory that holds a file's whole log: a spool directory for ``log/`` and ``archive/``."""
-    parent = os.path.dirname(os.path.abspath(file))
-    return os.path.dirname(parent) if os.path.basename(parent) in SPOOL_SUBDIRS else parent
+    """What names a file's whole log: its spool (``log/`` and ``archive/`` together), or its shard's."""
+    parent, shard = _where(file)
+    return remote.join(parent, f"{SHARDS_DIR}/{shard}") if shard else parent
 
 
 def plan(patterns: Iterable[str]) -> list[SegmentTask]:
@@ -172,18 +229,23 @@ def plan(patterns: Iterable[str]) -> list[SegmentTask]:
     missing from the sequence of a directory that was named whole.
 
     A pattern is a segment file, a directory of segments, a spool directory
-    (with ``log/`` and ``archive/``), or a glob of any of these. Files of one
-    log are placed against each other (last, successor) whichever way they
-    were named; gaps count only where a whole directory was named (a hand-picked
-    set of files may leave out what it likes).
+    (with ``log/`` and ``archive/``), or a glob of any of these, local or at a
+    URL (``s3://fleet/mx*``: ``spool.remote``). Files of one log are placed
+    against each other (last, successor) whichever way they were named; gaps
+    count only where a whole directory was named (a hand-picked set of files
+    may leave out what it likes). Only the listing happens here: each file is
+    opened where its task runs.
+
+    Raises PlaceError for a URL no installed library reads, OSError when a store cannot be listed.
     """
+    listing = remote.Listing()
     found: dict[str, bool] = {}  # file -> it came from a directory named whole
     for pattern in patterns:
-        for m in sorted(glob.glob(os.path.expanduser(pattern))):
-            if os.path.isdir(m):
-                found.update((os.path.abspath(f), True) for f in _segments_in(m))
-            elif m.endswith(SUFFIX) and os.path.isfile(m):
-                found.setdefault(os.path.abspath(m), False)
+        for m, is_dir in _matches(pattern, listing):
+            if is_dir:
+                found.update((_absolute(f), True) for f in _segments_in(m, listing))
+            elif m.endswith(SUFFIX):
+                found.setdefault(_absolute(m), False)
     logs: dict[str, dict[int, str]] = {}
     whole: set[str] = set()
     for file, from_dir in found.items():
@@ -196,7 +258,7 @@ def plan(patterns: Iterable[str]) -> list[SegmentTask]:
         ids = sorted(files)
         tasks.extend(SegmentTask(files[s], s, s == ids[-1], files.get(s + 1)) for s in ids)
         if key in whole:
-            reader = LogReader(OsFileIO(), os.path.dirname(files[ids[0]]), segments=ids, paths=files)
+            reader = LogReader(remote.file_io(key), remote.dirname(files[ids[0]]), segments=ids, paths=files)
             tasks.extend(SegmentTask(a.path, a.segment, False, None, a) for a in reader.missing())
     return sorted(tasks, key=lambda t: (t.path, t.segment))
 
@@ -255,8 +317,9 @@ def _record(pos: int, rtype: int, flags: int, klass: int, time: int, payload: by
 
 class _SegmentWalk:
     """Walks one segment file into chunks through the log reader; each anomaly becomes an error row
-    and the walk goes on where the reader resumes. Never raises for the contents of the file (an
-    unreadable file still raises OSError).
+    and the walk goes on where the reader resumes. Never raises for the file: one that cannot be
+    opened, or stops being readable part way (a store that fails, an object moved to cold storage),
+    gives an error row that names it and where the walk stopped, never a silent gap.
 
     A class, not a generator: a suspended generator would keep the chunk it
     just yielded alive until resumed, and the collector, once re-enabled,
@@ -264,14 +327,22 @@ class _SegmentWalk:
     """
 
     def __init__(self, task: SegmentTask) -> None:
-        self.path = task.path
+        self.task = task
+        self.at = make_pos(task.segment, 0)  # the last position given a row: where a failure to read is named
+        self.failed: str | None = None  # why the file could not be read at all: its one error row
         if task.missing is not None:
             self.items: Iterator[_Record | Anomaly] = iter([task.missing])
             return
-        os.close(os.open(task.path, os.O_RDONLY))  # OSError now for a file that is not there
         seg = task.segment
+        io = remote.file_io(task.path)
+        try:
+            io.close(io.open_read(task.path))  # one that is not there is named here, not taken as reclaimed
+        except (OSError, PlaceError) as exc:
+            self.items = iter(())
+            self.failed = _unreadable(task, exc)
+            return
         paths = {seg: task.path, **({seg + 1: task.successor} if task.successor else {})}
-        reader = LogReader(OsFileIO(), os.path.dirname(task.path), segments=(seg,) if task.last else (seg, seg + 1),
+        reader = LogReader(io, remote.dirname(task.path), segments=(seg,) if task.last else (seg, seg + 1),
                            paths=paths)
         self.items = iter(reader.segment_as(seg, _record, types=_RECORD_TYPES))
 
@@ -280,25 +351,50 @@ class _SegmentWalk:
         chunk = _Chunk()
         heads, fields = chunk.heads, chunk.fields
         rows = 0
-        for item in self.items:
-            if type(item) is tuple:
-                head, rtype, payload = item
-                try:
-                    fields[rtype].append(decode_fields(rtype, payload))
-                except CorruptRecord as exc:  # the checksum passed, the payload does not decode
-                    chunk.errors.append((head[0], f"undecodable payload ({exc.reason})"))
-                else:
-                    heads[rtype].append(head)
-            else:
-                assert isinstance(item, Anomaly)
-                chunk.errors.append((item.pos, error_text(item)))
+        if self.failed is not None:
+            chunk.errors.append((self.at, self.failed))
+            self.failed = None
             rows += 1
-            if rows >= batch_rows:
-                break
+        try:
+            for item in self.items:
+                if type(item) is tuple:
+                    head, rtype, payload = item
+                    try:
+                        fields[rtype].append(decode_fields(rtype, payload))
+                    except CorruptRecord as exc:  # the checksum passed, the payload does not decode
+                        chunk.errors.append((head[0], f"undecodable payload ({exc.reason})"))
+                    else:
+                        heads[rtype].append(head)
+                    self.at = head[0]
+                else:
+                    assert isinstance(item, Anomaly)
+                    chunk.errors.append((item.pos, error_text(item)))
+                    self.at = item.pos
+                rows += 1
+                if rows >= batch_rows:
+                    break
+        except (OSError, PlaceError) as exc:
+            self.items = iter(())
+            if self.at == make_pos(self.task.segment, 0):  # nothing read: the file as a whole cannot be
+                chunk.errors.append((self.at, _unreadable(self.task, exc)))
+            else:
+                chunk.errors.append((self.at, f"unreadable: the file could not be read on from here ({_why(exc)})"))
+            rows += 1
         if not rows:
             return None
         chunk.rows = rows
         return chunk
+
+
+def _why(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _unreadable(task: SegmentTask, exc: BaseException) -> str:
+    """The ``error`` of a segment that was listed but cannot be read where its task runs."""
+    if isinstance(exc, FileNotFoundError):
+        return f"missing segment: segment {task.segment} was listed but is not there to read"
+    return f"unreadable: segment {task.segment} cannot be read: {_why(exc)} ({type(exc).__name__})"
 
 
 def error_text(a: Anomaly) -> str:

@@ -183,7 +183,10 @@ def print_show(m: dict[str, Any], now: float) -> None:
         click.echo(f"{key:>10}: {value}")
     click.echo(f"{'recipients':>10}:")
     for row in m["recipient_status"]:
-        text = f"  {row['recipient']}: {_RECIPIENT_WORDS.get(row['status'], row['status'])}"
+        words = _RECIPIENT_WORDS.get(row["status"], row["status"])
+        if row["status"] == "in_doubt" and m["state"] == "held":  # held at recovery (``in_doubt = "hold"``)
+            words = f"in doubt (perhaps delivered before a crash; held: mta queue release {m['id']} sends it again)"
+        text = f"  {row['recipient']}: {words}"
         click.echo(text + (f": {reply_text(row)}" if reply_text(row) else ""))
         if row["time"] is not None:  # the reply's time and who gave it
             click.echo(f"      at {when(row['time'], now)}" + (f" from {row['next_hop']}" if row["next_hop"] else ""))

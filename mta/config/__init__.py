@@ -39,8 +39,11 @@ from mta.config.routes import (
     Route,
     SmtpRoute,
     TlsMode,
+    TlsPolicy,
     format_route,
     parse_route,
+    parse_tls,
+    tls_text,
 )
 from mta.config.sections import (
     LOG_FORMATS,
@@ -80,6 +83,7 @@ __all__ = [
     "SmtpRoute",
     "SpoolSection",
     "TlsMode",
+    "TlsPolicy",
     "base_dir_of",
     "find_config_file",
     "format_route",
@@ -89,5 +93,7 @@ __all__ = [
     "parse_listen_address",
     "parse_route",
     "parse_size",
+    "parse_tls",
     "problems_of",
+    "tls_text",
 ]

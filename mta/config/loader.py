@@ -42,7 +42,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mta.config.model import DEFAULTS_SOURCE, Config
-from mta.config.routes import DEFAULT_ROUTES, NoRoute, Route, check_domain, parse_route
+from mta.config.routes import DEFAULT_ROUTES, NoRoute, Route, TlsPolicy, check_domain, parse_route
 from mta.config.sections import SECTIONS, file_settings
 from mta.config.values import text_of
 from spool.settings import ConfigError, Setting, type_name
@@ -248,6 +248,11 @@ class _Reader:
         if relay.open_to_all() and not relay.allow_open_relay:
             self.problem(ConfigError("covers every address, which makes an open relay (anyone may send anywhere); "
                                      "set [relay] allow_open_relay = true if that is really meant"), "relay.mynetworks")
+        dane = [domain for domain, route in config.routes.items() if TlsPolicy.DANE in getattr(route, "policies", ())]
+        if dane and config.delivery.resolver is None:
+            self.problem(ConfigError(f"route {dane[0]!r} uses DANE, which needs a validating resolver named here "
+                                     "(say unbound on 127.0.0.1): the system's may not check DNSSEC"),
+                         "delivery.resolver")
         if isinstance(config.route_for_recipient(relay.postmaster), NoRoute):
             self.problem(ConfigError(f"no route delivers {relay.postmaster!r}: add a route for its domain"),
                          "relay.postmaster")

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
-from mta.config.sections import DeliveryConfig, LogConfig, RelayConfig, ServerConfig, SpoolSection
+from mta.config.sections import DeliveryConfig, LogConfig, RelayConfig, ServerConfig, SpoolSection, TlsPolicyConfig
 from mta.config.values import IPAddress
 
 __all__ = ["DEFAULTS_SOURCE", "Config"]
@@ -29,6 +29,7 @@ class Config:
     spool: SpoolSection
     relay: RelayConfig
     delivery: DeliveryConfig
+    tls_policy: TlsPolicyConfig
     log: LogConfig
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE

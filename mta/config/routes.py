@@ -7,7 +7,14 @@ Routes map a recipient domain to a transport::
     "example.com" = "smtp://10.0.0.5:25"  # static next hop (exact domain only)
     ".example.com" = "smtp://[::1]:2526?tls=require"  # any subdomain of example.com
     "bench.test" = "discard"
+    "secure.example" = "mx?tls=dane,mta-sts"  # authenticated TLS where the domain publishes a policy
     "*" = "mx"                             # everything else, by MX lookup
+
+The ``tls`` parameter holds at most one base mode (``none``, ``opportunistic``,
+``require``, ``verify``: how STARTTLS is used when no policy applies) and the
+policies to look up before delivering: ``dane`` (RFC 7672, TLSA records the
+resolver validated) and ``mta-sts`` (RFC 8461, ``mx`` routes only: a fixed
+next hop is not the domain's MX). DANE, where it applies, wins over MTA-STS.
 
 A ``[routes]`` table replaces the default routes entirely (so a config can
 leave out ``"*"``); with no ``"*"`` route, a domain that matches nothing gets
@@ -37,6 +44,7 @@ __all__ = [
     "Route",
     "SmtpRoute",
     "TlsMode",
+    "TlsPolicy",
     "check_domain",
     "format_route",
     "match_domain",
@@ -57,9 +65,48 @@ class TlsMode(enum.Enum):
     VERIFY = "verify"  # always, and the certificate must be valid for the host
 
 
+class TlsPolicy(enum.Enum):
+    """A published TLS policy a route looks up before it delivers (docs/security.md, "MTA-STS and DANE")."""
+
+    DANE = "dane"  # RFC 7672: DNSSEC-validated TLSA records of the next hop
+    MTA_STS = "mta-sts"  # RFC 8461: the recipient domain's policy, fetched over HTTPS
+
+
+def tls_text(mode: TlsMode, policies: tuple[TlsPolicy, ...]) -> str:
+    """How a route's TLS is written: ``dane,mta-sts`` (policies, then the base mode unless it is the default)."""
+    words = [p.value for p in policies]
+    if mode is not TlsMode.OPPORTUNISTIC or not policies:
+        words.append(mode.value)
+    return ",".join(words)
+
+
+def parse_tls(text: str) -> tuple[TlsMode, tuple[TlsPolicy, ...]]:
+    """``tls_text`` read back: the base mode and the policies (DANE first). Raises ConfigError."""
+    modes = {m.value: m for m in TlsMode}
+    policies = {p.value: p for p in TlsPolicy}
+    mode: TlsMode | None = None
+    chosen: set[TlsPolicy] = set()
+    for word in (w.strip() for w in text.split(",")):
+        if word in modes:
+            if mode is not None:
+                raise ConfigError(f"tls names two modes ({mode.value!r} and {word!r}); name at most one")
+            mode = modes[word]
+        elif word in policies:
+            chosen.add(policies[word])
+        else:
+            known = ", ".join([*modes, *policies])
+            raise ConfigError(f"tls must be one of {known} (policies and one mode, comma-separated), got {word!r}")
+    if mode is TlsMode.NONE and chosen:
+        raise ConfigError("tls=none cannot go with a policy (dane, mta-sts): a policy may require TLS")
+    return mode or TlsMode.OPPORTUNISTIC, tuple(p for p in TlsPolicy if p in chosen)
+
+
 @attrs.frozen
 class MxRoute:
     """Deliver by MX lookup of the recipient domain (A/AAAA fallback, RFC 5321 §5)."""
+
+    tls: TlsMode = TlsMode.OPPORTUNISTIC
+    policies: tuple[TlsPolicy, ...] = ()
 
 
 @attrs.frozen
@@ -69,6 +116,7 @@ class SmtpRoute:
     host: str
     port: int = 25
     tls: TlsMode = TlsMode.OPPORTUNISTIC
+    policies: tuple[TlsPolicy, ...] = ()  # dane only: MTA-STS names a domain's MX hosts, not a fixed hop
 
 
 @attrs.frozen
@@ -100,13 +148,14 @@ class NoRoute:
 
 
 def parse_route(value: str, base_dir: str | None = None) -> Route:
-    """``"mx"``, ``"discard"``, ``"maildir:PATH"`` or ``"smtp://HOST[:PORT][?tls=MODE]"``.
+    """``"mx[?tls=...]"``, ``"discard"``, ``"maildir:PATH"`` or ``"smtp://HOST[:PORT][?tls=...]"``.
 
     Raises:
         ConfigError: anything else.
     """
-    if value == "mx":
-        return MxRoute()
+    if value == "mx" or value.startswith("mx?"):
+        mode, policies = _tls_param(value.partition("?")[2], value)
+        return MxRoute(mode, policies)
     if value == "discard":
         return DiscardRoute()
     if value.startswith("maildir:"):
@@ -127,33 +176,43 @@ def _parse_smtp_route(value: str) -> SmtpRoute:
     if not netloc or "/" in netloc or "@" in netloc or "#" in netloc:
         raise ConfigError(f"expected 'smtp://HOST[:PORT][?tls=MODE]', got {value!r}")
     address = parse_listen_address(netloc, default_port=25)
-    tls = TlsMode.OPPORTUNISTIC
+    tls, policies = _tls_param(query, value)
+    if TlsPolicy.MTA_STS in policies:
+        raise ConfigError(f"tls=mta-sts is for 'mx' routes (a fixed next hop is not the domain's MX) in {value!r}")
+    return SmtpRoute(address.host, address.port, tls, policies)
+
+
+def _tls_param(query: str, value: str) -> tuple[TlsMode, tuple[TlsPolicy, ...]]:
+    """The ``tls`` parameter of a route's query (the only one there is). Raises ConfigError."""
     try:
         params = urllib.parse.parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
         raise ConfigError(f"bad query {query!r} in {value!r}") from None
+    tls: tuple[TlsMode, tuple[TlsPolicy, ...]] = (TlsMode.OPPORTUNISTIC, ())
     for name, values in params.items():
         if name != "tls":
             raise ConfigError(f"unknown parameter {name!r} in {value!r}; only 'tls' is known")
-        modes = [mode.value for mode in TlsMode]
-        if len(values) != 1 or values[0] not in modes:
-            raise ConfigError(f"tls must be one of {', '.join(modes)} in {value!r}")
-        tls = TlsMode(values[0])
-    return SmtpRoute(address.host, address.port, tls)
+        if len(values) != 1:
+            raise ConfigError(f"tls is given twice in {value!r}")
+        try:
+            tls = parse_tls(values[0])
+        except ConfigError as e:
+            raise ConfigError(f"{e.problem} in {value!r}") from None
+    return tls
 
 
 def format_route(route: Route) -> str:
     """What ``parse_route`` reads back as ``route`` (a maildir path is already absolute)."""
     match route:
-        case MxRoute():
-            return "mx"
+        case MxRoute(tls, policies):
+            return "mx" if tls is TlsMode.OPPORTUNISTIC and not policies else f"mx?tls={tls_text(tls, policies)}"
         case DiscardRoute():
             return "discard"
         case MaildirRoute(path):
             return f"maildir:{path}"
-        case SmtpRoute(host, port, tls):
+        case SmtpRoute(host, port, tls, policies):
             where = f"[{host}]" if ":" in host else host
-            return f"smtp://{where}:{port}?tls={tls.value}"
+            return f"smtp://{where}:{port}?tls={tls_text(tls, policies)}"
 
 
 # "*" is refused inside a name: "*.example.com" looks like a wildcard but would

@@ -47,6 +47,7 @@ from spool.settings import (
     Resolver,
     Setting,
     Size,
+    Text,
     resolve_path,
     setting,
     settings_of,
@@ -59,6 +60,7 @@ __all__ = [
     "RelayConfig",
     "ServerConfig",
     "SpoolSection",
+    "TlsPolicyConfig",
     "file_settings",
 ]
 
@@ -209,7 +211,9 @@ class DeliveryConfig:
         "(checked with RSET before it is used again); `0`: close it after each batch. At most `per_destination` wait "
         "per hop. As Postfix's `smtp_connection_cache_time_limit`", 2.0)
     resolver: ListenAddress | None = setting(
-        Optional(Listen(default_port=53)), "the DNS server for MX lookups; not set, the system resolver", None)
+        Optional(Listen(default_port=53)), "the DNS server for every delivery lookup (MX, addresses, MTA-STS and "
+        "TLSA records); for DANE it must validate DNSSEC and be trusted to say so (on this host: `127.0.0.1`); "
+        "not set, the system resolver", None)
     mx_port: int = setting(Integer(1, 65535), "port of the hosts an MX lookup finds; for tests and unusual setups", 25)
     bounce_sender: str = setting(
         Address(), "From: of DSNs (their envelope sender is always null)", blank_is_default=True,
@@ -220,8 +224,37 @@ class DeliveryConfig:
         OneOf(("bounce", "hold")), "a message whose data the spool finds damaged when delivering it: `bounce` it to "
         "its sender with the reason, or `hold` it for the administrator (see \"When the disk lies\")", "bounce")
     tls_ca_file: str | None = setting(
-        Optional(ReadableFile()), "PEM CA certificates that `smtp://...?tls=verify` routes trust besides the "
-        "system's (a private smarthost's CA)", None)
+        Optional(ReadableFile()), "PEM CA certificates trusted besides the system's wherever a certificate is "
+        "verified: `tls=verify` routes (a private smarthost's CA), MTA-STS policy fetches and the MX hosts an MTA-STS "
+        "policy names", None)
+
+
+@attrs.frozen(kw_only=True)
+class TlsPolicyConfig:
+    """``[tls_policy]``: MTA-STS (RFC 8461) and TLS reporting (RFC 8460); docs/security.md, "MTA-STS and DANE".
+
+    Which routes look policies up is the route's ``tls`` (``mx?tls=dane,mta-sts``);
+    the DNS server (a validating one for DANE) is ``[delivery] resolver``, the
+    extra trust anchors ``[delivery] tls_ca_file``.
+    """
+
+    mta_sts_cache: str = setting(
+        Path(), "where fetched MTA-STS policies are kept for their `max_age`, one file per domain, so a restart "
+        "keeps them", derived=Derived("`<spool.dir>/mta-sts`", lambda r: os.path.join(r("spool.dir"), "mta-sts")))
+    mta_sts_port: int = setting(
+        Integer(1, 65535), "port of `https://mta-sts.DOMAIN/`; 443 but for tests", 443)
+    mta_sts_timeout: float = setting(
+        Duration(positive=True), "a whole policy fetch (address lookup, connect, TLS, the answer); a fetch that fails "
+        "leaves the cached policy, or none, in force", 30.0)
+    report_dir: str | None = setting(
+        Optional(Path()), "where daily TLS-RPT reports (RFC 8460's JSON, one file per policy domain and day) are "
+        "written; not set, sessions are not counted", None)
+    report_organization: str = setting(
+        Text(nonempty=True), "`organization-name` of the reports", blank_is_default=True,
+        derived=Derived("`<hostname>`", lambda r: r("server.hostname")))
+    report_contact: str = setting(
+        Text(nonempty=True), "`contact-info` of the reports", blank_is_default=True,
+        derived=Derived("`<relay.postmaster>`", lambda r: r("relay.postmaster")))
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -244,6 +277,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("spool", SpoolSection),
     ("relay", RelayConfig),
     ("delivery", DeliveryConfig),
+    ("tls_policy", TlsPolicyConfig),
     ("log", LogConfig),
 )
 

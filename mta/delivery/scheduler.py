@@ -71,7 +71,7 @@ from collections.abc import Callable, Collection, Mapping
 import attrs
 import trio
 
-from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute
+from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery.transport import Destination, Job, Transport
@@ -128,9 +128,9 @@ def destination_for(config: Config, recipient: str) -> Destination | NoRoute:
     if isinstance(route, NoRoute):
         return route
     if isinstance(route, SmtpRoute):
-        return Destination("smtp", f"{route.host}:{route.port}", route.tls.value)
+        return Destination("smtp", f"{route.host}:{route.port}", tls_text(route.tls, route.policies))
     if isinstance(route, MxRoute):
-        return Destination("mx", domain)
+        return Destination("mx", domain, tls_text(route.tls, route.policies))
     if isinstance(route, MaildirRoute):
         return Destination("maildir", route.path)
     if isinstance(route, DiscardRoute):

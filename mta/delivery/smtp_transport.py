@@ -23,6 +23,11 @@ unreachable, lost, tls, dns, rejected, protocol, error), and a deferral's reply
 lists them (``failure_text``), so the operator sees the cause in the queue and
 in a DSN, not ``all attempts to connect ... failed``. A new connection's TLS
 session gets an ``event=tls`` line.
+
+Published policies (MTA-STS, DANE: ``mta.delivery.tlspolicy``) are asked
+before the first connection (``Planner.plan``): they choose which hops may be
+tried and what TLS each must have (``HopTls``); each new session under a
+policy is counted for TLS-RPT.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import trio
 
 from mta.config import Config
 from mta.delivery import mx
+from mta.delivery.tlspolicy import dane
+from mta.delivery.tlspolicy.plan import HopTls, Planner
 from mta.delivery.transport import Destination, Job, OnOutcome, body_chunks
 from mta.observe.logline import event
 from mta.observe.tlsinfo import TlsInfo, tls_info
@@ -66,12 +73,29 @@ _NETWORK_ERRORS = (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.Cl
 
 
 class HopFailed(Exception):
-    """This hop cannot take the mail now; ``reply`` is what it said, if anything; ``cause`` one word for why."""
+    """This hop cannot take the mail now; ``reply`` is what it said, if anything; ``cause`` one word for why.
 
-    def __init__(self, message: str, reply: Reply | None = None, cause: str = "protocol") -> None:
+    ``result``: a TLS failure's RFC 8460 result type (``starttls-not-supported`` ...), for TLS-RPT.
+    """
+
+    def __init__(self, message: str, reply: Reply | None = None, cause: str = "protocol",
+                 result: str | None = None) -> None:
         super().__init__(message)
         self.reply = reply
         self.cause = cause
+        self.result = result
+
+
+def _verify_result(reason: BaseException) -> str:
+    """RFC 8460's result type for a failed handshake."""
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        code = reason.verify_code
+        if code == 62:  # X509_V_ERR_HOSTNAME_MISMATCH
+            return "certificate-host-mismatch"
+        if code in (9, 10):  # not yet valid, expired
+            return "certificate-expired"
+        return "certificate-not-trusted"
+    return "validation-failure"
 
 
 @attrs.frozen
@@ -199,7 +223,9 @@ class _Session:
                 data = await self.stream.receive_some(65536)
             self.conn.receive_data(data)
 
-    async def open(self, tls_mode: str, server_name: str) -> None:
+    async def open(self, hop_tls: HopTls) -> None:
+        """Greeting, EHLO, STARTTLS as ``hop_tls`` requires it. Raises HopFailed (with a TLS-RPT ``result``)."""
+        tls_mode, server_name = hop_tls.mode, hop_tls.server_name
         t = self.config.delivery.command_timeout
         ev = await self._event(t)
         if not isinstance(ev, Greeting) or not ev.reply.is_positive:
@@ -209,15 +235,16 @@ class _Session:
         if tls_mode == "none":
             return
         if caps is None or not caps.starttls:
-            if tls_mode in ("require", "verify"):
-                raise HopFailed("does not offer STARTTLS and the route requires TLS", cause="tls")
+            if hop_tls.requires_tls:
+                why = "the route requires TLS" if hop_tls.report is None else f"its {hop_tls.label} policy requires TLS"
+                raise HopFailed(f"does not offer STARTTLS and {why}", cause="tls", result="starttls-not-supported")
             return
         self.stage = "sending STARTTLS"
         self.conn.starttls()
         ev = await self._event(t)
         if not isinstance(ev, CommandReply) or not ev.reply.is_positive:
-            if tls_mode in ("require", "verify"):
-                raise HopFailed("STARTTLS refused", getattr(ev, "reply", None), "tls")
+            if hop_tls.requires_tls:
+                raise HopFailed("STARTTLS refused", getattr(ev, "reply", None), "tls", "starttls-not-supported")
             return
         await self.stream.send_all(self.conn.data_to_send())
         ctx = client_ssl_context(tls_mode, self.config.delivery.tls_ca_file)
@@ -230,11 +257,15 @@ class _Session:
             # trio reports a failed handshake as BrokenResourceError; the reason (an
             # unverifiable certificate, say) is its cause and belongs in the log.
             reason = exc.__cause__ if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ else exc
-            raise HopFailed(f"TLS handshake failed: {reason}", cause="tls") from None
+            raise HopFailed(f"TLS handshake failed: {reason}", cause="tls", result=_verify_result(reason)) from None
         self.stream = tls_stream
+        if hop_tls.tlsa:
+            mismatch = dane.check(dane.peer_chain(tls_stream), hop_tls.tlsa, hop_tls.names)
+            if mismatch is not None:
+                raise HopFailed(f"DANE: {mismatch}", cause="tls", result="validation-failure")
         self.conn.tls_started()
-        self.tls = "verified" if tls_mode == "verify" else "encrypted"
-        self.tls_info = tls_info(tls_stream, verified=tls_mode == "verify")
+        self.tls = hop_tls.label
+        self.tls_info = tls_info(tls_stream, verified=tls_mode == "verify" or bool(hop_tls.tlsa))
         await self._hello(t)
 
     async def _hello(self, timeout: float) -> None:
@@ -377,12 +408,18 @@ class SmtpTransport:
         self.resolver = mx.make_resolver(r.host if r else None, r.port if r else 53)
         d = config.delivery
         self.cache = ConnectionCache(d.connection_cache_time, d.per_destination)
+        self.policies = Planner(config, self.resolver)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The connection cache's keeper; without it every batch opens and closes its own connection."""
-        await self.cache.run(task_status=task_status)
+        """The connection cache's keeper (without it every batch opens and closes its own connection), and the
+        daily TLS-RPT roll-up."""
+        async with trio.open_nursery() as nursery:
+            if self.policies.reporter is not None:
+                await nursery.start(self.policies.reporter.run)
+            await self.cache.run(task_status=task_status)
 
-    async def _connect(self, destination: Destination, hop: mx.Hop, key: CacheKey, qids: list[str]) -> _Session:
+    async def _connect(self, destination: Destination, hop: mx.Hop, hop_tls: HopTls, key: CacheKey,
+                       qids: list[str]) -> _Session:
         """A live connection to ``hop``, ready for MAIL: from the cache if one is alive, else a new one.
 
         Raises HopFailed (a timeout to connect included), OSError (the connect's own, ECONNREFUSED say),
@@ -393,6 +430,21 @@ class SmtpTransport:
                 self.cache.reused += 1
                 return cached
             await cached.close()
+        if hop_tls.refuse:
+            self.policies.record(hop_tls, hop, hop_tls.refuse_result, detail=hop_tls.refuse)
+            raise HopFailed(hop_tls.refuse, cause="tls", result=hop_tls.refuse_result)
+        try:
+            return await self._open(hop, hop_tls, qids)
+        except HopFailed as exc:
+            if exc.result is None or not hop_tls.testing or hop_tls.report is None:
+                raise
+            # MTA-STS testing mode: log what enforce would have done, then deliver as before.
+            event(log, "mta_sts_testing", None, qids=qids, domain=hop_tls.report.domain, relay=_label(hop),
+                  would="defer", detail=str(exc))
+            return await self._open(hop, hop_tls.relaxed(), qids)
+
+    async def _open(self, hop: mx.Hop, hop_tls: HopTls, qids: list[str]) -> _Session:
+        """A new connection to ``hop``, its TLS as ``hop_tls`` says; a session under a policy is counted."""
         timeout = self.config.delivery.connect_timeout
         try:
             with trio.fail_after(timeout):
@@ -400,8 +452,15 @@ class SmtpTransport:
         except trio.TooSlowError:
             raise HopFailed(f"connect to {_label(hop)}: timed out after {timeout:g} s", cause="timeout") from None
         session = _Session(stream, hop.host, self.config)
+        local = _local_address(stream)
         try:
-            await session.open(destination.tls, hop.host)
+            await session.open(hop_tls)
+        except HopFailed as exc:
+            await session.close()
+            failure = classify(exc, _label(hop), session.stage)
+            if exc.result is not None:
+                self.policies.record(hop_tls, hop, exc.result, local=local, detail=str(exc))
+            raise HopFailed(failure.detail, cause=failure.cause, result=exc.result) from None
         except _NETWORK_ERRORS as exc:
             await session.close()
             failure = classify(exc, _label(hop), session.stage)  # the stage dies with the session: name it now
@@ -412,6 +471,8 @@ class SmtpTransport:
         if session.tls_info is not None:
             event(log, "tls", None, {"direction": "out", "qids": qids, "relay": _label(hop),
                                      **session.tls_info.fields()})
+        if hop_tls.report is not None:
+            self.policies.record(hop_tls, hop, None, local=local)
         return session
 
     async def _hops(self, dest: Destination) -> list[mx.Hop]:
@@ -432,8 +493,14 @@ class SmtpTransport:
                   permanent=exc.permanent)
             return [[Outcome(r, status, code, enh, str(exc), str(destination)) for r in job.recipients]
                     for job in jobs]
+        plan = await self.policies.plan(destination, hops, qids)
+        if plan.refused:
+            event(log, "connect_failed", None, qids=qids, relay=destination.target, cause="tls_policy",
+                  detail=plan.refused)
+            return [[Outcome(r, Status.DEFERRED, 0, "4.7.5", plan.refused, str(destination)) for r in job.recipients]
+                    for job in jobs]
         failures: list[HopFailure] = []
-        for hop in hops:
+        for hop, hop_tls in plan.hops:
             todo = [i for i, r in enumerate(results) if r is None]
             if not todo:
                 break
@@ -441,7 +508,7 @@ class SmtpTransport:
             key = (destination, hop.address, hop.port)
             session: _Session | None = None
             try:
-                session = await self._connect(destination, hop, key, [qids[i] for i in todo])
+                session = await self._connect(destination, hop, hop_tls, key, [qids[i] for i in todo])
                 for i in todo:
                     outcomes = results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
                     session.sent += 1
@@ -462,6 +529,14 @@ class SmtpTransport:
         return [r if r is not None else
                 [Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", text, str(destination)) for rcpt in job.recipients]
                 for r, job in zip(results, jobs, strict=True)]
+
+
+def _local_address(stream: trio.SocketStream) -> str:
+    """The relay's own address on this connection (TLS-RPT's ``sending-mta-ip``)."""
+    try:
+        return str(stream.socket.getsockname()[0])
+    except OSError:
+        return ""
 
 
 def _label(hop: mx.Hop) -> str:

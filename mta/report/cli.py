@@ -13,6 +13,7 @@ import click
 
 from mta.report.errors import ReportError
 from mta.report.session import JAVA_MISSING, java_available, missing_libraries
+from spool import remote
 from spool.rows import expand_paths
 
 
@@ -62,9 +63,16 @@ def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, unt
     if since_ms is not None and until_ms is not None and since_ms >= until_ms:
         raise ReportError("--since must be before --until")
     for pattern in inputs:
-        if expand_paths([pattern]):
-            continue
-        if not glob.glob(os.path.expanduser(pattern)):
+        try:
+            if expand_paths([pattern]):
+                continue
+            there = remote.Listing().matches(pattern) if remote.is_remote(pattern) else \
+                glob.glob(os.path.expanduser(remote.local_path(pattern)))
+        except remote.PlaceError as exc:
+            raise ReportError(f"--input {exc}") from None
+        except OSError as exc:
+            raise ReportError(f"--input {pattern}: cannot list: {' '.join(str(exc).split())}") from None
+        if not there:
             raise ReportError(f"--input {pattern}: no such file or directory")
         raise ReportError(f"no segment files (*.seg) under: {pattern}")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -89,7 +97,8 @@ def _progress(message: str) -> None:
 
 @click.command("report")
 @click.option("--input", "inputs", multiple=True, required=True, metavar="PATH",
-              help="Spool, log or archive directory, segment file, or a glob of them; repeatable.")
+              help="Spool, log or archive directory, segment file, or a glob of them, local or at a URL "
+                   "(s3://bucket/prefix, hdfs://..., file://...); repeatable.")
 @click.option("--out", required=True, metavar="DIR", help="Where the Parquet tables and the report go.")
 @click.option("--master", default="local[*]", show_default=True, callback=_master_option,
               help="Spark master URL.")

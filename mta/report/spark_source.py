@@ -2,12 +2,14 @@
 
 Theory of operation. The driver plans the paths it is given (segment files,
 ``log/`` directories, spool directories, archive directories, globs of any of
-these; a spool directory gives both its ``log/`` and its ``archive/``) into a
+these; a spool directory gives both its ``log/`` and its ``archive/``), local
+or at a URL (``s3://``, ``hdfs://``, ``file://``: ``spool.remote``), into a
 sorted list of segment files (``spool.rows.plan``) and makes **one partition
-per file**, plus one per segment missing from a directory's sequence. A worker
-turns its file into Arrow record batches with ``spool.rows`` (which reads
+per file**, plus one per segment missing from a directory's sequence. The
+driver only lists: a worker opens its own file (an object in a bucket too)
+and turns it into Arrow record batches with ``spool.rows`` (which reads
 through the spool's log reader, ``spool.reader``), one row per record and one
-error row per anomaly, in file order.
+error row per anomaly, in file order; a file it cannot open is an error row.
 
 It lives with the report rather than in ``spool``, because it is the only
 piece of the pipeline that imports pyspark: ``spool``, the pure-Python walk

@@ -20,6 +20,8 @@ from mta.config import (
     NoRoute,
     SmtpRoute,
     TlsMode,
+    TlsPolicy,
+    format_route,
     load_config,
     parse_config,
     parse_duration,
@@ -178,6 +180,12 @@ def test_parse_route_forms(tmp_path: Path) -> None:
     assert parse_route("smtp://relay.example") == SmtpRoute("relay.example", 25, TlsMode.OPPORTUNISTIC)
     assert parse_route("smtp://relay.example:587/?tls=verify") == SmtpRoute("relay.example", 587, TlsMode.VERIFY)
     assert parse_route("smtp://[2001:db8::1]:26?tls=none") == SmtpRoute("2001:db8::1", 26, TlsMode.NONE)
+    both = (TlsPolicy.DANE, TlsPolicy.MTA_STS)
+    assert parse_route("mx?tls=mta-sts,dane") == MxRoute(TlsMode.OPPORTUNISTIC, both)
+    assert parse_route("mx?tls=dane,verify") == MxRoute(TlsMode.VERIFY, (TlsPolicy.DANE,))
+    assert parse_route("smtp://h:26?tls=dane") == SmtpRoute("h", 26, TlsMode.OPPORTUNISTIC, (TlsPolicy.DANE,))
+    for text in ("mx", "mx?tls=dane,mta-sts", "mx?tls=mta-sts,require", "smtp://h:26?tls=dane,verify"):
+        assert format_route(parse_route(text)) == text
     for bad in [
         "MX",
         "smtp://",
@@ -186,6 +194,11 @@ def test_parse_route_forms(tmp_path: Path) -> None:
         "smtp://h?tls=maybe",
         "smtp://h?x=1",
         "smtp://h?tls=none&tls=verify",
+        "smtp://h?tls=mta-sts",  # MTA-STS names a domain's MX hosts, not a fixed next hop
+        "mx?tls=dane,none",
+        "mx?tls=verify,require",
+        "mx?tls=stsv1",
+        "mx?via=x",
         "maildir:",
         "lmtp://h",
         "",
@@ -712,3 +725,11 @@ def test_the_engine_gets_the_spool_pacing_settings(tmp_path: Path) -> None:
     engine = spool_config(parse_config(FULL, "full.toml", base_dir=str(tmp_path)), shard=1)
     assert (engine.commit_delay, engine.checkpoint_interval, engine.checkpoint_bytes) == (0.02, 5.0, 4 << 20)
     assert (engine.checkpoint_max_interval, engine.deferred_share, engine.id_suffix) == (120.0, 0.5, "-1")
+
+
+def test_a_dane_route_needs_a_resolver_named_in_the_config() -> None:
+    with pytest.raises(ConfigError, match=r"delivery.resolver: route '\*' uses DANE"):
+        parse_config('[routes]\n"*" = "mx?tls=dane"\n"localhost" = "maildir:md"\n')
+    config = parse_config('[delivery]\nresolver = "127.0.0.1:5353"\n[routes]\n"*" = "mx?tls=dane"\n'
+                          '"localhost" = "maildir:md"\n')
+    assert config.routes["*"] == MxRoute(TlsMode.OPPORTUNISTIC, (TlsPolicy.DANE,))

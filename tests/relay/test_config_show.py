@@ -23,7 +23,7 @@ from mta.config.loader import definitions
 from mta.config.routes import Domain
 from mta.config.show import show_config, toml_value
 from mta.config.values import Address, Hostname, Listen, Mailbox, Network, Processes, ReadableFile
-from spool.settings import Boolean, Duration, Fraction, Integer, Kind, ListOf, OneOf, Optional, Size
+from spool.settings import Boolean, Duration, Fraction, Integer, Kind, ListOf, OneOf, Optional, Size, Text
 from spool.settings import Path as PathKind
 from spool.units import parse_duration
 
@@ -214,13 +214,16 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
             return st.builds(lambda dot, host: dot + host, st.sampled_from(["", "."]), HOST)
         case Processes():
             return st.one_of(st.integers(1, 8), st.just("auto"))
+        case Text(nonempty):
+            return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1 if nonempty else 0,
+                           max_size=20)
     raise AssertionError(f"no strategy for {kind!r}: add one")
 
 
 ROUTES = st.dictionaries(
     st.one_of(st.just("*"), HOST, HOST.map(lambda h: "." + h)),
     st.sampled_from(["mx", "discard", "maildir:md", "smtp://10.0.0.5", "smtp://[::1]:26?tls=verify",
-                     "smtp://relay.example:587?tls=none"]),
+                     "smtp://relay.example:587?tls=none", "mx?tls=mta-sts", "mx?tls=mta-sts,verify"]),
     max_size=4)
 
 

@@ -126,7 +126,8 @@ async def _scenario(tmp: Path) -> Scrapes:
         cfg = relay_config(str(tmp), {"localhost": "maildir:maildir", "far.example": f"smtp://127.0.0.1:{hop_port}",
                                       "stall.example": f"smtp://127.0.0.1:{silent_port}"},
                            extra='metrics_listen = "127.0.0.1:0"\nmax_sessions = 2\nreserved_sessions = 0\n'
-                                 'command_timeout = "1s"\n', retry='["1h"]')
+                                 'command_timeout = "1s"\n', retry='["1h"]',
+                           spool_extra='in_doubt = "redeliver"\n')  # the message left in doubt is delivered again
         await trio.to_thread.run_sync(_leave_a_message_in_doubt, Path(cfg.spool.dir), cfg)
         relay = await start_relay(nursery, cfg)
         watch = DeliveryWatch(relay)

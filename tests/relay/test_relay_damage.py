@@ -352,7 +352,7 @@ async def test_damaged_body(tmp_path: Path, template: Template, template_map: Lo
     result = await run_case(tmp_path, template, template_map, caplog, damage)
     (bounce,) = [o for _, o in result.watch.outcomes if o.status is Status.BOUNCED]
     assert bounce.recipient == victim.rcpt and bounce.enhanced == "5.3.0" and "damaged" in bounce.reply
-    assert any(f"{victim.qid}: the message's data in the spool is damaged" in r.getMessage()
+    assert any(r.getMessage().startswith(f"event=damaged_body qid={victim.qid} ") and "action=bounced" in r.getMessage()
                for r in caplog.records)
 
 

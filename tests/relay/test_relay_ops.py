@@ -231,7 +231,7 @@ async def test_serve_with_no_config_uses_the_make_run_defaults(tmp_path: Path) -
             tried = await trio.run_process(["sh", "-c", command], cwd=str(tmp_path), check=False,
                                            capture_stdout=True, capture_stderr=True)
             assert tried.returncode == 0 and tried.stderr == b"", tried.stderr
-            await wait_line(r"to=<you@localhost>, .* status=sent")  # logged once the maildir file is durable
+            await wait_line(r"to=<you@localhost> .* status=sent")  # logged once the maildir file is durable
             box = maildir / "you" / "new"
             (name,) = os.listdir(box)
             assert b"Subject: test" in (box / name).read_bytes()

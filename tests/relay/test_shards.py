@@ -142,8 +142,10 @@ async def wait_dead(pids: list[int], timeout: float = 30) -> None:
 
 
 def write_config(tmp_path: Path, hop_port: int, processes: int, retry: str = '["1s", "2s"]') -> Path:
+    # "redeliver": the kills here land at any moment, and a delivery they interrupt must be delivered again
+    # with no operator (holding in doubt is tests/relay/test_in_doubt_hold.py's).
     return write_relay_config(tmp_path, {"far.example": f"smtp://127.0.0.1:{hop_port}?tls=none"},
-                              extra=f"processes = {processes}", retry=retry)
+                              extra=f"processes = {processes}", retry=retry, spool_extra='in_doubt = "redeliver"')
 
 
 def send(port: int, i: int) -> str:

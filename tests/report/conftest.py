@@ -6,12 +6,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from s3_server import s3_server
 from spark_fixture import run_relay
 
 
 @pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
-    """One local SparkSession for every Spark test (it takes seconds to start)."""
+def s3_endpoint() -> Iterator[str]:
+    """An S3-compatible server on 127.0.0.1 (moto), its address in the AWS variables (tests/support/s3_server.py)."""
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def spark(s3_endpoint: str) -> Iterator[Any]:
+    """One local SparkSession for every Spark test (it takes seconds to start). After the S3 server: Spark's
+    Python workers take their environment, the server's address with it, from the JVM as it starts."""
     from mta.report.session import make_session
 
     # Two shuffle partitions: the tables hold a few thousand rows, and every

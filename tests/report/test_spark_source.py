@@ -166,9 +166,13 @@ def test_the_garbage_collector_runs_again_between_batches_and_after_an_error(fle
     assert gc.isenabled(), "left paused while Spark (the consumer) runs"
     batches.close()
     assert gc.isenabled()
-    gone = str(tmp_path / "0000000000000001.seg")
-    with pytest.raises(OSError):
-        next(segment_batches(gone, "mx1"))
+    with pytest.raises(TypeError):  # a failure while the batch is built, collector paused
+        next(segment_batches(path, "mx1", batch_rows="7"))  # type: ignore[arg-type]
+    assert gc.isenabled()
+    gone = str(tmp_path / "0000000000000001.seg")  # not a failure of the walk: an error row names it
+    (row,) = segment_rows(gone, "mx1")
+    assert row["rtype"] == ERROR_TYPE
+    assert row["error"] == "missing segment: segment 1 was listed but is not there to read"
     assert gc.isenabled()
 
 

@@ -351,8 +351,10 @@ async def test_start_on_a_full_disk_answers_452_until_space_returns(tmp_path: Pa
             hop = GatedHop()
             await hop.start(nursery)
             hop.accept_first = 1
+            # "redeliver": m1, in flight at the kill, is to be delivered again after the disk has room.
             config = write_relay_config(tmp_path, {"far.example": f"smtp://127.0.0.1:{hop.port}?tls=none"},
-                                        spool_extra='queue_minfree = "1M"', spool_dir=str(fs / "spool"))
+                                        spool_extra='queue_minfree = "1M"\nin_doubt = "redeliver"',
+                                        spool_dir=str(fs / "spool"))
             relay = RelayProcess(config)
             await relay.start(nursery)
             # m1's envelope is longer than a page (many recipients): recovery's replacement for it cannot

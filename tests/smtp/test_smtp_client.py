@@ -323,6 +323,7 @@ class Rereadable:
 
 async def test_transport_pipelines_the_envelope_and_sends_the_body_with_its_dot_in_one_write(tmp_path: Path) -> None:
     from mta.delivery.smtp_transport import _Session
+    from mta.delivery.tlspolicy.plan import base_tls
     from mta.delivery.transport import Job
 
     config = relay_config(str(tmp_path), {"*": "smtp://127.0.0.1:25"})
@@ -339,7 +340,7 @@ async def test_transport_pipelines_the_envelope_and_sends_the_body_with_its_dot_
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server)
         session = _Session(counting, "mx.test", config)
-        await session.open("none", "mx.test")
+        await session.open(base_tls("none", "mx.test"))
         counting.writes.clear()
         outcomes = await session.send(job, "mx.test")
         writes = list(counting.writes)

@@ -128,8 +128,16 @@ def check(before: dict[str, Queued], damage: list[Range], code: int, out: dict[s
 
     def in_listed_damage(rec: tuple[int, int, int]) -> bool:
         seg, lo, _hi = rec
+        # A range that reaches the end of its file, in a segment followed by a missing one, covers the rest of
+        # the segment, whatever it held: with no next header its sealed size, and so the loss, is unknown.
+        missing = {d["segment"] for d in ranges if d["kind"] == "missing_segment"}
+
+        def to_end(d: dict[str, Any]) -> bool:
+            return d["segment"] + 1 in missing and d["offset"] + d["bytes"] >= os.path.getsize(d["file"])
+
         return any(d["segment"] == seg and (d["kind"] == "missing_segment" or d["offset"] <= lo < d["offset"]
-                                            + max(d["bytes"], 1)) for d in ranges)
+                                            + max(d["bytes"], 1) or (lo >= d["offset"] and to_end(d)))
+                   for d in ranges)
 
     for qid, m in before.items():
         same = qid in after and after[qid].same() == m.same()

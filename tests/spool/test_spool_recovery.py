@@ -6,6 +6,7 @@ A crash here is ``close()`` without ``commit()`` and a new ``Spool.open``.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from fault_injection.workloads import FakeClock as Clock
 from spool import admin
 from spool.damage import Anomaly, Kind
 from spool.errors import CorruptSegment
-from spool.record import Outcome, Status, pos_offset, pos_segment
+from spool.record import HELD_CLASS, Outcome, Status, format_id, pos_offset, pos_segment
 from spool.segment import list_segments, segment_path
 from spool.spool import Spool
 
@@ -210,25 +211,72 @@ def test_damage_before_the_checkpointed_head_is_not_a_torn_tail(tmp_path: Path) 
 # -- in doubt ----------------------------------------------------------------------
 
 
-def test_attempt_without_delivery_record_is_in_doubt(tmp_path: Path) -> None:
+def test_attempt_without_delivery_record_is_in_doubt_and_held_until_released(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``in_doubt = "hold"`` (the default): the message is held at recovery, says so in one line naming its
+    queue id and recipients, stays held across another restart, and goes on once released."""
     clock = Clock()
     sp = Spool.open(str(tmp_path), config(clock))
     mid = sp.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"body")
     sp.commit()
-    (attempt,) = sp.poll_due()
+    sp.poll_due()
     sp.commit()  # the START is durable; no DELIVERY record exists when the crash comes
     sp.close()
 
-    sp = Spool.open(str(tmp_path), config(clock))
+    qid = format_id(mid)
+    with caplog.at_level(logging.INFO, logger="spool.recovery"):
+        sp = Spool.open(str(tmp_path), config(clock))
     try:
         assert sp.recovery_stats.in_flight == 1
         assert sp.recovery_stats.in_doubt == 2
+        assert sp.recovery_stats.held == 1
+        lines = [r.getMessage() for r in caplog.records if "in doubt: queue id" in r.getMessage()]
+        assert lines == [f"in doubt: queue id {qid} recipients a@x.example,b@y.example: an attempt was in flight "
+                         "at the crash with no outcome recorded; the message is held: `mta queue release "
+                         f"{qid}` delivers it again, `mta queue delete {qid}` drops it"]
+        assert any("2 in doubt (1 message held: mta queue list --in-doubt)" in r.getMessage()
+                   for r in caplog.records)
         msg = live(sp)[mid]
-        assert msg.envelope.recipients == ("a@x.example", "b@y.example")
+        assert msg.envelope.recipients == msg.envelope.in_doubt == ("a@x.example", "b@y.example")
+        assert msg.held and msg.klass == HELD_CLASS and msg.envelope.held
+        assert admin.count(sp, admin.Filter(in_doubt=True)) == admin.count(sp, admin.Filter(held=True)) == 1
+        clock.now += 100_000
+        assert sp.poll_due() == []  # held: never claimed for delivery
+    finally:
+        sp.close()
+
+    sp = Spool.open(str(tmp_path), config(clock))  # a second restart: the held replacement is on disk
+    try:
+        assert sp.recovery_stats.in_doubt == 0
+        assert live(sp)[mid].held
+        assert sp.poll_due() == []  # the sweeper carries it, still held
+        sp.commit()
+        assert sp.change(mid, "release")
+        (again,) = sp.poll_due()
+        assert again.message_id == mid and again.klass == 0
+        assert again.envelope.in_doubt == ("a@x.example", "b@y.example")
+        assert b"".join(sp.read_body(again.envelope)) == b"body"
+    finally:
+        sp.close()
+
+
+def test_attempt_without_delivery_record_is_redelivered_with_in_doubt_redeliver(tmp_path: Path) -> None:
+    clock = Clock()
+    sp = Spool.open(str(tmp_path), config(clock, in_doubt="redeliver"))
+    mid = sp.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"body")
+    sp.commit()
+    (attempt,) = sp.poll_due()
+    sp.commit()
+    sp.close()
+
+    sp = Spool.open(str(tmp_path), config(clock, in_doubt="redeliver"))
+    try:
+        assert sp.recovery_stats.in_doubt == 2
+        assert sp.recovery_stats.held == 0
+        msg = live(sp)[mid]
         assert msg.envelope.in_doubt == ("a@x.example", "b@y.example")
-        assert msg.klass == attempt.klass == 0
+        assert not msg.held and msg.klass == attempt.klass == 0
         assert admin.count(sp, admin.Filter(in_doubt=True)) == 1
-        assert b"".join(sp.read_body(msg.envelope)) == b"body"
         # It is delivered again, and says so.
         (again,) = sp.poll_due()
         assert again.envelope.in_doubt == ("a@x.example", "b@y.example")

@@ -144,7 +144,8 @@ def test_active_limit_pauses_runners_until_attempts_finish(tmp_path: Path) -> No
 
 def test_message_older_than_max_queue_lifetime_is_expired(tmp_path: Path) -> None:
     clock = Clock(1000.0)
-    config = SpoolConfig(retry_intervals=(600.0,), max_queue_lifetime=3600.0, clock=clock)
+    # "redeliver": the attempt in flight at the close below must come due again, not be held in doubt.
+    config = SpoolConfig(retry_intervals=(600.0,), max_queue_lifetime=3600.0, clock=clock, in_doubt="redeliver")
     sp = Spool.open(str(tmp_path), config)
     try:
         mid = sp.enqueue("s@src.example", [RCPT], b"body")

@@ -653,3 +653,23 @@ def test_recover_reports_the_removed_half_created_segment_as_tail_cut(tmp_path: 
     with open(segment_path(os.path.join(m.path, "log"), last), "r+b") as f:
         f.truncate(10)
     assert run_json("recover", m.path)["tail_cut_bytes"] == 10
+
+
+@pytest.mark.parametrize("mode", ["hold", "redeliver"])
+def test_recover_holds_a_message_in_doubt_unless_told_to_redeliver(tmp_path: Path, mode: str) -> None:
+    """``spoolctl recover --in-doubt`` chooses as the relay's ``[spool] in_doubt`` does; hold by default."""
+    path = str(tmp_path / "spool")
+    sp = Spool.open(path, SpoolConfig())
+    mid = sp.enqueue("s@src.example", ["a@x.example"], b"body")
+    sp.commit()
+    sp.poll_due()
+    sp.commit()  # the START is durable, no outcome: in doubt
+    sp.close()
+    rec = run_json("recover", path, *(["--in-doubt", mode] if mode == "redeliver" else []))
+    assert (rec["in_doubt"], rec["held"]) == (1, 1 if mode == "hold" else 0)
+    sp = Spool.open(path, SpoolConfig())
+    try:
+        (msg,) = admin.iter_live(sp)
+        assert msg.message_id == mid and msg.held == (mode == "hold") and msg.envelope.in_doubt == ("a@x.example",)
+    finally:
+        sp.close()

@@ -55,6 +55,13 @@ class DnsServer:
     def aaaa(self, host: str, address: str) -> None:
         self._add(host, "AAAA", address)
 
+    def txt(self, name: str, text: str) -> None:
+        self._add(name, "TXT", '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"')
+
+    def forget(self, name: str, rtype: str) -> None:
+        """Drop ``name``'s records of ``rtype`` (the name stays known)."""
+        self.records.pop((_key(name), rtype), None)
+
     def exists(self, name: str) -> None:
         """A name with no records at all (every question gets an empty answer)."""
         self.known.add(_key(name))

@@ -23,7 +23,7 @@ import trio
 # The console script beside this Python, not `python -m mta`: a test's cwd may hold a directory named spool.
 MTA = os.path.join(os.path.dirname(sys.executable), "mta")
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+),")
-IN_DOUBT = re.compile(r"in doubt: queue id (\S+) recipient (\S+):")
+IN_DOUBT = re.compile(r"in doubt: queue id (\S+) recipients? (\S+):")  # one line per message, recipients comma-joined
 
 
 async def mta(config: Path | None, *args: str, cwd: Path | None = None,
@@ -141,4 +141,4 @@ class RelayProcess(ServeProcess):
 
     def in_doubt_logged(self) -> set[tuple[str, str]]:
         """(queue id, recipient) of every recipient recovery logged as in doubt."""
-        return {(m.group(1), m.group(2)) for line in self.lines if (m := IN_DOUBT.search(line))}
+        return {(m.group(1), r) for line in self.lines if (m := IN_DOUBT.search(line)) for r in m.group(2).split(",")}

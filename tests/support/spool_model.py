@@ -10,7 +10,7 @@ what was committed survives. ``commit()`` snapshots the state; ``crash()`` rolls
 back to the snapshot and then applies what recovery does to the attempts that
 were in flight: recipients with a committed final outcome are done, the rest go
 on in a replacement of the same class, and recipients with no outcome at all
-are *in doubt*.
+are *in doubt* (and their message held, with the engine's default ``in_doubt = "hold"``).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class State:
 
 
 class SpoolModel:
-    def __init__(self, classes: int) -> None:
+    def __init__(self, classes: int, *, hold_in_doubt: bool = True) -> None:
         self.classes = classes  # runner classes, new mail included
+        self.hold_in_doubt = hold_in_doubt  # the engine's ``in_doubt = "hold"``: recovery holds them
         self.state = State()
         self.committed = State()
 
@@ -135,6 +136,8 @@ class SpoolModel:
                 m.recipients = remaining
                 m.klass = f.klass
                 m.in_doubt = (m.in_doubt | set(f.in_doubt)) & set(remaining)
+                if f.in_doubt and self.hold_in_doubt:
+                    m.held, m.klass = True, HELD_CLASS
             else:
                 self._done(f.mid)
         self.flights.clear()

@@ -70,7 +70,20 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process in MiB (Linux reports KiB)."""
+    """Peak resident set size of this process image in MiB.
+
+    ``VmHWM`` from /proc, not ``ru_maxrss``: Linux carries ``ru_maxrss`` across
+    fork and exec, so a child started by a big parent reports the parent's
+    peak (the spool_bench recovery children showed 59 MB or 101 MB depending on
+    what the parent had built). ``VmHWM`` belongs to the new image alone.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
