@@ -41,7 +41,8 @@ before the crash point:
    again; one queued and also delivered is a duplicate (counted, allowed:
    the window between the delivery and its record);
 4. every queued message reads back whole (checksums, and the bytes the client
-   sent), has only its own recipients, and the runners claim every one of them.
+   sent), has only its own recipients, and the runners claim every one of
+   them but those recovery held because a recipient was in doubt.
 
 A failing state prints its recipe; the recording is saved beside it, and
 ``--recording FILE --replay RECIPE`` recovers and checks that one state again.
@@ -90,6 +91,7 @@ class Outcome:
     refused: bool = False
     relay_started: bool = False
     quarantined: bool = False  # recovery cut damage (bytes that cannot have been acknowledged) into quarantine
+    held: int = 0  # queued messages held in doubt (a delivery was under way at the crash)
 
 
 @attrs.define
@@ -102,6 +104,7 @@ class Report:
     duplicates: int = 0
     relay_starts: int = 0
     quarantined: int = 0
+    held: int = 0
     recordings: int = 0
     ops: int = 0
     segments_deleted: int = 0  # by the recorded runs' checkpoints, all runs together
@@ -116,8 +119,9 @@ class Report:
         return (f"relay crash states {self.states} ({kinds}) from {self.recordings} recorded runs ({self.ops} file "
                 f"ops, {self.segments_deleted} segments deleted); {self.relay_starts} recovered by a whole relay "
                 f"start, the rest by Spool.open; acknowledged recipients checked {self.checked}; lost {self.lost}; "
-                f"refusals to start {self.refusals}; duplicates {self.duplicates}; states where recovery "
-                f"quarantined damage {self.quarantined}; failed states {len(self.failures)}")
+                f"refusals to start {self.refusals}; duplicates {self.duplicates}; messages held in doubt "
+                f"{self.held}; states where recovery quarantined damage {self.quarantined}; failed states "
+                f"{len(self.failures)}")
 
 
 def draw(walker: Walker, kind: str, rng: random.Random) -> Recipe | None:
@@ -213,12 +217,19 @@ def maildir_files(root: str, plan: Plan, bounced: set[tuple[int, str]]) -> tuple
 def _queued(sp: Spool, plan: Plan, out: Outcome, bounced: set[tuple[int, str]]) -> dict[str, set[str]]:
     """Queue id -> live recipients; checks bodies and recipients, and that the runners claim every message.
 
-    A queued DSN adds what it reports to ``bounced``.
+    A queued DSN adds what it reports to ``bounced``. A message recovery held because a recipient was
+    in doubt (``[spool] in_doubt = "hold"``, the default) is queued, for the operator to release: the
+    runners rightly pass it by. Nothing else in this workload is ever held.
     """
     live: dict[str, set[str]] = {}
+    held: set[str] = set()
     for msg in admin.iter_live(sp):
         env = msg.envelope
         qid = sp.queue_id(env.message_id)
+        if msg.held:
+            held.add(qid)
+            if not env.in_doubt:
+                out.violations.append(f"queued message {qid} is held, yet no recipient of it is in doubt")
         if qid in live:
             out.violations.append(f"message {qid} has more than one live envelope")
         live.setdefault(qid, set()).update(env.recipients)
@@ -243,8 +254,9 @@ def _queued(sp: Spool, plan: Plan, out: Outcome, bounced: set[tuple[int, str]]) 
         if not batch:
             break
         claimed.update(sp.queue_id(a.message_id) for a in batch)
+    out.held += len(held)
     out.violations += [f"queued message {q} is never claimed by a runner (stranded)"
-                       for q in sorted(set(live) - claimed)]
+                       for q in sorted(set(live) - held - claimed)]
     return live
 
 
@@ -368,6 +380,7 @@ def explore(run: Run, budget: int, seed: int, report: Report, *, relay_every: in
                 report.relay_starts += whole
                 report.refusals += res.refused
                 report.quarantined += res.quarantined
+                report.held += res.held
                 report.lost += sum(1 for v in res.violations if v.startswith("LOST"))
                 if res.violations:
                     where = saved or save_recording(run, save_dir)
