@@ -81,6 +81,7 @@ test: sysdeps $(DEV_STAMP) lint typecheck imports pytest
 
 crashtest: $(DEV_STAMP)
 	$(BIN)/python -m fault_injection powercut --max-states 5000
+	$(BIN)/python -m fault_injection relaycrash --states 20000
 	$(BIN)/python -m fault_injection kill9 --cycles 500
 	$(BIN)/python -m fault_injection kill9 --relay --cycles 500
 	$(BIN)/python -m fault_injection corrupt --cases 80

@@ -1,4 +1,4 @@
-"""``python -m fault_injection {powercut,kill9,faults,corrupt,smtpfuzz}``: the crash and fault harnesses.
+"""``python -m fault_injection {powercut,relaycrash,kill9,faults,corrupt,smtpfuzz}``: the crash and fault harnesses.
 
 Exit status 0 when every case passed, 1 when any failed (the failures are
 printed with what is needed to replay them), 2 for a usage error.
@@ -36,6 +36,26 @@ def _powercut(args: argparse.Namespace) -> int:
     if len(names) > 1:
         print(f"powercut total: {totals.line()}")
     return 1 if failed else 0
+
+
+def _relaycrash(args: argparse.Namespace) -> int:
+    from fault_injection import relaycrash
+
+    if args.replay or args.recording:
+        if not (args.replay and args.recording):
+            print("relaycrash: --replay and --recording go together", file=sys.stderr)
+            return 2
+        res = relaycrash.replay(args.recording, args.replay)
+        print(f"replay {args.replay}: {'FAILED' if res.violations else 'passed'}; acknowledged recipients checked "
+              f"{res.checked}; duplicates {res.duplicates}")
+        for v in res.violations:
+            print(f"  {v}")
+        return 1 if res.violations else 0
+    t0 = time.monotonic()
+    report = relaycrash.run(args.states, args.seed, messages=args.messages, relay_every=args.relay_every,
+                            progress=lambda line: print(line, flush=True))
+    print(f"{report.line()} [{time.monotonic() - t0:.0f}s]")
+    return 0 if report.ok else 1
 
 
 def _kill9(args: argparse.Namespace) -> int:
@@ -91,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replay", metavar="RECIPE", help="recover one state (as printed by a failure)")
     p.set_defaults(func=_powercut)
+
+    r = sub.add_parser("relaycrash", help="power cuts under the running relay: recover crash states of its "
+                       "recorded SMTP, Maildir and next-hop workload")
+    r.add_argument("--states", type=int, default=1000, help="distinct crash states to recover and check")
+    r.add_argument("--seed", type=int, default=0, help="the first run's seed (the next runs take seed+1, ...)")
+    r.add_argument("--messages", type=int, default=40, help="messages per recorded run")
+    r.add_argument("--relay-every", type=int, default=25,
+                   help="recover every Nth state by a whole relay start (the rest by Spool.open)")
+    r.add_argument("--recording", metavar="FILE", help="a recording saved by a failed run (with --replay)")
+    r.add_argument("--replay", metavar="RECIPE", help="recover and check one state of --recording")
+    r.set_defaults(func=_relaycrash)
 
     k = sub.add_parser("kill9", help="SIGKILL a workload process (or the relay) under load, restart, check the ledger")
     k.add_argument("--cycles", type=int, default=20)

@@ -10,11 +10,17 @@ Model (ALICE, LazyFS, LevelDB's fault-injection env; docs/reliability.md):
   completed ``SyncDir`` are durable; of the ones after it, any prefix may
   survive (the journal keeps their order), independently for each directory.
   A rename is counted in the directory it renames *into*;
-- a file that no surviving name reaches is gone.
+- a file that no surviving name reaches is gone;
+- *page-order states*: the page cache writes dirty pages back in any order,
+  so of a file's unsynced writes any subset of the 4 KiB pages they touched
+  may reach the disk (each with its latest content), with the file's size
+  either its durable size or its size after every issued op; a page that did
+  not reach the disk keeps its durable bytes, or zeros past the durable size.
 
 A ``Recipe`` names one state: the crash point, and for each file and
-directory with unsynced ops how many of them survive (and the torn length).
-Its text form is what ``python -m fault_injection powercut --replay`` accepts.
+directory with unsynced ops how many of them survive (and the torn length),
+or for a file which of its dirty pages survive. Its text form is what
+``python -m fault_injection powercut --replay`` (and ``relaycrash --replay``) accepts.
 """
 
 from __future__ import annotations
@@ -42,21 +48,26 @@ from fault_injection.recording import (
 )
 
 SECTOR = 512
+PAGE = 4096
 TORN_VARIANTS = 2
 
 
 @attrs.frozen
 class Recipe:
-    """One crash state: ``files`` ino -> (surviving unsynced data ops, torn length or -1); ``dirs`` ino -> count."""
+    """One crash state: ``files`` ino -> (surviving unsynced data ops, torn length or -1); ``dirs`` ino -> count;
+    ``pages`` ino -> (bitmask over ``Walker.dirty_pages(ino)`` of the pages that reached the disk, 1 if the size
+    after every issued op survived, 0 if the durable size did)."""
 
     point: int
     files: tuple[tuple[int, int, int], ...]
     dirs: tuple[tuple[int, int], ...]
+    pages: tuple[tuple[int, int, int], ...] = ()
 
     def text(self) -> str:
         parts = [f"K={self.point}"]
         parts += [f"F{ino}={n}" + (f"/{torn}" if torn >= 0 else "") for ino, n, torn in self.files]
         parts += [f"D{ino}={n}" for ino, n in self.dirs]
+        parts += [f"P{ino}={mask:x}/{full}" for ino, mask, full in self.pages]
         return ";".join(parts)
 
     @classmethod
@@ -64,6 +75,7 @@ class Recipe:
         point = -1
         files: list[tuple[int, int, int]] = []
         dirs: list[tuple[int, int]] = []
+        pages: list[tuple[int, int, int]] = []
         for part in filter(None, text.strip().split(";")):
             key, _, value = part.partition("=")
             if key == "K":
@@ -73,11 +85,14 @@ class Recipe:
                 files.append((int(key[1:]), int(n), int(torn) if torn else -1))
             elif key.startswith("D"):
                 dirs.append((int(key[1:]), int(value)))
+            elif key.startswith("P"):
+                mask, _, full = value.partition("/")
+                pages.append((int(key[1:]), int(mask, 16), int(full)))
             else:
                 raise ValueError(f"bad recipe part {part!r}")
         if point < 0:
             raise ValueError(f"recipe without a crash point: {text!r}")
-        return cls(point, tuple(files), tuple(dirs))
+        return cls(point, tuple(files), tuple(dirs), tuple(pages))
 
 
 @attrs.define
@@ -157,14 +172,17 @@ class Walker:
         self.pending_ns: dict[int, list[NamespaceOp]] = {}
         self.pending_ns_index: dict[int, list[int]] = {}
         self.events = 0
+        self.point = 0  # the crash point ``points`` stands at
 
     def points(self) -> Iterator[int]:
         """Yield every crash point that a file operation follows (and the end), after updating the state."""
         ops = self.rec.ops
         for k, op in enumerate(ops):
             if not isinstance(op, Event):
+                self.point = k
                 yield k
             self._apply(k, op)
+        self.point = len(ops)
         yield len(ops)
 
     def _apply(self, k: int, op: object) -> None:
@@ -183,7 +201,25 @@ class Walker:
         elif isinstance(op, SyncDir):
             for ns in self.pending_ns.pop(op.ino, []):
                 _apply_ns(self.entries, ns)
+                if isinstance(ns, Rename):
+                    self._settle_source(ns)
             self.pending_ns_index.pop(op.ino, None)
+
+    def _settle_source(self, rename: Rename) -> None:
+        """A durable rename also settles the unsynced create of its source name (Maildir's ``tmp/`` file).
+
+        The inode has one name: once it is durable under the new one, the old
+        name cannot come back in a later crash state (a journal commits the
+        create with the rename that moved it).
+        """
+        ops = self.pending_ns.get(rename.src_parent, [])
+        keep = [i for i, ns in enumerate(ops) if not (isinstance(ns, Link) and ns.ino == rename.ino)]
+        if len(keep) < len(ops):
+            index = self.pending_ns_index[rename.src_parent]
+            self.pending_ns[rename.src_parent] = [ops[i] for i in keep]
+            self.pending_ns_index[rename.src_parent] = [index[i] for i in keep]
+            if not keep:
+                del self.pending_ns[rename.src_parent], self.pending_ns_index[rename.src_parent]
 
     def choices(self) -> tuple[list[list[tuple[int, int, int]]], list[list[tuple[int, int]]]]:
         """Per dirty file and per dirty directory, the options at the current crash point."""
@@ -196,6 +232,29 @@ class Walker:
             files.append(opts)
         dirs = [[(ino, n) for n in range(len(ops) + 1)] for ino, ops in sorted(self.pending_ns.items())]
         return files, dirs
+
+    def dirty_pages(self, ino: int) -> list[int]:
+        """The 4 KiB pages that the unsynced writes of ``ino`` touched, in file order."""
+        pages: set[int] = set()
+        for op in self.pending_data.get(ino, []):
+            if isinstance(op, Write) and op.data:
+                pages.update(range(op.offset // PAGE, (op.offset + len(op.data) - 1) // PAGE + 1))
+        return sorted(pages)
+
+    def paged(self, ino: int, mask: int, full: int) -> bytes:
+        """The file ``ino`` after the dirty pages in ``mask`` (bit i: ``dirty_pages(ino)[i]``) reached the disk."""
+        durable = bytes(self.data.get(ino, b""))
+        final = bytearray(durable)
+        for op in self.pending_data.get(ino, []):
+            _apply_data(final, op)
+        length = len(final) if full else len(durable)
+        out = bytearray(durable[:length].ljust(length, b"\0"))
+        for i, page in enumerate(self.dirty_pages(ino)):
+            if mask >> i & 1:
+                lo, hi = page * PAGE, min((page + 1) * PAGE, length)
+                if lo < hi:
+                    out[lo:hi] = final[lo:hi].ljust(hi - lo, b"\0")
+        return bytes(out)
 
     def state(self, recipe: Recipe) -> State:
         """The file tree of ``recipe`` (whose crash point must be the walker's current one)."""
@@ -216,6 +275,8 @@ class Walker:
             for i, op in enumerate(ops):
                 _apply_data(buf, op, torn if i == n - 1 else -1)
             changed[ino] = bytes(buf)
+        for ino, mask, full in recipe.pages:
+            changed[ino] = self.paged(ino, mask, full)
         dirs: list[str] = []
         files: dict[str, bytes] = {}
         stack: list[tuple[int, str]] = [(ROOT_INO, "")]
