@@ -20,15 +20,15 @@ from __future__ import annotations
 import base64
 import textwrap
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
-import dkim
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
 from mta.config.dkim import DkimKey
 from spool.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
 __all__ = ["MIN_RSA_BITS", "KeyProblem", "SigningKey", "dns_record", "load_key", "load_keys", "public_record"]
 
@@ -86,6 +86,11 @@ def dns_record(name: str, text: str, ttl: int = 3600) -> str:
 
 def _parse(data: bytes) -> rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey:
     """The private key in ``data``; ValueError says what is wrong with it."""
+    # cryptography and dkimpy are imported where a key is read: a relay with no [[dkim.key]] never loads them.
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
     text = data.strip()
     if b"-----BEGIN" not in text:
         try:
@@ -110,6 +115,9 @@ def _parse(data: bytes) -> rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey:
 def signing_key(key: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey, domain: str, selector: str,
                 active: bool = True) -> SigningKey:
     """A parsed key in the forms dkimpy and the DNS record take."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
     if isinstance(key, rsa.RSAPrivateKey):
         private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
                                     serialization.NoEncryption())
@@ -150,6 +158,8 @@ def load_key(entry: DkimKey, where: str = "dkim.key", source: str = "") -> Signi
 
 def _try(key: SigningKey, problem: Callable[[str], KeyProblem]) -> None:
     """Sign a probe message and verify it against the key's own record: a key that cannot sign stops the start."""
+    import dkim
+
     def own_record(name: bytes, timeout: int = 5) -> bytes:
         return key.record_text().encode()
 

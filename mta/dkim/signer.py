@@ -30,7 +30,6 @@ import email.utils
 import time
 
 import attrs
-import dkim
 
 from mta.config.dkim import DkimSection
 from mta.dkim.keys import SigningKey
@@ -87,6 +86,8 @@ class Signer:
 
     def _sign(self, message: bytes) -> Signature | Unsigned:
         """``sign``; dkimpy's own refusals (DKIMException) are an Unsigned, anything else is raised."""
+        import dkim  # here, not at the top: a relay with no keys never loads dkimpy (docs/design.md, "DKIM signing")
+
         start = time.perf_counter()
         try:
             parsed = dkim.DKIM(message, linesep=b"\r\n")
