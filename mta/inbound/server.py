@@ -585,7 +585,13 @@ class _Session:
         if dkim is None or not (self.config.in_mynetworks(self.client_ip) or self.conn.authenticated is not None):
             return None
         result = await dkim.sign(self.server.aspool, body, self.queue_id)
-        return result if isinstance(result, Signature) else None
+        metrics = self.server.metrics
+        if isinstance(result, Signature):
+            for signed_by in result.signed_by:
+                metrics.dkim_signed.labels(signed_by.partition("/")[0]).inc()
+            return result
+        metrics.dkim_unsigned.labels(result.reason).inc()
+        return None
 
     def _transaction_over(self) -> None:
         """The message was answered (or its data ended with the connection): its sender and id are forgotten."""
@@ -644,6 +650,7 @@ class _Session:
         """
         server, sub, client = self.server, self.config.submission, self.client_ip
         if server.auth_failures.blocked(client):
+            server.metrics.auth.labels("rate_limit").inc()
             event(log, "auth_failed", level=logging.WARNING, client=client, user=ev.username, mechanism=ev.mechanism,
                   reason="rate_limit", failures=server.auth_failures.failures(client))
             self.conn.reject(R_AUTH_LOCKED, "auth_rate_limit")
@@ -656,6 +663,7 @@ class _Session:
                 good = await trio.to_thread.run_sync(users.verify, ev.username, ev.password,
                                                      limiter=server.auth_slots)
         except OSError as exc:
+            server.metrics.auth.labels("unavailable").inc()
             event(log, "auth_error", level=logging.ERROR, client=client, user=ev.username,
                   error=exc.strerror or str(exc))
             self.conn.reject(R_AUTH_UNAVAILABLE, "auth_unavailable")
@@ -665,6 +673,7 @@ class _Session:
             if users.last_error is not None:
                 event(log, "users_file_error", level=logging.ERROR, error=users.last_error)
         if good:
+            server.metrics.auth.labels("success").inc()
             server.auth_failures.succeeded(client)
             event(log, "auth", client=client, user=ev.username, mechanism=ev.mechanism,
                   port=self.port.value)
@@ -672,6 +681,7 @@ class _Session:
             return True
         failures = server.auth_failures.failed(client)
         locked = failures >= sub.max_auth_failures
+        server.metrics.auth.labels("failure").inc()  # the one that reaches the limit too: it was checked
         event(log, "auth_failed", level=logging.WARNING, client=client, user=ev.username, mechanism=ev.mechanism,
               reason="rate_limit" if locked else "credentials", failures=failures)
         if sub.auth_failure_delay > 0:

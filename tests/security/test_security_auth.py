@@ -244,6 +244,10 @@ async def test_wrong_password_is_535_and_after_the_limit_the_address_gets_421(
         assert [(e["user"], e["reason"]) for e in failed] == [
             ("alice", "credentials"), ("nobody", "credentials"), ("alice", "rate_limit"), ("alice", "rate_limit")]
         assert all(e["client"] == "127.0.0.1" for e in failed)
+        # The metric: three passwords checked and wrong (the third locked the address), one refused unchecked.
+        counted = {r: relay.metrics.registry.get_sample_value("logspool_auth_total", {"result": r})
+                   for r in ("failure", "rate_limit", "success")}
+        assert counted == {"failure": 3.0, "rate_limit": 1.0, "success": None}, counted
         assert "Tr0ub4dor" not in caplog.text and plain("alice", "Tr0ub4dor&4").decode() not in caplog.text
         nursery.cancel_scope.cancel()
 
