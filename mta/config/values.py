@@ -15,7 +15,7 @@ import socket
 
 import attrs
 
-from mta.smtp.common import parse_mailbox
+from mta.smtp.addresses import parse_mailbox
 from spool.settings import ConfigError, Integer, Kind, TomlValue, expect, resolve_path
 
 __all__ = [

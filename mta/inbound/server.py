@@ -19,21 +19,17 @@ contained: it ends the relay, crash-only, and the next start recovers.
 Submission (``[submission]``, docs/security.md "SMTP AUTH"): the same
 sessions serve the submission listeners, with AUTH offered once TLS is up
 and MAIL refused before it (``Port``); port 465's sessions do the TLS
-handshake before the greeting (RFC 8314). The password check (Argon2, in
-``mta.auth.users``) runs in a worker thread, at most ``auth_concurrency`` at
-once, so that it never blocks the loop; failures are counted per client
-address (``mta.auth.limiter``) and answered after ``auth_failure_delay``. An
-authenticated session may relay anywhere, as a client in ``mynetworks`` may;
-its user is logged and kept in the envelope (``extra["auth"]``).
+handshake before the greeting (RFC 8314). Whether an AUTH succeeds is
+``mta.inbound.submission``'s to decide (the password checked in a worker
+thread, failures limited per client address). An authenticated session may
+relay anywhere, as a client in ``mynetworks`` may; its user is logged and
+kept in the envelope (``extra["auth"]``).
 
-Disk space: new mail is refused with ``452 4.3.1`` while the spool's disk is
-short (``_disk_ok``: free space less what the spool has not yet written below
-``queue_minfree``, a write waiting for room, or the spool's reserve not whole),
-checked at MAIL, at every chunk of DATA (a message being received is then read
-to its end and dropped) and before the enqueue. A commit that finds the disk
-full (DiskFull) gets the same reply, and the spool cancels the message. A
-message larger than the filesystem could ever hold above the floor gets
-``552 5.3.4`` instead, so that its sender stops retrying.
+Disk space (``mta.inbound.disk``): new mail is refused with ``452 4.3.1``
+while the spool's disk is short, checked at MAIL, at every chunk of DATA (a
+message being received is then read to its end and dropped) and before the
+enqueue. A commit that finds the disk full (DiskFull) gets the same reply,
+and the spool cancels the message.
 """
 
 from __future__ import annotations
@@ -43,28 +39,25 @@ import enum
 import functools
 import logging
 import math
-import os
 import ssl
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
 
-from mta.auth.limiter import FailureLimiter
-from mta.auth.users import UsersFile
 from mta.config import Config, ListenAddress, NoRoute
 from mta.containment import is_fatal, local_error
 from mta.dkim.accept import AcceptSigner
 from mta.dkim.signer import Signature
 from mta.inbound.admission import Refusal, SessionSlots
 from mta.inbound.deadlines import SessionDeadlines
+from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
+from mta.inbound.submission import Authenticator
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from mta.observe.tlsinfo import TlsInfo, tls_info
 from mta.smtp.common import Reply, received_header, received_protocol
-from mta.smtp.sasl import R_BAD_CREDENTIALS
 from mta.smtp.server import (
     END_OF_DATA,
     AuthRequest,
@@ -92,60 +85,15 @@ log = logging.getLogger("mta.smtpd")
 
 R_RELAY_DENIED = Reply(554, "5.7.1", "Relay access denied")
 R_NO_ROUTE = Reply(550, "5.1.2", "No route to this domain")
-R_DISK_FULL = Reply(452, "4.3.1", "Insufficient system storage, try again later")
 R_TOO_MANY_SESSIONS = Reply(421, "4.7.0", "Too many connections, try again later")
 R_TIMEOUT = Reply(421, "4.4.2", "Timeout, closing connection")
 R_SESSION_OVER = Reply(421, "4.4.2", "Session time limit reached, closing connection")
 R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
 R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
-R_TOO_BIG_FOR_DISK = Reply(552, "5.3.4", "Message too big for this system's disk")
 R_LOCAL_ERROR = Reply(421, "4.3.0", "Local error, closing connection; try again later")
-R_AUTH_LOCKED = Reply(421, "4.7.0", "Too many failed authentication attempts; try again later")
-R_AUTH_UNAVAILABLE = Reply(454, "4.7.0", "Temporary authentication failure")
 READ_SIZE = 65536
 # How long a last reply (421) may take to leave when the session is being ended anyway.
 FAREWELL_TIMEOUT = 5.0
-
-
-def free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def filesystem_bytes(path: str) -> int:
-    """The size of the filesystem holding ``path`` (what the spool could ever use, with nothing else on it)."""
-    st = os.statvfs(path)
-    return st.f_blocks * st.f_frsize
-
-
-class CachedFreeSpace:
-    """``free_bytes`` that reuses a reading for up to ``ttl`` seconds while the disk has plenty.
-
-    Why: a statvfs per MAIL FROM (and per end of DATA) was 2% of the relay's
-    CPU. A reading is reused only while it is at least ``margin`` bytes above
-    ``minfree``; nearer the limit every check reads afresh, so the 452 starts
-    and ends exactly where it did. What the cache can miss is a fall of more
-    than ``margin`` within ``ttl`` seconds.
-    """
-
-    def __init__(self, minfree: int, *, ttl: float = 1.0, margin: int | None = None,
-                 measure: Callable[[str], int] = free_bytes, clock: Callable[[], float] = time.monotonic) -> None:
-        self.minfree = minfree
-        self.ttl = ttl
-        self.margin = max(minfree, 64 << 20) if margin is None else margin
-        self.measure = measure
-        self.clock = clock
-        self._path = ""
-        self._value = 0
-        self._until = -math.inf
-
-    def __call__(self, path: str) -> int:
-        now = self.clock()
-        if path != self._path or now >= self._until:
-            self._path, self._value = path, self.measure(path)
-            plenty = self._value >= self.minfree + self.margin
-            self._until = now + self.ttl if plenty else -math.inf
-        return self._value
 
 
 class Port(enum.Enum):
@@ -160,7 +108,7 @@ class SmtpServer:
     def __init__(self, config: Config, aspool: AsyncSpool, metrics: Metrics,
                  ssl_context: ssl.SSLContext | None = None,
                  free_space: Callable[[str], int] | None = None, dkim: AcceptSigner | None = None) -> None:
-        """``free_space`` (tests inject one) is asked at every check; the default is a ``CachedFreeSpace``.
+        """``free_space`` (tests inject one) is asked at every disk check (``mta.inbound.disk.DiskCheck``).
 
         ``dkim``: signs the mail of trusted clients as it is accepted (``mta.dkim.accept``); None: no keys.
         Raises (with ``[submission]`` on): ``OSError``, ``UsersFileError`` for a users file that cannot be read.
@@ -170,14 +118,10 @@ class SmtpServer:
         self.aspool = aspool
         self.metrics = metrics
         self.ssl_context = ssl_context
-        self.free_space = free_space or CachedFreeSpace(config.spool.queue_minfree)
+        self.disk = DiskCheck(aspool, config.spool.queue_minfree, free_space)
         self.slots = SessionSlots(config)
         self.reuse_port = False  # set when several relay processes share the listening addresses
-        sub = config.submission
-        self.users = UsersFile(sub.users_file) if sub.enabled and sub.users_file else None
-        self.auth_failures = FailureLimiter(sub.max_auth_failures, sub.auth_failure_window)
-        self.auth_slots = trio.CapacityLimiter(sub.auth_concurrency)
-        self.users_error: str | None = None  # the users file's last problem, logged once
+        self.auth = Authenticator(config, metrics)
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
 
     async def serve(self, *, task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED
@@ -216,23 +160,6 @@ class SmtpServer:
                 raise
             if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
                 log.error("connection failed: %s", local_error(exc), exc_info=exc)
-
-    def _disk_ok(self) -> bool:
-        """Room for new mail? The spool must have no write waiting for room and its reserve whole, and the
-        free space, less what the spool holds in memory and has yet to write, must be above ``queue_minfree``.
-        """
-        spool = self.aspool
-        if not spool.space_ok:
-            return False
-        return self.free_space(spool.core.path) - spool.unflushed_bytes >= self.config.spool.queue_minfree
-
-    def _disk_refusal(self, size: int) -> Reply:
-        """``452``, or ``552`` for a message of ``size`` bytes that could never fit above the floor."""
-        try:
-            room = filesystem_bytes(self.aspool.core.path) - self.config.spool.queue_minfree
-        except OSError:
-            return R_DISK_FULL
-        return R_TOO_BIG_FOR_DISK if 0 < room < size else R_DISK_FULL
 
     async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP) -> None:
         try:
@@ -447,7 +374,7 @@ class _Session:
         a worker thread; a client faster than the disk would otherwise pile the
         message up in memory, the very thing streaming is for.
 
-        Disk space, at every chunk: once the disk is short (``_disk_ok``) or
+        Disk space, at every chunk: once the disk is short (``DiskCheck.ok``) or
         full (the spool's writes wait for room), the message stops going to the
         spool; the rest of it is read and counted, and refused at its end.
         """
@@ -455,7 +382,7 @@ class _Session:
         if body is None or body.discarding:
             return
         spool = self.server.aspool
-        if not self.server._disk_ok():
+        if not self.server.disk.ok():
             body.discard()
             return
         if spool.unflushed_bytes >= spool.core.config.flush_threshold:
@@ -487,7 +414,7 @@ class _Session:
 
     def _mail(self, ev: MailFrom) -> None:
         self._reset()
-        if not self.server._disk_ok():
+        if not self.server.disk.ok():
             self.conn.reject(R_DISK_FULL, "disk")
             return
         size = ev.params.get("SIZE")
@@ -495,7 +422,7 @@ class _Session:
             if int(size) > self.config.server.max_message_size:
                 self.conn.reject(R_TOO_BIG, "size")
                 return
-            if self.server._disk_refusal(int(size)) is R_TOO_BIG_FOR_DISK:  # a declared size that can never fit
+            if self.server.disk.refusal(int(size)) is R_TOO_BIG_FOR_DISK:  # a declared size that can never fit
                 self.conn.reject(R_TOO_BIG_FOR_DISK, "disk")
                 return
         self.sender = ev.address
@@ -542,7 +469,7 @@ class _Session:
         body, self.body = self.body, None
         assert body is not None
         self._transaction(False)  # arrived: from here the commit waits for this message, not for the session
-        if body.discarding or not self.server._disk_ok():
+        if body.discarding or not self.server.disk.ok():
             self._refuse_for_disk(body)
             return
         extra: dict[str, Any] = {"client": self.client_ip}
@@ -585,7 +512,13 @@ class _Session:
         if dkim is None or not (self.config.in_mynetworks(self.client_ip) or self.conn.authenticated is not None):
             return None
         result = await dkim.sign(self.server.aspool, body, self.queue_id)
-        return result if isinstance(result, Signature) else None
+        metrics = self.server.metrics
+        if isinstance(result, Signature):
+            for signed_by in result.signed_by:
+                metrics.dkim_signed.labels(signed_by.partition("/")[0]).inc()
+            return result
+        metrics.dkim_unsigned.labels(result.reason).inc()
+        return None
 
     def _transaction_over(self) -> None:
         """The message was answered (or its data ended with the connection): its sender and id are forgotten."""
@@ -594,7 +527,7 @@ class _Session:
 
     def _refuse_for_disk(self, body: BodyWriter) -> None:
         body.abort()
-        self.conn.reject(self.server._disk_refusal(body.size), "disk")
+        self.conn.reject(self.server.disk.refusal(body.size), "disk")
 
     async def _starttls(self) -> bool:
         ctx = self.server.ssl_context
@@ -636,47 +569,21 @@ class _Session:
         return True
 
     async def _authenticate(self, ev: AuthRequest) -> bool:
-        """Decide a complete AUTH exchange: ``235``, ``535`` after the failure delay, or ``421`` past the limit.
+        """Answer a complete AUTH exchange as ``mta.inbound.submission`` decides; False: the session is to end.
 
-        The Argon2 check runs in a worker thread (``auth_slots`` bounds how
-        many at once); neither it nor the delay is the client's time. False:
-        the session is to end (the 421 was queued).
+        Neither the password check nor the failure delay is the client's time.
         """
-        server, sub, client = self.server, self.config.submission, self.client_ip
-        if server.auth_failures.blocked(client):
-            event(log, "auth_failed", level=logging.WARNING, client=client, user=ev.username, mechanism=ev.mechanism,
-                  reason="rate_limit", failures=server.auth_failures.failures(client))
-            self.conn.reject(R_AUTH_LOCKED, "auth_rate_limit")
-            return False
-        users = server.users
-        try:
-            if users is None:
-                raise FileNotFoundError("no users_file")
+        auth = self.server.auth
+        verdict = auth.locked(ev, self.client_ip)
+        if verdict is None:
             with self._relay_busy():
-                good = await trio.to_thread.run_sync(users.verify, ev.username, ev.password,
-                                                     limiter=server.auth_slots)
-        except OSError as exc:
-            event(log, "auth_error", level=logging.ERROR, client=client, user=ev.username,
-                  error=exc.strerror or str(exc))
-            self.conn.reject(R_AUTH_UNAVAILABLE, "auth_unavailable")
-            return True
-        if users.last_error != server.users_error:
-            server.users_error = users.last_error
-            if users.last_error is not None:
-                event(log, "users_file_error", level=logging.ERROR, error=users.last_error)
-        if good:
-            server.auth_failures.succeeded(client)
-            event(log, "auth", client=client, user=ev.username, mechanism=ev.mechanism,
-                  port=self.port.value)
-            self.conn.accept()
-            return True
-        failures = server.auth_failures.failed(client)
-        locked = failures >= sub.max_auth_failures
-        event(log, "auth_failed", level=logging.WARNING, client=client, user=ev.username, mechanism=ev.mechanism,
-              reason="rate_limit" if locked else "credentials", failures=failures)
-        if sub.auth_failure_delay > 0:
+                verdict = await auth.check(ev, self.client_ip, self.port.value)
+        if verdict.delay > 0:
             await self._flush()
             with self._relay_busy():
-                await trio.sleep(sub.auth_failure_delay)
-        self.conn.reject(R_AUTH_LOCKED if locked else R_BAD_CREDENTIALS, "auth_rate_limit" if locked else "auth_failed")
-        return not locked
+                await trio.sleep(verdict.delay)
+        if verdict.reply is None:
+            self.conn.accept()
+        else:
+            self.conn.reject(verdict.reply, verdict.reason)
+        return not verdict.close

@@ -85,6 +85,16 @@ class Metrics:
                                         registry=r)
         self.timeouts = Counter("logspool_smtp_timeouts", "SMTP sessions ended by a deadline (421 4.4.2)",
                                 ["phase"], registry=r)
+        # Labels are bounded: results are fixed sets, DKIM domains come from the config's [[dkim.key]] tables.
+        self.auth = Counter("logspool_auth", "SMTP AUTH exchanges decided on the submission ports, by result "
+                            "(success, failure, rate_limit, unavailable)", ["result"], registry=r)
+        self.dkim_signed = Counter("logspool_dkim_signed", "DKIM signatures made as mail was accepted, by signing "
+                                   "domain", ["domain"], registry=r)
+        self.dkim_unsigned = Counter("logspool_dkim_unsigned", "trusted clients' messages left unsigned, by reason "
+                                     "(no_key, no_from, several_from, mixed_from, error)", ["reason"], registry=r)
+        self.tls_policy = Counter("logspool_tls_policy", "outcomes under a receiving domain's published TLS policy "
+                                  "(what TLS-RPT counts), by policy (mta-sts, dane) and result (success or "
+                                  "RFC 8460's result type)", ["policy", "result"], registry=r)
         self.server: MetricsServer | None = None
 
     def watch_spool(self, aspool: Any) -> None:
@@ -96,6 +106,10 @@ class Metrics:
         self.outcomes.labels(status.name.lower()).inc()
         if status is Status.DELIVERED:
             self.latency.observe(delay)
+
+    def tls_policy_outcome(self, policy: str, result: str) -> None:
+        """A ``Planner`` observer (``mta.delivery.tlspolicy.plan``): one session or lookup under a policy."""
+        self.tls_policy.labels(policy, result).inc()
 
     async def serve(self, address: ListenAddress, *, max_connections: int, timeout: float,
                     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:

@@ -122,6 +122,7 @@ class Relay:
             outgoing = transports(cfg, self.io)
             smtp = outgoing["smtp"]  # the same transport serves "mx"
             if isinstance(smtp, SmtpTransport):
+                smtp.policies.observers.append(self.metrics.tls_policy_outcome)
                 await nursery.start(smtp.run)  # its connection cache
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)

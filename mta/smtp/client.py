@@ -42,15 +42,14 @@ from typing import Final
 
 import attrs
 
+from mta.smtp.addresses import Params, format_params
 from mta.smtp.common import (
     MAX_COMMAND_LINE,
     LocalProtocolError,
-    Params,
     RemoteProtocolError,
     Reply,
     ReplyParser,
     TableKey,
-    format_params,
 )
 
 

@@ -52,23 +52,19 @@ smaller one, kept apart as h11 keeps its keep-alive flag: whether a decision
 is pending (``_pending``). While it is, no step can happen except through
 ``accept()`` or ``reject()``.
 
-Message content arrives as ``DataChunk`` events: dot-unstuffed, CRLF line
-ends, at most ``DATA_CHUNK_SIZE`` bytes each, never the whole message. Only
-``CRLF.CRLF`` ends DATA. A bare CR or LF in the content dooms the message
-(``550 5.6.11`` at its end) unless ``normalize_bare_lf`` is set, in which case
-it becomes CRLF but the line after it can never end the message (SMTP
-smuggling, CVE-2023-51764/5/6). An over-size or over-long-line message is read
-to its end and refused by the core; the shell sees ``DataAborted``.
+Message content arrives as ``DataChunk`` events (dot-unstuffed, CRLF line
+ends, at most ``DATA_CHUNK_SIZE`` bytes each); ``mta.smtp.common.ContentDecoder``
+finds its end and what dooms it (size, long lines, bare CR/LF: SMTP
+smuggling, CVE-2023-51764/5/6), and the shell then sees ``DataAborted``.
 
-Enhanced status codes go on every 2xx/4xx/5xx reply except the greeting and
-the replies to HELO/EHLO, which RFC 2034 §3 excludes.
-
-No reply carries the client's bytes as they came. A command whose argument
-holds a control character (C0, DEL, C1; NUL and TAB included) is refused
-whole (``501``: ``5.1.7``/``5.1.3`` for a MAIL/RCPT address, else ``5.5.4``),
-and a reply that names bad input shows it escaped and cut short
-(``mta.smtp.common.printable``). Bytes that are not UTF-8 get ``500 5.5.2``; a
-non-ASCII address without SMTPUTF8 gets ``553 5.6.7``.
+Around the machine, each in a module of its own: where a line ends
+(``mta.smtp.input_buffer``), what MAIL's and RCPT's arguments may be
+(``mta.smtp.server_arguments``, over ``mta.smtp.addresses``), the replies
+(``mta.smtp.server_replies``). No reply carries the client's bytes as they
+came: a command whose argument holds a control character (C0, DEL, C1; NUL
+and TAB included) is refused whole (``501``), bytes that are not UTF-8 get
+``500 5.5.2``, and a reply that names bad input shows it escaped and cut
+short (``mta.smtp.common.printable``).
 """
 
 from __future__ import annotations
@@ -76,6 +72,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Final
 
+from mta.smtp import server_replies as replies
 from mta.smtp.common import (
     DATA_CHUNK_SIZE,
     DEFAULT_MAX_ERRORS,
@@ -83,23 +80,18 @@ from mta.smtp.common import (
     DEFAULT_MAX_RECIPIENTS,
     MAX_COMMAND_LINE,
     MAX_TEXT_LINE,
-    R_DATA_BARE_NEWLINE,
-    R_DATA_LONG_LINE,
-    R_DATA_NUL,
-    R_TOO_BIG,
     ContentDecoder,
     LocalProtocolError,
     RemoteProtocolError,
     Reply,
     TableKey,
     has_control,
-    parse_mail_from,
-    parse_rcpt_to,
-    printable,
 )
-from mta.smtp.sasl import MAX_SASL_LINE, R_AUTH_OK, Challenge, Credentials, Failed, SaslExchange
+from mta.smtp.input_buffer import Cut, InputBuffer
+from mta.smtp.sasl import MAX_SASL_LINE, Challenge, Credentials, Failed, SaslExchange
 from mta.smtp.sasl import R_LINE_TOO_LONG as R_SASL_LINE_TOO_LONG
 from mta.smtp.sasl import start as start_sasl
+from mta.smtp.server_arguments import Refusal, mail_from, rcpt_to
 from mta.smtp.server_events import (
     ARGUMENT_SHOWN,
     END_OF_DATA,
@@ -123,31 +115,11 @@ from mta.smtp.server_events import (
     StartTls,
 )
 
-__all__ = [  # the events are defined in mta.smtp.server_events and offered here too, with the connection
-    "END_OF_DATA",
-    "TRANSITIONS",
-    "AuthRequest",
-    "ConnectionClosed",
-    "DataAborted",
-    "DataChunk",
-    "DataStart",
-    "Decision",
-    "Ehlo",
-    "EndOfData",
-    "Event",
-    "Helo",
-    "MailFrom",
-    "NeedData",
-    "Quit",
-    "RcptTo",
-    "RejectHook",
-    "Rejection",
-    "Rset",
-    "ServerConnection",
-    "StartTls",
-    "State",
-    "Step",
-    "TransitionHook",
+# The connection and its table; the events are defined in mta.smtp.server_events and offered here too.
+__all__ = [
+    "END_OF_DATA", "TRANSITIONS", "AuthRequest", "ConnectionClosed", "DataAborted", "DataChunk", "DataStart",
+    "Decision", "Ehlo", "EndOfData", "Event", "Helo", "MailFrom", "NeedData", "Quit", "RcptTo", "RejectHook",
+    "Rejection", "Rset", "ServerConnection", "StartTls", "State", "Step", "TransitionHook",
 ]
 
 # ---------------------------------------------------------------- states and steps
@@ -266,14 +238,6 @@ _ALLOWED: Final[dict[str, frozenset[State]]] = {
     "STARTTLS": frozenset({State.IDLE}),
     "AUTH": frozenset({State.IDLE}),
 }
-_SEQUENCE_HINT: Final = {
-    "MAIL": "Send HELO/EHLO first, and only one MAIL per transaction",
-    "RCPT": "Need MAIL before RCPT",
-    "DATA": "Need MAIL and RCPT before DATA",
-    "STARTTLS": "STARTTLS only after EHLO and outside a transaction",
-    "AUTH": "AUTH only after EHLO and outside a transaction",
-}
-
 # Told of every step taken: (from, step, to). For tests and tracing; it must not call back into the connection.
 TransitionHook = Callable[[State, Step, State], None]
 
@@ -286,33 +250,6 @@ _ON_ACCEPT: Final[dict[type[Decision], Step]] = {
     StartTls: Step.STARTTLS_ACCEPTED,
     AuthRequest: Step.AUTH_SUCCEEDED,
 }
-_DEFAULT_ACCEPT: Final[dict[type[Decision], Reply]] = {
-    MailFrom: Reply(250, "2.1.0", "Ok"),
-    RcptTo: Reply(250, "2.1.5", "Ok"),
-    EndOfData: Reply(250, "2.0.0", "Ok: queued"),
-    StartTls: Reply(220, "2.0.0", "Ready to start TLS"),
-    AuthRequest: R_AUTH_OK,
-}
-
-R_OK: Final = Reply(250, "2.0.0", "Ok")
-R_BYE: Final = Reply(221, "2.0.0", "Bye")
-R_TOO_MANY_ERRORS: Final = Reply(421, "4.7.0", "Too many errors, closing connection")
-R_LINE_TOO_LONG: Final = Reply(500, "5.5.2", "Line too long")
-R_BARE_NEWLINE: Final = Reply(500, "5.5.2", "Bare CR or LF not allowed; use CRLF")
-R_UNKNOWN: Final = Reply(500, "5.5.1", "Command unrecognized")
-R_NO_RCPT: Final = Reply(554, "5.5.1", "No valid recipients")
-R_TOO_MANY_RCPTS: Final = Reply(452, "4.5.3", "Too many recipients")
-R_NEED_UTF8: Final = Reply(553, "5.6.7", "Non-ASCII address needs SMTPUTF8")
-R_DATA_GO: Final = Reply(354, None, "End data with <CR><LF>.<CR><LF>")
-R_CONTROL_IN_ARGUMENT: Final = Reply(501, "5.5.4", "Control character in argument")
-R_NO_AUTH: Final = Reply(502, "5.5.1", "AUTH not available on this port")
-R_ENCRYPTION_REQUIRED: Final = Reply(538, "5.7.11", "Encryption required for requested authentication mechanism")
-R_ALREADY_AUTHENTICATED: Final = Reply(503, "5.5.1", "Already authenticated")
-R_STARTTLS_FIRST: Final = Reply(530, "5.7.0", "Must issue a STARTTLS command first")
-R_AUTH_REQUIRED: Final = Reply(530, "5.7.0", "Authentication required")
-# Why the content was refused at its end, by the reply the decoder chose.
-_CONTENT_REASONS: Final = {R_TOO_BIG: "size", R_DATA_BARE_NEWLINE: "bare_newline", R_DATA_LONG_LINE: "line_too_long",
-                           R_DATA_NUL: "nul"}
 
 
 class ServerConnection:
@@ -370,13 +307,9 @@ class ServerConnection:
         self._command = "-"  # the command being answered, for Rejection
         self._argument = ""
         self.errors = 0
-        self._buf = bytearray()
-        self._pos = 0
-        self._eof = False
+        self._input = InputBuffer()
         self._out = bytearray()
         self._pending: Decision | None = None
-        self._skip_line = False  # discarding the rest of an over-long command line
-        self.command_lines = 0  # command lines consumed so far: the shell starts a command's deadline when it grows
         self._queued: list[Event] = []
         self._decoder = ContentDecoder(max_message_size, max_line_length, normalize_bare_lf)
         self._helo: str | None = None
@@ -390,17 +323,8 @@ class ServerConnection:
 
     def receive_data(self, data: bytes | bytearray) -> None:
         """Bytes from the peer; ``b""`` means EOF. Ignored once closed or in STARTTLS."""
-        if self._state in (State.CLOSED, State.TLS):
-            return
-        if not data:
-            self._eof = True
-            return
-        if self._eof:
-            raise LocalProtocolError("receive_data after EOF")
-        if self._pos:
-            del self._buf[: self._pos]
-            self._pos = 0
-        self._buf += data
+        if self._state not in (State.CLOSED, State.TLS):
+            self._input.feed(data)
 
     def data_to_send(self) -> bytes:
         out = bytes(self._out)
@@ -411,6 +335,11 @@ class ServerConnection:
     def state(self) -> State:
         """Where the session is; it changes only by a step of ``TRANSITIONS``."""
         return self._state
+
+    @property
+    def command_lines(self) -> int:
+        """Command lines consumed so far: the shell starts a command's deadline when it grows."""
+        return self._input.lines
 
     @property
     def esmtp(self) -> bool:
@@ -435,7 +364,7 @@ class ServerConnection:
     def accept(self, reply: Reply | None = None) -> None:
         """Say yes to the pending event; ``reply`` overrides the default 2xx."""
         ev = self._take_pending()
-        reply = reply or _DEFAULT_ACCEPT[type(ev)]
+        reply = reply or replies.DEFAULT_ACCEPT[type(ev)]
         if not reply.is_positive:
             raise LocalProtocolError(f"accept() with a negative reply {reply}")
         self._send(reply)
@@ -445,9 +374,7 @@ class ServerConnection:
         elif isinstance(ev, AuthRequest):
             self._authenticated = ev.username
         elif isinstance(ev, StartTls):
-            # CVE-2011-0411: nothing sent in plaintext after STARTTLS may be obeyed.
-            self._buf.clear()
-            self._pos = 0
+            self._input.clear()  # CVE-2011-0411: nothing sent in plaintext after STARTTLS may be obeyed
 
     def reject(self, reply: Reply, reason: str = "policy") -> None:
         """Say no to the pending event with a 4xx/5xx ``reply``; ``reason`` is the ``Rejection``'s."""
@@ -468,8 +395,7 @@ class ServerConnection:
         self._fire(Step.TLS_STARTED)
         self.tls_active = True
         self._authenticated = None
-        self._buf.clear()
-        self._pos = 0
+        self._input.clear()
 
     def _fire(self, step: Step) -> None:
         """Take ``step`` from the current state: the one place the state changes.
@@ -531,34 +457,20 @@ class ServerConnection:
 
     def _command_event(self) -> Event | None:
         """Consume one command line; return its event, None if only answered."""
-        buf = self._buf
         self._command, self._argument = "-", ""
-        if self._skip_line:
-            i = buf.find(b"\n", self._pos)
-            if i < 0:
-                self._pos = len(buf)
-                return self._at_eof()
-            self._pos = i + 1
-            self._skip_line = False
-            self.command_lines += 1
-        end = min(len(buf), self._pos + MAX_COMMAND_LINE)
-        i = buf.find(b"\n", self._pos, end)
-        if i < 0:
-            if end - self._pos >= MAX_COMMAND_LINE:
-                self._skip_line = True
-                self._error(R_LINE_TOO_LONG, "line_too_long")
-                return None
+        line = self._input.line(MAX_COMMAND_LINE)
+        if line is Cut.MORE:
             return self._at_eof()
-        line = bytes(buf[self._pos : i + 1])
-        self._pos = i + 1
-        self.command_lines += 1
-        if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
-            self._error(R_BARE_NEWLINE, "bare_newline")
+        if line is Cut.TOO_LONG:
+            self._error(replies.R_LINE_TOO_LONG, "line_too_long")
+            return None
+        if line is Cut.BARE_NEWLINE:
+            self._error(replies.R_BARE_NEWLINE, "bare_newline")
             return None
         try:
-            text = line[:-2].decode("utf-8")
+            text = line.decode("utf-8")
         except UnicodeDecodeError:
-            self._error(Reply(500, "5.5.2", "Invalid UTF-8 in command"), "encoding")
+            self._error(replies.R_BAD_UTF8, "encoding")
             return None
         verb, _, arg = text.partition(" ")
         verb = verb.upper()
@@ -567,12 +479,12 @@ class ServerConnection:
         allowed = _ALLOWED.get(verb)
         if allowed is None:
             if verb == "EXPN":
-                self._error(Reply(502, "5.5.1", "Command not implemented"), "not_implemented")
+                self._error(replies.R_NOT_IMPLEMENTED, "not_implemented")
             else:
-                self._error(R_UNKNOWN, "unknown_command")
+                self._error(replies.R_UNKNOWN, "unknown_command")
             return None
         if self._state not in allowed:
-            self._error(Reply(503, "5.5.1", _SEQUENCE_HINT.get(verb, "Bad sequence of commands")), "sequence")
+            self._error(replies.out_of_sequence(verb), "sequence")
             return None
         try:
             return self._dispatch(verb, arg)
@@ -581,32 +493,32 @@ class ServerConnection:
             return None
 
     def _at_eof(self) -> Event:
-        if self._eof:
+        if self._input.eof:
             self._fire(Step.EOF)
             return ConnectionClosed()
         return NeedData()
 
     def _dispatch(self, verb: str, arg: str) -> Event | None:
         if verb not in ("MAIL", "RCPT") and has_control(arg):  # MAIL and RCPT say where (address or parameter)
-            raise RemoteProtocolError("control character", R_CONTROL_IN_ARGUMENT)
+            raise RemoteProtocolError("control character", replies.R_CONTROL_IN_ARGUMENT)
         if verb in ("EHLO", "HELO"):
             return self._hello(verb, arg)
         if verb in ("RSET", "QUIT", "DATA", "STARTTLS") and arg.strip(" "):
-            raise RemoteProtocolError("no argument allowed", Reply(501, "5.5.4", f"Syntax: {verb}"))
+            raise RemoteProtocolError("no argument allowed", replies.no_argument(verb))
         if verb == "NOOP":
-            self._send(R_OK)
+            self._send(replies.R_OK)
         elif verb == "HELP":
-            self._send(Reply(214, "2.0.0", "Commands: EHLO HELO MAIL RCPT DATA RSET NOOP QUIT VRFY STARTTLS"))
+            self._send(replies.R_HELP)
         elif verb == "VRFY":
             if not arg.strip(" "):
-                raise RemoteProtocolError("VRFY needs an argument", Reply(501, "5.5.4", "Syntax: VRFY address"))
-            self._send(Reply(252, "2.0.0", "Cannot VRFY user, but will accept message and attempt delivery"))
+                raise RemoteProtocolError("VRFY needs an argument", replies.R_VRFY_SYNTAX)
+            self._send(replies.R_VRFY)
         elif verb == "RSET":
-            self._send(R_OK)
+            self._send(replies.R_OK)
             self._fire(Step.RSET)
             return Rset()
         elif verb == "QUIT":
-            self._send(R_BYE)
+            self._send(replies.R_BYE)
             self._fire(Step.QUIT)
             return Quit()
         elif verb == "MAIL":
@@ -624,7 +536,7 @@ class ServerConnection:
     def _hello(self, verb: str, arg: str) -> Event:
         words = arg.split()
         if not words:
-            raise RemoteProtocolError("bad hello", Reply(501, "5.5.4", f"Syntax: {verb} hostname"))
+            raise RemoteProtocolError("bad hello", replies.hello_syntax(verb))
         name = words[0]
         self._fire(Step.HELLO)
         self._helo = name
@@ -632,70 +544,43 @@ class ServerConnection:
             self._send(Reply(250, None, self.hostname))
             return Helo(name)
         self._esmtp = True
-        caps = ["PIPELINING", f"SIZE {self.max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES"]
-        if self.tls_available and not self.tls_active:
-            caps.append("STARTTLS")
-        if self.auth and (self.tls_active or self.auth_without_tls):
-            caps.append("AUTH PLAIN LOGIN")
-        self._send(Reply(250, None, "\n".join([self.hostname, *caps])))
+        auth = self.auth and (self.tls_active or self.auth_without_tls)
+        self._send(replies.ehlo(self.hostname, self.max_message_size, self.tls_available and not self.tls_active, auth))
         return Ehlo(name)
 
     def _mail(self, arg: str) -> Event | None:
         if self.require_auth and self._authenticated is None:
-            self._error(R_AUTH_REQUIRED if self.tls_active else R_STARTTLS_FIRST, "auth_required")
+            self._error(replies.R_AUTH_REQUIRED if self.tls_active else replies.R_STARTTLS_FIRST, "auth_required")
             return None
-        address, params = parse_mail_from(arg)
-        if params and not self._esmtp:
-            raise RemoteProtocolError("params after HELO", Reply(555, "5.5.4", "Parameters need EHLO"))
-        for key, value in params.items():
-            if key == "SIZE":
-                if value is None or not value.isdigit() or len(value) > 20:
-                    raise RemoteProtocolError("bad SIZE", Reply(501, "5.5.4", "Bad SIZE value"))
-                if int(value) > self.max_message_size:
-                    self._refuse(R_TOO_BIG, "size")
-                    return None
-            elif key == "BODY":
-                if value is None or value.upper() not in ("7BIT", "8BITMIME"):
-                    raise RemoteProtocolError("bad BODY", Reply(501, "5.5.4", "BODY must be 7BIT or 8BITMIME"))
-            elif key == "SMTPUTF8":
-                if value is not None:
-                    raise RemoteProtocolError("bad SMTPUTF8", Reply(501, "5.5.4", "SMTPUTF8 takes no value"))
-            else:
-                raise RemoteProtocolError("unknown param",
-                                          Reply(555, "5.5.4", f"Unsupported parameter {printable(key, 40)}"))
-        if not address.isascii() and "SMTPUTF8" not in params:
-            raise RemoteProtocolError("utf8 sender", R_NEED_UTF8)
-        self._smtputf8 = "SMTPUTF8" in params
-        return MailFrom(address, params)
+        ev = mail_from(arg, esmtp=self._esmtp, max_message_size=self.max_message_size)
+        if isinstance(ev, Refusal):
+            self._refuse(ev.reply, ev.reason)
+            return None
+        self._smtputf8 = "SMTPUTF8" in ev.params
+        return ev
 
     def _rcpt(self, arg: str) -> Event | None:
-        address, params = parse_rcpt_to(arg)
-        if params:
-            key = next(iter(params))
-            raise RemoteProtocolError("unknown param",
-                                      Reply(555, "5.5.4", f"Unsupported parameter {printable(key, 40)}"))
-        if not address.isascii() and not self._smtputf8:
-            raise RemoteProtocolError("utf8 rcpt", R_NEED_UTF8)
+        ev = rcpt_to(arg, smtputf8=self._smtputf8)
         if self._rcpt_count >= self.max_recipients:
-            self._refuse(R_TOO_MANY_RCPTS, "too_many_recipients")  # not an error: a client obeying it retries later
+            self._refuse(replies.R_TOO_MANY_RCPTS, "too_many_recipients")  # not an error: the client retries later
             return None
-        return RcptTo(address, params)
+        return ev
 
     def _data(self) -> Event | None:
         if self._state is State.MAIL:
-            self._refuse(R_NO_RCPT, "no_recipients")
+            self._refuse(replies.R_NO_RCPT, "no_recipients")
             return None
-        self._send(R_DATA_GO)
+        self._send(replies.R_DATA_GO)
         self._fire(Step.DATA_STARTED)
         self._decoder = ContentDecoder(self.max_message_size, self.max_line_length, self.normalize_bare_lf)
         return DataStart()
 
     def _starttls(self) -> Event | None:
         if self.tls_active:
-            self._error(Reply(503, "5.5.1", "TLS already active"), "sequence")
+            self._error(replies.R_TLS_ACTIVE, "sequence")
             return None
         if not self.tls_available:
-            self._error(Reply(502, "5.5.1", "STARTTLS not available"), "tls_unavailable")
+            self._error(replies.R_NO_TLS, "tls_unavailable")
             return None
         return StartTls()
 
@@ -703,10 +588,10 @@ class ServerConnection:
 
     def _auth(self, arg: str) -> Event | None:
         """``AUTH mechanism [initial-response]``: refused here, or an exchange begins (``mta.smtp.sasl``)."""
-        refusal = (R_NO_AUTH if not self.auth else
-                   R_ENCRYPTION_REQUIRED if not (self.tls_active or self.auth_without_tls) else
-                   R_ALREADY_AUTHENTICATED if self._authenticated is not None else
-                   Reply(503, "5.5.1", "Send EHLO first") if not self._esmtp else None)
+        refusal = (replies.R_NO_AUTH if not self.auth else
+                   replies.R_ENCRYPTION_REQUIRED if not (self.tls_active or self.auth_without_tls) else
+                   replies.R_ALREADY_AUTHENTICATED if self._authenticated is not None else
+                   replies.R_EHLO_FIRST if not self._esmtp else None)
         if refusal is not None:
             self._error(refusal, "auth_refused")
             return None
@@ -720,22 +605,16 @@ class ServerConnection:
 
     def _auth_event(self) -> Event | None:
         """Consume one response line of the exchange (at most ``MAX_SASL_LINE`` bytes before its CRLF)."""
-        buf = self._buf
         self._command, self._argument = "AUTH", ""  # a response is a credential: never kept for the log
-        end = min(len(buf), self._pos + MAX_SASL_LINE + 2)
-        i = buf.find(b"\n", self._pos, end)
-        if i < 0:
-            if end - self._pos >= MAX_SASL_LINE + 2:
-                self._skip_line = True  # the rest is discarded as the next command line would be
-                return self._sasl(Failed(R_SASL_LINE_TOO_LONG, "auth_line_too_long"))
+        line = self._input.line(MAX_SASL_LINE + 2)
+        if line is Cut.MORE:
             return self._at_eof()
-        line = bytes(buf[self._pos : i + 1])
-        self._pos = i + 1
-        self.command_lines += 1
-        if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
-            return self._sasl(Failed(R_BARE_NEWLINE, "bare_newline"))
+        if line is Cut.TOO_LONG:  # the rest is discarded as the next command line would be
+            return self._sasl(Failed(R_SASL_LINE_TOO_LONG, "auth_line_too_long"))
+        if line is Cut.BARE_NEWLINE:
+            return self._sasl(Failed(replies.R_BARE_NEWLINE, "bare_newline"))
         assert self._exchange is not None
-        return self._sasl(self._exchange.respond(line[:-2]))
+        return self._sasl(self._exchange.respond(line))
 
     def _sasl(self, outcome: Challenge | Credentials | Failed) -> Event | None:
         """Act on an exchange's outcome, in state AUTH: ask again, hand the credentials over, or end it."""
@@ -753,15 +632,15 @@ class ServerConnection:
 
     def _data_event(self) -> Event | None:
         """Consume content until a chunk is full, input runs out, or it ends."""
-        dec = self._decoder
-        self._pos, chunk, done = dec.decode(self._buf, self._pos, DATA_CHUNK_SIZE)
+        dec, inp = self._decoder, self._input
+        inp.pos, chunk, done = dec.decode(inp.buf, inp.pos, DATA_CHUNK_SIZE)
         if chunk:
             if done:
                 self._emit(self._finish_data())
             return DataChunk(chunk)
         if done:
             return self._finish_data()
-        if self._eof:
+        if self._input.eof:
             self._fire(Step.EOF)
             self._emit(ConnectionClosed())
             return DataAborted(None)
@@ -771,7 +650,7 @@ class ServerConnection:
         self._command, self._argument = END_OF_DATA, ""
         doom = self._decoder.refusal
         if doom is not None:
-            self._refuse(doom, _CONTENT_REASONS.get(doom, "content"))
+            self._refuse(doom, replies.CONTENT_REASONS.get(doom, "content"))
             self._fire(Step.MESSAGE_REFUSED)
             return DataAborted(doom)
         return EndOfData(self._decoder.size)
@@ -792,7 +671,7 @@ class ServerConnection:
         self._refuse(reply, reason)
         self.errors += 1
         if self.errors >= self.max_errors:
-            self._refuse(R_TOO_MANY_ERRORS, "too_many_errors")
+            self._refuse(replies.R_TOO_MANY_ERRORS, "too_many_errors")
             self._fire(Step.TOO_MANY_ERRORS)
 
     def _reset_transaction(self) -> None:

@@ -13,7 +13,8 @@ from typing import Final
 
 import attrs
 
-from mta.smtp.common import Params, Reply
+from mta.smtp.addresses import Params
+from mta.smtp.common import Reply
 
 ARGUMENT_SHOWN: Final = 200  # characters of a refused command's argument kept in its Rejection
 END_OF_DATA: Final = "END-OF-DATA"  # the Rejection's command for the answer to the content

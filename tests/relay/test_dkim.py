@@ -7,104 +7,26 @@ the TXT record exactly as keygen printed it). docs/security.md, "DKIM signing".
 
 from __future__ import annotations
 
-import email
 import logging
-import re
 import smtplib
-from collections.abc import Callable
 from pathlib import Path
 
-import attrs
-import dkim
-import dns.rdatatype
-import dns.resolver
 import pytest
 import trio
+from dkim_support import Key, key_config, keygen, publish, signatures, tag, verified
 from dns_server import DnsServer
-from process_support import run_mta
 from relay_support import DeliveryWatch, NextHop, Received, relay_config, start_relay
 
 from mta.smtp.common import Reply
 from spool.record import Status
 
 
-@attrs.frozen
-class Key:
-    selector: str
-    file: Path
-    record: str  # the zone-file line keygen printed
-
-
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Key]:
     """An RSA and an Ed25519 key for example.com, each made by the real ``mta dkim keygen``."""
     where = tmp_path_factory.mktemp("dkim")
-    made = {}
-    for kind, selector in (("rsa", "rsa2026"), ("ed25519", "ed2026")):
-        run = run_mta("dkim", "keygen", "example.com", selector, "--type", kind, "--dir", str(where), cwd=where)
-        assert run.returncode == 0, run.stderr
-        (line,) = run.stdout.splitlines()
-        key_file = where / f"example.com.{selector}.key"
-        assert key_file.stat().st_mode & 0o777 == 0o600
-        assert str(key_file) in run.stderr  # the config lines to add name the file
-        made[kind] = Key(selector, key_file, line)
-    return made
-
-
-def publish(server: DnsServer, record: str) -> None:
-    """Serve a zone-file line ``NAME TTL IN TXT "..." ...`` as keygen printed it."""
-    name, _ttl, klass, rtype, rdata = record.split(None, 4)
-    assert (klass, rtype) == ("IN", "TXT")
-    server.txt_record(name, rdata)
-
-
-def dns_lookup(port: int) -> Callable[..., bytes | None]:
-    """dkimpy's ``dnsfunc``: a real TXT query to the test's DNS server (blocking: call dkimpy in a thread)."""
-    resolver = dns.resolver.Resolver(configure=False)
-    resolver.nameservers = ["127.0.0.1"]
-    resolver.port = port
-    resolver.lifetime = 10
-
-    def txt(name: bytes, timeout: int = 5) -> bytes | None:
-        try:
-            answer = resolver.resolve(name.decode(), dns.rdatatype.TXT)
-        except dns.resolver.NXDOMAIN:
-            return None
-        return b"".join(next(iter(answer)).strings)  # type: ignore[attr-defined]
-
-    return txt
-
-
-def key_config(*keys: Key, active: bool = True) -> str:
-    return "".join(f'[[dkim.key]]\ndomain = "example.com"\nselector = "{k.selector}"\nkey_file = "{k.file}"\n'
-                   f"active = {'true' if active else 'false'}\n" for k in keys)
-
-
-def signatures(data: bytes) -> list[str]:
-    return email.message_from_bytes(data).get_all("DKIM-Signature") or []
-
-
-def tag(signature: str, name: str) -> str:
-    match = re.search(rf"(?:^|;)\s*{name}=([^;]*)", signature)
-    assert match, signature
-    return "".join(match.group(1).split())
-
-
-async def verified(data: bytes, port: int) -> list[bool]:
-    """Each DKIM-Signature of ``data``, verified by dkimpy with the key fetched over DNS."""
-    lookup = dns_lookup(port)
-
-    def one(d: dkim.DKIM, i: int) -> bool:
-        try:
-            return bool(d.verify(idx=i, dnsfunc=lookup))
-        except dkim.ValidationError:  # a body hash mismatch is raised, not returned
-            return False
-
-    def check() -> list[bool]:
-        d = dkim.DKIM(data)
-        return [one(d, i) for i in range(len(signatures(data)))]
-
-    return await trio.to_thread.run_sync(check)
+    return {kind: keygen(where, "example.com", selector, kind)
+            for kind, selector in (("rsa", "rsa2026"), ("ed25519", "ed2026"))}
 
 
 def _send(port: int, sender: str, rcpts: list[str], body: bytes, source: str = "127.0.0.1") -> None:

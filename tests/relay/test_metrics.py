@@ -1,17 +1,24 @@
 """Every metric the relay declares moves when what it counts happens (docs/operations.md, "Metrics").
 
-One relay life drives everything (``_scenario``): it starts on a spool left
+One relay life drives the core (``_scenario``): it starts on a spool left
 with a message in doubt (recovery), takes and refuses mail, delivers, bounces,
 times a client out, refuses a session over the limit, and holds a delivery
 open against a next hop that never greets. The Prometheus endpoint is scraped
-at the start, while that delivery hangs, and at the end; each metric then has
-a case saying how it must have moved. ``test_every_declared_metric_has_a_case``
-keeps the list whole: a metric added without a case fails it.
+at the start, while that delivery hangs, and at the end. A second life
+(``_trust_scenario``) drives what receivers trust: AUTH on the submission
+port (swaks, a good and a wrong password), DKIM signing (a key from ``mta
+dkim keygen``; a message dkimpy cannot sign) and MTA-STS (a policy served
+over HTTPS and met, and a domain whose policy cannot be fetched), scraped at
+its start and end. Each metric then has a case saying how it must have
+moved. ``test_every_declared_metric_has_a_case`` keeps the list whole: a
+metric added without a case fails it.
 """
 
 from __future__ import annotations
 
 import smtplib
+import ssl
+import subprocess
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -19,9 +26,15 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trustme
+from dkim_support import key_config, keygen
+from dns_server import DnsServer
+from https_server import PolicyServer
 from prometheus_client.parser import text_string_to_metric_families
-from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start_relay
+from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start_relay, tls_files
 
+from mta.auth.users import add_user
+from mta.inbound.server import Port
 from mta.shards import spool_config
 from mta.smtp.common import Reply
 from spool.record import Status
@@ -42,6 +55,8 @@ class Scrapes:
     start: Scrape
     stalled: Scrape  # while a delivery hangs on a next hop that never greets
     end: Scrape
+    trust_start: Scrape  # the second relay's (AUTH, DKIM, MTA-STS)
+    trust_end: Scrape
 
 
 def _scrape(port: int) -> Scrape:
@@ -161,7 +176,77 @@ async def _scenario(tmp: Path) -> Scrapes:
         await watch.wait_for(Status.DEFERRED, 1, recipient="x@stall.example")
         end = await trio.to_thread.run_sync(_scrape, mport)
         nursery.cancel_scope.cancel()
-    return Scrapes(start, stalled, end)
+    return Scrapes(start, stalled, end, *await _trust_scenario(tmp / "trust"))
+
+
+PASSWORD = "correct horse battery staple"
+
+
+def _swaks(port: int, rcpt: str, password: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["swaks", "--server", f"127.0.0.1:{port}", "--tls", "--auth", "PLAIN", "--auth-user",
+                           "alice", "--auth-password", password, "--from", "alice@example.org", "--to", rcpt,
+                           "--timeout", "30"], capture_output=True, text=True, timeout=60, check=False)
+
+
+async def _trust_scenario(tmp: Path) -> tuple[Scrape, Scrape]:
+    """A relay with the submission port, a DKIM key for example.org, and MTA-STS on its mx route.
+
+    DNS (a server on 127.0.0.1) sends both sts.example and nofetch.example to mx.sts.example, the next hop
+    (STARTTLS, a certificate for that name from the test's CA); the HTTPS server serves sts.example's
+    enforce policy naming it, and none for nofetch.example, whose TXT record says it has one.
+    """
+    tmp.mkdir()
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp / "ca.pem"))
+    cert, key = tls_files(tmp, ca)
+    users = tmp / "users"
+    await trio.to_thread.run_sync(add_user, str(users), "alice", PASSWORD)
+    dkim_key = await trio.to_thread.run_sync(keygen, tmp, "example.org", "m2026", "ed25519")
+    async with trio.open_nursery() as nursery:
+        dns = DnsServer()
+        dns_port = await nursery.start(dns.serve)
+        https = PolicyServer(ca.issue_cert("mta-sts.sts.example", "mta-sts.nofetch.example"))
+        https_port = await nursery.start(https.serve)
+        for domain in ("sts.example", "nofetch.example"):
+            dns.mx(domain, 10, "mx.sts.example")
+            dns.a(f"mta-sts.{domain}", "127.0.0.1")
+            dns.txt(f"_mta-sts.{domain}", "v=STSv1; id=1;")
+        dns.a("mx.sts.example", "127.0.0.1")
+        https.policies["mta-sts.sts.example"] = "version: STSv1\r\nmode: enforce\r\nmx: mx.sts.example\r\n" \
+                                                "max_age: 86400\r\n"
+        hop_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("mx.sts.example").configure_cert(hop_tls)
+        hop = NextHop(ssl_context=hop_tls)
+        hop_port = await hop.start(nursery)
+        cfg = relay_config(str(tmp), {"sts.example": "mx?tls=mta-sts", "nofetch.example": "mx?tls=mta-sts"},
+                           extra=f'metrics_listen = "127.0.0.1:0"\ntls_cert = "{cert}"\ntls_key = "{key}"\n'
+                                 f'[submission]\nlisten = ["127.0.0.1:0"]\nusers_file = "{users}"\n'
+                                 f'auth_failure_delay = "0s"\n'
+                                 f'[delivery]\nresolver = "127.0.0.1:{dns_port}"\nmx_port = {hop_port}\n'
+                                 f'tls_ca_file = "{tmp / "ca.pem"}"\n[tls_policy]\nmta_sts_port = {https_port}\n'
+                                 + key_config(dkim_key))
+        relay = await start_relay(nursery, cfg)
+        watch = DeliveryWatch(relay)
+        mport = int(relay.metrics_listeners[0].socket.getsockname()[1])
+        start = await trio.to_thread.run_sync(_scrape, mport)
+        submission = relay.ports_of(Port.SUBMISSION)[0]
+        wrong = await trio.to_thread.run_sync(_swaks, submission, "bob@sts.example", "not the password")
+        assert "535 5.7.8" in wrong.stdout, wrong.stdout
+        good = await trio.to_thread.run_sync(_swaks, submission, "bob@sts.example", PASSWORD)
+        assert good.returncode == 0, good.stdout + good.stderr
+        # From 127.0.0.1, in mynetworks, so signed if it could be: a header line without a colon stops dkimpy.
+        await trio.to_thread.run_sync(_send_bytes, relay.ports[0], "alice@example.org", "carol@nofetch.example",
+                                      b"No colon on this line\r\nFrom: alice@example.org\r\n\r\nbody\r\n")
+        await watch.wait_for(Status.DELIVERED, 1, recipient="bob@sts.example")
+        await watch.wait_for(Status.DELIVERED, 1, recipient="carol@nofetch.example")  # no policy: as before
+        end = await trio.to_thread.run_sync(_scrape, mport)
+        nursery.cancel_scope.cancel()
+    return start, end
+
+
+def _send_bytes(port: int, sender: str, rcpt: str, data: bytes) -> None:
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        s.sendmail(sender, [rcpt], data)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +256,11 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Scrapes:
 
 def grew(key: str) -> Callable[[Scrapes], bool]:
     return lambda s: s.end(key) > s.start(key)
+
+
+def trust_grew(key: str) -> Callable[[Scrapes], bool]:
+    """``key`` moved in the second relay's life (``_trust_scenario``)."""
+    return lambda s: s.trust_end(key) > s.trust_start(key)
 
 
 # Each declared metric: how the scenario must have moved it.
@@ -201,13 +291,20 @@ CASES: dict[str, Callable[[Scrapes], bool]] = {
     "logspool_quarantine_entries": lambda s: s.start("logspool_quarantine_entries") >= 1,
     "logspool_quarantine_bytes": lambda s: s.start("logspool_quarantine_bytes") > 0,
     "logspool_quarantine_lost_messages": lambda s: s.start("logspool_quarantine_lost_messages") >= 1,
+    "logspool_auth": lambda s: s.trust_end('logspool_auth_total{result="success"}') == 1
+    and s.trust_end('logspool_auth_total{result="failure"}') == 1,
+    "logspool_dkim_signed": lambda s: s.trust_end('logspool_dkim_signed_total{domain="example.org"}') == 1,
+    "logspool_dkim_unsigned": lambda s: s.trust_end('logspool_dkim_unsigned_total{reason="error"}') == 1,
+    "logspool_tls_policy": lambda s: trust_grew('logspool_tls_policy_total{policy="mta-sts",result="success"}')(s)
+    and s.trust_end('logspool_tls_policy_total{policy="mta-sts",result="sts-policy-fetch-error"}') >= 1,  # nofetch
 }
 
 
 @pytest.mark.parametrize("metric", sorted(CASES))
 def test_metric_moves(scrapes: Scrapes, metric: str) -> None:
     assert metric in scrapes.end.families
-    relevant = {k: v for k, v in scrapes.end.samples.items() if k.startswith(metric)}
+    relevant = {k: v for k, v in [*scrapes.end.samples.items(), *scrapes.trust_end.samples.items()]
+                if k.startswith(metric)}
     assert CASES[metric](scrapes), (metric, relevant)
 
 

@@ -6,6 +6,7 @@ unauthenticated one is denied, and the user logged and kept with the message."""
 from __future__ import annotations
 
 import base64
+import email
 import logging
 import os
 import ssl
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import trio
 import trustme
+from dkim_support import Key, key_config, keygen, publish, signatures, tag, verified
+from dns_server import DnsServer
 from logfmt import events
 from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start_relay, tls_files
 
@@ -37,7 +40,9 @@ def users_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def auth_config_extra(tmp_path: Path, ca: trustme.CA, users: Path, *, failures: int = 3, more: str = "") -> str:
+def auth_config_extra(tmp_path: Path, ca: trustme.CA, users: Path, *, failures: int = 3, more: str = "",
+                      header: bool = True) -> str:
+    """The relay port and both submission ports, TLS, ``users``; mynetworks empty: only AUTH lets a client relay."""
     cert, key = tls_files(tmp_path, ca)
     return f"""tls_cert = "{cert}"
 tls_key = "{key}"
@@ -49,7 +54,7 @@ implicit_tls_listen = ["127.0.0.1:0"]
 users_file = "{users}"
 max_auth_failures = {failures}
 auth_failure_delay = "0s"
-authenticated_header = true
+authenticated_header = {"true" if header else "false"}
 {more}
 """
 
@@ -121,6 +126,56 @@ async def test_swaks_authenticates_and_relays_to_a_far_domain_and_the_user_goes_
         nursery.cancel_scope.cancel()
 
 
+async def test_an_authenticated_users_mail_is_dkim_signed_and_verifies_over_dns(
+        tmp_path: Path, ca: trustme.CA, users_file: Path) -> None:
+    """mynetworks is empty: the signature is there because alice authenticated (swaks, AUTH PLAIN after
+    STARTTLS on 587); dkimpy verifies it with the key keygen made, fetched from the DNS server on 127.0.0.1."""
+    key: Key = keygen(tmp_path, "example.org", "sub2026", "ed25519")
+    async with trio.open_nursery() as nursery:
+        dns_server = DnsServer()
+        dns_port = await nursery.start(dns_server.serve)
+        publish(dns_server, key.record)
+        hop = NextHop()
+        hop_port = await hop.start(nursery)
+        cfg = relay_config(str(tmp_path), {"far.example": f"smtp://127.0.0.1:{hop_port}"},
+                           extra=auth_config_extra(tmp_path, ca, users_file) + key_config(key))
+        relay = await start_relay(nursery, cfg)
+        run = await trio.to_thread.run_sync(lambda: swaks(
+            relay.ports_of(Port.SUBMISSION)[0], "--tls", "--auth", "PLAIN", "--auth-user", "alice",
+            "--auth-password", PASSWORD))
+        assert run.returncode == 0, run.stdout + run.stderr
+        (msg,) = await hop.wait_messages(1)
+        (sig,) = signatures(msg.data)
+        assert (tag(sig, "d"), tag(sig, "s"), tag(sig, "a")) == ("example.org", "sub2026", "ed25519-sha256")
+        assert await verified(msg.data, dns_port) == [True]
+        assert ("sub2026._domainkey.example.org", "TXT") in dns_server.queries
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_authenticated_users_message_is_received_with_esmtpsa_and_no_name_by_default(
+        tmp_path: Path, ca: trustme.CA, users_file: Path) -> None:
+    """RFC 3848: the relay's Received: says ``with ESMTPSA`` (TLS and AUTH) for alice's message; with
+    ``authenticated_header`` at its default (false) the header does not name her."""
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        hop_port = await hop.start(nursery)
+        cfg = relay_config(str(tmp_path), {"far.example": f"smtp://127.0.0.1:{hop_port}"},
+                           extra=auth_config_extra(tmp_path, ca, users_file, header=False))
+        relay = await start_relay(nursery, cfg)
+        run = await trio.to_thread.run_sync(lambda: swaks(
+            relay.ports_of(Port.SUBMISSIONS)[0], "--tlsc", "--auth", "LOGIN", "--auth-user", "alice",
+            "--auth-password", PASSWORD))
+        assert run.returncode == 0, run.stdout + run.stderr
+        queue_id = run.stdout.split("Ok: queued as ", 1)[1].split()[0]
+        (msg,) = await hop.wait_messages(1)
+        received = email.message_from_bytes(msg.data).get_all("Received") or []
+        assert len(received) == 1, received  # the relay's own; swaks adds none
+        ours = " ".join(received[0].split())
+        assert f"by relay.test with ESMTPSA id {queue_id} for <bob@far.example>;" in ours, ours
+        assert "(using TLSv1." in ours and "alice" not in ours and "Authenticated sender" not in ours, ours
+        nursery.cancel_scope.cancel()
+
+
 async def test_auth_before_starttls_gets_538_and_is_not_offered_and_mail_needs_starttls(
         tmp_path: Path, ca: trustme.CA, users_file: Path) -> None:
     async with trio.open_nursery() as nursery:
@@ -189,6 +244,10 @@ async def test_wrong_password_is_535_and_after_the_limit_the_address_gets_421(
         assert [(e["user"], e["reason"]) for e in failed] == [
             ("alice", "credentials"), ("nobody", "credentials"), ("alice", "rate_limit"), ("alice", "rate_limit")]
         assert all(e["client"] == "127.0.0.1" for e in failed)
+        # The metric: three passwords checked and wrong (the third locked the address), one refused unchecked.
+        counted = {r: relay.metrics.registry.get_sample_value("logspool_auth_total", {"result": r})
+                   for r in ("failure", "rate_limit", "success")}
+        assert counted == {"failure": 3.0, "rate_limit": 1.0, "success": None}, counted
         assert "Tr0ub4dor" not in caplog.text and plain("alice", "Tr0ub4dor&4").decode() not in caplog.text
         nursery.cancel_scope.cancel()
 

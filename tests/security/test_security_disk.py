@@ -39,7 +39,8 @@ from relay_support import (
     write_relay_config,
 )
 
-from mta.inbound.server import SmtpServer, free_bytes
+from mta.inbound.disk import free_bytes
+from mta.inbound.server import SmtpServer
 from mta.process.relay import Relay
 from mta.smtp.common import Reply
 from spool import checkpoint as ckpt

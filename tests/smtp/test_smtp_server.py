@@ -13,14 +13,13 @@ import trio
 import trio.testing
 
 from mta.smtp import server as S
+from mta.smtp.addresses import parse_mail_from, parse_rcpt_to
 from mta.smtp.common import (
     DATA_CHUNK_SIZE,
     LocalProtocolError,
     RemoteProtocolError,
     Reply,
     ReplyParser,
-    parse_mail_from,
-    parse_rcpt_to,
     received_header,
 )
 
@@ -492,7 +491,7 @@ async def test_shell_answers_a_pipelined_group_in_one_write_and_never_holds_a_re
 
 
 def test_free_space_is_cached_only_while_far_above_the_minimum() -> None:
-    from mta.inbound.server import CachedFreeSpace
+    from mta.inbound.disk import CachedFreeSpace
 
     now, free, reads = [0.0], [10_000], []
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import attrs
 import dns.asyncresolver
@@ -28,6 +29,9 @@ from mta.delivery.transport import Destination
 from mta.observe.logline import event
 
 log = logging.getLogger("mta.tlspolicy")
+
+# The policy types of RFC 8460 (``PolicyRef.kind``) as the relay's metrics name them.
+POLICY_NAMES = {"sts": "mta-sts", "tlsa": "dane"}
 
 
 @attrs.frozen
@@ -75,7 +79,12 @@ class Plan:
 
 
 class Planner:
-    """Policies, looked up per destination; the TLS-RPT reporter (None without ``report_dir``)."""
+    """Policies, looked up per destination; the TLS-RPT reporter (None without ``report_dir``).
+
+    ``observers`` are told each outcome that TLS-RPT counts, as (policy, result): ``mta-sts`` or ``dane``,
+    and ``success`` or RFC 8460's result type; the relay's metrics are one (``Metrics.tls_policy_outcome``).
+    They are told whether or not reports are written.
+    """
 
     def __init__(self, config: Config, resolver: dns.asyncresolver.Resolver) -> None:
         t = config.tls_policy
@@ -87,12 +96,20 @@ class Planner:
         if t.report_dir is not None:
             self.reporter = Reporter(os.path.join(config.spool.dir, "tls-report"), t.report_dir,
                                      t.report_organization, t.report_contact)
+        self.observers: list[Callable[[str, str], None]] = []
 
     def record(self, hop_tls: HopTls, hop: mx.Hop, result: str | None, local: str = "", detail: str = "") -> None:
-        """One session under a policy, for TLS-RPT (nothing if reporting is off or no policy applied)."""
-        if self.reporter is not None and hop_tls.report is not None:
-            self.reporter.record(hop_tls.report, result=result, mx_host=hop.host, address=hop.address, local=local,
-                                 detail=detail)
+        """One session under a policy, for TLS-RPT and the observers (nothing if no policy applied)."""
+        if hop_tls.report is not None:
+            self._count(hop_tls.report, result, hop.host, hop.address, local, detail)
+
+    def _count(self, ref: PolicyRef, result: str | None, mx_host: str, address: str, local: str = "",
+               detail: str = "") -> None:
+        """One outcome under ``ref``: ``result`` None for a success, else its RFC 8460 result type."""
+        for observe in self.observers:
+            observe(POLICY_NAMES.get(ref.kind, ref.kind), result or "success")
+        if self.reporter is not None:
+            self.reporter.record(ref, result=result, mx_host=mx_host, address=address, local=local, detail=detail)
 
     async def plan(self, destination: Destination, hops: list[mx.Hop], qids: list[str]) -> Plan:
         mode, policies = parse_tls(destination.tls)
@@ -114,9 +131,8 @@ class Planner:
                        qids: list[str]) -> list[tuple[mx.Hop, HopTls]] | str:
         """The hops under the domain's MTA-STS policy, or why none may be tried (enforce, no MX matches)."""
         found = await self.sts.lookup(domain)
-        if found.failure is not None and self.reporter is not None:
-            self.reporter.record(PolicyRef("sts", domain), result=found.failure, mx_host="", address="",
-                                 detail=found.detail)
+        if found.failure is not None:
+            self._count(PolicyRef("sts", domain), found.failure, "", "", detail=found.detail)
         policy = found.policy
         if policy is None or policy.mode == "none":
             return planned
@@ -128,9 +144,7 @@ class Planner:
                                         testing=policy.mode == "testing")))
                 continue
             detail = f"MX host {hop.host} does not match the MTA-STS policy of {domain} (mx: {', '.join(policy.mx)})"
-            if self.reporter is not None:
-                self.reporter.record(ref, result="validation-failure", mx_host=hop.host, address=hop.address,
-                                     detail=detail)
+            self._count(ref, "validation-failure", hop.host, hop.address, detail=detail)
             if policy.mode == "testing":
                 event(log, "mta_sts_testing", None, qids=qids, domain=domain, relay=hop.host, would="skip",
                       detail=detail)
