@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import itertools
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -251,9 +253,9 @@ def instrument(line: Timeline) -> Callable[[], None]:
 
 
 async def one_run(relay: Relay, sink: Sink, line: Timeline, clock: StepClock, messages: int,
-                  size: int) -> dict[str, Any]:
+                  size: int, sessions: int = 1) -> dict[str, Any]:
     port = relay.ports[0]
-    cmd = [tool("smtp-source") or "smtp-source", "-s", "1", "-m", str(messages), "-l", str(size),
+    cmd = [tool("smtp-source") or "smtp-source", "-s", str(sessions), "-m", str(messages), "-l", str(size),
            "-f", SENDER, "-t", RECIPIENT, f"127.0.0.1:{port}"]
     base = sink.count
     line.done, line.recording, clock.recording = [], True, True
@@ -291,7 +293,7 @@ async def bench(args: argparse.Namespace, work: str) -> list[dict[str, Any]]:
                 await one_run(relay, sink, line, clock, 20, args.size)  # warm-up
                 results = []
                 for r in range(args.runs):
-                    res = await one_run(relay, sink, line, clock, args.messages, args.size)
+                    res = await one_run(relay, sink, line, clock, args.messages, args.size, args.sessions)
                     common.say(f"run {r + 1}: {json.dumps(res)}")
                     results.append(res)
                 nursery.cancel_scope.cancel()
@@ -307,6 +309,10 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=300)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--sessions", type=int, default=1,
+                    help="concurrent sessions (above 1 the phases mix sessions: read the CPU figures only)")
+    ap.add_argument("--profile", metavar="FILE", help="also cProfile the event loop's thread on its CPU clock "
+                    "(time.thread_time: other processes' load does not show) into FILE (pstats)")
     args = ap.parse_args()
     if os.geteuid() != 0 or not tool("smtp-source") or not tool("smtp-sink"):
         print("transaction_split: needs root, smtp-source and smtp-sink (Debian: postfix)", file=sys.stderr)
@@ -317,7 +323,14 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="txsplit-", dir=common.bench_root())
     os.chmod(work, 0o755)
     try:
-        results = trio.run(bench, args, work)
+        if args.profile:
+            profiler = cProfile.Profile(time.thread_time)
+            results = profiler.runcall(trio.run, bench, args, work)
+            profiler.dump_stats(args.profile)
+            stats = pstats.Stats(args.profile)
+            stats.sort_stats("tottime").print_stats(40)
+        else:
+            results = trio.run(bench, args, work)
     finally:
         with contextlib.suppress(OSError):
             import shutil
@@ -337,6 +350,7 @@ def main() -> int:
     headers = ["ms per message (median)", *(f"run {i + 1}" for i in range(len(results))), "median"]
     common.say(common.table(headers, rows))
     common.emit_json({"benchmark": "transaction_split", "machine": machine, "size": args.size,
+                      "sessions": args.sessions,
                       "messages": args.messages, "runs": results, "loadavg_end": common.load_average()})
     return 0
 
