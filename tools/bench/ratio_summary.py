@@ -93,7 +93,7 @@ def chart(rows: list[dict[str, Any]], path: str, title: str) -> str:
         from mta.report.charts import _RC, Chart
     except ImportError:
         return "not written: matplotlib is not installed (pip install -e '.[bench]')"
-    drawn = Chart.new(7.5, 0.45 * len(rows) + 1.2, title)
+    drawn = Chart.new(9.0, 0.45 * len(rows) + 1.2, title)
     with matplotlib.rc_context(_RC):
         ax = drawn.figure.add_subplot()
         ys = list(range(len(rows)))[::-1]
@@ -106,9 +106,9 @@ def chart(rows: list[dict[str, Any]], path: str, title: str) -> str:
             ax.text(q + 0.02, y, f"{r['median']:g} (target {'≥' if r['higher_is_better'] else '≤'} "
                     f"{r['target']:g})", va="center", fontsize=7)
         ax.set_yticks(ys, [r["figure"] for r in rows])
-        ax.set_xlabel("median / target (for 'lower is better' figures: target / median); 1 = target met")
+        ax.set_xlabel("median / target (lower-is-better figures: target / median); 1 = met")
         ax.set_xlim(0, max([1.3, *ratios]) * 1.45)
-        ax.set_title(title, loc="left", fontsize=9, fontweight="bold")
+        drawn.figure.suptitle(title, fontsize=9, fontweight="bold")
     drawn.write(path)
     return "written"
 
