@@ -82,6 +82,7 @@ class GroupCommit:
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
+        self._announcing = False  # someone announces its commits: an unannounced wait is a lone one
         self._expect_round = 0
         self._expected_changed = trio.Event()
         # Wake-ups: something a runner may find changed (spool.async_claims), or runners moved (the checkpointer).
@@ -216,6 +217,12 @@ class GroupCommit:
                         observe(messages)
                 synced, self._synced = self._synced, trio.Event()
                 synced.set()
+                if messages:
+                    # The sessions whose messages are now durable answer 250 before the runners are woken:
+                    # trio runs the tasks woken here in a batch of its choosing, and a runner's pass
+                    # (reading the new envelopes, claiming them, starting their deliveries) would stand
+                    # between a lone client and its reply. One step later it overlaps the client's next command.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 self._signal_change()
 
     async def _gather(self) -> None:
@@ -227,8 +234,9 @@ class GroupCommit:
         deliveries already answered would each need an fsync of their own a
         moment later. So the committer waits until no announced commit is
         outstanding and no task can run (everything that could append has), or
-        ``commit_delay`` at most. With nothing announced and an idle loop (one
-        session) it returns at once: one pass of the scheduler, not a delay.
+        ``commit_delay`` at most. With nothing announced it returns once the
+        loop is idle; or at once if a message waits and its caller announces
+        commits (the relay's sessions do): nothing else is coming, a lone client.
 
         A session that keeps the window open until the bound (a slow client
         in the middle of its data) is not waited for again in the same
@@ -236,6 +244,13 @@ class GroupCommit:
         """
         delay = self.core.config.commit_delay
         if delay <= 0:
+            return
+        if self._announcing and self._expected == 0 and self._unsynced_messages:
+            # A message waits and, where sessions announce their commits, no other is announced (no session
+            # between an accepted RCPT and its end of data): a lone client. Cut now; what the other tasks
+            # append meanwhile (outcomes, claims) goes with the next commit. Waiting for an idle loop put
+            # the client behind the deliveries' CPU work, before its fsync instead of beside it
+            # (docs/benchmarks.md, issue 18). Callers that never announce keep the idle-loop rule.
             return
         writer, limit = self.core.writer, self.core.config.flush_threshold
         with trio.move_on_after(delay) as window:
@@ -255,6 +270,7 @@ class GroupCommit:
         this fsync instead of needing the next one.
         """
         self._expected += 1
+        self._announcing = True
         return self._expect_round
 
     def withdraw_commit(self, token: int) -> None:

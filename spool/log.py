@@ -145,8 +145,11 @@ class LogWriter:
         """Buffer one record; return its position."""
         if self.poisoned is not None:
             raise SpoolError("the log is unusable after an I/O failure; restart to recover") from self.poisoned
-        t = max(int(now), self._last_time)
-        self._last_time = t
+        t = int(now)
+        if t < self._last_time:
+            t = self._last_time
+        else:
+            self._last_time = t
         size = HEADER_SIZE + len(payload)
         if self._off + size > self.segment_size and self._off > SEGMENT_HEADER_SIZE:
             sealed = self._off
@@ -156,20 +159,21 @@ class LogWriter:
             self._chunks.append((self._seg, 0, bytearray(encode_segment_header(self._seg, t, sealed))))
             self._off = SEGMENT_HEADER_SIZE
             self._pending_bytes += SEGMENT_HEADER_SIZE
-        pos = make_pos(self._seg, self._off)
-        header = encode_header(self._seg, rtype, payload, klass=klass, time=t)
-        if self._chunks and self._chunks[-1][0] == self._seg:
-            buf = self._chunks[-1][2]
+        # Attributes read once into locals: this runs once per record (issue 18, batched appends).
+        seg, off, chunks = self._seg, self._off, self._chunks
+        header = encode_header(seg, rtype, payload, klass=klass, time=t)
+        if chunks and chunks[-1][0] == seg:
+            buf = chunks[-1][2]
             buf += header
         else:
             buf = bytearray(header)
-            self._chunks.append((self._seg, self._off, buf))
+            chunks.append((seg, off, buf))
         buf += payload
-        self._off += size
+        self._off = off + size
         self._pending_bytes += size
         self.appended_bytes += size
         self.records += 1
-        return pos
+        return make_pos(seg, off)
 
     def mark_after_sync(self, pos: int) -> None:
         """Set the garbage mark of ``pos`` once everything appended so far is durable."""

@@ -443,6 +443,13 @@ class Envelope:
         return d
 
     def to_payload(self) -> bytes:
+        if self.replaces is None and not self.held and not self.in_doubt and not self.extra:
+            # The common envelope, a new message without options: one tuple, no list to grow and patch
+            # (2.1 -> 1.4 us an envelope; issue 18, docs/benchmarks.md). The same bytes as below.
+            return b"".join((b"\xa7\x00", _cbor_uint(self.message_id), b"\x01", _cbor_text(self.sender),
+                             b"\x02", _cbor_texts(self.recipients), b"\x03", _cbor_uints(self.body),
+                             b"\x04", _cbor_uint(self.body_size), b"\x05", _cbor_uint(self.arrival_ms),
+                             b"\x06", _cbor_uint(self.attempts)))
         parts = [b"", b"\x00", _cbor_uint(self.message_id), b"\x01", _cbor_text(self.sender),
                  b"\x02", _cbor_texts(self.recipients), b"\x03", _cbor_uints(self.body),
                  b"\x04", _cbor_uint(self.body_size), b"\x05", _cbor_uint(self.arrival_ms),

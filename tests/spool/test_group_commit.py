@@ -9,6 +9,7 @@ checkpoint pacing are for, and that an idle loop commits at once.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,84 @@ async def test_a_loop_that_never_idles_still_commits_within_the_bound(tmp_path: 
                 await aspool.enqueue("s@src.example", ["r@dest.example"], b"while busy")
             stop = True
         assert aspool.core.writer.durable_end >= aspool.core.writer.written_end
+
+
+async def spin_until(done: Callable[[], bool], limit: int) -> int:
+    """A task that never blocks (CPU work between checkpoints), at most ``limit`` turns; returns the turns taken."""
+    turns = 0
+    while not done() and turns < limit:
+        turns += 1
+        await trio.lowlevel.checkpoint()
+    return turns
+
+
+async def test_a_lone_announced_session_is_committed_without_waiting_for_an_idle_loop(
+        tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    """Where sessions announce their commits, a message with none announced beside it is cut at once.
+
+    A spinning task keeps the loop from going idle: before issue 18 the commit waited for an idle loop
+    (or the bound, which the mock clock never reaches), so a lone client's fsync came after every other
+    task's CPU work: here, after the spinner's million turns.
+    """
+    async with running_spool(tmp_path, spool_config(commit_delay=1.0)) as aspool:
+        aspool.withdraw_commit(aspool.expect_commit())  # a session announced, then its data arrived: a relay
+        done = False
+        turns = 0
+
+        async def spinner() -> None:
+            nonlocal turns
+            turns = await spin_until(lambda: done, 1_000_000)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spinner)
+            await aspool.enqueue("s@src.example", ["r@dest.example"], b"lone")
+            done = True
+        assert turns < 1_000_000, "the commit waited for the spinner to stop"
+        assert aspool.core.writer.durable_end == aspool.core.writer.written_end
+
+
+async def test_without_announcements_a_commit_still_waits_for_an_idle_loop(
+        tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    """The control: a caller that never announces (the engine's own API) keeps the idle-loop window."""
+    async with running_spool(tmp_path, spool_config(commit_delay=1.0)) as aspool:
+        turns = 0
+
+        async def spinner() -> None:
+            nonlocal turns
+            turns = await spin_until(lambda: False, 2_000)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spinner)
+            await aspool.enqueue("s@src.example", ["r@dest.example"], b"unannounced")
+            finished_at = turns
+        assert finished_at == 2_000, "the commit was cut while another task could still run"
+
+
+async def test_the_sender_hears_before_the_runners_are_woken(tmp_path: Path) -> None:
+    """After the fsync, the enqueue returns (the 250) before the runners' wake-up is signalled.
+
+    trio runs the tasks woken in one step in either order; the runners' pass (read, claim, start the
+    delivery) must not stand between a lone client and its reply. Twenty rounds: the wrong order would
+    show in about half of them.
+    """
+    async with running_spool(tmp_path, spool_config()) as aspool:
+        aspool.withdraw_commit(aspool.expect_commit())
+        for i in range(20):
+            order: list[str] = []
+
+            async def runner(changed: trio.Event, order: list[str] = order) -> None:
+                await changed.wait()
+                order.append("runners woken")
+
+            async def sender(body: bytes = b"m%d" % i, order: list[str] = order) -> None:
+                await aspool.enqueue("s@src.example", ["r@dest.example"], body)
+                order.append("enqueue returned")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runner, aspool._changed)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(sender)
+            assert order == ["enqueue returned", "runners woken"], f"round {i}"
 
 
 async def test_outcomes_of_one_connection_share_one_fsync(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:

@@ -14,6 +14,7 @@ import platform
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,8 +111,35 @@ def load_average() -> str:
         return "?"
 
 
+def cpu_model() -> str:
+    """``Model name`` from lscpu (with family/model, which tell EPYC generations apart), else /proc/cpuinfo."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    fields = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    name = fields.get("Model name")
+    if name:
+        extra = [f"family {fields['CPU family']}" if "CPU family" in fields else "",
+                 f"model {fields['Model']}" if "Model" in fields else "",
+                 fields.get("Hypervisor vendor", "")]
+        return f"{name} ({', '.join(x for x in extra if x)})" if any(extra) else name
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "?"
+
+
 def machine() -> dict[str, Any]:
     return {
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "kernel": platform.release(),

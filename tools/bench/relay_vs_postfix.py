@@ -64,6 +64,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # mta, spool
+from common import cpu_model as common_cpu_model
+from disk_probe import describe_machine, fsync_probe
 from postfix_instance import PostfixError, PostfixInstance, check_installed, process_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -100,14 +102,20 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """utime+stime+cutime+cstime over root's live tree (reaped children are in cutime)."""
-    ticks = 0
+def tree_cpu_split(root: int) -> tuple[float, float]:
+    """(user, system) seconds over root's live tree, utime+cutime and stime+cstime (reaped children are in c*)."""
+    user = system = 0
     for pid in process_tree(root):
         fields = _stat_fields(pid)
         if fields:  # fields[11..14] = utime stime cutime cstime (stat fields 14..17)
-            ticks += sum(int(x) for x in fields[11:15])
-    return ticks / CLK_TCK
+            user += int(fields[11]) + int(fields[13])
+            system += int(fields[12]) + int(fields[14])
+    return user / CLK_TCK, system / CLK_TCK
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """utime+stime+cutime+cstime over root's live tree (reaped children are in cutime)."""
+    return sum(tree_cpu_split(root))
 
 
 def tree_memory_kb(root: int) -> tuple[int, int]:
@@ -313,16 +321,19 @@ def smtp_source(port: int, sessions: int, messages: int, size: int, timeout: flo
 def measure(root: int, sink: Sink, port: int, size: int, sessions: int, messages: int,
             timeout: float) -> dict[str, Any]:
     base_count = sink.count
-    cpu0 = tree_cpu_seconds(root)
+    user0, sys0 = tree_cpu_split(root)
     with MemorySampler(root) as mem:
         t0 = time.monotonic()
         accept_s = smtp_source(port, sessions, messages, size, timeout)
         done = sink.wait_for(base_count + messages, max(10.0, timeout - accept_s))
-    cpu = tree_cpu_seconds(root) - cpu0
+    user1, sys1 = tree_cpu_split(root)
+    user, system = user1 - user0, sys1 - sys0
     result: dict[str, Any] = {
         "accepted_per_s": round(messages / accept_s, 2),
         "e2e_per_s": round(messages / (done - t0), 2) if done else None,
-        "cpu_ms_per_msg": round(1000 * cpu / messages, 3),
+        "cpu_ms_per_msg": round(1000 * (user + system) / messages, 3),
+        "cpu_user_ms_per_msg": round(1000 * user / messages, 3),
+        "cpu_sys_ms_per_msg": round(1000 * system / messages, 3),
         "peak_rss_mb": round(mem.peak_rss / 1024, 1),
         "peak_pss_mb": round(mem.peak_pss / 1024, 1),
     }
@@ -390,6 +401,8 @@ METRICS = (  # key, label, higher is better
     ("e2e_per_s", "end-to-end msg/s", True),
     ("fsync_per_msg", "fsyncs/msg", False),
     ("cpu_ms_per_msg", "CPU ms/msg", False),
+    ("cpu_user_ms_per_msg", "  of it user", False),
+    ("cpu_sys_ms_per_msg", "  of it system", False),
     ("peak_rss_mb", "peak RSS MB (sum)", False),
     ("peak_pss_mb", "peak PSS MB (sum)", False),
 )
@@ -441,8 +454,10 @@ def table(cells: list[dict[str, Any]]) -> str:
 
 def chart_title(doc: dict[str, Any]) -> str:
     machine = doc["machine"]
+    fsyncs = f", {machine['fsync_per_s_before']} fsync/s" if machine.get("fsync_per_s_before") else ""
     return (f"logspool vs Postfix {doc['postfix_version']}, {doc['date']}, load "
-            f"{machine['loadavg_start'][0]:.0f}-{machine['loadavg_end'][0]:.0f} on {machine['cores']} cores")
+            f"{machine['loadavg_start'][0]:.0f}-{machine['loadavg_end'][0]:.0f} on {machine['cores']} cores "
+            f"{machine.get('cpu_model', '')}{fsyncs}")
 
 
 def chart(cells: list[dict[str, Any]], path: str, title: str) -> str:
@@ -603,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-only", action="store_true", help="skip the cells (with --profile)")
     ap.add_argument("--tmpdir", default=None, help="where temp dirs go (default $TMPDIR or /tmp; not tmpfs!)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, maillog)")
+    ap.add_argument("--probe-seconds", type=float, default=2.0,
+                    help="length of the 4 KiB append+fdatasync probe before and after the runs (0: none)")
     ap.add_argument("--processes", type=int, default=1,
                     help="logspool relay processes ([server] processes; Postfix runs as many as it likes)")
     args = ap.parse_args(argv)
@@ -633,6 +650,11 @@ def main(argv: list[str] | None = None) -> int:
           f"reps {args.reps} (A=Postfix, B=logspool)", file=sys.stderr)
 
     signal.signal(signal.SIGTERM, _interrupt)
+    # What the figures belong to: the CPU (lscpu) and the disk's fsync rate, probed before and after the runs
+    # on the disk the MTAs' queues are on.
+    probe_dir = args.tmpdir or tempfile.gettempdir()
+    described = describe_machine(args.probe_seconds, probe_dir) if args.probe_seconds > 0 else {}
+    log(f"machine: {described}")
     snap0 = machine_snapshot()
     cells: list[dict[str, Any]] = []
     idle_cpu: dict[str, float] = {}
@@ -663,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
                         r = measure(root, sink, port, size, sessions, messages, args.cell_timeout)
                         r["loadavg"] = round(os.getloadavg()[0], 1)
                         log(f"  accepted {r['accepted_per_s']}/s, end-to-end {r['e2e_per_s']}/s, "
-                            f"cpu {r['cpu_ms_per_msg']} ms/msg, rss {r['peak_rss_mb']} MB")
+                            f"cpu {r['cpu_ms_per_msg']} ms/msg (user {r['cpu_user_ms_per_msg']}, system "
+                            f"{r['cpu_sys_ms_per_msg']}), rss {r['peak_rss_mb']} MB")
                         cell[name]["runs"].append(r)
                 if not args.no_strace:
                     n = max(args.strace_messages, sessions)
@@ -688,6 +711,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     machine = machine_summary(snap0, machine_snapshot())
+    machine["cpu_model"] = described.get("cpu_model") or common_cpu_model()
+    if args.probe_seconds > 0:
+        after = fsync_probe(args.probe_seconds, probe_dir)
+        machine["fsync_per_s_before"] = described["fsync_per_s"]
+        machine["fsync_per_s_after"] = after["fsync_per_s"]
+        machine["fsync_median_ms_before"] = described["fsync_median_ms"]
+        machine["fsync_median_ms_after"] = after["fsync_median_ms"]
     doc: dict[str, Any] = {
         "benchmark": "relay_vs_postfix",
         "date": datetime.date.today().isoformat(),
