@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import sys
 import tempfile
 import zipfile
 from typing import Any, Final
@@ -70,10 +69,10 @@ def project_zip(directory: str) -> str:
     return target
 
 
-def missing_here() -> tuple[str, tuple[str, ...]]:
-    """This interpreter's version and the :data:`WORKER_LIBRARIES` it cannot import (run on a worker)."""
-    missing = tuple(name for name in WORKER_LIBRARIES if importlib.util.find_spec(name) is None)
-    return f"{sys.version_info[0]}.{sys.version_info[1]}", missing
+def missing_here() -> tuple[str, ...]:
+    """The :data:`WORKER_LIBRARIES` this interpreter cannot import (run on a worker). A worker of
+    another Python version than the driver's never gets here: PySpark refuses it as it starts."""
+    return tuple(name for name in WORKER_LIBRARIES if importlib.util.find_spec(name) is None)
 
 
 def _first_python_error(exc: BaseException) -> str:
@@ -93,8 +92,9 @@ def ship(spark: Any, workdir: str | None = None) -> str:
     ``workdir`` holds the zip for as long as the session lives (Spark serves
     the file from where it is); by default a new temporary directory.
 
-    Raises ReportError (one line) when the workers' Python cannot start or
-    lacks a library of :data:`WORKER_LIBRARIES`.
+    Raises ReportError (one line) when the workers' Python cannot start (not
+    there, another version than this one) or lacks a library of
+    :data:`WORKER_LIBRARIES`.
     """
     directory = workdir or tempfile.mkdtemp(prefix="logspool-report-")
     path = project_zip(directory)
@@ -107,13 +107,8 @@ def ship(spark: Any, workdir: str | None = None) -> str:
     except Exception as exc:  # a Py4J error carrying the worker's traceback or the JVM's IOException
         raise ReportError(f"the Spark workers cannot run Python {python!r} (set PYSPARK_PYTHON to their "
                           f"interpreter; {FLEET_DOCS}): {_first_python_error(exc)}") from None
-    missing = sorted({name for _version, names in seen for name in names})
+    missing = sorted({name for names in seen for name in names})
     if missing:
         raise ReportError(f"the Spark workers' Python ({python}) lacks {', '.join(missing)}: "
                           f"pip install {' '.join(WORKER_LIBRARIES)} there ({FLEET_DOCS})")
-    driver = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    versions = sorted({version for version, _names in seen} - {driver})
-    if versions:
-        raise ReportError(f"the Spark workers run Python {', '.join(versions)} and this command {driver}: "
-                          f"PySpark needs the same minor version on both ({FLEET_DOCS})")
     return path
