@@ -19,7 +19,11 @@ executors get the project through the zip the job ships. ``python`` times the
 tests' plain-Python computation of every figure (tests/support/report_reference.py)
 on the same segments: the report without Spark.
 
-Rates count the non-DATA records, which every reader decodes. Medians of the
+Rates count the non-DATA records, which every reader decodes. With each
+read, its CPU seconds: the plain reader's process, and for Spark every
+process under the child (driver, JVM, Python workers, and on the cluster the
+daemons and executors it started), which the load on a shared machine moves
+far less than the wall clock. Medians of the
 repeats; the ratio is the median of the per-pair ratios. The 1-minute load
 average is recorded with each figure. The last line of output is JSON.
 """
@@ -47,6 +51,36 @@ from spool.rows import expand_paths
 def fleet_inputs(directory: str) -> list[str]:
     """The relays' spool directories under ``directory`` (``mx01``, ...), as ``--input``s."""
     return sorted(d for d in glob.glob(os.path.join(directory, "*")) if os.path.isdir(d))
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds of this process and every process below it (the JVM, the Python workers), the
+    reaped ones included (their parents' cutime/cstime): what the work cost, whatever the load."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(name)] = int(fields[1])
+        cpu[int(name)] = sum(int(x) for x in fields[11:15]) / ticks  # utime stime cutime cstime
+    me = os.getpid()
+
+    def below(pid: int) -> bool:
+        for _ in range(64):
+            if pid == me:
+                return True
+            if pid not in parents or pid <= 1:
+                return False
+            pid = parents[pid]
+        return False
+
+    return sum(t for pid, t in cpu.items() if below(pid))
 
 
 def child(directory: str, config: str, expect: int, repeat: int, reports: int) -> dict[str, Any]:
@@ -77,9 +111,14 @@ def child(directory: str, config: str, expect: int, repeat: int, reports: int) -
             raise SystemExit(f"{config}: {n} rows, expected {expect}")
         pairs = []
         for _ in range(repeat):
+            c0 = time.process_time()
             tp, _n = timed(lambda: plain_read(files))
+            plain_cpu = time.process_time() - c0
+            c0 = tree_cpu_s()
             ts, _n = timed(lambda: (df.write.format("noop").mode("overwrite").save(), expect)[1])
-            pairs.append({"plain_rps": expect / tp, "spark_rps": expect / ts, "load_avg_1m": os.getloadavg()[0]})
+            spark_cpu = tree_cpu_s() - c0
+            pairs.append({"plain_rps": expect / tp, "spark_rps": expect / ts, "load_avg_1m": os.getloadavg()[0],
+                          "plain_cpu_s": plain_cpu, "spark_cpu_s": spark_cpu})
         walls = []
         for i in range(reports):
             out = os.path.join(workdir, f"out{i}")
