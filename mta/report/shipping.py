@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import tempfile
 import zipfile
 from typing import Any, Final
@@ -75,15 +76,21 @@ def missing_here() -> tuple[str, ...]:
     return tuple(name for name in WORKER_LIBRARIES if importlib.util.find_spec(name) is None)
 
 
-def _first_python_error(exc: BaseException) -> str:
-    """The last line of the Python traceback inside a Py4J error, or its first line."""
+_REASONS: Final = (
+    re.compile(r'Cannot run program "[^"\n]*"[^\n]*'),  # the JVM could not start the interpreter
+    re.compile(r"\[PYTHON_VERSION_MISMATCH\][^\n]*"),  # PySpark's check as the worker starts
+    re.compile(r"^\s*(?:\w+\.)*\w*(?:Error|Exception): [^\n]*", re.MULTILINE),  # the worker's own traceback
+)
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong on the executors, in one line, out of a Py4J error's pages."""
     text = str(exc)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if line.startswith(("pyspark.errors", "ModuleNotFoundError", "ImportError", "RuntimeError",
-                            "java.io.IOException")) or "Error:" in line.split(" ", 1)[0]:
-            return line[:300]
-    return lines[0][:300] if lines else type(exc).__name__
+    for pattern in _REASONS:
+        found = pattern.findall(text)
+        if found:
+            return " ".join(found[-1].split())[:300]
+    return text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
 
 
 def ship(spark: Any, workdir: str | None = None) -> str:
@@ -106,7 +113,7 @@ def ship(spark: Any, workdir: str | None = None) -> str:
             .map(lambda _i: missing_here()).distinct().collect()
     except Exception as exc:  # a Py4J error carrying the worker's traceback or the JVM's IOException
         raise ReportError(f"the Spark workers cannot run Python {python!r} (set PYSPARK_PYTHON to their "
-                          f"interpreter; {FLEET_DOCS}): {_first_python_error(exc)}") from None
+                          f"interpreter; {FLEET_DOCS}): {_reason(exc)}") from None
     missing = sorted({name for names in seen for name in names})
     if missing:
         raise ReportError(f"the Spark workers' Python ({python}) lacks {', '.join(missing)}: "

@@ -95,3 +95,17 @@ def test_workers_without_the_libraries_are_named_in_one_line(spark_cluster: Clus
     assert last == (f"mta report: the Spark workers' Python ({python}) lacks {', '.join(sorted(WORKER_LIBRARIES))}: "
                     f"pip install {' '.join(WORKER_LIBRARIES)} there ({FLEET_DOCS})")
     assert not os.path.exists(os.path.join(out, "records"))
+
+
+def test_a_worker_python_that_is_not_there_is_named_in_one_line(spark_cluster: Cluster, fleet: dict[str, str],
+                                                                tmp_path: Any) -> None:
+    """PYSPARK_PYTHON naming no interpreter on the workers: one line with the JVM's reason, exit status 2."""
+    python = str(tmp_path / "no-such-venv" / "bin" / "python")
+    out = str(tmp_path / "out")
+    proc = mta_report(spark_cluster, python, ["--input", fleet["mx1"], "--out", out], str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"mta report: the Spark workers cannot run Python '{python}' (set PYSPARK_PYTHON to their "
+                    f"interpreter; {FLEET_DOCS}): Cannot run program \"{python}\": error=2, No such file or directory")
+    assert not os.path.exists(os.path.join(out, "records"))
