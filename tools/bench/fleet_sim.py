@@ -24,7 +24,8 @@ after 5, 15, 30, 60 and 120 minutes, a queue lifetime of 8 hours (a real relay
 keeps 5 days; 8 hours makes the expiry show within a day's simulation), and
 the simulation runs an hour past the last arrival, so some mail is still
 queued at the end. Commits and checkpoints are the engine's real ones (fsync
-included): expect about 200-400 µs of CPU per message.
+included): a relay of 20,000 messages took 18-34 s here (2026-11-27, two at
+once on 2 cores), so 200,000 in all 113 s with ``--jobs 2``.
 
 The last line of output is JSON: per relay, messages, records, segments and
 bytes; and the build time.
