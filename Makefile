@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 REPORT_STAMP := $(VENV)/.installed-report
 DEV_STAMP := $(VENV)/.installed-dev
 SYS_STAMP := .sysdeps-installed
-SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless unbound ldnsutils
+SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless unbound ldnsutils chromium
 
 .PHONY: run report test lint typecheck imports pytest spark-test sysdeps crashtest bench
 
@@ -45,8 +45,8 @@ report: $(REPORT_STAMP)
 	$(BIN)/mta report --input $(REPORT_INPUT) --out $(REPORT_OUT)
 
 # System packages the tests use as real peers: swaks and curl (clients), Postfix's
-# smtp-source/smtp-sink, strace, a Java runtime for Spark, and unbound with ldnsutils (a validating
-# resolver over a zone signed by ldns-signzone, for the DANE tests).
+# smtp-source/smtp-sink, strace, a Java runtime for Spark, unbound with ldnsutils (a validating
+# resolver over a zone signed by ldns-signzone, for the DANE tests), and Chromium (the HTML report in a browser).
 sysdeps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

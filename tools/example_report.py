@@ -12,7 +12,10 @@ delivered, greylisted, slow, unknown user, down) for two relays, ``mx1`` and
 
 It prints the ``mta report`` command to run and, with ``--svg DOCS``, instead
 extracts the three charts of an existing ``report.html`` into
-``DOCS/report_volume.svg``, ``report_latency.svg`` and ``report_deferrals.svg``.
+``DOCS/report_volume.svg``, ``report_latency.svg`` and ``report_deferrals.svg``;
+with ``--screenshot PNG``, it loads the report's ``report.html`` in headless
+Chromium (``tests/support/headless_chromium.py``, as the browser test does)
+and saves the whole page as PNG (docs/report_screenshot.png).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 # The tests' shared helpers are top-level modules in tests/support/ (pyproject's pytest pythonpath).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
 
+from headless_chromium import screenshot
 from spark_fixture import run_relay
 
 from mta.report.charts import svg_elements
@@ -67,7 +71,18 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=300, help="messages per relay")
     ap.add_argument("--hours", type=float, default=24.0, help="simulated hours of arrivals")
     ap.add_argument("--svg", metavar="DOCS", help="extract DIR/report.html's charts into DOCS instead")
+    ap.add_argument("--screenshot", metavar="PNG", help="save DIR/report.html as headless Chromium shows it instead")
     args = ap.parse_args()
+    if args.screenshot:
+        page = screenshot("file://" + os.path.abspath(os.path.join(args.dir, "report.html")), args.screenshot,
+                          width=860)
+        if page.errors():
+            raise SystemExit("example_report: the page logged: " + "; ".join(page.errors()))
+        from PIL import Image  # matplotlib's dependency: 256 colours make the PNG a third of the size
+
+        Image.open(args.screenshot).convert("RGB").quantize(256).save(args.screenshot, optimize=True)
+        print(args.screenshot)
+        return
     if args.svg:
         for path in extract_charts(os.path.join(args.dir, "report.html"), args.svg):
             print(path)

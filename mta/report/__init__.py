@@ -10,7 +10,9 @@ right on its line, so there is no cycle):
 - ``cli``: the click command; argument checks before any JVM starts → ``session``, ``errors``
 - ``job``: decode once, build the tables, compute the figures, write the reports
   → ``figures``, ``text``, ``html_page``, ``errors`` (and ``spool.rows``)
-- ``session``: the SparkSession, local mode tuned for small machines → ``spark_source``, ``errors``
+- ``session``: the SparkSession, local mode tuned for small machines → ``shipping``, ``spark_source``, ``errors``
+- ``shipping``: on a cluster, the project's packages zipped for the executors, and the check that
+  their Python can run them → ``errors``
 - ``spark_source``: the ``logspool`` PySpark data source over segment files → ``spool.rows``
 - ``html_page``: the report as one self-contained HTML page → ``charts``, ``text``, ``figures``
 - ``text``: the report as plain text, pflogsumm-style → ``figures``

@@ -49,6 +49,16 @@ def _master_option(_ctx: click.Context, _param: click.Parameter, value: str) -> 
     return value
 
 
+def _conf_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    conf = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("spark."):
+            raise click.BadParameter(f"{item!r} (want spark.KEY=VALUE)")
+        conf[key] = value
+    return conf
+
+
 def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, until_ms: int | None) -> None:
     """Everything about the arguments that can be checked without Spark, so a
     mistake costs a second rather than a JVM start.
@@ -107,8 +117,10 @@ def _progress(message: str) -> None:
 @click.option("--until", "until_ms", default=None, metavar="T", callback=_time_option,
               help="Read the log as if it ended at T.")
 @click.option("--relay", default=None, help="Relay name for every input (default: from the directory).")
+@click.option("--conf", "confs", multiple=True, metavar="KEY=VALUE", callback=_conf_option,
+              help="A Spark setting (spark.executor.memory=4g ...), as spark-submit's --conf; repeatable.")
 def report(inputs: tuple[str, ...], out: str, master: str, since_ms: int | None, until_ms: int | None,
-           relay: str | None) -> None:
+           relay: str | None, confs: dict[str, str]) -> None:
     """Delivery report (pflogsumm-style) from spool segments, on Spark.
 
     Writes OUT/messages, OUT/attempts, OUT/queue (Parquet), OUT/report.txt
@@ -121,7 +133,7 @@ def report(inputs: tuple[str, ...], out: str, master: str, since_ms: int | None,
         from mta.report.session import make_session
 
         _progress(f"starting Spark ({master})")
-        spark = make_session(master)
+        spark = make_session(master, conf=confs)
         figures = run_report(spark, inputs, out, since_ms=since_ms, until_ms=until_ms, relay=relay,
                              progress=_progress)
     except ReportError as exc:

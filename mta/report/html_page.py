@@ -3,7 +3,8 @@
 The charts are drawn by ``mta.report.charts`` (matplotlib) and put in the
 page as ``<svg>`` elements, not image files or links: a page with no files
 beside it and no external reference can be mailed or archived as it is, and
-opens with no network.
+opens with no network: in a browser it makes no request but its own
+(tests/report/test_report_browser.py loads it in headless Chromium).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) 
     return f"<h2>{e(title)}</h2>\n<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+NO_FAVICON = '<link rel="icon" href="data:,">'
+"""An empty icon in the page itself: without it a browser asks the page's server for
+``/favicon.ico`` (a request, and a 404 in the console, where the page is served over HTTP)."""
+
+
 def render_html(f: Figures) -> str:
     t = f.totals
     labels, days, received, delivered = hourly(f.per_hour)
@@ -99,5 +105,6 @@ def render_html(f: Figures) -> str:
              f"svg.{CSS_CLASS}{{display:block;margin:1em 0;max-width:100%;height:auto}}")
     period = f"{fmt_time(f.first_ms)} .. {fmt_time(f.last_ms)}"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>logspool delivery report</title>'
+            f'{NO_FAVICON}'
             f"<style>{style}</style></head><body>\n<h1>logspool delivery report</h1>\n"
             f"<p>period: {html.escape(period)}</p>\n" + "\n".join(sections) + "\n</body></html>\n")

@@ -69,10 +69,13 @@ def make_session(master: str = "local[*]", app: str = "logspool-report", conf: d
     It also sizes shuffles to the local cores (Spark's default of 200 shuffle
     partitions means 200 tiny tasks per join or aggregation, each with its
     scheduling cost, for tables of a few thousand rows) and starts the JVM with
-    :data:`LOCAL_JAVA_OPTIONS`. Workers run this interpreter, so they import
-    the same ``spool`` package. ``conf`` overrides any of these.
+    :data:`LOCAL_JAVA_OPTIONS`. Its workers run this interpreter, so they
+    import the same ``spool`` package. On a cluster, the executors run the
+    operator's ``PYSPARK_PYTHON`` and get the project's packages shipped with
+    the job (``mta.report.shipping``). ``conf`` overrides any of these.
 
-    Raises ReportError when Java or pyspark is missing.
+    Raises ReportError when Java or pyspark is missing, or when a cluster's
+    workers cannot run the job's Python code.
     """
     if not java_available():
         raise ReportError(JAVA_MISSING)
@@ -101,13 +104,27 @@ def make_session(master: str = "local[*]", app: str = "logspool-report", conf: d
             "spark.driver.extraJavaOptions": LOCAL_JAVA_OPTIONS,
         })
     settings.update(conf or {})
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if cores is not None:
+        # Local mode: the workers are this machine's processes, and this interpreter has everything.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # On a cluster, the executors' Python is the operator's PYSPARK_PYTHON (Spark's default: python3 on
+    # the workers' PATH); this interpreter's path means nothing on another machine.
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.master(master).appName(app)
     for k, v in settings.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    if cores is None:
+        # Before the data source is registered: its Python function takes the
+        # shipped files as they are at registration.
+        from mta.report.shipping import ship
+
+        try:
+            ship(spark)
+        except ReportError:
+            spark.stop()
+            raise
     from mta.report.spark_source import LogspoolDataSource
 
     spark.dataSource.register(LogspoolDataSource)

@@ -1,4 +1,6 @@
-"""Fixtures of the report tests: one local SparkSession, and two relays' spools with history."""
+"""Fixtures of the report tests: one local SparkSession, two relays' spools with history, the
+local-mode report of them, and a standalone Spark cluster on 127.0.0.1 with a worker Python that
+knows nothing of the project."""
 
 from __future__ import annotations
 
@@ -6,8 +8,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import report_reference as ref
 from s3_server import s3_server
+from spark_cluster import Cluster, start_cluster, worker_python
 from spark_fixture import run_relay
+
+from mta.report.figures import Figures
+from mta.report.job import run_report
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +47,26 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         run_relay(d, seed)
         dirs[relay] = d
     return dirs
+
+
+@pytest.fixture(scope="session")
+def whole(spark: Any, fleet: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Figures, Figures, str]:
+    """The fleet's report in local mode (its figures and output directory) and the plain computation's figures."""
+    out = str(tmp_path_factory.mktemp("report"))
+    got = run_report(spark, list(fleet.values()), out)
+    return got, ref.figures(ref.plain_records(fleet)), out
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A standalone master and one worker (2 cores) on 127.0.0.1; only their process groups are killed after."""
+    cluster = start_cluster(str(tmp_path_factory.mktemp("spark-cluster")))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def bare_worker_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The workers' interpreter as docs/operations.md has the operator make it: a venv with only
+    ``mta.report.shipping.WORKER_LIBRARIES``, no logspool."""
+    return worker_python(str(tmp_path_factory.mktemp("worker-python") / "venv"))

@@ -16,7 +16,6 @@ from spark_fixture import T0
 from mta.report.cli import report
 from mta.report.errors import ReportError
 from mta.report.figures import Figures
-from mta.report.job import run_report
 from mta.report.session import JAVA_MISSING, make_session
 from mta.report.text import render_text
 from spool.record import pos_offset
@@ -41,13 +40,6 @@ def normal(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(normal(v) for v in value)
     return value
-
-
-@pytest.fixture(scope="module")
-def whole(spark: Any, fleet: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Figures, Figures, str]:
-    out = str(tmp_path_factory.mktemp("report"))
-    got = run_report(spark, list(fleet.values()), out)
-    return got, ref.figures(ref.plain_records(fleet)), out
 
 
 @pytest.mark.parametrize("field", FIELDS)

@@ -51,7 +51,7 @@ USAGE_HINT = " (see 'mta report --help')"
 def test_help_lists_every_option() -> None:
     result = run("--help")
     assert result.exit_code == 0
-    for option in ("--input", "--out", "--master", "--since", "--until", "--relay"):
+    for option in ("--input", "--out", "--master", "--since", "--until", "--relay", "--conf"):
         assert option in result.output
 
 
@@ -166,3 +166,11 @@ def test_without_the_spark_extra_the_relay_runs_and_the_report_says_what_to_inst
                                                                "sys.argv[2]", "'--help'")],
                            capture_output=True, text=True, check=False, timeout=60)
     assert relay.returncode == 0 and "serve" in relay.stdout, relay.stderr
+
+
+def test_conf_not_a_spark_setting(spool_dir: str, tmp_path: Any) -> None:
+    result = run("--input", spool_dir, "--out", str(tmp_path / "o"), "--conf", "executor.memory")
+    assert result.exit_code == 2
+    assert error_line(result) == ("mta report: Invalid value for '--conf': 'executor.memory' "
+                                  "(want spark.KEY=VALUE)" + USAGE_HINT)
+    assert not os.path.exists(tmp_path / "o")

@@ -10,7 +10,7 @@ import report_reference as ref
 
 from mta.report.charts import CSS_CLASS, Series, bar_chart, svg_elements
 from mta.report.figures import LATENCY_LABELS, Figures
-from mta.report.html_page import DAY_MS, HOUR_MS, hourly, render_html
+from mta.report.html_page import DAY_MS, HOUR_MS, NO_FAVICON, hourly, render_html
 
 T = 1_700_000_000_000 - 1_700_000_000_000 % DAY_MS  # a midnight, UTC
 NS = "{http://www.w3.org/2000/svg}"
@@ -62,7 +62,10 @@ def test_the_pages_charts_are_the_chart_modules_inline_svg_and_fetch_nothing(fig
         own = {e.get("id") for e in root.iter()}
         refs = re.findall(r'(?:href="|url\()([^")]*)', chart)
         assert refs and all(r.startswith("#") and r[1:] in own for r in refs)
-    assert not re.search(r"<(?:image|script|link|iframe|object|embed|foreignObject)\b|@import|\bsrc=", page)
+    # The one <link> is the empty icon, a data: URL that keeps browsers from asking for /favicon.ico.
+    assert page.count("<link") == 1 and NO_FAVICON in page
+    assert not re.search(r"<(?:image|script|iframe|object|embed|foreignObject)\b|@import|\bsrc=",
+                         page.replace(NO_FAVICON, ""))
     urls = set(re.findall(r"[a-z][a-z0-9+.-]*://[^\s\"'<>)]*", page, flags=re.I))
     assert urls == {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
     assert all(f'xmlns="{u}"' in page or f'xmlns:xlink="{u}"' in page for u in urls)  # names, not fetched

@@ -105,9 +105,14 @@ def build(directory: str, records: int, segments: int) -> int:
 
 
 def plain_reader(directory: str) -> int:
+    return plain_read(sorted(glob.glob(os.path.join(directory, "log", "*.seg"))))
+
+
+def plain_read(paths: list[str]) -> int:
+    """The non-DATA records of ``paths``, each decoded by the spool's sequential reader (report_bench too)."""
     io = OsFileIO()
     n = 0
-    for path in sorted(glob.glob(os.path.join(directory, "log", "*.seg"))):
+    for path in paths:
         seg_id = parse_segment_name(os.path.basename(path))
         assert seg_id is not None
         reader = LogReader(io, os.path.dirname(path), segments=(seg_id,))
