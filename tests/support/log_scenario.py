@@ -187,7 +187,7 @@ relay_domains = ["far.example", "down.example"]
 [spool]
 dir = "{tmp / 'spool'}"
 retry_intervals = ["1s"]
-max_queue_lifetime = "3s"
+max_queue_lifetime = "8s"  # down.example expires; later@ must outlive a hold and a release under load
 [log]
 format = "{fmt}"
 [routes]
