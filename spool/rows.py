@@ -358,7 +358,10 @@ class _SegmentWalk:
             rows += 1
         # The good path calls cbor2 and the type's field checks itself (decode_fields' own steps, less two
         # calls a record); any failure is decoded again by decode_fields, which raises it as the reader names it.
-        loads, readers = cbor2.loads, FIELD_READERS
+        loads = cbor2.loads
+        readers: list[Any] = [FIELD_READERS.get(t) for t in range(max(_RECORD_TYPES) + 1)]  # lists: indexed, not hashed
+        add_fields: list[Any] = [fields[t].append if t in fields else None for t in range(len(readers))]
+        add_head: list[Any] = [heads[t].append if t in heads else None for t in range(len(readers))]
         at = self.at
         try:
             for item in self.items:
@@ -379,8 +382,8 @@ class _SegmentWalk:
                             if rows >= batch_rows:
                                 break
                             continue
-                    fields[rtype].append(values)
-                    heads[rtype].append(head)
+                    add_fields[rtype](values)
+                    add_head[rtype](head)
                 else:
                     assert isinstance(item, Anomaly)
                     chunk.errors.append((item.pos, error_text(item)))
