@@ -234,3 +234,19 @@ def test_payloads_that_pass_the_checksum_but_do_not_decode_are_error_rows(tmp_pa
         assert [r["rtype"] for r in rows] == [ERROR_TYPE if e else int(t) for e, (t, _p) in zip(expected, order)]
     rows = list(segment_rows(path, "mx1"))
     assert (rows[0]["message_id"], rows[0]["sender"], rows[3]["ref"], rows[6]["ref"]) == (7, "a@x.test", 7, 9)
+
+
+def test_a_worker_freezes_its_heap_once_before_the_first_segment() -> None:
+    """pyspark's daemon collects every object of a reused worker after each task: the data source
+    moves what the worker holds at its first task out of the collector's sight, once."""
+    import subprocess
+    import sys
+
+    code = ("import gc, sys; from mta.report.spark_source import _freeze_worker_heap as f; "
+            "before = gc.get_freeze_count(); f(); once = gc.get_freeze_count(); x = [[] for _ in range(1000)]; f(); "
+            "print(before, once, gc.get_freeze_count(), gc.isenabled(), 'pyarrow.compute' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before, once, twice, enabled, imported = proc.stdout.split()
+    assert int(before) == 0 and int(once) > 10_000 and int(twice) == int(once)
+    assert enabled == "True" and imported == "True"
