@@ -626,6 +626,12 @@ _FIELDS: dict[int, Any] = {
 }
 
 
+FIELD_READERS: Final[dict[int, Any]] = dict(_FIELDS)
+"""``rtype`` -> the function that checks a decoded CBOR map (a ``dict``) and returns its field tuple, as
+decode_fields does after ``cbor2.loads``. Why public: a bulk reader's loop (``spool.rows``) calls the two
+itself on its good path, and leaves a failure to decode_fields, which names it."""
+
+
 def decode_fields(rtype: int, payload: bytes | memoryview, *, path: str = "", offset: int = -1) -> tuple[Any, ...]:
     """The fields of a non-DATA payload as a plain tuple, checked as decode_payload checks them.
 

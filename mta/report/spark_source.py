@@ -79,4 +79,34 @@ class LogspoolReader(DataSourceReader):  # type: ignore[misc]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SegmentPartition)
+        _freeze_worker_heap()
         yield from segment_batches(partition.task, partition.relay, self.batch_rows)
+
+
+_frozen = False
+
+
+def _freeze_worker_heap() -> None:
+    """Once per Python worker: import what the walk needs and move every object then alive (modules,
+    classes, pyspark's and pyarrow's tables) out of the cyclic collector's sight (``gc.freeze``).
+
+    Why: pyspark's daemon runs a full ``gc.collect()`` after every task of a
+    reused worker, and a full collection scans every tracked object of the
+    process: some 80,000 after these imports, 13-17 ms each time on the
+    project's machine, and about 35 ms of worker CPU between two tasks in a
+    ``local[2]`` read (a quarter of a 16 MiB segment's own read, measured).
+    Frozen objects are never scanned again; what becomes garbage later is
+    collected as usual. The cost: a cycle among the objects alive at the
+    first task is never freed, once, so the worker cannot grow by it.
+    """
+    global _frozen
+    if _frozen:
+        return
+    import gc
+
+    import pyarrow.compute  # the first batch would import it otherwise: after the freeze
+
+    del pyarrow
+    gc.collect()
+    gc.freeze()
+    _frozen = True

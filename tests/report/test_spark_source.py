@@ -192,3 +192,61 @@ def test_spool_imports_without_pyspark() -> None:
                               "import mta.report.spark_source"], capture_output=True, text=True, check=False,
                              timeout=60)
     assert blocked.returncode != 0 and "pyspark" in blocked.stderr  # the check above can fail
+
+
+def test_payloads_that_pass_the_checksum_but_do_not_decode_are_error_rows(tmp_path: Any) -> None:
+    """The walk decodes on a good path of its own and leaves every failure to ``decode_fields``: each
+    bad payload is one error row in its place, named as ``decode_fields`` names it, at any batch size."""
+    import cbor2
+
+    from spool.errors import CorruptRecord
+    from spool.record import RecordType, decode_fields, encode_frame
+    from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header
+
+    env = Envelope(7, "a@x.test", ("b@y.test",), (1,), 10, 1_700_000_000_000)
+    good = [(RecordType.ENVELOPE, env.to_payload()), (RecordType.START, Start(7, 5).to_payload()),
+            (RecordType.FINISH, Finish(9, 6).to_payload())]
+    bad = [(RecordType.ENVELOPE, b"\xff\xff"),  # not CBOR
+           (RecordType.START, cbor2.dumps([7, 5])),  # an array, not a map
+           (RecordType.FINISH, cbor2.dumps({0: 9})),  # a field missing
+           (RecordType.ENVELOPE, cbor2.dumps({**env.to_map(), 1: 5})),  # a sender that is no text
+           (RecordType.START, cbor2.dumps({0: 7, 1: 5, 2: 99}))]  # no such kind
+    order = [good[0], bad[0], bad[1], good[1], bad[2], bad[3], good[2], bad[4]]
+    path = str(tmp_path / "0000000000000001.seg")
+    offsets, data = [], bytearray(encode_segment_header(1, 1))
+    for rtype, payload in order:
+        offsets.append(len(data))
+        data += encode_frame(1, rtype, payload, time=1_700_000_000)
+    with open(path, "wb") as f:
+        f.write(data)
+    assert offsets[0] == SEGMENT_HEADER_SIZE
+
+    def reason(rtype: int, payload: bytes) -> str:
+        with pytest.raises(CorruptRecord) as info:
+            decode_fields(rtype, payload)
+        return f"undecodable payload ({info.value.reason})"
+
+    expected = [None if (rtype, payload) in good else reason(rtype, payload) for rtype, payload in order]
+    for batch_rows in (1, 2, 3, 65536):
+        rows = [r for b in segment_batches(path, "mx1", batch_rows=batch_rows) for r in b.to_pylist()]
+        assert [pos_offset(r["pos"]) for r in rows] == offsets
+        assert [r["error"] for r in rows] == expected
+        assert [r["rtype"] for r in rows] == [ERROR_TYPE if e else int(t) for e, (t, _p) in zip(expected, order)]
+    rows = list(segment_rows(path, "mx1"))
+    assert (rows[0]["message_id"], rows[0]["sender"], rows[3]["ref"], rows[6]["ref"]) == (7, "a@x.test", 7, 9)
+
+
+def test_a_worker_freezes_its_heap_once_before_the_first_segment() -> None:
+    """pyspark's daemon collects every object of a reused worker after each task: the data source
+    moves what the worker holds at its first task out of the collector's sight, once."""
+    import subprocess
+    import sys
+
+    code = ("import gc, sys; from mta.report.spark_source import _freeze_worker_heap as f; "
+            "before = gc.get_freeze_count(); f(); once = gc.get_freeze_count(); x = [[] for _ in range(1000)]; f(); "
+            "print(before, once, gc.get_freeze_count(), gc.isenabled(), 'pyarrow.compute' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before, once, twice, enabled, imported = proc.stdout.split()
+    assert int(before) == 0 and int(once) > 10_000 and int(twice) == int(once)
+    assert enabled == "True" and imported == "True"
