@@ -11,36 +11,21 @@ insecure answer is no DANE, so the route's base mode (opportunistic) applies.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import smtplib
-import ssl
 from pathlib import Path
 
 import trio
 import trustme
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
+from relay_support import DeliveryWatch, NextHop, relay_config, server_context, start_relay
 from unbound_support import have_unbound, unbound
 
 from mta.delivery.tlspolicy.dane import Tlsa, check
 from spool.record import Status
 
 assert have_unbound(), "unbound, ldns-keygen and ldns-signzone are needed (make sysdeps installs them)"
-
-
-class BoundHop(NextHop):
-    async def start_on(self, nursery: trio.Nursery, host: str, port: int) -> int:
-        listeners = await nursery.start(functools.partial(trio.serve_tcp, self._handle, port, host=host))
-        self.port = int(listeners[0].socket.getsockname()[1])
-        return self.port
-
-
-def server_context(cert: trustme.LeafCert) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(ctx)
-    return ctx
 
 
 def spki_sha256(pem: bytes) -> str:
@@ -81,12 +66,12 @@ async def test_dane_delivers_to_matching_certificates_refuses_a_mismatch_and_an_
     ta_cert = inter.issue_cert("mx-ta.dane.test")
     other = trustme.CA().issue_cert("mx-bad.dane.test", "mx.plain.test")
     async with trio.open_nursery() as nursery:
-        hops = {"127.0.0.1": BoundHop(ssl_context=server_context(ee_cert)),
-                "127.0.0.3": BoundHop(ssl_context=server_context(ta_cert)),
-                "127.0.0.4": BoundHop(ssl_context=server_context(other))}
+        hops = {"127.0.0.1": NextHop(ssl_context=server_context(ee_cert)),
+                "127.0.0.3": NextHop(ssl_context=server_context(ta_cert)),
+                "127.0.0.4": NextHop(ssl_context=server_context(other))}
         port = 0
         for address, hop in hops.items():
-            port = await hop.start_on(nursery, address, port)
+            port = await hop.start(nursery, address, port)
         ee_pin = spki_sha256(ee_cert.cert_chain_pems[0].bytes())
         ta_pin = spki_sha256(inter.cert_pem.bytes())
         signed = {"dane.test": [

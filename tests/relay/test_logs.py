@@ -21,7 +21,7 @@ import pytest
 import trio
 import trustme
 from logfmt import events
-from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start_relay
+from relay_support import DeliveryWatch, NextHop, RawClient, SilentHop, relay_config, start_relay
 
 from mta.admin.control import socket_path
 from mta.observe.logline import JsonFormatter, TextFormatter
@@ -258,29 +258,6 @@ def _plain_send(port: int, rcpt: str, sender: str = "s@localhost") -> str:
 
 
 # ---------------------------------------------------------------- failures to connect
-
-
-class SilentHop:
-    """Accepts connections and says nothing: a next hop that never greets (a timeout)."""
-
-    def __init__(self) -> None:
-        self.port = 0
-        self.connected = trio.Event()
-        self._release = trio.Event()
-
-    async def start(self, nursery: trio.Nursery) -> int:
-        listeners = await nursery.start(lambda task_status: trio.serve_tcp(
-            self._handle, 0, host="127.0.0.1", task_status=task_status))
-        self.port = int(listeners[0].socket.getsockname()[1])
-        return self.port
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        self.connected.set()
-        await self._release.wait()
-        await stream.aclose()
-
-    def release(self) -> None:
-        self._release.set()
 
 
 def closed_port() -> int:

@@ -31,7 +31,7 @@ from dkim_support import key_config, keygen
 from dns_server import DnsServer
 from https_server import PolicyServer
 from prometheus_client.parser import text_string_to_metric_families
-from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start_relay, tls_files
+from relay_support import DeliveryWatch, NextHop, RawClient, SilentHop, relay_config, start_relay, tls_files
 
 from mta.auth.users import add_user
 from mta.inbound.server import Port
@@ -70,26 +70,6 @@ def _scrape(port: int) -> Scrape:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return Scrape(samples, frozenset(families))
-
-
-class SilentHop:
-    """Accepts connections and says nothing until released."""
-
-    def __init__(self) -> None:
-        self.port = 0
-        self.connected = trio.Event()
-        self.release = trio.Event()
-
-    async def start(self, nursery: trio.Nursery) -> int:
-        listeners = await nursery.start(lambda task_status: trio.serve_tcp(
-            self._handle, 0, host="127.0.0.1", task_status=task_status))
-        self.port = int(listeners[0].socket.getsockname()[1])
-        return self.port
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        self.connected.set()
-        await self.release.wait()
-        await stream.aclose()
 
 
 def _send(port: int, sender: str, rcpt: str) -> None:
@@ -172,7 +152,7 @@ async def _scenario(tmp: Path) -> Scrapes:
         await trio.to_thread.run_sync(_send, port, "s@localhost", "x@stall.example")
         await silent.connected.wait()
         stalled = await trio.to_thread.run_sync(_scrape, mport)
-        silent.release.set()
+        silent.release()
         await watch.wait_for(Status.DEFERRED, 1, recipient="x@stall.example")
         end = await trio.to_thread.run_sync(_scrape, mport)
         nursery.cancel_scope.cancel()

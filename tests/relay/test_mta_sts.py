@@ -10,12 +10,10 @@ trusts the test CA through ``[delivery] tls_ca_file``.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import smtplib
-import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,7 +25,7 @@ import trio
 import trustme
 from dns_server import DnsServer
 from https_server import PolicyServer
-from relay_support import DeliveryWatch, NextHop, relay_config, relay_config_text, start_relay
+from relay_support import DeliveryWatch, NextHop, relay_config, relay_config_text, server_context, start_relay
 
 from mta.config import Config, parse_config
 from mta.delivery.smtp_transport import SmtpTransport
@@ -45,24 +43,11 @@ def policy(mode: str, *mx: str, max_age: int = 86400) -> str:
         f"max_age: {max_age}\r\n"
 
 
-class BoundHop(NextHop):
-    async def start_on(self, nursery: trio.Nursery, host: str, port: int) -> int:
-        listeners = await nursery.start(functools.partial(trio.serve_tcp, self._handle, port, host=host))
-        self.port = int(listeners[0].socket.getsockname()[1])
-        return self.port
-
-
-def server_context(cert: trustme.LeafCert) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(ctx)
-    return ctx
-
-
 @attrs.define
 class World:
     dns: DnsServer
     https: PolicyServer
-    hops: dict[str, BoundHop]
+    hops: dict[str, NextHop]
     config: Config
     nursery: trio.Nursery
     extra: str
@@ -84,12 +69,12 @@ async def sts_world(tmp_path: Path, route: str = "mx?tls=mta-sts") -> AsyncItera
         https_port = await nursery.start(https.serve)
         for d in DOMAINS:
             dns.a(f"mta-sts.{d}", "127.0.0.1")
-        hops = {GOOD: BoundHop(ssl_context=server_context(ca.issue_cert("mx.sts.test", "mx.try.test"))),
-                WRONG: BoundHop(ssl_context=server_context(ca.issue_cert("wrong.test"))),
-                PLAIN: BoundHop()}
+        hops = {GOOD: NextHop(ssl_context=server_context(ca.issue_cert("mx.sts.test", "mx.try.test"))),
+                WRONG: NextHop(ssl_context=server_context(ca.issue_cert("wrong.test"))),
+                PLAIN: NextHop()}
         port = 0
         for address, hop in hops.items():
-            port = await hop.start_on(nursery, address, port)
+            port = await hop.start(nursery, address, port)
         extra = (f'[delivery]\nresolver = "127.0.0.1:{dns_port}"\nmx_port = {port}\nconnect_timeout = "10s"\n'
                  f'tls_ca_file = "{tmp_path / "ca.pem"}"\n'
                  f'[tls_policy]\nmta_sts_port = {https_port}\nreport_dir = "reports"\n')

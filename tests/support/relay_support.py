@@ -145,8 +145,9 @@ class NextHop:
         self.port = 0
         self._changed = trio.Event()
 
-    async def start(self, nursery: trio.Nursery) -> int:
-        listeners = await nursery.start(functools.partial(trio.serve_tcp, self._handle, 0, host="127.0.0.1"))
+    async def start(self, nursery: trio.Nursery, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on ``host``:``port`` (by default a free port of 127.0.0.1); returns the port."""
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, self._handle, port, host=host))
         self.port = int(listeners[0].socket.getsockname()[1])
         return self.port
 
@@ -382,3 +383,33 @@ class RawClient:
 
     async def aclose(self) -> None:
         await trio.aclose_forcefully(self.stream)
+
+
+class SilentHop:
+    """Accepts connections and says nothing until released: a next hop that never greets (a timeout)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.connected = trio.Event()
+        self._release = trio.Event()
+
+    async def start(self, nursery: trio.Nursery) -> int:
+        listeners = await nursery.start(lambda task_status: trio.serve_tcp(
+            self._handle, 0, host="127.0.0.1", task_status=task_status))
+        self.port = int(listeners[0].socket.getsockname()[1])
+        return self.port
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self.connected.set()
+        await self._release.wait()
+        await stream.aclose()
+
+    def release(self) -> None:
+        self._release.set()
+
+
+def server_context(cert: trustme.LeafCert) -> ssl.SSLContext:
+    """A server-side TLS context presenting ``cert`` (a next hop's, or an HTTPS server's)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(ctx)
+    return ctx
