@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import common
 from disk_probe import describe_machine
-from relay_vs_postfix import RECIPIENT, SENDER, Sink, free_port, tool
+from relay_vs_postfix import LOGSPOOL_TOML, RECIPIENT, SENDER, Sink, free_port, tool
 
 # Another code tree to measure (``PYTHONPATH=DIR``, DIR holding spool/ and mta/, as relay_ab.py takes them)
 # goes before this checkout, which the imports above put first.
@@ -67,21 +67,6 @@ from spool.log import Batch, LogWriter  # noqa: E402
 
 PHASES = ("to DATA", "body", "envelope", "group-commit wait", "write + fsync", "wake-up", "reply", "QUIT")
 MARKS = ("accept", "data", "eod", "commit", "write", "synced", "enqueued", "replied", "closed")
-
-CONFIG = """\
-[server]
-listen = ["127.0.0.1:0"]
-hostname = "logspool.bench.test"
-[spool]
-dir = "{dir}/spool"
-retry_intervals = ["10s", "60s"]
-[delivery]
-concurrency = 100
-per_destination = 20
-max_messages_per_connection = 100
-[routes]
-"*" = "smtp://127.0.0.1:{sink_port}"
-"""
 
 
 class Timeline:
@@ -170,10 +155,10 @@ def instrument(line: Timeline) -> Callable[[], None]:
 
     def handle(fn: Any) -> Any:
         @functools.wraps(fn)
-        async def wrapper(self: Any, stream: Any) -> None:
+        async def wrapper(self: Any, stream: Any, *rest: Any) -> None:
             record = line.open()
             try:
-                await fn(self, stream)
+                await fn(self, stream, *rest)
             finally:
                 line.close(record)
         return wrapper
@@ -281,7 +266,8 @@ async def one_run(relay: Relay, sink: Sink, line: Timeline, clock: StepClock, me
 async def bench(args: argparse.Namespace, work: str) -> list[dict[str, Any]]:
     sink = Sink(free_port())
     try:
-        text = CONFIG.format(dir=work, sink_port=sink.port)
+        # relay_vs_postfix's relay, in this process (port 0: the listener's own port is read back).
+        text = LOGSPOOL_TOML.format(port=0, dir=work, sink_port=sink.port, max_sessions=200, processes="")
         config = parse_config(text, source=os.path.join(work, "bench.toml"), base_dir=work)
         line = Timeline()
         clock = StepClock(line)
