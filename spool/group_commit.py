@@ -45,13 +45,17 @@ from __future__ import annotations
 
 import errno
 import logging
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
-from trio.testing import wait_all_tasks_blocked
 
 from spool.errors import DiskFull
+from spool.idle import wait_idle
+from spool.log import Batch
 from spool.spool import BodyWriter, Spool
 
 log = logging.getLogger("spool")
@@ -60,6 +64,12 @@ log = logging.getLogger("spool")
 SPACE_RETRY_MIN = 0.05
 SPACE_RETRY_MAX = 2.0
 CHECKPOINT_RETRY_MAX = 30.0
+# A lone committer writes and fdatasyncs in the event loop's thread (see GroupCommit._inline): while the median
+# of the last INLINE_SYNC_SAMPLES sync batches' write + fdatasync took less than INLINE_SYNC_MAX seconds, for a
+# batch of at most INLINE_MAX_BYTES that starts no segment.
+INLINE_SYNC_MAX = 0.001
+INLINE_SYNC_SAMPLES = 5
+INLINE_MAX_BYTES = 128 * 1024
 
 
 class GroupCommit:
@@ -79,6 +89,10 @@ class GroupCommit:
         self.lazy_commits = 0
         self._want_sync = False  # someone waits for durability, not only for the bytes to be written
         self._writing = 0  # bytes of the batch the committer's thread is writing now
+        self._sync_waiters = 0  # tasks in commit(): waiting for durability
+        self._sync_seconds: deque[float] = deque(maxlen=INLINE_SYNC_SAMPLES)  # the last sync batches' write+sync
+        self.inline_sync_max = INLINE_SYNC_MAX
+        self.inline_commits = 0  # sync batches written in the event loop's thread
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
@@ -197,7 +211,8 @@ class GroupCommit:
                     messages, self._unsynced_messages = self._unsynced_messages, 0
                 self._writing = batch.size
                 try:
-                    await trio.to_thread.run_sync(writer.write_batch, batch)
+                    if not (self._inline(batch) and self._write_inline(batch)):
+                        await trio.to_thread.run_sync(self._write_timed, batch)
                 except DiskFull:
                     writer.restore(batch)
                     self._want_sync = self._want_sync or sync
@@ -224,6 +239,43 @@ class GroupCommit:
                     # between a lone client and its reply. One step later it overlaps the client's next command.
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 self._signal_change()
+
+    def _inline(self, batch: Batch) -> bool:
+        """Write and sync this batch in the event loop's thread? Only for a lone committer on a fast disk.
+
+        Why: handing a batch to a worker thread and waking the loop again when
+        it is done costs a lone client ~0.13 ms a message, as much as a fast
+        disk's fdatasync (docs/benchmarks.md, issue 18). The loop does nothing
+        else meanwhile, which costs nothing when nothing else waits to run:
+        exactly one task waits for durability, no session has announced a
+        commit coming (none is between its RCPT and its end of data), and the
+        recent syncs were fast. Anything else keeps the thread, so that the
+        next batch gathers while this one syncs (the fsyncs per message under
+        concurrency do not change), and a slow or stalled disk never holds the loop.
+        """
+        if not batch.sync or self._sync_waiters != 1 or self._expected or batch.size > INLINE_MAX_BYTES:
+            return False
+        recent = self._sync_seconds
+        if len(recent) < INLINE_SYNC_SAMPLES or statistics.median(recent) >= self.inline_sync_max:
+            return False
+        # A batch that starts a segment also syncs the ones before it and the directory.
+        return all(off for _, off, _ in batch.chunks)
+
+    def _write_inline(self, batch: Batch) -> bool:
+        """Write ``batch`` here, unless another thread holds the log's files (then False: nothing written)."""
+        start = time.perf_counter()
+        if not self.core.writer.try_write_batch(batch):
+            return False
+        self._sync_seconds.append(time.perf_counter() - start)
+        self.inline_commits += 1
+        return True
+
+    def _write_timed(self, batch: Batch) -> None:
+        """``write_batch`` in a worker thread, timing a sync batch for ``_inline``."""
+        start = time.perf_counter()
+        self.core.writer.write_batch(batch)
+        if batch.sync:
+            self._sync_seconds.append(time.perf_counter() - start)
 
     async def _gather(self) -> None:
         """The group-commit window: wait for the commits announced as coming, then for an idle loop.
@@ -257,7 +309,7 @@ class GroupCommit:
             while self._expected > 0 and writer.pending_bytes < limit:
                 await self._expected_changed.wait()
             if writer.pending_bytes < limit:  # else a session waits in wait_flushed: it cannot join
-                await wait_all_tasks_blocked()
+                await wait_idle()
         if window.cancelled_caught and self._expected > 0:
             self._expect_round += 1
             self._expected = 0
@@ -296,7 +348,11 @@ class GroupCommit:
             self._raise_if_full()
             self._want_sync = True
             self._kick.set()
-            await self._synced.wait()
+            self._sync_waiters += 1
+            try:
+                await self._synced.wait()
+            finally:
+                self._sync_waiters -= 1
 
     async def _ride_along(self) -> None:
         """Return once everything appended before the call is durable, without a sync of its own.

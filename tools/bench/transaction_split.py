@@ -14,8 +14,8 @@ each transaction with bench-only wrappers around the relay's own functions
   client's round trips and the relay's parsing);
 - ``body``: DATA -> end of data (the body's bytes, parsed and written into the spool);
 - ``envelope``: end of data -> the commit asked for (the envelope appended);
-- ``group-commit wait``: commit asked for -> the committer's thread starts writing;
-- ``write + fsync``: the batch's write and fdatasync, in the worker thread;
+- ``group-commit wait``: commit asked for -> the committer starts writing;
+- ``write + fsync``: the batch's write and fdatasync, in a worker thread or (a lone commit) the loop's;
 - ``wake-up``: fsync done -> the session's enqueue returns (thread hand-off, trio's scheduler);
 - ``reply``: enqueue returned -> the 250 handed to the socket (log line, reply);
 - ``QUIT``: 250 -> the connection closed;
@@ -229,7 +229,9 @@ def instrument(line: Timeline) -> Callable[[], None]:
     wrap(inbound._Session, "_flush", flush)
     wrap(group_commit.GroupCommit, "enqueue", enqueue)
     wrap(group_commit.GroupCommit, "commit", commit)
-    wrap(LogWriter, "write_batch", write_batch)
+    # The batch's work itself, in whichever thread runs it (a lone commit writes in the event loop's, issue 18);
+    # an older tree has only write_batch.
+    wrap(LogWriter, "_write_locked" if hasattr(LogWriter, "_write_locked") else "write_batch", write_batch)
 
     def restore() -> None:
         for fn in reversed(undo):
