@@ -43,6 +43,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -77,6 +78,7 @@ class Timeline:
         self.done: list[dict[str, float]] = []
         self.recording = False
         self.syncs = 0  # sync batches written so far (the worker thread counts)
+        self.inline_syncs = 0  # of which written in the event loop's thread (a lone commit on a fast disk)
 
     def mark(self, name: str) -> None:
         if self.recording and name not in self.current:
@@ -206,6 +208,8 @@ def instrument(line: Timeline) -> Callable[[], None]:
             fn(self, batch)
             if batch.sync:
                 line.syncs += 1
+                if threading.current_thread() is threading.main_thread():
+                    line.inline_syncs += 1
                 if "write" in current:
                     line.mark("synced")
         return wrapper
@@ -247,7 +251,7 @@ async def one_run(relay: Relay, sink: Sink, line: Timeline, clock: StepClock, me
     base = sink.count
     line.done, line.recording, clock.recording = [], True, True
     clock.cpu.clear()
-    t0, cpu0, syncs0 = time.perf_counter(), time.process_time(), line.syncs
+    t0, cpu0, syncs0, inline0 = time.perf_counter(), time.process_time(), line.syncs, line.inline_syncs
     await trio.run_process(cmd, capture_stdout=True, capture_stderr=True)
     with trio.fail_after(120):
         while sink.count < base + messages:
@@ -261,6 +265,7 @@ async def one_run(relay: Relay, sink: Sink, line: Timeline, clock: StepClock, me
             "fsyncs_waited_mean": round(statistics.mean(phases["fsyncs waited"]), 3)
             if phases["fsyncs waited"] else None,
             "fsyncs_per_msg": round((line.syncs - syncs0) / messages, 3),
+            "inline_syncs_per_msg": round((line.inline_syncs - inline0) / messages, 3),
             "loop_cpu_ms_per_msg": {k: round(1000 * v / messages, 3) for k, v in sorted(clock.cpu.items())},
             "loadavg": common.load_average()}
 
