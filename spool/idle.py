@@ -4,12 +4,12 @@ Why our own: trio offers this only as ``trio.testing.wait_all_tasks_blocked``,
 and importing ``trio.testing`` imports pytest (its ``RaisesGroup``): tens of
 milliseconds and a test framework's machinery in every relay process.
 
-What "idle" means here is what trio's means with no cushion: one whole pass
-of the event loop ran no task but the waiter, so nothing was runnable and
-the poll for I/O (non-blocking, since the waiter itself was runnable) woke
-nobody. Counting passes needs to see every task step: an instrument that
-counts them is installed only while somebody waits, so the loop pays nothing
-for it otherwise.
+What "idle" means here is what trio's means with no cushion: a pass of the
+event loop whose poll for I/O (non-blocking, since the waiters themselves are
+runnable) woke nobody and found nothing runnable but the waiters. An
+instrument looks at the run queue after each poll, once a pass (not once a
+task step), and only while somebody waits: the loop pays nothing for it
+otherwise.
 """
 
 from __future__ import annotations
@@ -17,45 +17,47 @@ from __future__ import annotations
 import trio
 
 
-class _StepCounter(trio.abc.Instrument):
-    """Counts the task steps the event loop runs, but for those of the tasks waiting for idle."""
+class _IdleWatch(trio.abc.Instrument):
+    """Counts the passes in a row whose poll left only the waiters runnable."""
 
     def __init__(self) -> None:
-        self.steps = 0
+        self.quiet = 0
         self.waiters: set[trio.lowlevel.Task] = set()
 
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        if task not in self.waiters:
-            self.steps += 1
+    def after_io_wait(self, timeout: float) -> None:
+        if trio.lowlevel.current_statistics().tasks_runnable <= len(self.waiters):
+            self.quiet += 1
+        else:
+            self.quiet = 0
 
 
-_COUNTER: trio.lowlevel.RunVar[_StepCounter | None] = trio.lowlevel.RunVar("spool_idle_counter", default=None)
+_WATCH: trio.lowlevel.RunVar[_IdleWatch | None] = trio.lowlevel.RunVar("spool_idle_watch", default=None)
 
 
 async def wait_idle() -> None:
-    """Return once a whole pass of the event loop ran no task but those waiting here (a checkpoint).
+    """Return once two passes of the event loop in a row had nothing to run but the waiters (a checkpoint).
 
-    A waiter steps once per pass. Between two of its steps run the tasks
-    after it in one pass and those before it in the next; two such
-    intervals in a row with no other step mean a pass held only waiters.
-    Several waiters share one counter and do not count each other. A loop
-    that never idles keeps this waiting: bound it (``trio.move_on_after``).
+    Every waiter steps once a pass, so each is in the run queue when the
+    instrument looks. Two passes: a task woken by an expired deadline joins
+    the batch after the look; the next look sees it if it is still
+    runnable. A loop that never idles keeps this waiting: bound it
+    (``trio.move_on_after``).
     """
-    counter = _COUNTER.get()
-    if counter is None:
-        counter = _StepCounter()
-        _COUNTER.set(counter)
-        trio.lowlevel.add_instrument(counter)
+    watch = _WATCH.get()
+    if watch is None:
+        watch = _IdleWatch()
+        _WATCH.set(watch)
+        trio.lowlevel.add_instrument(watch)
     me = trio.lowlevel.current_task()
-    counter.waiters.add(me)
+    watch.waiters.add(me)
+    watch.quiet = 0
     try:
-        quiet = 0
-        while quiet < 2:
-            seen = counter.steps
+        while True:
             await trio.lowlevel.checkpoint()
-            quiet = quiet + 1 if counter.steps == seen else 0
+            if watch.quiet >= 2:
+                return
     finally:
-        counter.waiters.discard(me)
-        if not counter.waiters:
-            _COUNTER.set(None)
-            trio.lowlevel.remove_instrument(counter)
+        watch.waiters.discard(me)
+        if not watch.waiters:
+            _WATCH.set(None)
+            trio.lowlevel.remove_instrument(watch)
