@@ -144,6 +144,9 @@ class StepClock(trio.abc.Instrument):
             if "synced" in current and "replied" not in current and component != "SMTP sessions":
                 # Work of other tasks that ran between the fsync and the 250: on the lone client's path.
                 self.cpu[f"{component}, before the 250"] += spent
+            elif "replied" in current and component != "SMTP sessions":
+                # Between the 250 and the close: the client's QUIT waits behind it.
+                self.cpu[f"{component}, during QUIT"] += spent
 
 
 def instrument(line: Timeline) -> Callable[[], None]:
