@@ -89,7 +89,7 @@ class GroupCommit:
         self.lazy_commits = 0
         self._want_sync = False  # someone waits for durability, not only for the bytes to be written
         self._writing = 0  # bytes of the batch the committer's thread is writing now
-        self._sync_waiters = 0  # tasks in commit(): waiting for durability
+        self._sync_tickets: list[int] = []  # what each task in commit() waits to see durable (its ticket)
         self._sync_seconds: deque[float] = deque(maxlen=INLINE_SYNC_SAMPLES)  # the last sync batches' write+sync
         self.inline_sync_max = INLINE_SYNC_MAX
         self.inline_commits = 0  # sync batches written in the event loop's thread
@@ -253,13 +253,24 @@ class GroupCommit:
         next batch gathers while this one syncs (the fsyncs per message under
         concurrency do not change), and a slow or stalled disk never holds the loop.
         """
-        if not batch.sync or self._sync_waiters != 1 or self._expected or batch.size > INLINE_MAX_BYTES:
+        if not batch.sync or self._expected or batch.size > INLINE_MAX_BYTES or not self._one_waiter():
             return False
         recent = self._sync_seconds
         if len(recent) < INLINE_SYNC_SAMPLES or statistics.median(recent) >= self.inline_sync_max:
             return False
         # A batch that starts a segment also syncs the ones before it and the directory.
         return all(off for _, off, _ in batch.chunks)
+
+    def _one_waiter(self) -> bool:
+        """Does exactly one task wait for records not yet durable? (Those woken by the last sync may not have
+        run yet: they no longer wait.)"""
+        durable, waiting = self.core.writer.durable_end, 0
+        for ticket in self._sync_tickets:
+            if ticket > durable:
+                waiting += 1
+                if waiting > 1:
+                    return False
+        return waiting == 1
 
     def _write_inline(self, batch: Batch) -> bool:
         """Write ``batch`` here, unless another thread holds the log's files (then False: nothing written)."""
@@ -344,15 +355,18 @@ class GroupCommit:
         """
         writer = self.core.writer
         ticket = writer.head
-        while writer.durable_end < ticket:
-            self._raise_if_full()
-            self._want_sync = True
-            self._kick.set()
-            self._sync_waiters += 1
-            try:
+        if writer.durable_end >= ticket:
+            return
+        tickets = self._sync_tickets
+        tickets.append(ticket)
+        try:
+            while writer.durable_end < ticket:
+                self._raise_if_full()
+                self._want_sync = True
+                self._kick.set()
                 await self._synced.wait()
-            finally:
-                self._sync_waiters -= 1
+        finally:
+            tickets.remove(ticket)
 
     async def _ride_along(self) -> None:
         """Return once everything appended before the call is durable, without a sync of its own.
