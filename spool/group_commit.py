@@ -64,10 +64,13 @@ log = logging.getLogger("spool")
 SPACE_RETRY_MIN = 0.05
 SPACE_RETRY_MAX = 2.0
 CHECKPOINT_RETRY_MAX = 30.0
-# A lone committer writes and fdatasyncs in the event loop's thread (see GroupCommit._inline): while the median
-# of the last INLINE_SYNC_SAMPLES sync batches' write + fdatasync took less than INLINE_SYNC_MAX seconds, for a
-# batch of at most INLINE_MAX_BYTES that starts no segment.
-INLINE_SYNC_MAX = 0.001
+# A lone committer may write and fdatasync in the event loop's thread (see GroupCommit._inline): while the median
+# of the last INLINE_SYNC_SAMPLES sync batches' write + fdatasync took less than ``inline_sync_max`` seconds, for
+# a batch of at most INLINE_MAX_BYTES that starts no segment. Off by default (INLINE_SYNC_MAX 0): measured, a lone
+# client was 3-5 % slower with it (a thread's fsync overlaps the deliveries' CPU work; inline, that work lands on
+# the client's next commands; docs/benchmarks.md, "Branch i18-lone"). INLINE_SYNC_FAST is the bound to enable it.
+INLINE_SYNC_MAX = 0.0
+INLINE_SYNC_FAST = 0.001
 INLINE_SYNC_SAMPLES = 5
 INLINE_MAX_BYTES = 128 * 1024
 
@@ -211,7 +214,7 @@ class GroupCommit:
                     messages, self._unsynced_messages = self._unsynced_messages, 0
                 self._writing = batch.size
                 try:
-                    if not (self._inline(batch) and self._write_inline(batch)):
+                    if not (self._inline(batch, messages) and self._write_inline(batch)):
                         await trio.to_thread.run_sync(self._write_timed, batch)
                 except DiskFull:
                     writer.restore(batch)
@@ -240,20 +243,25 @@ class GroupCommit:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 self._signal_change()
 
-    def _inline(self, batch: Batch) -> bool:
-        """Write and sync this batch in the event loop's thread? Only for a lone committer on a fast disk.
+    def _inline(self, batch: Batch, messages: int) -> bool:
+        """Write and sync this batch in the event loop's thread? Only for a lone message on a fast disk.
 
         Why: handing a batch to a worker thread and waking the loop again when
         it is done costs a lone client ~0.13 ms a message, as much as a fast
         disk's fdatasync (docs/benchmarks.md, issue 18). The loop does nothing
         else meanwhile, which costs nothing when nothing else waits to run:
-        exactly one task waits for durability, no session has announced a
-        commit coming (none is between its RCPT and its end of data), and the
-        recent syncs were fast. Anything else keeps the thread, so that the
-        next batch gathers while this one syncs (the fsyncs per message under
-        concurrency do not change), and a slow or stalled disk never holds the loop.
+        exactly one task waits for durability and it waits for a new message
+        (its sender waits for the 250), no session has announced a commit
+        coming (none is between its RCPT and its end of data), and the recent
+        syncs were fast. Anything else keeps the thread, so that the next
+        batch gathers while this one syncs (the fsyncs per message under
+        concurrency do not change), and a slow or stalled disk never holds the
+        loop. The deliveries' commits (claims, outcomes) keep it too: nobody
+        waits on them, and inline they held the loop while the client's next
+        command waited (a lone client lost 5-15 %, docs/benchmarks.md).
         """
-        if not batch.sync or self._expected or batch.size > INLINE_MAX_BYTES or not self._one_waiter():
+        if (not batch.sync or not messages or self._expected or batch.size > INLINE_MAX_BYTES
+                or not self._one_waiter()):
             return False
         recent = self._sync_seconds
         if len(recent) < INLINE_SYNC_SAMPLES or statistics.median(recent) >= self.inline_sync_max:
@@ -308,7 +316,7 @@ class GroupCommit:
         delay = self.core.config.commit_delay
         if delay <= 0:
             return
-        if self._announcing and self._expected == 0 and self._unsynced_messages:
+        if self._lone_message():
             # A message waits and, where sessions announce their commits, no other is announced (no session
             # between an accepted RCPT and its end of data): a lone client. Cut now; what the other tasks
             # append meanwhile (outcomes, claims) goes with the next commit. Waiting for an idle loop put
@@ -320,10 +328,15 @@ class GroupCommit:
             while self._expected > 0 and writer.pending_bytes < limit:
                 await self._expected_changed.wait()
             if writer.pending_bytes < limit:  # else a session waits in wait_flushed: it cannot join
-                await wait_idle()
+                # A lone client's message that arrives meanwhile is not kept waiting for the idle loop either.
+                await wait_idle(self._lone_message)
         if window.cancelled_caught and self._expected > 0:
             self._expect_round += 1
             self._expected = 0
+
+    def _lone_message(self) -> bool:
+        """A message waits and, where sessions announce their commits, no other is announced: a lone client."""
+        return self._announcing and self._expected == 0 and self._unsynced_messages > 0
 
     def expect_commit(self) -> int:
         """Announce a commit that is coming soon (a session in a mail transaction); withdraw it with the token.

@@ -14,6 +14,8 @@ otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 
@@ -34,8 +36,9 @@ class _IdleWatch(trio.abc.Instrument):
 _WATCH: trio.lowlevel.RunVar[_IdleWatch | None] = trio.lowlevel.RunVar("spool_idle_watch", default=None)
 
 
-async def wait_idle() -> None:
-    """Return once two passes of the event loop in a row had nothing to run but the waiters (a checkpoint).
+async def wait_idle(enough: Callable[[], bool] | None = None) -> None:
+    """Return once two passes of the event loop in a row had nothing to run but the waiters (a checkpoint),
+    or ``enough()`` says the wait is over (asked once a pass).
 
     Every waiter steps once a pass, so each is in the run queue when the
     instrument looks. Two passes: a task woken by an expired deadline joins
@@ -54,7 +57,7 @@ async def wait_idle() -> None:
     try:
         while True:
             await trio.lowlevel.checkpoint()
-            if watch.quiet >= 2:
+            if watch.quiet >= 2 or (enough is not None and enough()):
                 return
     finally:
         watch.waiters.discard(me)

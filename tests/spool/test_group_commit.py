@@ -26,7 +26,7 @@ from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
 from spool.commit import AsyncSpool
 from spool.fileio import OsFileIO
-from spool.group_commit import INLINE_SYNC_SAMPLES
+from spool.group_commit import INLINE_SYNC_FAST, INLINE_SYNC_SAMPLES
 from spool.record import Outcome, Status
 
 
@@ -371,7 +371,9 @@ class TimedSync(OsFileIO):
 
 @asynccontextmanager
 async def timed_spool(path: Path, io: TimedSync, **overrides: Any) -> AsyncIterator[AsyncSpool]:
+    """A spool over ``io`` with the inline path enabled (INLINE_SYNC_FAST), as an operator would enable it."""
     aspool = await AsyncSpool.open(str(path), spool_config(**overrides), io)
+    aspool.inline_sync_max = INLINE_SYNC_FAST
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(aspool.run)
@@ -415,13 +417,43 @@ async def test_a_lone_commit_on_a_fast_disk_syncs_in_the_loop_and_a_slow_disk_se
         assert io.in_loop(since) == [False] * 3 + [True] * 3
 
 
+async def test_by_default_every_commit_keeps_the_thread(tmp_path: Path) -> None:
+    """Off by default (measured slower for a lone client: docs/benchmarks.md), even on the fastest disk."""
+    io = TimedSync()
+    io.fast = True
+    aspool = await AsyncSpool.open(str(tmp_path), spool_config(), io)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(aspool.run)
+            await lone_enqueues(aspool, 12, "default")
+            nursery.cancel_scope.cancel()
+    finally:
+        aspool.core.close()
+    assert aspool.inline_commits == 0 and len(io.threads) >= 12 and not any(io.in_loop())
+
+
 async def test_a_slow_disk_keeps_every_commit_in_the_thread(tmp_path: Path) -> None:
     io = TimedSync()
-    io.extra = 0.002  # over INLINE_SYNC_MAX, whatever the machine's own disk does
+    io.extra = 0.002  # over INLINE_SYNC_FAST, whatever the machine's own disk does
     async with timed_spool(tmp_path, io) as aspool:
         await lone_enqueues(aspool, 12, "slow")
         assert aspool.inline_commits == 0
         assert not any(io.in_loop())
+
+
+async def test_the_deliveries_commits_keep_the_thread(tmp_path: Path) -> None:
+    """Claims and outcomes wait alone too, but no client waits on them: inline they held the loop while a
+    lone client's next command waited (docs/benchmarks.md, issue 18)."""
+    io = TimedSync()
+    io.fast = True
+    async with timed_spool(tmp_path, io) as aspool:
+        await lone_enqueues(aspool, INLINE_SYNC_SAMPLES + 1, "warm-up")
+        inline, since = aspool.inline_commits, len(io.threads)
+        attempts = await aspool.next_due()  # the claims (written through, synced with the outcomes)
+        await aspool.record_deliveries([(a, [Outcome("r@dest.example", Status.DELIVERED, 250)], 5)
+                                        for a in attempts])
+        assert attempts and len(io.threads) - since >= 1
+        assert aspool.inline_commits == inline and not any(io.in_loop(since))
 
 
 async def test_concurrent_commits_keep_the_thread_and_their_batching(tmp_path: Path) -> None:
