@@ -100,3 +100,28 @@ def test_the_relay_imports_no_test_framework() -> None:
             "or m.startswith('trio.testing')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+async def test_enough_ends_the_wait_while_others_still_run() -> None:
+    """The group commit's window: a lone client's message ends the wait for idle at once."""
+    flag = False
+    turns = 0
+
+    async def spinner() -> None:
+        nonlocal turns
+        while turns < 100_000:
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    async def raise_flag() -> None:
+        nonlocal flag
+        for _ in range(10):
+            await trio.lowlevel.checkpoint()
+        flag = True
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spinner)
+        nursery.start_soon(raise_flag)
+        await wait_idle(lambda: flag)
+        assert flag and turns < 100_000, "returned while the spinner still ran, because enough() said so"
+        nursery.cancel_scope.cancel()
