@@ -67,7 +67,7 @@ CHECKPOINT_RETRY_MAX = 30.0
 # A lone committer may write and fdatasync in the event loop's thread (see GroupCommit._inline): while the median
 # of the last INLINE_SYNC_SAMPLES sync batches' write + fdatasync took less than ``inline_sync_max`` seconds, for
 # a batch of at most INLINE_MAX_BYTES that starts no segment. Off by default (INLINE_SYNC_MAX 0): measured, a lone
-# client was 3-5 % slower with it (a thread's fsync overlaps the deliveries' CPU work; inline, that work lands on
+# client was 3-22 % slower with it (a thread's fsync overlaps the deliveries' CPU work; inline, that work lands on
 # the client's next commands; docs/benchmarks.md, "Branch i18-lone"). INLINE_SYNC_FAST is the bound to enable it.
 INLINE_SYNC_MAX = 0.0
 INLINE_SYNC_FAST = 0.001
@@ -258,10 +258,11 @@ class GroupCommit:
         concurrency do not change), and a slow or stalled disk never holds the
         loop. The deliveries' commits (claims, outcomes) keep it too: nobody
         waits on them, and inline they held the loop while the client's next
-        command waited (a lone client lost 5-15 %, docs/benchmarks.md).
+        command waited. Measured, a lone client was slower with it in every
+        pair, so it is off by default (``INLINE_SYNC_MAX``; docs/benchmarks.md).
         """
-        if (not batch.sync or not messages or self._expected or batch.size > INLINE_MAX_BYTES
-                or not self._one_waiter()):
+        if (self.inline_sync_max <= 0 or not batch.sync or not messages or self._expected
+                or batch.size > INLINE_MAX_BYTES or not self._one_waiter()):
             return False
         recent = self._sync_seconds
         if len(recent) < INLINE_SYNC_SAMPLES or statistics.median(recent) >= self.inline_sync_max:
@@ -291,6 +292,9 @@ class GroupCommit:
 
     def _write_timed(self, batch: Batch) -> None:
         """``write_batch`` in a worker thread, timing a sync batch for ``_inline``."""
+        if self.inline_sync_max <= 0:  # off: nobody reads the timings
+            self.core.writer.write_batch(batch)
+            return
         start = time.perf_counter()
         self.core.writer.write_batch(batch)
         if batch.sync:
