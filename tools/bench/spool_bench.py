@@ -198,6 +198,51 @@ def bench_append(n: int, runs: int) -> dict[str, Any]:
             "ratio_cpu": median([e / b for e, b in zip(eng_pcpu, bare_pcpu)])}
 
 
+def probe_file(path: str, kind: str, batches: int, size: int) -> float:
+    """Median fdatasync (ms) after each write of ``size`` bytes appended to a file that is ``kind``:
+    "growing" (the spool's segments, and the bare loop's file), "fallocated" (posix_fallocate: unwritten
+    extents) or "zeroed" (every block written and synced first)."""
+    name = os.path.join(path, kind)
+    fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        total = batches * size
+        if kind == "fallocated":
+            os.posix_fallocate(fd, 0, total)
+        elif kind == "zeroed":
+            zeros = bytes(1 << 20)
+            for off in range(0, total, len(zeros)):
+                os.pwrite(fd, zeros, off)
+        os.fsync(fd)
+        dfd = os.open(path, os.O_RDONLY)
+        os.fsync(dfd)
+        os.close(dfd)
+        data = os.urandom(size)
+        lat = []
+        for i in range(batches):
+            os.pwrite(fd, data, i * size)
+            t = time.perf_counter()
+            os.fdatasync(fd)
+            lat.append(time.perf_counter() - t)
+        return median(lat) * 1000
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def bench_file_probe(runs: int, batches: int = 60, size: int = 91_000) -> dict[str, float]:
+    """Why a commit costs what it does on this disk: the fdatasync after a 1,000-envelope batch (91 kB) into
+    a growing, a fallocated and a zero-filled file, interleaved."""
+    kinds = ("growing", "fallocated", "zeroed")
+    res: dict[str, list[float]] = {k: [] for k in kinds}
+    with common.temp_dir("probe") as d:
+        for r in range(runs):
+            for k in kinds:
+                res[k].append(probe_file(d, k, batches, size))
+            say(f"  run {r + 1}: median fdatasync after a {size:,}-byte write: "
+                + ", ".join(f"{k} {res[k][-1]:.3f} ms" for k in kinds) + f" (load {common.load_average()})")
+    return {f"fdatasync_ms_{k}": median(v) for k, v in res.items()}
+
+
 # -- 2. group commit: one-at-a-time enqueue at concurrency c --------------------------
 
 
@@ -616,7 +661,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
     ap.add_argument("--runs", type=int, default=0, help="runs per figure (default 3)")
     ap.add_argument("--only", default="append,commit,scan,recovery,micro",
-                    help="comma-separated sections to run (default: all)")
+                    help="comma-separated sections to run (default: all but probe; also: probe, fdatasync into "
+                         "growing / fallocated / zero-filled files)")
     ap.add_argument("--sizes", default="", help="recovery queue sizes, comma-separated (default by mode)")
     ap.add_argument("--profile", action="store_true", help="cProfile the hot paths instead of benchmarking")
     ap.add_argument("--child-build-engine", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
@@ -695,6 +741,14 @@ def main() -> None:
             "append_ratio_cpu": round(app["ratio_cpu"], 3),
             "enqueue_many_mps": round(app["enqueue_many_mps"]),
         })
+
+    if "probe" in only:
+        say("\n[1b] fdatasync after appending into a growing, a fallocated and a zero-filled file")
+        probe = bench_file_probe(runs)
+        rows.append(["fdatasync after a 91 kB write, ms: growing, fallocated, zero-filled file",
+                     ", ".join(f"{probe[f'fdatasync_ms_{k}']:.3f}" for k in ("growing", "fallocated", "zeroed")),
+                     "", ""])
+        result.update({k: round(v, 3) for k, v in probe.items()})
 
     if "commit" in only:
         say(f"\n[2] one-at-a-time durable enqueue via AsyncSpool, 1 KiB body, {duration:.0f}s per run")
