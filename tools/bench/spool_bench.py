@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import io
 import json
 import math
@@ -201,13 +202,19 @@ def bench_append(n: int, runs: int) -> dict[str, Any]:
 def probe_file(path: str, kind: str, batches: int, size: int) -> float:
     """Median fdatasync (ms) after each write of ``size`` bytes appended to a file that is ``kind``:
     "growing" (the spool's segments, and the bare loop's file), "fallocated" (posix_fallocate: unwritten
-    extents) or "zeroed" (every block written and synced first)."""
+    extents), "keep_size" (the same with FALLOC_FL_KEEP_SIZE: blocks held, the size still grows with the
+    writes, so a reader sees what it sees now) or "zeroed" (every block written and synced first)."""
     name = os.path.join(path, kind)
     fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         total = batches * size
         if kind == "fallocated":
             os.posix_fallocate(fd, 0, total)
+        elif kind == "keep_size":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+            if libc.fallocate(fd, 1, 0, total) != 0:  # 1: FALLOC_FL_KEEP_SIZE
+                raise OSError(ctypes.get_errno(), "fallocate(FALLOC_FL_KEEP_SIZE)")
         elif kind == "zeroed":
             zeros = bytes(1 << 20)
             for off in range(0, total, len(zeros)):
@@ -231,8 +238,8 @@ def probe_file(path: str, kind: str, batches: int, size: int) -> float:
 
 def bench_file_probe(runs: int, batches: int = 60, size: int = 91_000) -> dict[str, float]:
     """Why a commit costs what it does on this disk: the fdatasync after a 1,000-envelope batch (91 kB) into
-    a growing, a fallocated and a zero-filled file, interleaved."""
-    kinds = ("growing", "fallocated", "zeroed")
+    a growing, a fallocated, a fallocated-keeping-its-size and a zero-filled file, interleaved."""
+    kinds = ("growing", "fallocated", "keep_size", "zeroed")
     res: dict[str, list[float]] = {k: [] for k in kinds}
     with common.temp_dir("probe") as d:
         for r in range(runs):
@@ -743,10 +750,12 @@ def main() -> None:
         })
 
     if "probe" in only:
-        say("\n[1b] fdatasync after appending into a growing, a fallocated and a zero-filled file")
+        say("\n[1b] fdatasync after appending into a growing, a fallocated (with and without its size) and a "
+            "zero-filled file")
         probe = bench_file_probe(runs)
-        rows.append(["fdatasync after a 91 kB write, ms: growing, fallocated, zero-filled file",
-                     ", ".join(f"{probe[f'fdatasync_ms_{k}']:.3f}" for k in ("growing", "fallocated", "zeroed")),
+        rows.append(["fdatasync after a 91 kB write, ms: growing, fallocated, keep-size, zero-filled file",
+                     ", ".join(f"{probe[f'fdatasync_ms_{k}']:.3f}"
+                               for k in ("growing", "fallocated", "keep_size", "zeroed")),
                      "", ""])
         result.update({k: round(v, 3) for k, v in probe.items()})
 
