@@ -9,8 +9,10 @@ starts its SparkSession (timed apart: ``session_start_s``), warms the Python
 workers with a ``count()``, then ``--repeat`` times runs the plain reader
 (one process: the log reader and ``decode_payload`` over every segment, as
 ``spark_bench.plain_reader``) and right after it the ``logspool`` data source
-written to Spark's ``noop`` sink, so every ratio comes from a pair measured
-together (A B A B); then ``--reports`` times the whole report job
+as the job reads it (``mta.report.job.read_records``) written to Spark's
+``noop`` sink, so every ratio comes from a pair measured together (A B A B),
+each with its CPU per record; ``--java-options`` replaces local mode's JVM
+options for A/B runs; then ``--reports`` times the whole report job
 (``mta.report.job.run_report``: decode into Parquet, the three tables, the
 figures, report.txt and report.html). ``cluster`` starts a standalone master
 and one worker (2 cores) from the pyspark install on 127.0.0.1
