@@ -53,10 +53,10 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from mta.config import Config
+from mta.config import Config, parse_tls
 from mta.delivery import mx
 from mta.delivery.tlspolicy import dane
-from mta.delivery.tlspolicy.plan import HopTls, Planner
+from mta.delivery.tlspolicy.plan import HopTls, Plan, Planner
 from mta.delivery.transport import Destination, Job, OnOutcome, body_chunks
 from mta.observe.logline import event
 from mta.observe.tlsinfo import TlsInfo, tls_info
@@ -503,6 +503,8 @@ class SmtpTransport:
         d = config.delivery
         self.cache = ConnectionCache(d.connection_cache_time, d.per_destination)
         self.policies = Planner(config, self.resolver)
+        # The plans of fixed next hops under no published policy: they never change (one per route).
+        self._fixed_plans: dict[Destination, Plan] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The connection cache's keeper (without it every batch opens and closes its own connection), and the
@@ -598,15 +600,19 @@ class SmtpTransport:
                       on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
         results: list[list[Outcome] | None] = [None] * len(jobs)
         qids = [job.queue_id for job in jobs]
-        try:
-            hops = await self._hops(destination)
-        except mx.LookupError_ as exc:
-            status, code, enh = (Status.BOUNCED, 550, "5.1.2") if exc.permanent else (Status.DEFERRED, 0, "4.4.3")
-            event(log, "connect_failed", None, qids=qids, relay=destination.target, cause="dns", detail=str(exc),
-                  permanent=exc.permanent)
-            return [[Outcome(r, status, code, enh, str(exc), str(destination)) for r in job.recipients]
-                    for job in jobs]
-        plan = await self.policies.plan(destination, hops, qids)
+        plan = self._fixed_plans.get(destination)
+        if plan is None:
+            try:
+                hops = await self._hops(destination)
+            except mx.LookupError_ as exc:
+                status, code, enh = (Status.BOUNCED, 550, "5.1.2") if exc.permanent else (Status.DEFERRED, 0, "4.4.3")
+                event(log, "connect_failed", None, qids=qids, relay=destination.target, cause="dns", detail=str(exc),
+                      permanent=exc.permanent)
+                return [[Outcome(r, status, code, enh, str(exc), str(destination)) for r in job.recipients]
+                        for job in jobs]
+            plan = await self.policies.plan(destination, hops, qids)
+            if destination.kind == "smtp" and not parse_tls(destination.tls)[1]:
+                self._fixed_plans[destination] = plan  # no lookup went into it: the same next time
         if plan.refused:
             event(log, "connect_failed", None, qids=qids, relay=destination.target, cause="tls_policy",
                   detail=plan.refused)
