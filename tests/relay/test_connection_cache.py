@@ -12,7 +12,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
-from relay_support import NextHop, relay_config
+import trustme
+from relay_support import NextHop, relay_config, server_context
 
 from mta.delivery.smtp_transport import SmtpTransport
 from mta.delivery.transport import Destination, Job
@@ -148,3 +149,22 @@ async def test_a_hop_that_stalls_mid_transaction_is_cut_at_its_deadline(tmp_path
             assert [(o.status, o.code) for o in outcomes] == [(Status.DEFERRED, 0)], stall
             assert f"timed out while {stage}" in outcomes[0].reply, (stall, outcomes[0].reply)
             assert transport.cache.stale == 0 and len(transport.cache) == 0, stall
+
+
+async def test_a_tls_connection_is_reused_without_rset_and_its_mail_stays_encrypted(tmp_path: Path) -> None:
+    """Nothing the TLS layer leaves unread (session tickets come before the EHLO reply) makes it look closed."""
+    async with trio.open_nursery() as nursery:
+        hop = NextHop(ssl_context=server_context(trustme.CA().issue_cert("nexthop.test")))
+        port = await hop.start(nursery)
+        config = relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{port}?tls=opportunistic"},
+                              extra='[delivery]\nconnection_cache_time = "60s"\n')
+        transport = SmtpTransport(config)
+        await nursery.start(transport.run)
+        transport.cache.probe_after = 60.0
+        dest = Destination("smtp", f"127.0.0.1:{port}", "opportunistic")
+        for n in range(3):
+            assert await delivered(transport, dest, n)
+        assert hop.connections == 1 and hop.rsets == 0
+        assert (transport.cache.reused, transport.cache.probed, transport.cache.stale) == (2, 0, 0)
+        assert [m.tls for m in hop.messages] == [True, True, True]
+        nursery.cancel_scope.cancel()
