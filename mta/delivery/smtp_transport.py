@@ -239,11 +239,12 @@ class _Session:
         sock = getattr(stream, "socket", None)
         if sock is None:
             return False
-        try:
-            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        try:  # poll, not select: select cannot watch a descriptor above 1023, and a busy relay has them
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))  # POLLIN, or POLLHUP / POLLERR, which poll reports unasked
         except (OSError, ValueError):
             return True
-        return bool(readable)
 
     async def alive(self) -> bool:
         """RSET and its 250: is a connection that sat idle still usable? Never raises."""

@@ -7,6 +7,8 @@ count, bounded in time.
 
 from __future__ import annotations
 
+import os
+import resource
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -168,3 +170,25 @@ async def test_a_tls_connection_is_reused_without_rset_and_its_mail_stays_encryp
         assert (transport.cache.reused, transport.cache.probed, transport.cache.stale) == (2, 0, 0)
         assert [m.tls for m in hop.messages] == [True, True, True]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_on_a_descriptor_above_1023_is_still_reused(tmp_path: Path) -> None:
+    """The idle check polls the socket: select() cannot watch a descriptor past 1023 (a busy relay's)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 1200
+    if soft < need:
+        assert hard >= need, "the test needs 1,200 open files"  # never skipped: it fails where it cannot run
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        async with transport_to_hop(tmp_path, 'connection_cache_time = "60s"') as (transport, dest, hop):
+            transport.cache.probe_after = 60.0
+            assert await delivered(transport, dest, 0)
+            (cached,) = [s for waiting in transport.cache._idle.values() for _, s in waiting]
+            assert isinstance(cached.stream, trio.SocketStream) and cached.stream.socket.fileno() > 1023
+            assert await delivered(transport, dest, 1)
+            assert hop.connections == 1 and (transport.cache.reused, transport.cache.stale) == (1, 0)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
