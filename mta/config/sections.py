@@ -204,14 +204,16 @@ class DeliveryConfig:
     per_destination: int = setting(Integer(1), "connections to one destination at once", 20)
     connect_timeout: float = setting(Duration(positive=True), "to open a connection to one address", 30.0)
     command_timeout: float = setting(Duration(positive=True), "client side, RFC 5321 §4.5.3.2", 300.0)
-    data_timeout: float = setting(Duration(positive=True), "client side, for the end of DATA", 600.0)
+    data_timeout: float = setting(
+        Duration(positive=True), "client side: for sending the body, and again for the reply to its end "
+        "(RFC 5321 §4.5.3.2)", 600.0)
     max_messages_per_connection: int = setting(
         Integer(1), "connection reuse: messages one connection carries, within a batch and across batches; a "
         "connection that has carried this many is closed", 100)
     connection_cache_time: float = setting(
         Duration(at_most=300.0), "how long a connection to a next hop is kept idle for the next batch to the same hop "
-        "(checked with RSET before it is used again); `0`: close it after each batch. At most `per_destination` wait "
-        "per hop. As Postfix's `smtp_connection_cache_time_limit`", 2.0)
+        "(checked before it is used again: with RSET after 1 s idle, docs/design.md); `0`: close it after each "
+        "batch. At most `per_destination` wait per hop. As Postfix's `smtp_connection_cache_time_limit`", 2.0)
     resolver: ListenAddress | None = setting(
         Optional(Listen(default_port=53)), "the DNS server for every delivery lookup (MX, addresses, MTA-STS and "
         "TLSA records); for DANE it must validate DNSSEC and be trusted to say so (on this host: `127.0.0.1`); "

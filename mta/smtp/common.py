@@ -206,6 +206,10 @@ class ReplyParser:
         return bool(self._buf) or bool(self._lines)
 
     def _line(self, raw: bytes) -> Reply | None:
+        if not self._lines:
+            known = _SEEN_REPLIES.get(raw)
+            if known is not None:
+                return known
         if len(raw) > MAX_REPLY_LINE:
             raise RemoteProtocolError("reply line too long")
         text = raw.decode("utf-8", "replace")
@@ -222,7 +226,19 @@ class ReplyParser:
         if len(text) > 3 and text[3] == "-":
             return None
         lines, self._lines = self._lines, []
-        return _build_reply(code, [t for _, t in lines])
+        reply = _build_reply(code, [t for _, t in lines])
+        if len(lines) == 1:
+            if len(_SEEN_REPLIES) >= SEEN_REPLIES_MAX:
+                _SEEN_REPLIES.clear()
+            _SEEN_REPLIES[raw] = reply
+        return reply
+
+
+# One-line replies already parsed, by their bytes (a Reply is immutable): a next hop says the same
+# ``250 2.1.0 Ok`` and ``354 ...`` for every message, and parsing one (two regexes and the Reply's
+# validators) cost more than the rest of the client core's handling of it. Bounded: cleared when full.
+SEEN_REPLIES_MAX: Final = 256
+_SEEN_REPLIES: dict[bytes, Reply] = {}
 
 
 def _build_reply(code: int, texts: list[str]) -> Reply:
