@@ -189,7 +189,10 @@ class Worker:
         jobs = [job_from(header, body if body is not None else PulledBody(self, batch, i))
                 for i, (header, body) in enumerate(jobs_items)]
 
+        sent: set[int] = set()
+
         def on_outcome(i: int, outcomes: list[Any]) -> None:
+            sent.add(i)
             self.send(["outcome", batch, i, encode_outcomes(outcomes)])
 
         before = self.transport.cache.reused
@@ -199,7 +202,9 @@ class Worker:
             self.send(["failed", batch, f"{type(exc).__name__}: {exc}",
                        "".join(traceback.format_exception(exc))])
             return
-        self.send(["done", batch, [encode_outcomes(r) for r in results], self.transport.cache.reused - before])
+        # A job's outcomes already sent as they came are not sent again (None in their place).
+        self.send(["done", batch, [None if i in sent else encode_outcomes(r) for i, r in enumerate(results)],
+                   self.transport.cache.reused - before])
 
 
 def gone(index: int, fmt: str) -> None:

@@ -98,6 +98,7 @@ class _Batch:
     done: trio.Event = attrs.field(factory=trio.Event)
     results: list[list[Outcome]] | None = None
     error: BaseException | None = None
+    early: dict[int, list[Outcome]] = attrs.field(factory=dict)  # outcomes sent as each job was answered
     # A pulled body's reader: (job index) -> (next chunk number, the iterator).
     pulls: dict[int, tuple[int, Any]] = attrs.field(factory=dict)
 
@@ -256,13 +257,20 @@ class DeliveryWorkers:
         if batch is None:
             raise ProtocolError(f"a {kind!r} frame for batch {message[1]}, which is not in flight")
         if kind == "outcome":
+            index, outcomes = int(message[2]), decode_outcomes(message[3])
+            batch.early[index] = outcomes
             if batch.on_outcome is not None and batch.error is None:
                 try:
-                    batch.on_outcome(int(message[2]), decode_outcomes(message[3]))
+                    batch.on_outcome(index, outcomes)
                 except Exception as exc:  # the scheduler's boundary decides, as if the transport had raised it
                     batch.error = exc
         elif kind == "done":
-            batch.results = [decode_outcomes(outs) for outs in message[2]]
+            results = [batch.early.get(i) if outs is None else decode_outcomes(outs)
+                       for i, outs in enumerate(message[2])]
+            if len(results) != len(batch.jobs) or any(r is None for r in results):
+                raise ProtocolError(f"a done frame with {len(results)} results for {len(batch.jobs)} jobs, or a "
+                                    "job's outcomes neither sent before nor now")
+            batch.results = [r for r in results if r is not None]
             self.reused += int(message[3])
             del worker.batches[int(message[1])]
             batch.done.set()
