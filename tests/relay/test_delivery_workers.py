@@ -180,3 +180,30 @@ async def test_a_worker_whose_relay_died_exits(tmp_path: Path) -> None:
             while not any("event=worker_exit" in line for line in relay.lines):
                 await relay._changed.wait()
         nursery.cancel_scope.cancel()
+
+
+async def test_tls_policy_counts_and_log_lines_of_a_worker_reach_the_relay(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """MTA-STS in a worker: the policy's fetch line and the session's count come back; the TLS-RPT journal is
+    written by the worker where the relay's roll-up reads it."""
+    from test_mta_sts import GOOD, policy, sts_world  # type: ignore[import-not-found]  # its world of DNS, HTTPS, MXs
+
+    caplog.set_level(logging.INFO)
+    async with sts_world(tmp_path) as w:
+        w.publish("sts.test", "1", policy("enforce", "mx.sts.test"))
+        w.dns.mx("sts.test", 10, "mx.sts.test")
+        w.dns.a("mx.sts.test", GOOD)
+        cfg = attrs.evolve(w.config, delivery=attrs.evolve(w.config.delivery, processes=1))
+        relay = await start_relay(w.nursery, cfg)
+        assert relay.workers is not None
+        worker_pid = relay.workers.pids[0]
+        watch = DeliveryWatch(relay)
+        await send(relay.ports[0], "alice@localhost", ["bob@sts.test"], "Subject: sts\r\n\r\nbody\r\n")
+        (done,) = await watch.wait_for(Status.DELIVERED, 1, recipient="bob@sts.test")
+        assert done.next_hop.endswith("tls=mta-sts")
+        assert relay.metrics.registry.get_sample_value(
+            "logspool_tls_policy_total", {"policy": "mta-sts", "result": "success"}) == 1.0
+        fetched = events(caplog, "mta_sts")
+        assert fetched and all(r.process == worker_pid for r in fetched)
+        journal = list((tmp_path / "spool" / "tls-report").glob("*.jsonl"))
+        assert len(journal) == 1 and '"domain": "sts.test"' in journal[0].read_text()
