@@ -196,6 +196,9 @@ class DeliveryWorkers:
             process = await trio.lowlevel.open_process(
                 [sys.executable, "-P", "-m", "mta.delivery.worker_main", str(theirs.fileno()), str(worker.index)],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        except OSError as exc:  # out of processes or descriptors: try again after the back-off
+            ours.close()
+            return f"could not start: {exc}"
         finally:
             theirs.close()
         worker.pid = process.pid
@@ -244,13 +247,20 @@ class DeliveryWorkers:
                 elif kind == "log":
                     _relog(worker, message)
                 elif kind == "tls_policy":
-                    for observe in self.observers:
-                        observe(str(message[1]), str(message[2]))
+                    self._tell(str(message[1]), str(message[2]))
                 elif kind == "read":
                     self._nursery.start_soon(self._serve_read, worker, int(message[1]), int(message[2]),
                                              int(message[3]))
                 else:
                     self._batch_message(worker, kind, message)
+
+    def _tell(self, policy: str, result: str) -> None:
+        """A TLS-policy outcome to the observers (the metrics); a broken observer costs its count, nothing more."""
+        for observe in self.observers:
+            try:
+                observe(policy, result)
+            except Exception as exc:
+                event(log, "observer_error", None, level=logging.ERROR, exc_info=exc, error=str(exc))
 
     def _batch_message(self, worker: _Worker, kind: str, message: list[Any]) -> None:
         batch = worker.batches.get(int(message[1]))
