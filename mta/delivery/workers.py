@@ -238,21 +238,29 @@ class DeliveryWorkers:
             if not data:
                 return
             for message in reader.feed(data):
-                kind = message[0]
-                if kind == "ready":
-                    worker.ready = True
-                    event(log, "worker_started", None, worker=worker.index, worker_pid=worker.pid)
-                    task_status.started()
-                    self._wake()
-                elif kind == "log":
-                    _relog(worker, message)
-                elif kind == "tls_policy":
-                    self._tell(str(message[1]), str(message[2]))
-                elif kind == "read":
-                    self._nursery.start_soon(self._serve_read, worker, int(message[1]), int(message[2]),
-                                             int(message[3]))
-                else:
-                    self._batch_message(worker, kind, message)
+                try:
+                    self._take(worker, message, task_status)
+                except (TypeError, ValueError, IndexError, KeyError) as exc:  # a frame with the wrong fields
+                    raise ProtocolError(f"a malformed {message[0]!r} frame: {type(exc).__name__}: {exc}") from None
+
+    def _take(self, worker: _Worker, message: list[Any], task_status: _Once) -> None:
+        """One frame from ``worker``."""
+        assert self._nursery is not None
+        kind = message[0]
+        if kind == "ready":
+            worker.ready = True
+            event(log, "worker_started", None, worker=worker.index, worker_pid=worker.pid)
+            task_status.started()
+            self._wake()
+        elif kind == "log":
+            _relog(worker, message)
+        elif kind == "tls_policy":
+            self._tell(str(message[1]), str(message[2]))
+        elif kind == "read":
+            self._nursery.start_soon(self._serve_read, worker, int(message[1]), int(message[2]),
+                                     int(message[3]))
+        else:
+            self._batch_message(worker, kind, message)
 
     def _tell(self, policy: str, result: str) -> None:
         """A TLS-policy outcome to the observers (the metrics); a broken observer costs its count, nothing more."""
