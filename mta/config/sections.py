@@ -196,6 +196,25 @@ class RelayConfig:
         return _ALL_V4 in ipaddress.collapse_addresses(v4) or _ALL_V6 in ipaddress.collapse_addresses(v6)
 
 
+MAX_DELIVERY_PROCESSES = 64
+
+
+@attrs.frozen
+class DeliveryProcesses(Processes):
+    """``[delivery] processes``: 0 (deliver in the relay process), N, or ``"auto"``: one per CPU beyond the first."""
+
+    def what(self) -> str:
+        return f'integer 0–{MAX_DELIVERY_PROCESSES}, or "auto" (one per CPU beyond the first; 0 on one CPU)'
+
+    def convert(self, raw: object, base_dir: str | None) -> int:
+        if raw == "auto":
+            return max(0, min((os.cpu_count() or 1) - 1, MAX_DELIVERY_PROCESSES))
+        return super().convert(raw, base_dir)
+
+    def check(self, value: int) -> None:
+        Integer(0, MAX_DELIVERY_PROCESSES).check(value)
+
+
 @attrs.frozen(kw_only=True)
 class DeliveryConfig:
     """``[delivery]``: the outgoing side."""
@@ -231,6 +250,9 @@ class DeliveryConfig:
         Optional(ReadableFile()), "PEM CA certificates trusted besides the system's wherever a certificate is "
         "verified: `tls=verify` routes (a private smarthost's CA), MTA-STS policy fetches and the MX hosts an MTA-STS "
         "policy names", None)
+    processes: int = setting(
+        DeliveryProcesses(), "delivery worker processes that run the SMTP client beside each relay process, so "
+        "deliveries use another core (see \"Delivery worker processes\"); `0`: the relay process delivers itself", 0)
 
 
 @attrs.frozen(kw_only=True)
