@@ -57,7 +57,7 @@ import mta
 from mta.config import Config
 from mta.delivery import mx
 from mta.delivery.tlspolicy.plan import Planner
-from mta.delivery.transport import Destination, Job, OnOutcome, body_chunks
+from mta.delivery.transport import Destination, Job, OnOutcome, TransportLost, body_chunks
 from mta.delivery.worker_protocol import (
     FrameReader,
     ProtocolError,
@@ -83,7 +83,7 @@ WAIT_FOR_WORKER = 30.0
 RECEIVE_SIZE = 256 * 1024
 
 
-class WorkerLost(RuntimeError):
+class WorkerLost(TransportLost):
     """The worker delivering this batch died, or none is running: the batch is deferred (a local error)."""
 
 

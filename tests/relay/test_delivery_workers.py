@@ -129,6 +129,9 @@ async def test_a_worker_killed_mid_delivery_defers_the_message_which_is_then_del
         assert len(died) == 1
         fields = died[0].msg.fields if isinstance(died[0].msg, LogEvent) else {}
         assert fields["worker_pid"] == first_pid and fields["status"] == "signal 9"
+        # The deferral is one line with the reason: the death was logged where it was seen, no traceback.
+        errors = events(caplog, "delivery_error")
+        assert errors and all(r.exc_info is None for r in errors)
         # The relay keeps taking mail while the worker is down and after it is back.
         await send(relay.ports[0], "a@example.org", ["next@far.example"],
                    "Subject: two\r\nMessage-ID: <two@test>\r\n\r\nafter\r\n")
