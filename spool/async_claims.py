@@ -1,7 +1,7 @@
 """The trio layer's runners' side: waiting for due mail, recording outcomes, finishing, bodies for delivery.
 
-No polling. ``next_due`` sleeps until a commit or a finish changes something
-or a runner's wake time comes; the runners themselves skip a pass that could
+No polling. ``next_due`` sleeps until a commit changes something, a finish
+frees room under ``active_limit``, or a runner's wake time comes; the runners themselves skip a pass that could
 find nothing (``Runner.idle``). The claims are written to the log's files
 before any delivery begins (``_claims_written``), and a DELIVERY record is
 durable before the message's next step (``record_delivery`` commits).
@@ -157,9 +157,16 @@ class AsyncClaims(GroupCommit):
     def finish(self, attempt: Attempt, *, next_class: int | None = None,
                extra: dict[str, Any] | None = None) -> int | None:
         """End the attempt. No fsync of its own: recovery rebuilds a lost FINISH or replacement."""
+        was_full = not self.core.has_room
         result = self.core.finish(attempt, next_class=next_class, extra=extra)
         self._lazy.set()  # the records ride with the next commit, or a lazy one soon
-        self._signal_change()
+        if was_full:
+            self._signal_change()  # a claim waits for this room (next_due)
+        else:
+            # Nothing a claim waits for changed (its records become visible to the runners with the commit,
+            # which signals): only the checkpointer is told. Waking next_due for nothing cost a task switch
+            # and an empty poll per message.
+            self._moved.set()
         return result
 
     async def read_body(self, attempt: Attempt) -> StoredBody:

@@ -105,8 +105,11 @@ class SpoolConfig:
         "(between an accepted RCPT and their end of data) and for an idle event loop, at most this long; a lone "
         "session waits nothing; `0`: commit at once", 0.1)
     # Bodies of freshly enqueued messages kept in memory, so that delivering a message right after
-    # accepting it reads nothing back; a body larger than a quarter of this is never kept.
-    body_cache: int = setting(Size(), "bodies of fresh messages kept in memory for their first delivery", 4 * MIB,
+    # accepting it reads nothing back; a body larger than a quarter of this is never kept. 16 MiB: with
+    # 4 MiB, 20 sessions of 100 KB messages kept more bodies between their 250 and their delivery than
+    # fit, and each miss was read back in worker threads (CPU per message 1.32 -> 1.16 ms with 16 MiB,
+    # docs/benchmarks.md, issue 18, branch i18-body).
+    body_cache: int = setting(Size(), "bodies of fresh messages kept in memory for their first delivery", 16 * MIB,
                               in_file=False)
     # While new mail is being claimed, deferred retries get at most this share of the claims (or
     # spool.fairness.TRICKLE claims per second, whichever is more); full rate after spool.fairness.QUIET

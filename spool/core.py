@@ -66,6 +66,7 @@ from spool.record import (
     Outcome,
     RecordType,
     StartKind,
+    envelope_payload,
     format_id,
     format_pos,
     make_pos,
@@ -218,9 +219,11 @@ class SpoolCore:
         # segment); or the id the body took when it began (BodyWriter.begin).
         reserved = body.message_id if isinstance(body, BodyWriter) else None
         mid = reserved if reserved is not None else self.writer.head
-        env = Envelope(mid, sender, rcpts, chunks, size, arrival_ms if arrival_ms is not None else self._now_ms(),
-                       extra=extra or {})
-        pos = self._append(RecordType.ENVELOPE, env, 0)
+        # Encoded from the fields: no Envelope record is built for an envelope that is never read back here.
+        now = self._now()
+        payload = envelope_payload(mid, sender, rcpts, chunks, size,
+                                   arrival_ms if arrival_ms is not None else int(now * 1000), extra=extra)
+        pos = self.writer.append(RecordType.ENVELOPE, payload, klass=0, now=now)
         self._note_span(pos, chunks)
         return Appended(mid, pos, chunks)
 

@@ -1,8 +1,8 @@
 """Rows of segment files for analytics: the columns, the walk and the Arrow batches, without Spark.
 
 Theory of operation. The Spark data source (``mta.report.spark_source``, the
-only module that imports pyspark) gives each worker one segment file; this
-module turns it into Arrow record batches, one row per record, in file order. The
+only module that imports pyspark) gives each task its segment files; this
+module turns each into Arrow record batches, one row per record, in file order. The
 frames are read through the log reader (``spool.reader``: there is no second
 implementation of the format or of its damage rules here), and the columns
 are built in bulk (see "decoding one segment" below), because making a record

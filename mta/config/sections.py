@@ -196,6 +196,25 @@ class RelayConfig:
         return _ALL_V4 in ipaddress.collapse_addresses(v4) or _ALL_V6 in ipaddress.collapse_addresses(v6)
 
 
+MAX_DELIVERY_PROCESSES = 64
+
+
+@attrs.frozen
+class DeliveryProcesses(Processes):
+    """``[delivery] processes``: 0 (deliver in the relay process), N, or ``"auto"``: one per CPU beyond the first."""
+
+    def what(self) -> str:
+        return f'integer 0–{MAX_DELIVERY_PROCESSES}, or "auto" (one per CPU beyond the first; 0 on one CPU)'
+
+    def convert(self, raw: object, base_dir: str | None) -> int:
+        if raw == "auto":
+            return max(0, min((os.cpu_count() or 1) - 1, MAX_DELIVERY_PROCESSES))
+        return super().convert(raw, base_dir)
+
+    def check(self, value: int) -> None:
+        Integer(0, MAX_DELIVERY_PROCESSES).check(value)
+
+
 @attrs.frozen(kw_only=True)
 class DeliveryConfig:
     """``[delivery]``: the outgoing side."""
@@ -204,14 +223,16 @@ class DeliveryConfig:
     per_destination: int = setting(Integer(1), "connections to one destination at once", 20)
     connect_timeout: float = setting(Duration(positive=True), "to open a connection to one address", 30.0)
     command_timeout: float = setting(Duration(positive=True), "client side, RFC 5321 §4.5.3.2", 300.0)
-    data_timeout: float = setting(Duration(positive=True), "client side, for the end of DATA", 600.0)
+    data_timeout: float = setting(
+        Duration(positive=True), "client side: for sending the body, and again for the reply to its end "
+        "(RFC 5321 §4.5.3.2)", 600.0)
     max_messages_per_connection: int = setting(
         Integer(1), "connection reuse: messages one connection carries, within a batch and across batches; a "
         "connection that has carried this many is closed", 100)
     connection_cache_time: float = setting(
         Duration(at_most=300.0), "how long a connection to a next hop is kept idle for the next batch to the same hop "
-        "(checked with RSET before it is used again); `0`: close it after each batch. At most `per_destination` wait "
-        "per hop. As Postfix's `smtp_connection_cache_time_limit`", 2.0)
+        "(checked before it is used again: with RSET after 1 s idle, docs/design.md); `0`: close it after each "
+        "batch. At most `per_destination` wait per hop. As Postfix's `smtp_connection_cache_time_limit`", 2.0)
     resolver: ListenAddress | None = setting(
         Optional(Listen(default_port=53)), "the DNS server for every delivery lookup (MX, addresses, MTA-STS and "
         "TLSA records); for DANE it must validate DNSSEC and be trusted to say so (on this host: `127.0.0.1`); "
@@ -229,6 +250,9 @@ class DeliveryConfig:
         Optional(ReadableFile()), "PEM CA certificates trusted besides the system's wherever a certificate is "
         "verified: `tls=verify` routes (a private smarthost's CA), MTA-STS policy fetches and the MX hosts an MTA-STS "
         "policy names", None)
+    processes: int = setting(
+        DeliveryProcesses(), "delivery worker processes that run the SMTP client beside each relay process, so "
+        "deliveries use another core (see \"Delivery worker processes\"); `0`: the relay process delivers itself", 0)
 
 
 @attrs.frozen(kw_only=True)

@@ -74,7 +74,7 @@ import trio
 from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
-from mta.delivery.transport import Destination, Job, Transport
+from mta.delivery.transport import Destination, Job, Transport, TransportLost
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from spool.commit import AsyncSpool, StoredBody
@@ -347,7 +347,8 @@ class Scheduler:
                 results = [self._damaged_outcomes(batch[i][1], job, damaged[i].reason) if i in damaged else []
                            for i, job in enumerate(jobs)]
             else:
-                event(log, "delivery_error", None, level=logging.ERROR, exc_info=exc,
+                event(log, "delivery_error", None, level=logging.ERROR,
+                      exc_info=None if isinstance(exc, TransportLost) else exc,
                       qids=[job.queue_id for job in jobs], relay=str(dest), error=local_error(exc), status="deferred")
                 results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
                             for r in job.recipients] for job in jobs]

@@ -7,7 +7,18 @@ the batch unless it breaks, in which case the rest go to the next hop.
 
 A connection that ends a batch in good order is kept for a while
 (``ConnectionCache``, ``[delivery] connection_cache_time``) and carries the
-next batch to the same hop, after an RSET shows it is still alive.
+next batch to the same hop. Whether it is still alive is checked without a
+round trip when it was idle less than ``PROBE_AFTER`` (nothing may have
+arrived on it while it was idle, and a failure before its first reply sends
+the batch over a new connection: ``StaleConnection``), and with an RSET when
+it was idle longer (docs/design.md, "Reusing a connection").
+
+Deadlines. Every reply must come within ``command_timeout`` of when the
+client starts waiting for it (RFC 5321 §4.5.3.2's five minutes), the body
+must be sent within ``data_timeout`` and the reply to its end must come
+within ``data_timeout`` (§4.5.3.2's ten minutes for the DATA termination).
+A transaction has one cancel scope whose deadline moves as it goes: a scope
+per read cost more CPU than the rest of the client core's reply handling.
 
 Outcomes map from replies: 2xx delivered, 4xx deferred, 5xx bounced. Failing
 to connect, a timeout or a broken connection is a deferral with code 0, which
@@ -34,17 +45,18 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
+import select
 import ssl
 from collections.abc import Sequence
 
 import attrs
 import trio
 
-from mta.config import Config
+from mta.config import Config, parse_tls
 from mta.delivery import mx
+from mta.delivery.connection_cache import CacheKey, ConnectionCache
 from mta.delivery.tlspolicy import dane
-from mta.delivery.tlspolicy.plan import HopTls, Planner
+from mta.delivery.tlspolicy.plan import HopTls, Plan, Planner
 from mta.delivery.transport import Destination, Job, OnOutcome, body_chunks
 from mta.observe.logline import event
 from mta.observe.tlsinfo import TlsInfo, tls_info
@@ -84,6 +96,14 @@ class HopFailed(Exception):
         self.reply = reply
         self.cause = cause
         self.result = result
+
+
+class StaleConnection(HopFailed):
+    """A connection taken from the cache without an RSET died before its first reply: nothing was delivered
+    on it (the body goes only after a 354), so the batch goes over another connection."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause="lost")
 
 
 def _verify_result(reason: BaseException) -> str:
@@ -200,6 +220,28 @@ class _Session:
         self.tls_info: TlsInfo | None = None
         self.sent = 0  # messages this connection has carried
         self.stage = "receiving the initial server greeting"  # what it was doing, for a failure's words
+        self.idled = 0.0  # how long it last sat in the connection cache (ConnectionCache.take sets it)
+        # Taken from the cache without an RSET and no reply heard since: a failure now is a StaleConnection.
+        self.unproven = False
+
+    def peer_spoke(self) -> bool:
+        """Did anything arrive while the connection sat idle (a 421, an EOF, a TLS alert)? Never raises.
+
+        Between transactions the server has nothing to say; anything it said
+        is its goodbye. One non-blocking poll of the socket, no round trip.
+        """
+        stream = self.stream
+        if isinstance(stream, trio.SSLStream):
+            stream = stream.transport_stream
+        sock = getattr(stream, "socket", None)
+        if sock is None:
+            return False
+        try:  # poll, not select: select cannot watch a descriptor above 1023, and a busy relay has them
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))  # POLLIN, or POLLHUP / POLLERR, which poll reports unasked
+        except (OSError, ValueError):
+            return True
 
     async def alive(self) -> bool:
         """RSET and its 250: is a connection that sat idle still usable? Never raises."""
@@ -212,16 +254,25 @@ class _Session:
         return isinstance(ev, CommandReply) and ev.reply.is_positive and self.conn.idle
 
     async def _event(self, timeout: float) -> ClientEvent:
+        """The next event, within ``timeout``: for the greeting, EHLO, STARTTLS and RSET (one scope each)."""
+        with trio.fail_after(timeout):
+            return await self._next()
+
+    async def _next(self) -> ClientEvent:
+        """The next event: whatever the core has to send goes in one write, then reads until an event.
+
+        Every reply already in the buffer is parsed before the next read. No
+        deadline of its own: the caller's cancel scope is the deadline.
+        """
+        conn = self.conn
         while True:
-            ev = self.conn.next_event()
+            ev = conn.next_event()
             if not isinstance(ev, NeedData):
                 return ev
-            out = self.conn.data_to_send()
-            with trio.fail_after(timeout):
-                if out:
-                    await self.stream.send_all(out)
-                data = await self.stream.receive_some(65536)
-            self.conn.receive_data(data)
+            out = conn.data_to_send()
+            if out:
+                await self.stream.send_all(out)
+            conn.receive_data(await self.stream.receive_some(65536))
 
     async def open(self, hop_tls: HopTls) -> None:
         """Greeting, EHLO, STARTTLS as ``hop_tls`` requires it. Raises HopFailed (with a TLS-RPT ``result``)."""
@@ -281,41 +332,67 @@ class _Session:
             raise HopFailed("refused HELO", getattr(ev, "reply", None), "rejected")
 
     async def send(self, job: Job, hop: str) -> list[Outcome]:
-        t = self.config.delivery.command_timeout
+        """One transaction: MAIL, RCPT, DATA (one write with PIPELINING), the body, its reply.
+
+        Raises trio.TooSlowError when a deadline passes (module docstring), StaleConnection when a connection
+        taken from the cache unproven fails before its first reply, HopFailed or a network error otherwise.
+        """
+        d = self.config.delivery
         caps = self.conn.capabilities
         params: dict[str, str | None] = {}
         if caps is not None and caps.size is not None:
             params["SIZE"] = str(job.size)
-        body_param = (job.extra.get("params") or {}) if isinstance(job.extra.get("params"), dict) else {}
-        if isinstance(body_param, dict) and body_param.get("SMTPUTF8") and caps is not None and caps.smtputf8:
-            params["SMTPUTF8"] = None
-        if isinstance(body_param, dict) and str(body_param.get("BODY", "")).upper() == "8BITMIME" \
-                and caps is not None and caps.eightbitmime:
-            params["BODY"] = "8BITMIME"
+        body_param = job.extra.get("params")
+        if isinstance(body_param, dict) and body_param:
+            if body_param.get("SMTPUTF8") and caps is not None and caps.smtputf8:
+                params["SMTPUTF8"] = None
+            if str(body_param.get("BODY", "")).upper() == "8BITMIME" and caps is not None and caps.eightbitmime:
+                params["BODY"] = "8BITMIME"
         self.stage = "sending the envelope (MAIL, RCPT, DATA)"
         self.conn.mail(job.sender, params)
         for rcpt in job.recipients:
             self.conn.rcpt(rcpt)
         self.conn.data()
-        while True:
-            ev = await self._event(t)
-            if isinstance(ev, DataReply) and ev.go_ahead:
-                self.stage = "sending the message body"
-                with trio.fail_after(self.config.delivery.data_timeout):
-                    async for chunk in body_chunks(job.body):  # big stored bodies are read in a worker thread
-                        self.conn.send_body(chunk)
-                        if self.conn.buffered >= SEND_SIZE:
-                            await self.stream.send_all(self.conn.data_to_send())
-                    self.conn.end_data()
-                    await self.stream.send_all(self.conn.data_to_send())  # the rest and the final dot, together
-                self.stage = "waiting for the reply to the end of data"
-            elif isinstance(ev, MessageReply):
-                return [outcome_for(o.address, o.reply, hop) for o in ev.outcomes]
-            elif isinstance(ev, ServerClosed):
-                raise HopFailed(f"connection closed by the server while {self.stage}", cause="lost")
-            elif not isinstance(ev, CommandReply | DataReply) and hasattr(ev, "reply") and \
-                    ev.reply.code == 421:
-                raise HopFailed("the server is closing the connection", ev.reply, "rejected")
+        with trio.CancelScope(deadline=trio.current_time() + d.command_timeout) as scope:
+            while True:
+                ev = await self._first() if self.unproven else await self._next()
+                if isinstance(ev, DataReply) and ev.go_ahead:
+                    self.stage = "sending the message body"
+                    scope.deadline = trio.current_time() + d.data_timeout
+                    await self._send_body(job)
+                    self.stage = "waiting for the reply to the end of data"
+                    scope.deadline = trio.current_time() + d.data_timeout
+                elif isinstance(ev, MessageReply):
+                    return [outcome_for(o.address, o.reply, hop) for o in ev.outcomes]
+                elif isinstance(ev, ServerClosed):
+                    raise HopFailed(f"connection closed by the server while {self.stage}", cause="lost")
+                elif not isinstance(ev, CommandReply | DataReply) and hasattr(ev, "reply") and \
+                        ev.reply.code == 421:
+                    raise HopFailed("the server is closing the connection", ev.reply, "rejected")
+                else:
+                    scope.deadline = trio.current_time() + d.command_timeout  # the next reply's own budget
+        raise trio.TooSlowError  # the scope's deadline passed (a return inside it is the only other way out)
+
+    async def _first(self) -> ClientEvent:
+        """The first event on a connection reused unproven: its death (EOF, reset, a 421) is a StaleConnection."""
+        try:
+            ev = await self._next()
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
+            raise StaleConnection(f"the cached connection was lost while {self.stage}: {exc}") from exc
+        self.unproven = False
+        if isinstance(ev, ServerClosed) or (hasattr(ev, "reply") and ev.reply.code == 421):
+            raise StaleConnection(f"the cached connection was closed by the server while {self.stage}")
+        return ev
+
+    async def _send_body(self, job: Job) -> None:
+        """The body, in writes of ``SEND_SIZE`` or more; the last write carries the final dot."""
+        conn = self.conn
+        async for chunk in body_chunks(job.body):  # big stored bodies are read in a worker thread
+            conn.send_body(chunk)
+            if conn.buffered >= SEND_SIZE:
+                await self.stream.send_all(conn.data_to_send())
+        conn.end_data()
+        await self.stream.send_all(conn.data_to_send())  # the rest and the final dot, together
 
     async def close(self) -> None:
         try:
@@ -327,88 +404,16 @@ class _Session:
         await trio.aclose_forcefully(self.stream)
 
 
-CacheKey = tuple[Destination, str, int]  # the destination (its TLS mode included), the hop's address and port
-
-
-class ConnectionCache:
-    """Idle connections to next hops, kept ``idle_limit`` seconds for the next batch to the same hop.
-
-    Why: a relay that hands a smarthost one message at a time would otherwise
-    pay a TCP connect, the greeting, EHLO (and a TLS handshake) and QUIT for
-    every message: about an eighth of the relay's CPU with a lone client
-    (docs/bench_relay.md), and as much again on the next hop. Postfix keeps
-    such connections 2 s (smtp_connection_cache_time_limit); so do we.
-
-    Nothing is cached until ``run`` runs: it closes (QUIT) what has been idle
-    too long, so a connection is never left open on a quiet relay. A connection
-    taken from the cache is checked with RSET first (``_Session.alive``); one
-    that fails is closed and a new one opened, which costs the round trip and
-    nothing else: no message was sent on it. At most ``per_key`` connections
-    wait per hop.
-
-    Resource handling: connections in the cache belong to it; ``take`` hands
-    one over to the caller, who closes it or gives it back with ``put``.
-    """
-
-    def __init__(self, idle_limit: float, per_key: int) -> None:
-        self.idle_limit = idle_limit
-        self.per_key = per_key
-        self.running = False
-        self.reused = 0  # connections taken from the cache and found alive (tests, benchmarks)
-        self._idle: dict[CacheKey, list[tuple[float, _Session]]] = {}
-        self._changed = trio.Event()
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._idle.values())
-
-    def put(self, key: CacheKey, session: _Session) -> bool:
-        """Keep ``session`` (True), or refuse it (False: the caller closes it)."""
-        if not self.running or self.idle_limit <= 0 or len(self._idle.get(key, ())) >= self.per_key:
-            return False
-        self._idle.setdefault(key, []).append((trio.current_time(), session))
-        self._changed.set()
-        return True
-
-    def take(self, key: CacheKey) -> _Session | None:
-        """The connection to this hop that was idle the shortest time, if it is still within the limit."""
-        waiting = self._idle.get(key)
-        if not waiting or trio.current_time() - waiting[-1][0] >= self.idle_limit:
-            return None  # an expired one stays for run() to close
-        return waiting.pop()[1]
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Close connections idle for ``idle_limit``; caching is on while this runs."""
-        self.running = True
-        task_status.started()
-        try:
-            while True:
-                now = trio.current_time()
-                expired: list[_Session] = []
-                for key, waiting in list(self._idle.items()):
-                    keep = [(t, sess) for t, sess in waiting if now - t < self.idle_limit]
-                    expired += [sess for t, sess in waiting if now - t >= self.idle_limit]
-                    if keep:
-                        self._idle[key] = keep
-                    else:
-                        del self._idle[key]
-                for session in expired:
-                    await session.close()
-                oldest = min((t for waiting in self._idle.values() for t, _ in waiting), default=None)
-                self._changed = trio.Event()
-                with trio.move_on_at(math.inf if oldest is None else oldest + self.idle_limit):
-                    await self._changed.wait()
-        finally:
-            self.running = False
-
-
 class SmtpTransport:
     def __init__(self, config: Config) -> None:
         self.config = config
         r = config.delivery.resolver
         self.resolver = mx.make_resolver(r.host if r else None, r.port if r else 53)
         d = config.delivery
-        self.cache = ConnectionCache(d.connection_cache_time, d.per_destination)
+        self.cache: ConnectionCache[_Session] = ConnectionCache(d.connection_cache_time, d.per_destination)
         self.policies = Planner(config, self.resolver)
+        # The plans of fixed next hops under no published policy: they never change (one per route).
+        self._fixed_plans: dict[Destination, Plan] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The connection cache's keeper (without it every batch opens and closes its own connection), and the
@@ -425,9 +430,17 @@ class SmtpTransport:
         Raises HopFailed (a timeout to connect included), OSError (the connect's own, ECONNREFUSED say),
         or whatever the greeting, EHLO and TLS raise; ``classify`` names each.
         """
-        while (cached := self.cache.take(key)) is not None:
-            if await cached.alive():
-                self.cache.reused += 1
+        cache = self.cache
+        while (cached := cache.take(key)) is not None:
+            if cached.peer_spoke():
+                pass  # its 421 or its EOF, sent while it was idle: it is gone
+            elif cached.idled < cache.probe_after:
+                cached.unproven = True  # its first reply proves it (StaleConnection if it never comes)
+                cache.reused += 1
+                return cached
+            elif await cached.alive():
+                cache.reused += 1
+                cache.probed += 1
                 return cached
             await cached.close()
         if hop_tls.refuse:
@@ -475,6 +488,17 @@ class SmtpTransport:
             self.policies.record(hop_tls, hop, None, local=local)
         return session
 
+    @staticmethod
+    async def _send_all(session: _Session, jobs: Sequence[Job], todo: list[int],
+                        results: list[list[Outcome] | None], label: str, on_outcome: OnOutcome | None) -> None:
+        """Send the jobs ``todo`` over ``session`` in turn, each one's outcomes recorded as it is answered."""
+        hop = f"{label} tls={session.tls}"
+        for i in todo:
+            outcomes = results[i] = await session.send(jobs[i], hop)
+            session.sent += 1
+            if on_outcome is not None:
+                on_outcome(i, outcomes)  # final: a job answered at one hop is not tried at the next
+
     async def _hops(self, dest: Destination) -> list[mx.Hop]:
         if dest.kind == "smtp":
             host, _, port = dest.target.rpartition(":")
@@ -485,15 +509,19 @@ class SmtpTransport:
                       on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
         results: list[list[Outcome] | None] = [None] * len(jobs)
         qids = [job.queue_id for job in jobs]
-        try:
-            hops = await self._hops(destination)
-        except mx.LookupError_ as exc:
-            status, code, enh = (Status.BOUNCED, 550, "5.1.2") if exc.permanent else (Status.DEFERRED, 0, "4.4.3")
-            event(log, "connect_failed", None, qids=qids, relay=destination.target, cause="dns", detail=str(exc),
-                  permanent=exc.permanent)
-            return [[Outcome(r, status, code, enh, str(exc), str(destination)) for r in job.recipients]
-                    for job in jobs]
-        plan = await self.policies.plan(destination, hops, qids)
+        plan = self._fixed_plans.get(destination)
+        if plan is None:
+            try:
+                hops = await self._hops(destination)
+            except mx.LookupError_ as exc:
+                status, code, enh = (Status.BOUNCED, 550, "5.1.2") if exc.permanent else (Status.DEFERRED, 0, "4.4.3")
+                event(log, "connect_failed", None, qids=qids, relay=destination.target, cause="dns", detail=str(exc),
+                      permanent=exc.permanent)
+                return [[Outcome(r, status, code, enh, str(exc), str(destination)) for r in job.recipients]
+                        for job in jobs]
+            plan = await self.policies.plan(destination, hops, qids)
+            if destination.kind == "smtp" and not parse_tls(destination.tls)[1]:
+                self._fixed_plans[destination] = plan  # no lookup went into it: the same next time
         if plan.refused:
             event(log, "connect_failed", None, qids=qids, relay=destination.target, cause="tls_policy",
                   detail=plan.refused)
@@ -508,12 +536,20 @@ class SmtpTransport:
             key = (destination, hop.address, hop.port)
             session: _Session | None = None
             try:
-                session = await self._connect(destination, hop, hop_tls, key, [qids[i] for i in todo])
-                for i in todo:
-                    outcomes = results[i] = await session.send(jobs[i], f"{label} tls={session.tls}")
-                    session.sent += 1
-                    if on_outcome is not None:
-                        on_outcome(i, outcomes)  # final: a job answered at one hop is not tried at the next
+                while True:
+                    session = await self._connect(destination, hop, hop_tls, key, [qids[i] for i in todo])
+                    try:
+                        await self._send_all(session, jobs, todo, results, label, on_outcome)
+                        break
+                    except StaleConnection as exc:
+                        # Died before its first reply: nothing was sent on it. The next one comes from the
+                        # cache (whose connections are fewer each time) or is new (never unproven): bounded.
+                        self.cache.stale += 1
+                        event(log, "connection_stale", None, qids=[qids[i] for i in todo], relay=label,
+                              detail=str(exc), action="retried on another connection")
+                        await session.close()
+                        session = None
+                        todo = [i for i in todo if results[i] is None]
                 if session.conn.idle and session.sent < self.config.delivery.max_messages_per_connection \
                         and self.cache.put(key, session):
                     session = None  # the cache has it now

@@ -51,6 +51,11 @@ OnOutcome = Callable[[int, list[Outcome]], None]
 """``on_outcome(i, outcomes)``: job ``i``'s outcomes are final (its next hop answered)."""
 
 
+class TransportLost(RuntimeError):
+    """A transport's own process went away mid-batch (a delivery worker died). Its cause is logged where it
+    was seen, so the scheduler defers the batch with a one-line reason and no traceback."""
+
+
 class Transport(Protocol):
     async def deliver(self, destination: Destination, jobs: Sequence[Job],
                       on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:

@@ -23,6 +23,7 @@ from mta.config import DEFAULTS_SOURCE, Config, MaildirRoute
 from mta.delivery.local import DiscardTransport, MaildirTransport
 from mta.delivery.scheduler import Scheduler
 from mta.delivery.transport import Transport
+from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
 from mta.inbound.listen import bind_error
@@ -51,10 +52,14 @@ def ssl_context(config: Config) -> ssl.SSLContext | None:
 
 
 def transports(config: Config, io: FileIO | None = None) -> Mapping[str, Transport]:
-    """The transports by kind; ``io``: the file layer for local delivery (None: the real files)."""
+    """The transports by kind; ``io``: the file layer for local delivery (None: the real files).
+
+    With ``[delivery] processes`` > 0, SMTP deliveries go to worker processes (``mta.delivery.workers``).
+    """
     from mta.delivery.smtp_transport import SmtpTransport
 
-    smtp = SmtpTransport(config)
+    smtp: Transport = DeliveryWorkers(config, config.delivery.processes) if config.delivery.processes > 0 \
+        else SmtpTransport(config)
     return {"maildir": MaildirTransport(config.server.hostname, io), "discard": DiscardTransport(),
             "smtp": smtp, "mx": smtp}
 
@@ -98,6 +103,7 @@ class Relay:
         self.server: SmtpServer | None = None
         self.metrics_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
+        self.workers: DeliveryWorkers | None = None  # with [delivery] processes > 0
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -124,6 +130,10 @@ class Relay:
             if isinstance(smtp, SmtpTransport):
                 smtp.policies.observers.append(self.metrics.tls_policy_outcome)
                 await nursery.start(smtp.run)  # its connection cache
+            elif isinstance(smtp, DeliveryWorkers):
+                smtp.observers.append(self.metrics.tls_policy_outcome)
+                self.workers = smtp
+                await nursery.start(smtp.run)  # the worker processes, each ready
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:

@@ -73,13 +73,20 @@ def _status_name(col: Any) -> Any:
     return expr
 
 
-def decode_records(spark: Any, inputs: Sequence[str], out: str, relay: str | None = None) -> str:
-    """Decode the segments once into ``out/records`` (Parquet); returns its path."""
-    reader = spark.read.format("logspool")
+def read_records(spark: Any, inputs: Sequence[str], relay: str | None = None) -> Any:
+    """The records of the segments as the job reads them: the ``logspool`` data source told the job's
+    parallelism, so that it packs consecutive segments into a few partitions a core
+    (``mta.report.spark_source.group_tasks``) instead of paying Spark's cost of a task per segment."""
+    reader = spark.read.format("logspool").option("cores", str(spark.sparkContext.defaultParallelism))
     if relay:
         reader = reader.option("relay", relay)
+    return reader.load(list(inputs))
+
+
+def decode_records(spark: Any, inputs: Sequence[str], out: str, relay: str | None = None) -> str:
+    """Decode the segments once into ``out/records`` (Parquet); returns its path."""
     path = os.path.join(out, "records")
-    reader.load(list(inputs)).write.mode("overwrite").parquet(path)
+    read_records(spark, inputs, relay).write.mode("overwrite").parquet(path)
     return path
 
 

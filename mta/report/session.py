@@ -53,12 +53,27 @@ def local_cores(master: str) -> int | None:
     return max(1, int(n)) if n.isdigit() else 1
 
 
-LOCAL_JAVA_OPTIONS: Final = "-XX:+UseSerialGC -XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:-UsePerfData"
+ARROW_JAVA_OPTIONS: Final = "-Darrow.enable_unsafe_memory_access=true -Darrow.enable_null_check_for_get=false"
+"""Arrow Java's bounds and null checks off. The JVM turns every Arrow batch the
+data source's workers send into rows, reading each of the 22 columns of each
+row through Arrow's vectors; with the checks on, a quarter of that time went to
+checking indexes (``ArrowBuf.chk``, a JFR profile of a ``local[2]`` read) and
+the JVM's CPU per record was 1.8-2.0 µs, with them off 1.6-1.8
+(docs/benchmarks.md, "Branch i16-spark"). The batches come from pyarrow's own
+IPC writer in the project's workers, never from outside, so the checks guard
+against nothing that can happen here."""
+
+LOCAL_JAVA_OPTIONS: Final = "-XX:+UseSerialGC -XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:-UsePerfData " + \
+    ARROW_JAVA_OPTIONS
 """JVM options for local mode. Measured on the project's 2-core machine: most of
 a local report's JVM time is start-up (loading and compiling Spark's classes),
 not the data. The C1 compiler alone and the serial collector need far less CPU
 than C2 plus G1's background threads, which matters when the cores are shared;
-the data-heavy part of the job runs in the Python workers anyway."""
+the data-heavy part of the job runs in the Python workers anyway. (C2 makes
+the JVM's row conversion cheaper once it has compiled it, after about a
+million records: an operator with a larger fleet can give
+``--conf spark.driver.extraJavaOptions=`` without ``TieredStopAtLevel``;
+docs/benchmarks.md has the figures.) Arrow's checks: :data:`ARROW_JAVA_OPTIONS`."""
 
 
 def make_session(master: str = "local[*]", app: str = "logspool-report", conf: dict[str, str] | None = None) -> Any:

@@ -16,6 +16,8 @@ from typing import Final
 
 import attrs
 
+from mta.smtp.bodybytes import crlf_clean, unstuff
+
 # Limits (RFC 5321 §4.5.3.1). The command line limit includes the CRLF.
 MAX_COMMAND_LINE: Final = 512
 MAX_TEXT_LINE: Final = 1000
@@ -204,6 +206,10 @@ class ReplyParser:
         return bool(self._buf) or bool(self._lines)
 
     def _line(self, raw: bytes) -> Reply | None:
+        if not self._lines:
+            known = _SEEN_REPLIES.get(raw)
+            if known is not None:
+                return known
         if len(raw) > MAX_REPLY_LINE:
             raise RemoteProtocolError("reply line too long")
         text = raw.decode("utf-8", "replace")
@@ -220,7 +226,19 @@ class ReplyParser:
         if len(text) > 3 and text[3] == "-":
             return None
         lines, self._lines = self._lines, []
-        return _build_reply(code, [t for _, t in lines])
+        reply = _build_reply(code, [t for _, t in lines])
+        if len(lines) == 1:
+            if len(_SEEN_REPLIES) >= SEEN_REPLIES_MAX:
+                _SEEN_REPLIES.clear()
+            _SEEN_REPLIES[raw] = reply
+        return reply
+
+
+# One-line replies already parsed, by their bytes (a Reply is immutable): a next hop says the same
+# ``250 2.1.0 Ok`` and ``354 ...`` for every message, and parsing one (two regexes and the Reply's
+# validators) cost more than the rest of the client core's handling of it. Bounded: cleared when full.
+SEEN_REPLIES_MAX: Final = 256
+_SEEN_REPLIES: dict[bytes, Reply] = {}
 
 
 def _build_reply(code: int, texts: list[str]) -> Reply:
@@ -248,14 +266,13 @@ _BARE_RE: Final = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 def _first_bare(buf: bytearray, pos: int, n: int, quick: bool) -> int:
     """Where the first bare CR or LF at or after ``pos`` is (``n``: none; a CR at the very end counts).
 
-    ``quick`` first counts CRs, LFs and CRLFs, which is much cheaper than the
-    regex over clean content; the regex alone is for content known to have
+    ``quick`` first checks the range whole (``bodybytes.crlf_clean``), which is
+    much cheaper than the regex over clean content; the regex alone is for content known to have
     bare ones, where it stops at the next.
     """
     if quick:
         end = n - 1 if n and buf[n - 1] == 0x0D else n
-        crlf = buf.count(b"\r\n", pos, end)
-        if buf.count(b"\n", pos, end) == crlf and buf.count(b"\r", pos, end) == crlf:
+        if crlf_clean(buf, pos, end):
             return end
     m = _BARE_RE.search(buf, pos)
     return m.start() if m is not None else n
@@ -276,7 +293,8 @@ class ContentDecoder:
 
     Two paths, one behaviour. The bulk path takes a run of whole lines that
     holds nothing unusual (no bare CR or LF, no line near the limit, no size
-    overflow): one ``replace`` undoes the dot-stuffing and one slice copies it.
+    overflow): ``bodybytes.unstuff`` undoes the dot-stuffing and finds the end
+    in one pass.
     Whatever the bulk path will not take — a line with a bare CR or LF, a
     suspect long line, the lines around the size limit, a partial last line —
     goes through the per-line machine (``_piece``), which is the definition;
@@ -301,7 +319,7 @@ class ContentDecoder:
         """Consume from ``buf[pos:]``; return (new pos, content of at most ``limit`` bytes, ended)."""
         n = len(buf)
         done = False
-        term = buf.find(b"\r\n.\r\n", pos)  # only CRLF pairs are real line ends, so the first one is the end
+        term = -2  # the first CRLF.CRLF at or after pos (-1: none), looked up only once refused
         bare = -1  # first bare CR/LF at or after pos (n: none), looked up again only once passed
         self._produced = 0
         while self._produced < limit:
@@ -316,6 +334,8 @@ class ContentDecoder:
                 if pos >= n:
                     break
             if self.refusal is not None:
+                if term == -2:  # only CRLF pairs are real line ends, so the first one is the end
+                    term = buf.find(b"\r\n.\r\n", pos)
                 e = term + 2 if term >= 0 else buf.rfind(b"\n", pos) + 1
                 if e > pos:
                     self._real_line_start = e - 2 >= pos and buf[e - 2] == 0x0D
@@ -324,9 +344,9 @@ class ContentDecoder:
             else:
                 if bare < pos:
                     bare = _first_bare(buf, pos, n, quick=bare < 0)
-                e = self._bulk_end(buf, pos, min(n, pos + limit - self._produced, bare), term)
+                e = self._bulk_end(buf, pos, min(n, pos + limit - self._produced, bare))
                 if e > pos:
-                    data = bytes(memoryview(buf)[pos:e]).replace(b"\r\n.", b"\r\n")
+                    data, e = unstuff(buf, pos, e)  # stops at the terminator's line, if it is in the run
                     self.size += len(data)
                     if b"\x00" in data:
                         self.refusal = R_DATA_NUL
@@ -355,20 +375,20 @@ class ContentDecoder:
         self._line_start = False
         return pos
 
-    def _bulk_end(self, buf: bytearray, pos: int, stop: int, term: int) -> int:
+    def _bulk_end(self, buf: bytearray, pos: int, stop: int) -> int:
         """Where a run of plain whole lines from ``pos`` (mid-line) ends, at most ``stop``; ``pos`` for none.
 
         ``stop`` already excludes the first bare CR/LF. The run also stays
         within the size limit (unstuffing only shrinks it) and ends before the
         first line that could be too long, which the per-line path then judges.
+        It may reach past the end of the data: ``unstuff`` stops at the
+        terminator's line (one pass finds both, where a search for CRLF.CRLF
+        and a ``replace`` made two).
         """
         stop = min(stop, pos + self.max_size - self.size)
-        if term >= 0 and term + 2 <= stop:
-            e = term + 2
-        else:
-            e = buf.rfind(b"\n", pos, stop) + 1
-            if e <= pos:
-                return pos
+        e = buf.rfind(b"\n", pos, stop) + 1
+        if e <= pos:
+            return pos
         most = self.max_line - 2  # content bytes a line may hold
         lf = buf.find(b"\n", pos, e)
         if self._line_len + lf - 1 - pos > most:

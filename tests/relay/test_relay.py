@@ -221,3 +221,27 @@ async def test_pipelined_data_after_refused_recipients_gets_its_reply(tmp_path: 
         assert lines[0].startswith(b"250") and lines[1].startswith(b"554 5.7.1") and lines[2].startswith(b"554")
         await stream.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_large_body_full_of_line_start_dots_reaches_the_next_hop_byte_for_byte(tmp_path: Path) -> None:
+    """300 KB through the relay's fast body paths: more line-start dots than ``bodybytes`` loops over, dots
+    alone and doubled, long lines, a line that is ``.`` followed by more text: it must arrive unchanged."""
+    lines = [b"Subject: dots", b""]
+    for i in range(6000):
+        lines.append([b".", b"..", b".x %d" % i, b"plain line %d." % i, b"y" * 900, b". .\x7f"][i % 6])
+    body = b"\r\n".join(lines) + b"\r\n"
+    assert len(body) > 300_000
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        relay = await start_relay(nursery, relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{port}"}))
+        await trio.to_thread.run_sync(_send_bytes, relay.ports[0], body)
+        (msg,) = await hop.wait_messages(1)
+        assert msg.data.startswith(b"Received: ")
+        assert msg.data[msg.data.index(b"Subject: dots") :] == body
+        nursery.cancel_scope.cancel()
+
+
+def _send_bytes(port: int, body: bytes) -> None:
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:  # smtplib dot-stuffs the body itself
+        assert s.sendmail("a@example.org", ["r@far.example"], body) == {}

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from report_reference import plain_records
 
+from mta.report.job import read_records
+from mta.report.spark_source import MAX_FILES_PER_PARTITION, TASKS_PER_CORE
 from spool.record import HEADER_SIZE, Delivery, Envelope, Finish, Start, pos_offset
 from spool.rows import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
 
@@ -56,6 +58,32 @@ def test_one_partition_per_segment_file(spark: Any, fleet: dict[str, str]) -> No
     df = spark.read.format("logspool").load(fleet["mx1"])
     assert len(glob.glob(os.path.join(fleet["mx1"], "archive", "*.seg"))) > 3
     assert df.rdd.getNumPartitions() == len(files)
+
+
+def test_with_the_jobs_cores_runs_of_segments_share_a_partition_and_every_row_is_the_same(
+        spark: Any, fleet: dict[str, str]) -> None:
+    both = os.path.join(os.path.dirname(fleet["mx1"]), "*")
+    files = all_segments(fleet["mx1"]) + all_segments(fleet["mx2"])
+    one_each = spark.read.format("logspool").load(both)
+    grouped = spark.read.format("logspool").option("cores", "1").load(both)
+    per = max(1, min(MAX_FILES_PER_PARTITION, len(files) // TASKS_PER_CORE))
+    assert per > 1  # the fleet has enough segments for runs to form
+    assert one_each.rdd.getNumPartitions() == len(files)
+    assert grouped.rdd.getNumPartitions() == -(-len(files) // per)
+    # Every row, every column, and each partition's rows in file order, file after file.
+    assert sorted(map(tuple, grouped.collect())) == sorted(map(tuple, one_each.collect()))
+    for rows in grouped.rdd.glom().collect():
+        keys = [(r.file, r.pos) for r in rows]
+        assert keys == sorted(keys) and len({r.file for r in rows}) <= per
+
+
+def test_the_job_tells_the_data_source_its_parallelism(spark: Any, fleet: dict[str, str]) -> None:
+    df = read_records(spark, [fleet["mx1"], fleet["mx2"]])
+    files = all_segments(fleet["mx1"]) + all_segments(fleet["mx2"])
+    cores = spark.sparkContext.defaultParallelism
+    per = max(1, min(MAX_FILES_PER_PARTITION, len(files) // (cores * TASKS_PER_CORE)))
+    assert df.rdd.getNumPartitions() == -(-len(files) // per)
+    assert df.count() == spark.read.format("logspool").load([fleet["mx1"], fleet["mx2"]]).count()
 
 
 def test_relay_name_from_directory_or_option(spark: Any, fleet: dict[str, str]) -> None:

@@ -346,3 +346,67 @@ def test_bulk_decoder_handles_a_long_clean_message_in_one_slice() -> None:
     pos, content, done = dec.decode(bytearray(wire), 0, 10**7)
     assert done and wire[pos:] == b"QUIT\r\n"
     assert content == body and dec.size == len(body) and dec.refusal is None
+
+
+# Long dot-heavy content (more line-start dots than ``bodybytes`` loops over before its ``replace``), with
+# a bare CR or LF, a NUL or a long line now and then, cut anywhere: inside a CRLF, inside CRLF.CRLF.
+dotty_lines = st.lists(
+    st.one_of(st.sampled_from([b".", b"..", b".x", b"x", b"", b".\x00", b"\r", b"\n", b"x\ry", b"a\nb"]),
+              st.binary(max_size=3).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+              st.integers(min_value=60, max_value=130).map(lambda n: b"." + b"y" * n)),
+    min_size=30, max_size=120,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dotty_lines, st.booleans(), st.sampled_from([100, 1000]), st.sampled_from([500, 3000, 10**6]),
+       st.sampled_from([7, 300, 65536]), st.lists(st.integers(min_value=0), max_size=12),
+       st.sampled_from([b"", b"QUIT\r\n", b".\r\n"]))
+def test_bulk_decoder_agrees_on_long_dotted_content_cut_anywhere(
+    lines: list[bytes], normalize: bool, max_line: int, max_size: int, limit: int, cuts: list[int], after: bytes
+) -> None:
+    wire = b"\r\n".join(lines) + b"\r\n.\r\n" + after
+    for chunks in ([wire], split(wire, cuts), split(wire, [c + 1 for c in cuts])):
+        got = feed_decoder(ContentDecoder(max_size, max_line, normalize), chunks, limit)
+        want = feed_decoder(LineByLineDecoder(max_size, max_line, normalize), chunks, limit)
+        assert got == want
+
+
+class OldBodyEncoder:
+    """The client's body encoder as it was before ``bodybytes`` (counts and replaces): the model the
+    encoder must agree with byte for byte."""
+
+    def __init__(self) -> None:
+        self._line_start = True
+        self._pending_cr = False
+
+    def encode(self, chunk: bytes) -> bytes:
+        data = b"\r" + chunk if self._pending_cr else chunk
+        self._pending_cr = data.endswith(b"\r")
+        if self._pending_cr:
+            data = data[:-1]
+        if not data:
+            return b""
+        data = re.sub(rb"\r\n|\r|\n", b"\r\n", data)
+        out = data.replace(b"\r\n.", b"\r\n..")
+        if self._line_start and out.startswith(b"."):
+            out = b"." + out
+        self._line_start = out.endswith(b"\r\n")
+        return out
+
+    def end(self) -> bytes:
+        if self._pending_cr:
+            self._pending_cr = False
+            return b"\r\n.\r\n"
+        return b".\r\n" if self._line_start else b"\r\n.\r\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(dotty_lines, st.sampled_from([b"\r\n", b"\n", b"\r"]), st.lists(st.integers(min_value=0), max_size=12))
+def test_body_encoder_agrees_with_the_old_one_in_any_chunking(
+    lines: list[bytes], sep: bytes, cuts: list[int]
+) -> None:
+    body = sep.join(lines)
+    for chunks in ([body], split(body, cuts), [body[i : i + 1] for i in range(min(len(body), 300))]):
+        new, old = C.BodyEncoder(), OldBodyEncoder()
+        assert b"".join(map(new.encode, chunks)) + new.end() == b"".join(map(old.encode, chunks)) + old.end()

@@ -34,6 +34,7 @@ from spool.record import (
     decode_frame,
     decode_payload,
     encode_frame,
+    envelope_payload,
     frame_payload,
     make_pos,
     payload_bytes,
@@ -346,3 +347,107 @@ def test_decode_payload_of_an_unknown_type_is_corrupt_record(rtype: int) -> None
     """Frames read with verify=False carry unchecked types; decode_payload must still say CorruptRecord."""
     with pytest.raises(CorruptRecord, match=f"type {rtype}"):
         decode_payload(rtype, b"\xa0", path="x.seg", offset=48)
+
+
+# -- envelope_payload: the envelope encoded from its fields (issue 18) ------------------------
+
+
+def _envelope_payload_before_issue_18(env: Envelope) -> bytes:
+    """Envelope.to_payload as it was before envelope_payload (fae3ac8): the reference the new encoder must match."""
+    from spool.record import _SHORT, _cbor_head, _cbor_text, _cbor_uint
+
+    def uints(vs: tuple[int, ...]) -> bytes:
+        return _cbor_head(4, len(vs)) + b"".join(map(_cbor_uint, vs))
+
+    def texts(vs: tuple[str, ...]) -> bytes:
+        return _cbor_head(4, len(vs)) + b"".join(map(_cbor_text, vs))
+
+    common = (b"\x00", _cbor_uint(env.message_id), b"\x01", _cbor_text(env.sender),
+              b"\x02", texts(env.recipients), b"\x03", uints(env.body),
+              b"\x04", _cbor_uint(env.body_size), b"\x05", _cbor_uint(env.arrival_ms),
+              b"\x06", _cbor_uint(env.attempts))
+    if env.replaces is None and not env.held and not env.in_doubt and not env.extra:
+        return b"\xa7" + b"".join(common)
+    options: list[bytes] = []
+    n = 7
+    if env.replaces is not None:
+        options += (b"\x07", _cbor_uint(env.replaces))
+        n += 1
+    if env.held:
+        options.append(b"\x08\xf5")
+        n += 1
+    if env.in_doubt:
+        options += (b"\x09", texts(env.in_doubt))
+        n += 1
+    if env.extra:
+        options += (b"\x0a", cbor2.dumps(env.extra))
+        n += 1
+    return b"".join((_SHORT[5][n], *common, *options))
+
+
+def _fields(env: Envelope) -> tuple[Any, ...]:
+    return attrs.astuple(env, recurse=False)
+
+
+# Every CBOR argument boundary (1, 2, 4 and 8 bytes), one either side, for integers and for lengths.
+_EDGES = sorted({max(0, b + d) for b in (0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1)
+                 for d in (-1, 0, 1)} - {2**64})
+_LENGTHS = [0, 1, 22, 23, 24, 25, 254, 255, 256, 257, 65535, 65536]
+edge_uints = st.sampled_from(_EDGES) | st.integers(0, 2**64 - 1)
+edge_texts = st.builds(lambda n, c: c * n, st.sampled_from(_LENGTHS),
+                       st.sampled_from(["a", "\u00e9", "\u20ac", "\U0001f600"]))
+edge_envelopes = st.builds(
+    Envelope,
+    message_id=edge_uints,
+    sender=edge_texts,
+    recipients=st.integers(1, 26).flatmap(lambda n: st.lists(st.text(max_size=3), min_size=n, max_size=n)).map(tuple),
+    body=st.sampled_from([0, 1, 23, 24, 25]).flatmap(lambda n: st.lists(edge_uints, min_size=n, max_size=n)).map(tuple),
+    body_size=edge_uints,
+    arrival_ms=edge_uints,
+    attempts=edge_uints,
+    replaces=st.none() | edge_uints,
+    held=st.booleans(),
+    in_doubt=st.lists(st.text(max_size=3), max_size=25).map(tuple),
+    extra=st.just({}) | st.dictionaries(st.text(max_size=4), st.integers(0, 2**64 - 1) | st.text(max_size=4),
+                                        max_size=3),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(env=st.one_of(envelopes, edge_envelopes))
+def test_envelope_payload_writes_the_bytes_of_the_encoder_before_it_and_of_cbor2(env: Envelope) -> None:
+    """Same bytes, so no format change: the new encoder against the old one and against cbor2, over generated
+    envelopes and every CBOR length boundary of every field (integers, texts, arrays)."""
+    new = envelope_payload(*_fields(env))
+    assert new == _envelope_payload_before_issue_18(env) == cbor2.dumps(env.to_map())
+    assert env.to_payload() == new
+    assert decode_payload(RecordType.ENVELOPE, new) == env
+
+
+@pytest.mark.parametrize("n", _EDGES)
+def test_envelope_payload_at_each_integer_boundary_in_each_field(n: int) -> None:
+    base = Envelope(make_pos(1, 32), "s@x", ("r@y",), (make_pos(1, 0),), 4096, 1_800_000_000_000)
+    for name in ("message_id", "body_size", "arrival_ms", "attempts", "replaces"):
+        env = attrs.evolve(base, **{name: n})  # type: ignore[arg-type]
+        assert envelope_payload(*_fields(env)) == _envelope_payload_before_issue_18(env) == cbor2.dumps(env.to_map())
+    env = attrs.evolve(base, body=(n, make_pos(2**32 - 1, 2**32 - 1), n))
+    assert envelope_payload(*_fields(env)) == cbor2.dumps(env.to_map())
+
+
+def test_envelope_payload_outside_its_fast_subset_is_cbor2s() -> None:
+    """Bignums, negative numbers, bools and int or str subclasses in any field go to cbor2 and still match."""
+    odd = [2**64, 2**70, -1, True, StartKind.ADMIN]
+    for v in odd:
+        for name in ("message_id", "body_size", "arrival_ms", "attempts", "replaces"):
+            env = attrs.evolve(Envelope(make_pos(1, 32), "s", ("r",), (), 1, 2**40), **{name: v})  # type: ignore[arg-type]
+            assert envelope_payload(*_fields(env)) == cbor2.dumps(env.to_map())
+        env = Envelope(make_pos(1, 32), "s", ("r",), (v, make_pos(1, 0)), 1, 2**40)
+        assert envelope_payload(*_fields(env)) == cbor2.dumps(env.to_map())
+
+    class Name(str):
+        pass
+
+    env = Envelope(make_pos(1, 32), Name("s"), (Name("r"),), (), 1, 2**40, in_doubt=(Name("r"),))
+    assert envelope_payload(*_fields(env)) == cbor2.dumps(env.to_map())
+    with pytest.raises(UnicodeEncodeError):
+        envelope_payload(1, "s", ("\udc80",), (), 0, 0)

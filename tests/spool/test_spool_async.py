@@ -69,6 +69,38 @@ async def test_next_due_wakes_for_new_mail_without_time_passing(tmp_path: Path,
             assert trio.current_time() == t0
 
 
+async def test_next_due_at_the_active_limit_wakes_when_a_finish_frees_room(tmp_path: Path) -> None:
+    """A finish wakes next_due only when it frees room under active_limit (no wake-up per finish otherwise).
+
+    With no room, next_due waits on no timer, and the lazy commit of the FINISH is an hour away: only the
+    finish's own wake-up can end the wait before the 30 s bound.
+    """
+    clock = Clock()
+    async with running_spool(tmp_path, spool_config(clock, active_limit=1, lazy_commit_delay=3600.0)) as aspool:
+        first, second = await aspool.enqueue_many([("s@src.example", ["r@dest.example"], b"m%d" % i)
+                                                   for i in range(2)])
+        (attempt,) = await aspool.next_due()
+        assert attempt.message_id == first
+        got: list[int] = []
+        returned = trio.Event()
+
+        async def waiter() -> None:
+            got.extend(a.message_id for a in await aspool.next_due())
+            returned.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []  # the second is due, but there is no room
+            await aspool.record_delivery(attempt, [Outcome("r@dest.example", Status.DELIVERED, 250)])
+            await trio.testing.wait_all_tasks_blocked()  # the commit's wake-up came and went: no room yet
+            assert got == []
+            aspool.finish(attempt)
+            with trio.fail_after(30):
+                await returned.wait()
+            assert got == [second]
+
+
 async def test_next_due_returns_at_once_when_mail_is_waiting(tmp_path: Path,
                                                              mock_clock: trio.testing.MockClock) -> None:
     clock = Clock()

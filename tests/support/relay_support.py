@@ -33,6 +33,7 @@ from mta.smtp.server import (
     NeedData,
     Quit,
     RcptTo,
+    Rset,
     ServerConnection,
     StartTls,
 )
@@ -142,6 +143,12 @@ class NextHop:
         self.connections = 0
         self.closed = 0  # connections ended, whoever ended them
         self.hang_up_after_message = False  # close the connection after each message's reply, without QUIT
+        # What a connection that already carried a message does with its next MAIL: "eof" (close, no reply),
+        # "421" (421, then close), or None (take it). A server that closed it while the client's MAIL was on
+        # its way.
+        self.drop_reused: str | None = None
+        self.stall_at: str | None = None  # "rcpt" or "end of data": never reply there (a hung next hop)
+        self.rsets = 0
         self.port = 0
         self._changed = trio.Event()
 
@@ -188,6 +195,7 @@ class NextHop:
         stream: trio.abc.Stream = tcp
         conn = ServerConnection("nexthop.test", tls_available=self.ssl_context is not None)
         sender, rcpts, data = "", list[str](), bytearray()
+        carried = 0
         try:
             while True:
                 out = conn.data_to_send()
@@ -199,9 +207,18 @@ class NextHop:
                     if out:
                         await stream.send_all(out)
                     conn.receive_data(await stream.receive_some(65536))
+                elif isinstance(ev, MailFrom) and carried and self.drop_reused is not None:
+                    if self.drop_reused == "421":
+                        await stream.send_all(b"421 4.4.2 nexthop.test closing: idle too long\r\n")
+                    await stream.aclose()
+                    return
                 elif isinstance(ev, MailFrom):
                     sender, rcpts, data = ev.address, [], bytearray()
                     conn.accept()
+                elif isinstance(ev, Rset):
+                    self.rsets += 1
+                elif isinstance(ev, RcptTo) and self.stall_at == "rcpt":
+                    await trio.sleep_forever()
                 elif isinstance(ev, RcptTo):
                     refuse = self.policy("rcpt", ev.address)
                     if refuse is None:
@@ -211,7 +228,10 @@ class NextHop:
                         conn.reject(refuse)
                 elif isinstance(ev, DataChunk):
                     data += ev.data
+                elif isinstance(ev, EndOfData) and self.stall_at == "end of data":
+                    await trio.sleep_forever()
                 elif isinstance(ev, EndOfData):
+                    carried += 1
                     await self.take(conn, Received(sender, rcpts, bytes(data), tls=conn.tls_active))
                     if self.hang_up_after_message:
                         await stream.send_all(conn.data_to_send())

@@ -9,8 +9,10 @@ starts its SparkSession (timed apart: ``session_start_s``), warms the Python
 workers with a ``count()``, then ``--repeat`` times runs the plain reader
 (one process: the log reader and ``decode_payload`` over every segment, as
 ``spark_bench.plain_reader``) and right after it the ``logspool`` data source
-written to Spark's ``noop`` sink, so every ratio comes from a pair measured
-together (A B A B); then ``--reports`` times the whole report job
+as the job reads it (``mta.report.job.read_records``) written to Spark's
+``noop`` sink, so every ratio comes from a pair measured together (A B A B),
+each with its CPU per record; ``--java-options`` replaces local mode's JVM
+options for A/B runs; then ``--reports`` times the whole report job
 (``mta.report.job.run_report``: decode into Parquet, the three tables, the
 figures, report.txt and report.html). ``cluster`` starts a standalone master
 and one worker (2 cores) from the pyspark install on 127.0.0.1
@@ -83,7 +85,9 @@ def tree_cpu_s() -> float:
     return sum(t for pid, t in cpu.items() if below(pid))
 
 
-def child(directory: str, config: str, expect: int, repeat: int, reports: int) -> dict[str, Any]:
+def child(directory: str, config: str, expect: int, repeat: int, reports: int, java_options: str | None = None
+          ) -> dict[str, Any]:
+    from mta.report import job
     from mta.report.job import run_report
     from mta.report.session import make_session
 
@@ -103,9 +107,12 @@ def child(directory: str, config: str, expect: int, repeat: int, reports: int) -
         master = config
     try:
         t0 = time.perf_counter()
-        spark = make_session(master, app="logspool-report-bench")
+        conf = {} if java_options is None else {"spark.driver.extraJavaOptions": java_options}
+        spark = make_session(master, app="logspool-report-bench", conf=conf)
         started = time.perf_counter() - t0
-        df = spark.read.format("logspool").load(inputs)
+        # As the job reads them (a checkout before read_records: the data source's defaults, for A/B runs).
+        read = getattr(job, "read_records", None)
+        df = read(spark, inputs) if read is not None else spark.read.format("logspool").load(inputs)
         first, n = timed(df.count)
         if n != expect:
             raise SystemExit(f"{config}: {n} rows, expected {expect}")
@@ -148,6 +155,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="read pairs (plain, Spark) per configuration")
     ap.add_argument("--reports", type=int, default=1, help="whole report runs per configuration")
     ap.add_argument("--configs", default="local[1],local[2],cluster,python")
+    ap.add_argument("--java-options", default=None,
+                    help="the driver JVM's options instead of mta.report.session.LOCAL_JAVA_OPTIONS (A/B runs)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     files = expand_paths(fleet_inputs(args.dir))
@@ -155,7 +164,7 @@ def main() -> None:
         raise SystemExit(f"report_bench: no segments under {args.dir} (make them with fleet_sim.py)")
     if args.child:
         config, expect = args.child.rsplit(":", 1)
-        print(json.dumps(child(args.dir, config, int(expect), args.repeat, args.reports)))
+        print(json.dumps(child(args.dir, config, int(expect), args.repeat, args.reports, args.java_options)))
         return
     tp, n = timed(lambda: plain_read(files))
     size = sum(os.path.getsize(f) for f in files)
@@ -169,8 +178,9 @@ def main() -> None:
             print(f"python (no Spark): report {r['report_s']:.1f} s (load {r['load_avg_1m']:.1f})", file=sys.stderr)
             result["results"].append(r)
             continue
+        extra = [] if args.java_options is None else [f"--java-options={args.java_options}"]
         proc = subprocess.run([sys.executable, __file__, args.dir, "--repeat", str(args.repeat), "--reports",
-                               str(args.reports), "--child", f"{config}:{n}"],
+                               str(args.reports), *extra, "--child", f"{config}:{n}"],
                               stdout=subprocess.PIPE, text=True, check=True)
         c = json.loads(proc.stdout.strip().splitlines()[-1])
         pairs = c["pairs"]
@@ -179,8 +189,9 @@ def main() -> None:
         c["plain_rps_same_run"] = statistics.median(p["plain_rps"] for p in pairs)
         c["report_s"] = statistics.median(w["report_s"] for w in c["reports"]) if c["reports"] else None
         ratios = ", ".join(f"{p['spark_rps'] / p['plain_rps']:.2f}" for p in pairs)
+        cpus = ", ".join(f"{p['spark_cpu_s'] / n * 1e6:.2f} ({p['plain_cpu_s'] / n * 1e6:.2f})" for p in pairs)
         print(f"{config}: read {c['rps']:,.0f} records/s, {c['ratio_vs_plain']:.2f}x plain (pairs "
-              f"{ratios}); session start "
+              f"{ratios}); CPU us/record {cpus}; session start "
               f"{c['session_start_s']:.1f} s; report {c['report_s'] or 0:.1f} s; load "
               f"{statistics.median(p['load_avg_1m'] for p in pairs):.1f}", file=sys.stderr, flush=True)
         result["results"].append(c)

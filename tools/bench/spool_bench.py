@@ -6,9 +6,10 @@ What it measures (benchmarks, never timed tests: docs/benchmarks.md), each as th
 of several runs:
 
 1. Envelope records appended durably in batches of 1,000 through the engine's
-   append path (Envelope -> CBOR -> frame -> LogWriter, one fdatasync per
-   batch), next to a bare loop that does only CBOR + framing + pwrite +
-   fdatasync; plus ``Spool.enqueue_many`` (body + envelope) for reference.
+   append path (fields -> CBOR -> frame -> LogWriter, one fdatasync per
+   batch), next to a bare loop that does only CBOR (cbor2.dumps) + framing +
+   pwrite + fdatasync of records of the same size and shape; plus
+   ``Spool.enqueue_many`` (body + envelope) for reference.
 2. One-at-a-time durable enqueue through ``AsyncSpool`` (trio group commit) at
    concurrency 1, 10 and 100: messages/s and fsyncs per message.
 3. A runner pass over a garbage-heavy log (bodies, garbage envelopes, START,
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import io
 import json
 import math
@@ -53,6 +55,7 @@ from spool.record import (
     Start,
     Status,
     encode_frame,
+    envelope_payload,
     make_pos,
 )
 from spool.runner import Runner
@@ -72,7 +75,13 @@ DEFERRED = Outcome(RCPTS[0], Status.DEFERRED, 451, "4.3.0", "451 4.3.0 try again
 def bare_append(path: str, n: int) -> tuple[float, float, float]:
     """CBOR + framing + pwrite + fdatasync per 1,000 records, no engine: the floor.
 
-    Returns (records/s, seconds spent in fdatasync, records per CPU-second)."""
+    The records are the engine's, byte for byte in size and shape: the ids are
+    positions (segment 1, so 9-byte CBOR integers, as the engine's are), not file
+    offsets (which made each record 8 bytes shorter until issue 18 noticed). One id
+    per batch, computed once: that costs the bare loop nothing per record.
+
+    Returns (records/s, seconds spent in commit: pwrite + fdatasync, as the engine's is
+    timed, records per CPU-second)."""
     fd = os.open(os.path.join(path, "bare.log"), os.O_RDWR | os.O_CREAT, 0o600)
     pack = HEADER.pack
     off = 0
@@ -83,15 +92,16 @@ def bare_append(path: str, n: int) -> tuple[float, float, float]:
     t0 = time.perf_counter()
     for _ in range(n // BATCH):
         buf = bytearray()
+        pos = make_pos(1, SEGMENT_HEADER_SIZE + off)
         for _ in range(BATCH):
-            payload = cbor2.dumps({0: off, 1: SENDER, 2: list(RCPTS), 3: [off], 4: 1024, 5: ms, 6: 0})
+            payload = cbor2.dumps({0: pos, 1: SENDER, 2: list(RCPTS), 3: [pos], 4: 1024, 5: ms, 6: 0})
             head = pack(0, len(payload), 1, 0, 0, 0, now)
             crc = crc32c(payload, crc32c(head[10:], crc32c(head[4:9])))
             buf += pack(crc, len(payload), 1, 0, 0, 0, now)
             buf += payload
+        ts = time.perf_counter()
         os.pwrite(fd, buf, off)
         off += len(buf)
-        ts = time.perf_counter()
         os.fdatasync(fd)
         t_sync += time.perf_counter() - ts
     dt = time.perf_counter() - t0
@@ -101,7 +111,8 @@ def bare_append(path: str, n: int) -> tuple[float, float, float]:
 
 
 def engine_append(path: str, n: int) -> tuple[float, float, float]:
-    """Envelope records through the engine: Envelope.to_payload, LogWriter.append, Spool.commit.
+    """Envelope records through the engine: envelope_payload, LogWriter.append, Spool.commit (the path
+    ``SpoolCore.append_message`` takes for a new message's envelope).
 
     Returns (records/s, seconds spent in commit: pwrite + fdatasync, records per CPU-second)."""
     sp = Spool.open(path, NO_CHECKPOINTS)
@@ -112,18 +123,20 @@ def engine_append(path: str, n: int) -> tuple[float, float, float]:
         t_sync = 0.0
         c0 = time.process_time()
         t0 = time.perf_counter()
+        fsyncs = w.fsyncs
         for _ in range(n // BATCH):
             now = clock()  # once per batch, as a batch API takes it: the records share their second
             for _ in range(BATCH):
                 head = w.head
-                env = Envelope(head, SENDER, RCPTS, (head,), 1024, ms)
-                w.append(RecordType.ENVELOPE, env.to_payload(), klass=0, now=now)
+                w.append(RecordType.ENVELOPE, envelope_payload(head, SENDER, RCPTS, (head,), 1024, ms), klass=0,
+                         now=now)
             ts = time.perf_counter()
             sp.commit()
             t_sync += time.perf_counter() - ts
         dt = time.perf_counter() - t0
         cpu = time.process_time() - c0
-        assert w.commits >= n // BATCH
+        # The same fsync count as the bare loop's: one fdatasync a batch, nothing else (no directory sync).
+        assert w.fsyncs - fsyncs == n // BATCH, (w.fsyncs - fsyncs, n // BATCH)
         return n / dt, t_sync, n / cpu
     finally:
         sp.close()
@@ -150,6 +163,7 @@ def bench_append(n: int, runs: int) -> dict[str, Any]:
     bare_cpu: list[float] = []
     eng_cpu: list[float] = []
     syncs: list[float] = []
+    bare_syncs: list[float] = []
     bare_pcpu: list[float] = []
     eng_pcpu: list[float] = []
     for r in range(runs):
@@ -164,22 +178,76 @@ def bench_append(n: int, runs: int) -> dict[str, Any]:
         eng.append(e)
         many.append(m)
         ratios.append(e / b)
-        # The same figures without the time spent waiting for the disk (fdatasync, or commit = pwrite + fdatasync).
+        # The same figures without the time spent in commit (pwrite + fdatasync, timed alike on both sides).
         bare_cpu.append(n / (n / b - b_sync))
         eng_cpu.append(n / (n / e - e_sync))
         bare_pcpu.append(b_cpu)
         eng_pcpu.append(e_cpu)
-        syncs += [b_sync / (n // BATCH) * 1000, e_sync / (n // BATCH) * 1000]
+        bare_syncs.append(b_sync / (n // BATCH) * 1000)
+        syncs.append(e_sync / (n // BATCH) * 1000)
         say(f"  run {r + 1}: bare {fmt(b)}/s  engine {fmt(e)}/s  enqueue_many {fmt(m)} msg/s; "
-            f"without sync time: bare {fmt(bare_cpu[-1])}/s engine {fmt(eng_cpu[-1])}/s; "
+            f"without commit time: bare {fmt(bare_cpu[-1])}/s engine {fmt(eng_cpu[-1])}/s; "
             f"per CPU-second: bare {fmt(b_cpu)} engine {fmt(e_cpu)}; "
-            f"sync per batch {syncs[-2]:.1f} / {syncs[-1]:.1f} ms (load {common.load_average()})")
+            f"commit (pwrite+fdatasync) per batch: bare {bare_syncs[-1]:.2f} engine {syncs[-1]:.2f} ms "
+            f"(load {common.load_average()})")
     return {"bare_rps": median(bare), "engine_rps": median(eng), "enqueue_many_mps": median(many),
             "ratio": median(ratios), "bare_best": max(bare), "engine_best": max(eng),
             "bare_rps_nosync": median(bare_cpu), "engine_rps_nosync": median(eng_cpu),
             "ratio_nosync": median([e / b for e, b in zip(eng_cpu, bare_cpu)]), "sync_ms": median(syncs),
+            "bare_sync_ms": median(bare_syncs),
             "bare_rps_cpu": median(bare_pcpu), "engine_rps_cpu": median(eng_pcpu),
             "ratio_cpu": median([e / b for e, b in zip(eng_pcpu, bare_pcpu)])}
+
+
+def probe_file(path: str, kind: str, batches: int, size: int) -> float:
+    """Median fdatasync (ms) after each write of ``size`` bytes appended to a file that is ``kind``:
+    "growing" (the spool's segments, and the bare loop's file), "fallocated" (posix_fallocate: unwritten
+    extents), "keep_size" (the same with FALLOC_FL_KEEP_SIZE: blocks held, the size still grows with the
+    writes, so a reader sees what it sees now) or "zeroed" (every block written and synced first)."""
+    name = os.path.join(path, kind)
+    fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        total = batches * size
+        if kind == "fallocated":
+            os.posix_fallocate(fd, 0, total)
+        elif kind == "keep_size":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+            if libc.fallocate(fd, 1, 0, total) != 0:  # 1: FALLOC_FL_KEEP_SIZE
+                raise OSError(ctypes.get_errno(), "fallocate(FALLOC_FL_KEEP_SIZE)")
+        elif kind == "zeroed":
+            zeros = bytes(1 << 20)
+            for off in range(0, total, len(zeros)):
+                os.pwrite(fd, zeros, off)
+        os.fsync(fd)
+        dfd = os.open(path, os.O_RDONLY)
+        os.fsync(dfd)
+        os.close(dfd)
+        data = os.urandom(size)
+        lat = []
+        for i in range(batches):
+            os.pwrite(fd, data, i * size)
+            t = time.perf_counter()
+            os.fdatasync(fd)
+            lat.append(time.perf_counter() - t)
+        return median(lat) * 1000
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def bench_file_probe(runs: int, batches: int = 60, size: int = 91_000) -> dict[str, float]:
+    """Why a commit costs what it does on this disk: the fdatasync after a 1,000-envelope batch (91 kB) into
+    a growing, a fallocated, a fallocated-keeping-its-size and a zero-filled file, interleaved."""
+    kinds = ("growing", "fallocated", "keep_size", "zeroed")
+    res: dict[str, list[float]] = {k: [] for k in kinds}
+    with common.temp_dir("probe") as d:
+        for r in range(runs):
+            for k in kinds:
+                res[k].append(probe_file(d, k, batches, size))
+            say(f"  run {r + 1}: median fdatasync after a {size:,}-byte write: "
+                + ", ".join(f"{k} {res[k][-1]:.3f} ms" for k in kinds) + f" (load {common.load_average()})")
+    return {f"fdatasync_ms_{k}": median(v) for k, v in res.items()}
 
 
 # -- 2. group commit: one-at-a-time enqueue at concurrency c --------------------------
@@ -519,8 +587,9 @@ def bench_micro(repeats: int) -> dict[str, float]:
 
     def bare() -> None:
         buf = bytearray()
-        for off in range(BATCH):
-            payload = cbor2.dumps({0: off, 1: SENDER, 2: list(RCPTS), 3: [off], 4: 1024, 5: ms, 6: 0})
+        pos = make_pos(1, SEGMENT_HEADER_SIZE)
+        for _ in range(BATCH):
+            payload = cbor2.dumps({0: pos, 1: SENDER, 2: list(RCPTS), 3: [pos], 4: 1024, 5: ms, 6: 0})
             head = pack(0, len(payload), 1, 0, 0, 0, now)
             crc = crc32c(payload, crc32c(head[10:], crc32c(head[4:9])))
             buf += pack(crc, len(payload), 1, 0, 0, 0, now)
@@ -537,8 +606,8 @@ def bench_micro(repeats: int) -> dict[str, float]:
                 now = clock()
                 for _ in range(BATCH):
                     head = w.head
-                    env = Envelope(head, SENDER, RCPTS, (head,), 1024, ms)
-                    w.append(RecordType.ENVELOPE, env.to_payload(), klass=0, now=now)
+                    w.append(RecordType.ENVELOPE, envelope_payload(head, SENDER, RCPTS, (head,), 1024, ms),
+                             klass=0, now=now)
 
             for name, fn in (("bare", bare), ("engine", engine)):
                 best = math.inf
@@ -599,7 +668,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
     ap.add_argument("--runs", type=int, default=0, help="runs per figure (default 3)")
     ap.add_argument("--only", default="append,commit,scan,recovery,micro",
-                    help="comma-separated sections to run (default: all)")
+                    help="comma-separated sections to run (default: all but probe; also: probe, fdatasync into "
+                         "growing / fallocated / zero-filled files)")
     ap.add_argument("--sizes", default="", help="recovery queue sizes, comma-separated (default by mode)")
     ap.add_argument("--profile", action="store_true", help="cProfile the hot paths instead of benchmarking")
     ap.add_argument("--child-build-engine", nargs=2, metavar=("DIR", "N"), help=argparse.SUPPRESS)
@@ -656,11 +726,12 @@ def main() -> None:
             ["engine envelope appends, records/s", fmt(app["engine_rps"]), ">= 200,000",
              targets["batched_append_200k"]],
             ["engine / bare (median of paired runs)", f"{app['ratio']:.2f}", "", ""],
-            ["same without time in sync: bare, engine, ratio",
+            ["same without time in commit: bare, engine, ratio",
              f"{fmt(app['bare_rps_nosync'])}, {fmt(app['engine_rps_nosync'])}, {app['ratio_nosync']:.2f}", "", ""],
             ["same per CPU-second: bare, engine, ratio",
              f"{fmt(app['bare_rps_cpu'])}, {fmt(app['engine_rps_cpu'])}, {app['ratio_cpu']:.2f}", "", ""],
-            ["commit (pwrite+fdatasync) per 1,000-record batch, ms", f"{app['sync_ms']:.1f}", "", ""],
+            ["commit (pwrite+fdatasync) per 1,000-record batch, ms: bare, engine",
+             f"{app['bare_sync_ms']:.2f}, {app['sync_ms']:.2f}", "", ""],
             ["enqueue_many (body+envelope), msg/s", fmt(app["enqueue_many_mps"]), "", ""],
         ]
         result.update({
@@ -671,11 +742,22 @@ def main() -> None:
             "bare_append_rps_nosync": round(app["bare_rps_nosync"]),
             "append_ratio_nosync": round(app["ratio_nosync"], 3),
             "commit_ms_per_batch": round(app["sync_ms"], 2),
+            "bare_commit_ms_per_batch": round(app["bare_sync_ms"], 2),
             "batched_append_rps_cpu": round(app["engine_rps_cpu"]),
             "bare_append_rps_cpu": round(app["bare_rps_cpu"]),
             "append_ratio_cpu": round(app["ratio_cpu"], 3),
             "enqueue_many_mps": round(app["enqueue_many_mps"]),
         })
+
+    if "probe" in only:
+        say("\n[1b] fdatasync after appending into a growing, a fallocated (with and without its size) and a "
+            "zero-filled file")
+        probe = bench_file_probe(runs)
+        rows.append(["fdatasync after a 91 kB write, ms: growing, fallocated, keep-size, zero-filled file",
+                     ", ".join(f"{probe[f'fdatasync_ms_{k}']:.3f}"
+                               for k in ("growing", "fallocated", "keep_size", "zeroed")),
+                     "", ""])
+        result.update({k: round(v, 3) for k, v in probe.items()})
 
     if "commit" in only:
         say(f"\n[2] one-at-a-time durable enqueue via AsyncSpool, 1 KiB body, {duration:.0f}s per run")

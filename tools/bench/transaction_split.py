@@ -277,7 +277,9 @@ async def bench(args: argparse.Namespace, work: str) -> list[dict[str, Any]]:
     sink = Sink(free_port())
     try:
         # relay_vs_postfix's relay, in this process (port 0: the listener's own port is read back).
-        text = LOGSPOOL_TOML.format(port=0, dir=work, sink_port=sink.port, max_sessions=200, processes="")
+        text = LOGSPOOL_TOML.format(port=0, dir=work, sink_port=sink.port, max_sessions=200, processes="",
+                                    delivery=f"processes = {args.delivery_processes}\n" if args.delivery_processes
+                                    else "")
         config = parse_config(text, source=os.path.join(work, "bench.toml"), base_dir=work)
         line = Timeline()
         clock = StepClock(line)
@@ -307,6 +309,8 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--sessions", type=int, default=1,
                     help="concurrent sessions (above 1 the phases mix sessions: read the CPU figures only)")
+    ap.add_argument("--delivery-processes", type=int, default=0,
+                    help="[delivery] processes: SMTP deliveries in this many worker processes (default 0)")
     ap.add_argument("--profile", metavar="FILE", help="also cProfile the event loop's thread on its CPU clock "
                     "(time.thread_time: other processes' load does not show) into FILE (pstats)")
     args = ap.parse_args()

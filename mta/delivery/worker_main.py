@@ -1,0 +1,228 @@
+"""A delivery worker: the SMTP transport in its own process and trio loop, fed by the relay over a socketpair.
+
+``python -P -m mta.delivery.worker_main FD INDEX`` (``mta.delivery.workers``
+starts it; nobody else should). FD is this process's end of the socketpair.
+The first frame is the relay's config; then every ``batch`` frame is handed
+to one ``SmtpTransport`` (its connection cache, MX lookups, TLS policies and
+TLS-RPT journal are this process's), each outcome is sent back the moment
+the next hop answers, and the batch ends with ``done`` or ``failed``.
+
+Crash-only, as the relay: there is no shutdown. The relay ends a worker with
+SIGKILL; a worker whose relay died sees EOF on its socket and exits at once,
+cancelling whatever it was sending (the relay's recovery names those
+messages in doubt, as after any crash mid-delivery).
+
+What the transport logs and counts goes back to the relay (``log`` and
+``tls_policy`` frames) and comes out of the relay's own log handler and
+metrics. Only the line that this worker is leaving because its relay is gone
+is written here, to the stderr it shares with the relay, since there is no
+relay left to write it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import socket
+import sys
+import traceback
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import trio
+
+from mta.config import Config
+from mta.delivery.worker_protocol import (
+    FrameReader,
+    ProtocolError,
+    decode_destination,
+    encode,
+    encode_outcomes,
+    job_from,
+)
+from mta.observe import logline
+
+log = logging.getLogger("mta.worker")
+# Read this much from the socket at a time.
+RECEIVE_SIZE = 256 * 1024
+
+
+class BodyUnavailable(Exception):
+    """The relay could not read a body this worker asked for (damaged data, say): the batch fails."""
+
+
+class PulledBody:
+    """A big body read from the relay chunk by chunk as the transport sends it; again from the start on a retry.
+
+    Why not inline: a 50 MB body would sit whole in both processes' memory;
+    this way one chunk (one DATA record) is in flight at a time.
+    """
+
+    def __init__(self, worker: Worker, batch: int, index: int) -> None:
+        self.worker = worker
+        self.batch = batch
+        self.index = index
+
+    def __iter__(self) -> Iterator[bytes]:
+        raise TypeError("a body pulled from the relay is read with async for")
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        k = 0
+        while True:
+            chunk = await self.worker.pull(self.batch, self.index, k)
+            if chunk is None:
+                return
+            yield chunk
+            k += 1
+
+
+class _Forward(logging.Handler):
+    """Every record the transport logs, as a ``log`` frame for the relay's own handler."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tb = "".join(traceback.format_exception(*record.exc_info)) if record.exc_info and record.exc_info[0] \
+            else None
+        msg = record.msg
+        if isinstance(msg, logline.LogEvent):
+            body: list[Any] = [msg.name, msg.qid, dict(msg.fields)]
+        else:
+            body = [None, None, record.getMessage()]
+        self.worker.send(["log", record.name, record.levelno, record.created, *body, tb])
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, index: int) -> None:
+        self.sock = trio.socket.from_stdlib_socket(sock)
+        self.index = index
+        self.transport: Any = None  # the SmtpTransport, once the config came
+        self._out_send, self._out_recv = trio.open_memory_channel[bytes](math.inf)
+        self._reader = FrameReader()
+        self._pulls: dict[tuple[int, int, int], trio.Event] = {}
+        self._chunks: dict[tuple[int, int, int], tuple[bytes | None, str | None]] = {}
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.format = "text"  # the relay's [log] format, for the one line written here
+
+    def send(self, message: list[Any]) -> None:
+        """Queue a frame for the relay; callable from this loop's tasks and from worker threads."""
+        frame = encode(message)
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            if self._token is not None:  # a worker thread (a policy cache's file write, say) logged
+                trio.from_thread.run_sync(self._out_send.send_nowait, frame, trio_token=self._token)
+            return
+        self._out_send.send_nowait(frame)
+
+    async def _sender(self) -> None:
+        async for frame in self._out_recv:
+            view = memoryview(frame)
+            while view:
+                sent = await self.sock.send(view)
+                view = view[sent:]
+
+    async def pull(self, batch: int, index: int, k: int) -> bytes | None:
+        key = (batch, index, k)
+        self._pulls[key] = done = trio.Event()
+        self.send(["read", batch, index, k])
+        try:
+            await done.wait()
+        finally:
+            self._pulls.pop(key, None)
+        data, error = self._chunks.pop(key)
+        if error is not None:
+            raise BodyUnavailable(error)
+        return data
+
+    async def run(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sender)
+            while True:
+                data = await self.sock.recv(RECEIVE_SIZE)
+                if not data:
+                    gone(self.index, self.format)
+                    nursery.cancel_scope.cancel()
+                    return
+                for message in self._reader.feed(data):
+                    await self._dispatch(nursery, message)
+
+    async def _dispatch(self, nursery: trio.Nursery, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == "config":
+            await self._configure(nursery, pickle.loads(message[1]), int(message[2]))
+        elif kind == "batch":
+            nursery.start_soon(self._deliver, message)
+        elif kind == "chunk":
+            _, batch, index, k, data, error = message
+            key = (int(batch), int(index), int(k))
+            done = self._pulls.get(key)
+            if done is not None:
+                self._chunks[key] = (data, error)
+                done.set()
+        else:
+            raise ProtocolError(f"a {kind!r} frame from the relay")
+
+    async def _configure(self, nursery: trio.Nursery, config: Config, level: int) -> None:
+        from mta.delivery.smtp_transport import SmtpTransport
+
+        self.format = config.log.format
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.addHandler(_Forward(self))
+        root.setLevel(level)
+        transport = SmtpTransport(config)
+        transport.policies.observers.append(lambda policy, result: self.send(["tls_policy", policy, result]))
+        await nursery.start(transport.cache.run)  # the TLS-RPT roll-up is the relay's, once for all workers
+        self.transport = transport
+        self.send(["ready", os.getpid()])
+
+    async def _deliver(self, message: list[Any]) -> None:
+        _, batch, dest_item, jobs_items = message
+        dest = decode_destination(dest_item)
+        jobs = [job_from(header, body if body is not None else PulledBody(self, batch, i))
+                for i, (header, body) in enumerate(jobs_items)]
+
+        sent: set[int] = set()
+
+        def on_outcome(i: int, outcomes: list[Any]) -> None:
+            sent.add(i)
+            self.send(["outcome", batch, i, encode_outcomes(outcomes)])
+
+        before = self.transport.cache.reused
+        try:
+            results = await self.transport.deliver(dest, jobs, on_outcome)
+        except Exception as exc:  # the relay defers the batch as a local error and logs it
+            self.send(["failed", batch, f"{type(exc).__name__}: {exc}",
+                       "".join(traceback.format_exception(exc))])
+            return
+        # A job's outcomes already sent as they came are not sent again (None in their place).
+        self.send(["done", batch, [None if i in sent else encode_outcomes(r) for i, r in enumerate(results)],
+                   self.transport.cache.reused - before])
+
+
+def gone(index: int, fmt: str) -> None:
+    """The relay's end of the socket closed: it died (or killed this worker's socket). Say so where we can."""
+    line = logging.LogRecord("mta.worker", logging.WARNING, __file__, 0, "%s", None, None)
+    line.msg = logline.LogEvent("worker_exit", None, {"worker": index, "worker_pid": os.getpid(),
+                                                      "reason": "the relay is gone (EOF on its socket)"})
+    formatter = logline.JsonFormatter() if fmt == "json" else logline.TextFormatter()
+    sys.stderr.write(formatter.format(line) + "\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str]) -> int:
+    fd, index = int(argv[0]), int(argv[1])
+    sock = socket.socket(fileno=fd)
+    trio.run(Worker(sock, index).run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,118 @@
+"""What the relay and its delivery workers say to each other over their socketpair: frames, and their codec.
+
+Theory of operation. A frame is a 4-byte big-endian length followed by that
+many bytes of CBOR: a list whose first item names the message. The relay
+writes ``config`` once, then ``batch`` frames (a destination and its jobs,
+small bodies inline) and ``chunk`` frames (a piece of a big body the worker
+asked for with ``read``). The worker answers ``outcome`` as each job's next
+hop answers, then ``done`` (every job's outcomes) or ``failed`` (the
+transport raised: the relay defers the batch as a local error); ``log`` and
+``tls_policy`` frames carry what the transport logs and counts, so the
+relay's log and metrics see them as before.
+
+Why CBOR and not pickle for the traffic: the worker talks to the world (next
+hops, DNS), and what it sends back must never be able to run code in the
+relay, which holds the spool. The config alone is pickled, relay to worker:
+the worker trusts its parent, and a Config is attrs records the codec does
+not know.
+
+``FrameReader`` is sans-IO (bytes in, frames out) so the tests cut frames
+anywhere; ``FrameTooLong`` is a bug or a corrupt peer, never a peer on the
+network: the socketpair has no one else on it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import cbor2
+
+from mta.delivery.transport import Destination, Job
+from spool.record import Outcome, Status
+
+__all__ = ["MAX_FRAME", "FrameReader", "FrameTooLong", "ProtocolError", "decode_destination", "decode_outcomes",
+           "destination_item", "encode", "encode_outcomes", "job_from", "job_header"]
+
+_LENGTH = struct.Struct(">I")
+# The largest frame either side sends: a batch whose bodies are inline is at most
+# max_messages_per_connection x INLINE_BODY; bigger bodies go in chunks of one DATA record.
+MAX_FRAME = 1 << 30
+
+
+class ProtocolError(Exception):
+    """A frame the other side should never have sent: the worker is ended and started again."""
+
+
+class FrameTooLong(ProtocolError):
+    pass
+
+
+def encode(message: Sequence[Any]) -> bytes:
+    """One frame: the length, then the CBOR of ``message`` (a list whose first item is its kind)."""
+    payload = cbor2.dumps(list(message))
+    if len(payload) > MAX_FRAME:
+        raise FrameTooLong(f"a {message[0]} frame of {len(payload)} bytes (at most {MAX_FRAME})")
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Bytes as they arrive -> whole frames, each a decoded list; a frame may span any number of reads."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[list[Any]]:
+        self._buffer += data
+        while len(self._buffer) >= 4:
+            (size,) = _LENGTH.unpack_from(self._buffer)
+            if size > MAX_FRAME:
+                raise FrameTooLong(f"a frame of {size} bytes announced (at most {MAX_FRAME})")
+            if len(self._buffer) < 4 + size:
+                return
+            payload = bytes(self._buffer[4:4 + size])
+            del self._buffer[:4 + size]
+            try:
+                message = cbor2.loads(payload)
+            except (cbor2.CBORDecodeError, ValueError) as exc:
+                raise ProtocolError(f"undecodable frame: {exc}") from None
+            if not isinstance(message, list) or not message or not isinstance(message[0], str):
+                raise ProtocolError(f"a frame that is not [kind, ...]: {type(message).__name__}")
+            yield message
+
+    @property
+    def pending(self) -> int:
+        """Bytes of a frame not yet whole (EOF now cut it)."""
+        return len(self._buffer)
+
+
+def job_header(job: Job) -> list[Any]:
+    """A job without its body: queue id, sender, recipients, size, extra (the envelope's ESMTP parameters)."""
+    return [job.queue_id, job.sender, list(job.recipients), job.size, dict(job.extra)]
+
+
+def job_from(header: Sequence[Any], body: Any) -> Job:
+    qid, sender, rcpts, size, extra = header
+    return Job(str(qid), str(sender), tuple(str(r) for r in rcpts), body, int(size), dict(extra))
+
+
+def decode_destination(item: Sequence[Any]) -> Destination:
+    kind, target, tls = item
+    return Destination(str(kind), str(target), str(tls))
+
+
+def destination_item(dest: Destination) -> list[str]:
+    return [dest.kind, dest.target, dest.tls]
+
+
+def encode_outcomes(outcomes: Sequence[Outcome]) -> list[list[Any]]:
+    return [o.to_list() for o in outcomes]
+
+
+def decode_outcomes(items: Sequence[Any]) -> list[Outcome]:
+    """Outcomes as the worker sent them; raises ProtocolError for anything that is not one."""
+    try:
+        return [Outcome(str(r), Status(int(s)), int(c), str(e), str(t), str(h)) for r, s, c, e, t, h in items]
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"an outcome that is not one: {exc}") from None

@@ -1,0 +1,420 @@
+"""Delivery worker processes: the SMTP client on another core, the spool and its group commit kept here.
+
+Theory of operation. One relay process is one trio loop on one core, and
+about half of its CPU per message is the delivery client (the SMTP
+conversation, TLS, the body's sends). ``DeliveryWorkers`` is a ``Transport``
+that hands each batch (a destination and its jobs) to one of
+``[delivery] processes`` worker processes (``mta.delivery.worker_main``),
+each running the ordinary ``SmtpTransport`` in its own loop, and gives the
+scheduler back their outcomes as they come, as Postfix's qmgr hands
+deliveries to smtp(8) processes. The spool, the claims, the group commit and
+every record stay in the relay: a worker writes nothing but its log lines
+(sent back here) and the TLS-RPT journal (lines appended with O_APPEND,
+safe between processes; the daily roll-up runs here, once).
+
+Bodies. A body the spool has in memory (the common case: mail delivered a
+moment after it came) or one of at most ``INLINE_BODY`` bytes goes inline in
+the batch frame; a bigger one is pulled by the worker chunk by chunk as it
+sends (``read``/``chunk`` frames), so neither process holds it whole. The
+reads happen here, through the spool, so a damaged body is found, named and
+quarantined exactly as without workers and the scheduler sees it on
+``StoredBody.damaged``.
+
+Picking a worker: the one with the fewest batches in flight. A worker holds
+many batches at once (its own trio tasks), so ``processes`` is about cores,
+not about concurrency (that stays ``[delivery] concurrency``).
+
+Crash-only. A worker may die at any moment (kill -9, a bug): its socket
+reaches EOF, and every batch it had in flight ends with ``WorkerLost``,
+which the scheduler defers as a local error (no destination backoff), like
+any deferral retried at its next interval. Outcomes already sent back stand
+(they were recorded as they came); for the rest a duplicate delivery is
+possible, exactly as after a relay crash mid-delivery. The worker is started
+again after a back-off (0.5 s, doubling to 30 s while it dies within 10 s of
+its start), with one log line per death and per start; the relay itself never
+stops because of a worker. A worker whose relay died sees EOF and exits.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import logging
+import math
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+import mta
+from mta.config import Config
+from mta.delivery import mx
+from mta.delivery.tlspolicy.plan import Planner
+from mta.delivery.transport import Destination, Job, OnOutcome, TransportLost, body_chunks
+from mta.delivery.worker_protocol import (
+    FrameReader,
+    ProtocolError,
+    decode_outcomes,
+    destination_item,
+    encode,
+    job_header,
+)
+from mta.observe.logline import LogEvent, event
+from spool.commit import StoredBody
+from spool.record import Outcome
+
+log = logging.getLogger("mta.workers")
+
+# Bodies up to this size go inline in the batch frame; bigger ones not in the spool's cache are pulled.
+INLINE_BODY = 256 * 1024
+RESTART_MIN = 0.5
+RESTART_MAX = 30.0
+# A worker that lived this long before dying is restarted after RESTART_MIN again.
+STABLE_AFTER = 10.0
+# How long a batch waits for a worker to be running before it is deferred.
+WAIT_FOR_WORKER = 30.0
+RECEIVE_SIZE = 256 * 1024
+
+
+class WorkerLost(TransportLost):
+    """The worker delivering this batch died, or none is running: the batch is deferred (a local error)."""
+
+
+class WorkerFailed(RuntimeError):
+    """The transport raised in the worker (a bug there): the batch is deferred, as the scheduler's boundary does."""
+
+
+@attrs.define(eq=False)
+class _Batch:
+    jobs: Sequence[Job]
+    on_outcome: OnOutcome | None
+    done: trio.Event = attrs.field(factory=trio.Event)
+    results: list[list[Outcome]] | None = None
+    error: BaseException | None = None
+    early: dict[int, list[Outcome]] = attrs.field(factory=dict)  # outcomes sent as each job was answered
+    # A pulled body's reader: (job index) -> (next chunk number, the iterator).
+    pulls: dict[int, tuple[int, Any]] = attrs.field(factory=dict)
+
+
+class _Once:
+    """A ``task_status`` that may be told ``started`` any number of times (the first one counts)."""
+
+    def __init__(self, task_status: trio.TaskStatus[None]) -> None:
+        self._status: trio.TaskStatus[None] | None = task_status
+
+    def started(self) -> None:
+        if self._status is not None:
+            status, self._status = self._status, None
+            status.started()
+
+
+class _Worker:
+    """One worker process and the relay's end of its socket."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.pid = 0
+        self.stream: trio.SocketStream | None = None
+        self.ready = False
+        self.batches: dict[int, _Batch] = {}
+        self.send_lock = trio.Lock()
+
+    async def send(self, frame: bytes) -> None:
+        stream = self.stream
+        if stream is None:
+            raise WorkerLost(f"delivery worker {self.index} is not running")
+        async with self.send_lock:
+            try:
+                await stream.send_all(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
+
+
+class DeliveryWorkers:
+    """The ``smtp`` and ``mx`` transports of a relay with ``[delivery] processes`` > 0 (see the module's text).
+
+    ``observers``: told each TLS-policy outcome the workers count, as ``Planner.observers`` are (the
+    relay's metrics). ``reused``: connections the workers took from their caches and found alive.
+    ``deaths``: workers that ended, for tests and the log.
+    """
+
+    def __init__(self, config: Config, count: int) -> None:
+        self.config = config
+        self.count = count
+        self.observers: list[Callable[[str, str], None]] = []
+        self.reused = 0
+        self.deaths = 0
+        self.workers = [_Worker(i) for i in range(count)]
+        self._next_batch = 0
+        self._ready_changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers if w.ready]
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every worker (``started`` once each has said it is ready), keep them running, roll up TLS-RPT."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            r = self.config.delivery.resolver
+            reporter = Planner(self.config, mx.make_resolver(r.host if r else None, r.port if r else 53)).reporter
+            if reporter is not None:
+                await nursery.start(reporter.run)
+            for worker in self.workers:
+                await nursery.start(self._keep, worker)
+            task_status.started()
+
+    async def _keep(self, worker: _Worker, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run ``worker``, and again after each death, with a bounded back-off."""
+        delay = RESTART_MIN
+        first = _Once(task_status)  # the relay starts even if a worker cannot: deliveries wait or defer
+        while True:
+            started = trio.current_time()
+            how = await self._life(worker, first)
+            first.started()
+            lived = trio.current_time() - started
+            delay = RESTART_MIN if lived >= STABLE_AFTER else min(RESTART_MAX, delay * 2)
+            self.deaths += 1
+            event(log, "worker_died", None, level=logging.ERROR, worker=worker.index, worker_pid=worker.pid, status=how,
+                  lived=lived, restart_in=delay)
+            await trio.sleep(delay)
+
+    async def _life(self, worker: _Worker, task_status: _Once) -> str:
+        """One worker process from its start to its death; returns how it ended (``signal 9``, ``exit 1``)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        code_dir = os.path.dirname(os.path.dirname(os.path.abspath(mta.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (code_dir, os.environ.get("PYTHONPATH")) if p))
+        try:
+            process = await trio.lowlevel.open_process(
+                [sys.executable, "-P", "-m", "mta.delivery.worker_main", str(theirs.fileno()), str(worker.index)],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        except OSError as exc:  # out of processes or descriptors: try again after the back-off
+            ours.close()
+            return f"could not start: {exc}"
+        finally:
+            theirs.close()
+        worker.pid = process.pid
+        worker.stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        try:
+            await worker.send(encode(["config", dump_config(self.config), logging.getLogger().getEffectiveLevel()]))
+            await self._converse(worker, task_status)
+        except (WorkerLost, ProtocolError) as exc:
+            if isinstance(exc, ProtocolError):
+                event(log, "worker_protocol", None, level=logging.ERROR, worker=worker.index, worker_pid=worker.pid,
+                      error=str(exc))
+        finally:
+            worker.ready = False
+            stream, worker.stream = worker.stream, None
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+                if process.returncode is None:
+                    process.kill()  # the socket is gone or garbled: this worker is of no use
+                await process.wait()
+            lost = worker.batches
+            worker.batches = {}
+            for batch in lost.values():
+                batch.error = batch.error or WorkerLost(
+                    f"delivery worker {worker.index} (pid {worker.pid}) died during the delivery "
+                    f"({_status(process.returncode)}); the message may have been delivered")
+                batch.done.set()
+        return _status(process.returncode)
+
+    async def _converse(self, worker: _Worker, task_status: _Once) -> None:
+        assert worker.stream is not None and self._nursery is not None
+        reader = FrameReader()
+        while True:
+            try:
+                data = await worker.stream.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, OSError):
+                data = b""
+            if not data:
+                return
+            for message in reader.feed(data):
+                try:
+                    self._take(worker, message, task_status)
+                except (TypeError, ValueError, IndexError, KeyError) as exc:  # a frame with the wrong fields
+                    raise ProtocolError(f"a malformed {message[0]!r} frame: {type(exc).__name__}: {exc}") from None
+
+    def _take(self, worker: _Worker, message: list[Any], task_status: _Once) -> None:
+        """One frame from ``worker``."""
+        assert self._nursery is not None
+        kind = message[0]
+        if kind == "ready":
+            worker.ready = True
+            event(log, "worker_started", None, worker=worker.index, worker_pid=worker.pid)
+            task_status.started()
+            self._wake()
+        elif kind == "log":
+            _relog(worker, message)
+        elif kind == "tls_policy":
+            self._tell(str(message[1]), str(message[2]))
+        elif kind == "read":
+            self._nursery.start_soon(self._serve_read, worker, int(message[1]), int(message[2]),
+                                     int(message[3]))
+        else:
+            self._batch_message(worker, kind, message)
+
+    def _tell(self, policy: str, result: str) -> None:
+        """A TLS-policy outcome to the observers (the metrics); a broken observer costs its count, nothing more."""
+        for observe in self.observers:
+            try:
+                observe(policy, result)
+            except Exception as exc:
+                event(log, "observer_error", None, level=logging.ERROR, exc_info=exc, error=str(exc))
+
+    def _batch_message(self, worker: _Worker, kind: str, message: list[Any]) -> None:
+        batch = worker.batches.get(int(message[1]))
+        if batch is None:
+            raise ProtocolError(f"a {kind!r} frame for batch {message[1]}, which is not in flight")
+        if kind == "outcome":
+            index, outcomes = int(message[2]), decode_outcomes(message[3])
+            batch.early[index] = outcomes
+            if batch.on_outcome is not None and batch.error is None:
+                try:
+                    batch.on_outcome(index, outcomes)
+                except Exception as exc:  # the scheduler's boundary decides, as if the transport had raised it
+                    batch.error = exc
+        elif kind == "done":
+            results = [batch.early.get(i) if outs is None else decode_outcomes(outs)
+                       for i, outs in enumerate(message[2])]
+            if len(results) != len(batch.jobs) or any(r is None for r in results):
+                raise ProtocolError(f"a done frame with {len(results)} results for {len(batch.jobs)} jobs, or a "
+                                    "job's outcomes neither sent before nor now")
+            batch.results = [r for r in results if r is not None]
+            self.reused += int(message[3])
+            del worker.batches[int(message[1])]
+            batch.done.set()
+        elif kind == "failed":
+            if batch.error is None:
+                batch.error = WorkerFailed(f"in delivery worker {worker.index} (pid {worker.pid}): {message[2]}")
+                event(log, "worker_error", None, level=logging.ERROR, worker=worker.index, worker_pid=worker.pid,
+                      qids=[job.queue_id for job in batch.jobs], error=str(message[2]), traceback=str(message[3]))
+            del worker.batches[int(message[1])]
+            batch.done.set()
+        else:
+            raise ProtocolError(f"a {kind!r} frame from a worker")
+
+    async def _serve_read(self, worker: _Worker, bid: int, index: int, k: int) -> None:
+        """Chunk ``k`` of job ``index``'s body, read through the spool (a damaged one is named there)."""
+        batch = worker.batches.get(bid)
+        data: bytes | None = None
+        error: str | None = None
+        if batch is None or not 0 <= index < len(batch.jobs):
+            error = "no such body"
+        else:
+            try:
+                data = await self._chunk(batch, index, k)
+            except Exception as exc:  # DamagedBody: the scheduler sees it on the StoredBody and decides
+                batch.error = batch.error or exc
+                error = f"{type(exc).__name__}: {exc}"
+        try:
+            await worker.send(encode(["chunk", bid, index, k, data, error]))
+        except WorkerLost:
+            pass  # its death fails the batch
+
+    async def _chunk(self, batch: _Batch, index: int, k: int) -> bytes | None:
+        at, chunks = batch.pulls.get(index, (0, None))
+        if k == 0 or chunks is None:
+            at, chunks = 0, body_chunks(batch.jobs[index].body).__aiter__()  # a retry starts over
+        if k != at:
+            raise ProtocolError(f"chunk {k} of a body asked for after chunk {at - 1}")
+        try:
+            chunk: bytes | None = await chunks.__anext__()
+        except StopAsyncIteration:
+            chunk = None
+        batch.pulls[index] = (at + 1, chunks)
+        return chunk
+
+    def _wake(self) -> None:
+        changed, self._ready_changed = self._ready_changed, trio.Event()
+        changed.set()
+
+    async def _pick(self) -> _Worker:
+        with trio.move_on_after(WAIT_FOR_WORKER):
+            while True:
+                ready = [w for w in self.workers if w.ready]
+                if ready:
+                    return min(ready, key=lambda w: len(w.batches))
+                await self._ready_changed.wait()
+        raise WorkerLost(f"no delivery worker running after {WAIT_FOR_WORKER:g} s")
+
+    async def deliver(self, destination: Destination, jobs: Sequence[Job],
+                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
+        """Hand the batch to a worker; its outcomes as the worker sends them (``Transport.deliver``).
+
+        Raises WorkerLost (the worker died, or none runs) or WorkerFailed (the
+        transport raised there), which the scheduler's batch boundary turns into
+        deferrals; DamagedBody when a body could not be read.
+        """
+        items = [[job_header(job), await _inline(job)] for job in jobs]
+        worker = await self._pick()
+        self._next_batch += 1
+        bid = self._next_batch
+        batch = _Batch(jobs, on_outcome)
+        worker.batches[bid] = batch
+        try:
+            await worker.send(encode(["batch", bid, destination_item(destination), items]))
+            await batch.done.wait()
+        finally:
+            worker.batches.pop(bid, None)
+        if batch.error is not None:
+            raise batch.error
+        assert batch.results is not None
+        return batch.results
+
+
+async def _inline(job: Job) -> list[bytes] | None:
+    """The body's chunks, for the batch frame; None: the worker pulls it (big and not in memory)."""
+    body = job.body
+    if isinstance(body, StoredBody) and not body.cached and body.size > INLINE_BODY:
+        return None
+    if not isinstance(body, StoredBody) and job.size > INLINE_BODY:
+        return None
+    return [bytes(chunk) async for chunk in body_chunks(body)]
+
+
+def _relog(worker: _Worker, message: list[Any]) -> None:
+    """A worker's log record, through this process's handlers (its pid is the worker's, as smtp[pid])."""
+    _, name, level, created, event_name, qid, fields, tb = message
+    logger = logging.getLogger(str(name))
+    if not logger.isEnabledFor(int(level)):
+        return
+    if event_name is not None:
+        if tb:
+            fields = {**fields, "traceback": tb}
+        msg: object = LogEvent(str(event_name), qid, fields)
+    else:
+        msg = str(fields) + (f" | {tb}" if tb else "")
+    record = logger.makeRecord(str(name), int(level), "(worker)", 0, msg, (), None)
+    record.created = float(created)
+    record.msecs = math.modf(record.created)[0] * 1000
+    record.process = worker.pid
+    logger.handle(record)
+
+
+def _mapping(items: dict[Any, Any]) -> types.MappingProxyType[Any, Any]:
+    return types.MappingProxyType(items)
+
+
+def dump_config(config: Config) -> bytes:
+    """The config, pickled for a worker (its routes are a read-only mapping, which pickle does not know)."""
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table,
+                              types.MappingProxyType: lambda m: (_mapping, (dict(m),))}
+    pickler.dump(config)
+    return out.getvalue()
+
+
+def _status(returncode: int | None) -> str:
+    if returncode is None:
+        return "running"
+    return f"signal {-returncode}" if returncode < 0 else f"exit {returncode}"

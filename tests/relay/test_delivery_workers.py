@@ -1,0 +1,212 @@
+"""``[delivery] processes``: SMTP deliveries in worker processes, against the real relay and real next hops.
+
+The relay runs in the test (its workers are real child processes) or as
+``mta serve``; the next hops are ``relay_support``'s SMTP servers on
+127.0.0.1. A worker is killed with SIGKILL while the next hop holds a
+message's ``250``: the message is deferred, delivered by the worker started
+in its place, never lost, and the relay takes mail all along.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import smtplib
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+import trustme
+from process_support import RelayProcess
+from relay_support import (
+    DeliveryWatch,
+    GatedHop,
+    NextHop,
+    relay_config_text,
+    server_context,
+    start_relay,
+    write_relay_config,
+)
+
+from mta.config import Config, parse_config
+from mta.delivery.smtp_transport import SmtpTransport
+from mta.delivery.workers import DeliveryWorkers
+from mta.observe.logline import LogEvent
+from spool.record import Status
+
+
+def _send(port: int, sender: str, rcpts: list[str], body: str) -> None:
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        s.sendmail(sender, rcpts, body)
+
+
+async def send(port: int, sender: str, rcpts: list[str], body: str) -> None:
+    await trio.to_thread.run_sync(_send, port, sender, rcpts, body)
+
+
+def events(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if isinstance(r.msg, LogEvent) and r.msg.name == name]
+
+
+async def test_mail_goes_through_a_worker_process_to_the_next_hop(tmp_path: Path, ca: trustme.CA,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with trio.open_nursery() as nursery:
+        hop = NextHop(ssl_context=server_context(ca.issue_cert("127.0.0.1")))
+        port = await hop.start(nursery)
+        cfg = _with_processes(tmp_path, port, 1)
+        relay = await start_relay(nursery, cfg)
+        assert isinstance(relay.workers, DeliveryWorkers) and len(relay.workers.pids) == 1
+        worker_pid = relay.workers.pids[0]
+        assert worker_pid != os.getpid()
+        watch = DeliveryWatch(relay)
+        for i in range(5):
+            await send(relay.ports[0], "a@example.org", [f"r{i}@far.example", f"s{i}@far.example"],
+                       f"Subject: m{i}\r\n\r\n" + f"line {i}\r\n" * 500)
+        msgs = await hop.wait_messages(5)
+        await watch.wait_for(Status.DELIVERED, 10)
+        assert sorted(tuple(m.recipients) for m in msgs) == sorted(
+            (f"r{i}@far.example", f"s{i}@far.example") for i in range(5))
+        assert all(m.tls for m in msgs)  # the worker's transport did STARTTLS, as the relay's would
+        assert all(f"line {i}\r\n".encode() * 500 in m.data for i, m in enumerate(sorted(msgs, key=_subject)))
+        # What the transport logs in the worker comes out of the relay's own logging, with the worker's pid.
+        tls = events(caplog, "tls")
+        assert tls and all(r.process == worker_pid for r in tls)
+        assert [r.process for r in events(caplog, "delivery")] and \
+            all(r.process == os.getpid() for r in events(caplog, "delivery"))  # the outcome is recorded here
+        assert len(events(caplog, "worker_started")) == 1
+        nursery.cancel_scope.cancel()
+
+
+def _subject(m: object) -> bytes:
+    match = re.search(rb"Subject: (m\d+)", m.data)  # type: ignore[attr-defined]
+    assert match
+    return match.group(1)
+
+
+def _with_processes(tmp_path: Path, port: int, processes: int) -> Config:
+    text = relay_config_text({"*": f"smtp://127.0.0.1:{port}"})
+    text = text.replace("[routes]", f"[delivery]\nprocesses = {processes}\n\n[routes]")
+    return parse_config(text, source=str(tmp_path / "test.toml"), base_dir=str(tmp_path))
+
+
+async def test_a_big_body_is_pulled_by_the_worker_chunk_by_chunk(tmp_path: Path) -> None:
+    """Not in the spool's cache (body_cache = 0) and bigger than INLINE_BODY: read through the spool as sent."""
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        cfg = _with_processes(tmp_path, port, 1)
+        cfg = attrs.evolve(cfg, spool=attrs.evolve(cfg.spool, body_cache=0))
+        relay = await start_relay(nursery, cfg)
+        body = "".join(f"{i:08d} the quick brown fox jumps over the lazy dog\r\n" for i in range(20000))  # ~1.1 MB
+        await send(relay.ports[0], "a@example.org", ["big@far.example"], "Subject: big\r\n\r\n" + body)
+        (msg,) = await hop.wait_messages(1)
+        assert body.encode() in msg.data
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_killed_mid_delivery_defers_the_message_which_is_then_delivered(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with trio.open_nursery() as nursery:
+        hop = GatedHop()
+        port = await hop.start(nursery)
+        relay = await start_relay(nursery, _with_processes(tmp_path, port, 1))
+        assert relay.workers is not None
+        watch = DeliveryWatch(relay)
+        first_pid = relay.workers.pids[0]
+        await send(relay.ports[0], "a@example.org", ["held@far.example"],
+                   "Subject: one\r\nMessage-ID: <one@test>\r\n\r\nheld\r\n")
+        await hop.wait_until(lambda: len(hop.held) == 1)  # the next hop has the data; its 250 waits
+        os.kill(first_pid, signal.SIGKILL)
+        (deferred,) = await watch.wait_for(Status.DEFERRED, 1)
+        assert deferred.recipient == "held@far.example"
+        assert "delivery worker 0" in deferred.reply and "died" in deferred.reply and "signal 9" in deferred.reply
+        died = events(caplog, "worker_died")
+        assert len(died) == 1
+        fields = died[0].msg.fields if isinstance(died[0].msg, LogEvent) else {}
+        assert fields["worker_pid"] == first_pid and fields["status"] == "signal 9"
+        # The deferral is one line with the reason: the death was logged where it was seen, no traceback.
+        errors = events(caplog, "delivery_error")
+        assert errors and all(r.exc_info is None for r in errors)
+        # The relay keeps taking mail while the worker is down and after it is back.
+        await send(relay.ports[0], "a@example.org", ["next@far.example"],
+                   "Subject: two\r\nMessage-ID: <two@test>\r\n\r\nafter\r\n")
+        hop.new_life(accept_first=10)
+        await watch.wait_for(Status.DELIVERED, 1, recipient="held@far.example", timeout=90)
+        await watch.wait_for(Status.DELIVERED, 1, recipient="next@far.example", timeout=90)
+        assert relay.workers.pids and relay.workers.pids[0] != first_pid
+        assert relay.workers.deaths == 1
+        # Delivered after the deferral: the next hop saw it twice (the known duplicate window), never zero times.
+        assert hop.ids().count("one@test") == 2 and hop.ids().count("two@test") == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_processes_0_delivers_in_the_relay_process(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        relay = await start_relay(nursery, _with_processes(tmp_path, port, 0))
+        assert relay.workers is None
+        assert isinstance(relay.scheduler.transports["smtp"], SmtpTransport)
+        await send(relay.ports[0], "a@example.org", ["x@far.example"], "Subject: x\r\n\r\nx\r\n")
+        await hop.wait_messages(1)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+async def test_a_worker_whose_relay_died_exits(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        config = write_relay_config(tmp_path, {"*": f"smtp://127.0.0.1:{port}"})
+        config.write_text(config.read_text().replace("[routes]", "[delivery]\nprocesses = 1\n\n[routes]"))
+        relay = RelayProcess(config)
+        await relay.start(nursery)
+        await relay.wait_output(lambda: any("event=worker_started" in line for line in relay.lines), 60,
+                                "the worker's start")
+        (line,) = [line for line in relay.lines if "event=worker_started" in line]
+        match = re.search(r"worker_pid=(\d+)", line)
+        assert match
+        worker = int(match.group(1))
+        pidfd = os.pidfd_open(worker)
+        try:
+            await relay.kill()
+            with trio.fail_after(30):
+                await trio.lowlevel.wait_readable(pidfd)  # readable once the worker has exited
+        finally:
+            os.close(pidfd)
+        with trio.fail_after(30):
+            while not any("event=worker_exit" in line for line in relay.lines):
+                await relay._changed.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def test_tls_policy_counts_and_log_lines_of_a_worker_reach_the_relay(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """MTA-STS in a worker: the policy's fetch line and the session's count come back; the TLS-RPT journal is
+    written by the worker where the relay's roll-up reads it."""
+    from test_mta_sts import GOOD, policy, sts_world  # type: ignore[import-not-found]  # its world of DNS, HTTPS, MXs
+
+    caplog.set_level(logging.INFO)
+    async with sts_world(tmp_path) as w:
+        w.publish("sts.test", "1", policy("enforce", "mx.sts.test"))
+        w.dns.mx("sts.test", 10, "mx.sts.test")
+        w.dns.a("mx.sts.test", GOOD)
+        cfg = attrs.evolve(w.config, delivery=attrs.evolve(w.config.delivery, processes=1))
+        relay = await start_relay(w.nursery, cfg)
+        assert relay.workers is not None
+        worker_pid = relay.workers.pids[0]
+        watch = DeliveryWatch(relay)
+        await send(relay.ports[0], "alice@localhost", ["bob@sts.test"], "Subject: sts\r\n\r\nbody\r\n")
+        (done,) = await watch.wait_for(Status.DELIVERED, 1, recipient="bob@sts.test")
+        assert done.next_hop.endswith("tls=mta-sts")
+        assert relay.metrics.registry.get_sample_value(
+            "logspool_tls_policy_total", {"policy": "mta-sts", "result": "success"}) == 1.0
+        fetched = events(caplog, "mta_sts")
+        assert fetched and all(r.process == worker_pid for r in fetched)
+        journal = list((tmp_path / "spool" / "tls-report").glob("*.jsonl"))
+        assert len(journal) == 1 and '"domain": "sts.test"' in journal[0].read_text()
