@@ -350,32 +350,11 @@ class _Session:
                 await self._farewell(R_SESSION_OVER)
                 return False
         await self._flush()
-        data = await self._receive()
+        data = await self.stream.receive_some(READ_SIZE)
         self.deadlines.received(trio.current_time(), len(data))
         self._arm()
         self.conn.receive_data(data)
         return True
-
-    async def _receive(self) -> bytes | bytearray:
-        """The next bytes from the client (b"": it closed), under the client's deadline.
-
-        A plain TCP session waits for the socket to be readable and reads it
-        itself: trio's ``receive_some`` first tries a read that, for a client
-        waiting on our reply, always finds nothing, and wraps it in context
-        managers (~5 us of CPU a command; issue 18). TLS goes through its stream.
-        """
-        stream = self.stream
-        if type(stream) is not trio.SocketStream:
-            return await stream.receive_some(READ_SIZE)
-        sock = stream.socket
-        while True:
-            await trio.lowlevel.wait_readable(sock)
-            try:
-                return os.read(sock.fileno(), READ_SIZE)
-            except BlockingIOError:
-                continue  # woken without data (spurious readiness): wait again
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
 
     async def _serve(self) -> None:
         """The session's event loop.
