@@ -45,13 +45,17 @@ from __future__ import annotations
 
 import errno
 import logging
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
-from trio.testing import wait_all_tasks_blocked
 
 from spool.errors import DiskFull
+from spool.idle import wait_idle
+from spool.log import Batch
 from spool.spool import BodyWriter, Spool
 
 log = logging.getLogger("spool")
@@ -60,6 +64,15 @@ log = logging.getLogger("spool")
 SPACE_RETRY_MIN = 0.05
 SPACE_RETRY_MAX = 2.0
 CHECKPOINT_RETRY_MAX = 30.0
+# A lone committer may write and fdatasync in the event loop's thread (see GroupCommit._inline): while the median
+# of the last INLINE_SYNC_SAMPLES sync batches' write + fdatasync took less than ``inline_sync_max`` seconds, for
+# a batch of at most INLINE_MAX_BYTES that starts no segment. Off by default (INLINE_SYNC_MAX 0): measured, a lone
+# client was 3-22 % slower with it (a thread's fsync overlaps the deliveries' CPU work; inline, that work lands on
+# the client's next commands; docs/benchmarks.md, "Branch i18-lone"). INLINE_SYNC_FAST is the bound to enable it.
+INLINE_SYNC_MAX = 0.0
+INLINE_SYNC_FAST = 0.001
+INLINE_SYNC_SAMPLES = 5
+INLINE_MAX_BYTES = 128 * 1024
 
 
 class GroupCommit:
@@ -79,6 +92,10 @@ class GroupCommit:
         self.lazy_commits = 0
         self._want_sync = False  # someone waits for durability, not only for the bytes to be written
         self._writing = 0  # bytes of the batch the committer's thread is writing now
+        self._sync_tickets: list[int] = []  # what each task in commit() waits to see durable (its ticket)
+        self._sync_seconds: deque[float] = deque(maxlen=INLINE_SYNC_SAMPLES)  # the last sync batches' write+sync
+        self.inline_sync_max = INLINE_SYNC_MAX
+        self.inline_commits = 0  # sync batches written in the event loop's thread
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
@@ -197,7 +214,8 @@ class GroupCommit:
                     messages, self._unsynced_messages = self._unsynced_messages, 0
                 self._writing = batch.size
                 try:
-                    await trio.to_thread.run_sync(writer.write_batch, batch)
+                    if not (self._inline(batch, messages) and self._write_inline(batch)):
+                        await trio.to_thread.run_sync(self._write_timed, batch)
                 except DiskFull:
                     writer.restore(batch)
                     self._want_sync = self._want_sync or sync
@@ -225,6 +243,63 @@ class GroupCommit:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 self._signal_change()
 
+    def _inline(self, batch: Batch, messages: int) -> bool:
+        """Write and sync this batch in the event loop's thread? Only for a lone message on a fast disk.
+
+        Why: handing a batch to a worker thread and waking the loop again when
+        it is done costs a lone client ~0.13 ms a message, as much as a fast
+        disk's fdatasync (docs/benchmarks.md, issue 18). The loop does nothing
+        else meanwhile, which costs nothing when nothing else waits to run:
+        exactly one task waits for durability and it waits for a new message
+        (its sender waits for the 250), no session has announced a commit
+        coming (none is between its RCPT and its end of data), and the recent
+        syncs were fast. Anything else keeps the thread, so that the next
+        batch gathers while this one syncs (the fsyncs per message under
+        concurrency do not change), and a slow or stalled disk never holds the
+        loop. The deliveries' commits (claims, outcomes) keep it too: nobody
+        waits on them, and inline they held the loop while the client's next
+        command waited. Measured, a lone client was slower with it in every
+        pair, so it is off by default (``INLINE_SYNC_MAX``; docs/benchmarks.md).
+        """
+        if (self.inline_sync_max <= 0 or not batch.sync or not messages or self._expected
+                or batch.size > INLINE_MAX_BYTES or not self._one_waiter()):
+            return False
+        recent = self._sync_seconds
+        if len(recent) < INLINE_SYNC_SAMPLES or statistics.median(recent) >= self.inline_sync_max:
+            return False
+        # A batch that starts a segment also syncs the ones before it and the directory.
+        return all(off for _, off, _ in batch.chunks)
+
+    def _one_waiter(self) -> bool:
+        """Does exactly one task wait for records not yet durable? (Those woken by the last sync may not have
+        run yet: they no longer wait.)"""
+        durable, waiting = self.core.writer.durable_end, 0
+        for ticket in self._sync_tickets:
+            if ticket > durable:
+                waiting += 1
+                if waiting > 1:
+                    return False
+        return waiting == 1
+
+    def _write_inline(self, batch: Batch) -> bool:
+        """Write ``batch`` here, unless another thread holds the log's files (then False: nothing written)."""
+        start = time.perf_counter()
+        if not self.core.writer.try_write_batch(batch):
+            return False
+        self._sync_seconds.append(time.perf_counter() - start)
+        self.inline_commits += 1
+        return True
+
+    def _write_timed(self, batch: Batch) -> None:
+        """``write_batch`` in a worker thread, timing a sync batch for ``_inline``."""
+        if self.inline_sync_max <= 0:  # off: nobody reads the timings
+            self.core.writer.write_batch(batch)
+            return
+        start = time.perf_counter()
+        self.core.writer.write_batch(batch)
+        if batch.sync:
+            self._sync_seconds.append(time.perf_counter() - start)
+
     async def _gather(self) -> None:
         """The group-commit window: wait for the commits announced as coming, then for an idle loop.
 
@@ -245,7 +320,7 @@ class GroupCommit:
         delay = self.core.config.commit_delay
         if delay <= 0:
             return
-        if self._announcing and self._expected == 0 and self._unsynced_messages:
+        if self._lone_message():
             # A message waits and, where sessions announce their commits, no other is announced (no session
             # between an accepted RCPT and its end of data): a lone client. Cut now; what the other tasks
             # append meanwhile (outcomes, claims) goes with the next commit. Waiting for an idle loop put
@@ -257,10 +332,15 @@ class GroupCommit:
             while self._expected > 0 and writer.pending_bytes < limit:
                 await self._expected_changed.wait()
             if writer.pending_bytes < limit:  # else a session waits in wait_flushed: it cannot join
-                await wait_all_tasks_blocked()
+                # A lone client's message that arrives meanwhile is not kept waiting for the idle loop either.
+                await wait_idle(self._lone_message)
         if window.cancelled_caught and self._expected > 0:
             self._expect_round += 1
             self._expected = 0
+
+    def _lone_message(self) -> bool:
+        """A message waits and, where sessions announce their commits, no other is announced: a lone client."""
+        return self._announcing and self._expected == 0 and self._unsynced_messages > 0
 
     def expect_commit(self) -> int:
         """Announce a commit that is coming soon (a session in a mail transaction); withdraw it with the token.
@@ -292,11 +372,18 @@ class GroupCommit:
         """
         writer = self.core.writer
         ticket = writer.head
-        while writer.durable_end < ticket:
-            self._raise_if_full()
-            self._want_sync = True
-            self._kick.set()
-            await self._synced.wait()
+        if writer.durable_end >= ticket:
+            return
+        tickets = self._sync_tickets
+        tickets.append(ticket)
+        try:
+            while writer.durable_end < ticket:
+                self._raise_if_full()
+                self._want_sync = True
+                self._kick.set()
+                await self._synced.wait()
+        finally:
+            tickets.remove(ticket)
 
     async def _ride_along(self) -> None:
         """Return once everything appended before the call is durable, without a sync of its own.

@@ -277,28 +277,45 @@ class LogWriter:
         SyncFailed (and any other OSError) poisons the writer.
         """
         with self.io_lock:
-            if self.poisoned is not None:
-                raise SpoolError("the log is unusable after an I/O failure") from self.poisoned
-            for seg, off, data in batch.chunks:
-                if off == 0:
-                    # The new header records the previous segment's sealed size: that segment, and any
-                    # older one with unsynced bytes, must be on disk before the header can be.
-                    self._sync_segments(below=seg)
-                    self._sync_dir()
-                self._write_chunk(seg, off, data)
-            self.full = None
-            if batch.chunks:
-                self.written_end = batch.end
-            if not batch.sync:
-                return
-            # Every segment with unsynced bytes up to written_end, oldest first: earlier write-only
-            # batches may have left bytes in any of them, not only in the last.
-            self._sync_segments(below=pos_segment(self.written_end) + 1)
-            self._sync_dir()
-            self.durable_end = self.written_end
-            self.commits += 1
-            self._late_marks.extend(batch.marks)
-            self._apply_late_marks()
+            self._write_locked(batch)
+
+    def try_write_batch(self, batch: Batch) -> bool:
+        """``write_batch`` unless another thread holds the files (a checkpoint's syncs): then False, nothing done.
+
+        For the event loop's thread, which must not wait behind another thread's I/O.
+        """
+        if not self.io_lock.acquire(blocking=False):
+            return False
+        try:
+            self._write_locked(batch)
+        finally:
+            self.io_lock.release()
+        return True
+
+    def _write_locked(self, batch: Batch) -> None:
+        """``write_batch``'s work, with ``io_lock`` held."""
+        if self.poisoned is not None:
+            raise SpoolError("the log is unusable after an I/O failure") from self.poisoned
+        for seg, off, data in batch.chunks:
+            if off == 0:
+                # The new header records the previous segment's sealed size: that segment, and any
+                # older one with unsynced bytes, must be on disk before the header can be.
+                self._sync_segments(below=seg)
+                self._sync_dir()
+            self._write_chunk(seg, off, data)
+        self.full = None
+        if batch.chunks:
+            self.written_end = batch.end
+        if not batch.sync:
+            return
+        # Every segment with unsynced bytes up to written_end, oldest first: earlier write-only
+        # batches may have left bytes in any of them, not only in the last.
+        self._sync_segments(below=pos_segment(self.written_end) + 1)
+        self._sync_dir()
+        self.durable_end = self.written_end
+        self.commits += 1
+        self._late_marks.extend(batch.marks)
+        self._apply_late_marks()
 
     def _write_chunk(self, seg: int, off: int, data: bytearray) -> None:
         try:

@@ -95,7 +95,11 @@ class Config:
         An unparsable client address (say, a Unix socket peer) is not in
         mynetworks.
         """
-        return self.in_mynetworks(client_ip) or self.is_local(domain) or self.is_relay_domain(domain)
+        return self.may_relay_for(self.in_mynetworks(client_ip), domain)
+
+    def may_relay_for(self, trusted: bool, domain: str) -> bool:
+        """``may_relay`` for a client whose ``in_mynetworks`` is known (``trusted``): a session asks it per RCPT."""
+        return trusted or self.is_local(domain) or self.is_relay_domain(domain)
 
     def in_mynetworks(self, client_ip: str | IPAddress) -> bool:
         try:

@@ -317,7 +317,7 @@ class ServerConnection:
         self._rcpt_count = 0
         self._smtputf8 = False
         self._reset_session()
-        self._send(Reply(220, None, f"{hostname} {greeting}"))
+        self._send(replies.greeting(hostname, greeting))
 
     # -------------------------------------------------------------- I/O side
 
@@ -541,7 +541,7 @@ class ServerConnection:
         self._fire(Step.HELLO)
         self._helo = name
         if verb == "HELO":
-            self._send(Reply(250, None, self.hostname))
+            self._send(replies.helo(self.hostname))
             return Helo(name)
         self._esmtp = True
         auth = self.auth and (self.tls_active or self.auth_without_tls)
@@ -658,7 +658,7 @@ class ServerConnection:
     # -------------------------------------------------------------- helpers
 
     def _send(self, reply: Reply) -> None:
-        self._out += reply.to_bytes()
+        self._out += replies.wire(reply)
 
     def _refuse(self, reply: Reply, reason: str) -> None:
         """Send a 4xx/5xx ``reply`` and tell ``on_reject`` why."""

@@ -10,6 +10,7 @@ beside the decoder that finds what they refuse.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 from mta.smtp.common import R_DATA_BARE_NEWLINE, R_DATA_LONG_LINE, R_DATA_NUL, R_TOO_BIG, Reply
@@ -72,15 +73,56 @@ def no_argument(verb: str) -> Reply:
     return Reply(501, "5.5.4", f"Syntax: {verb}")
 
 
+@functools.lru_cache(maxsize=64)
+def greeting(hostname: str, text: str) -> Reply:
+    """The ``220`` greeting (one per configuration: built and encoded once)."""
+    return _remember(Reply(220, None, f"{hostname} {text}"))
+
+
+@functools.lru_cache(maxsize=64)
+def helo(hostname: str) -> Reply:
+    """The ``250`` to HELO."""
+    return _remember(Reply(250, None, hostname))
+
+
+@functools.lru_cache(maxsize=64)
 def ehlo(hostname: str, max_message_size: int, starttls: bool, auth: bool) -> Reply:
-    """The ``250`` to EHLO with the extensions offered (STARTTLS before TLS; AUTH over TLS only, RFC 4954 §4)."""
+    """The ``250`` to EHLO with the extensions offered (STARTTLS before TLS; AUTH over TLS only, RFC 4954 §4).
+
+    One per configuration and port: built and encoded once.
+    """
     caps = ["PIPELINING", f"SIZE {max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES"]
     if starttls:
         caps.append("STARTTLS")
     if auth:
         caps.append("AUTH PLAIN LOGIN")
-    return Reply(250, None, "\n".join([hostname, *caps]))
+    return _remember(Reply(250, None, "\n".join([hostname, *caps])))
 
 
 def hello_syntax(verb: str) -> Reply:
     return Reply(501, "5.5.4", f"Syntax: {verb} hostname")
+
+
+# -- wire forms ---------------------------------------------------------------------------------------
+
+# The bytes of the replies a session sends again and again (the constants above, the default accepts, the
+# greetings and EHLO replies of the configuration): ``Reply.to_bytes`` once each, not at every command
+# (issue 18: a lone client's seven replies a message). Bounded: replies built per message are not kept.
+_WIRE: dict[Reply, bytes] = {}
+_WIRE_MAX = 512
+
+
+def _remember(reply: Reply) -> Reply:
+    if len(_WIRE) < _WIRE_MAX:
+        _WIRE[reply] = reply.to_bytes()
+    return reply
+
+
+def wire(reply: Reply) -> bytes:
+    """``reply.to_bytes()``, from memory for the replies kept there."""
+    out = _WIRE.get(reply)
+    return reply.to_bytes() if out is None else out
+
+
+for _reply in [*(v for v in list(globals().values()) if isinstance(v, Reply)), *DEFAULT_ACCEPT.values()]:
+    _remember(_reply)

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from mta.config import ServerConfig, parse_config
-from mta.inbound.admission import Refusal, SessionSlots, Slot, client_keys
+from mta.inbound.admission import CLIENT_CACHE, Refusal, SessionSlots, Slot, client_keys
 from mta.inbound.deadlines import SessionDeadlines
 
 DEFAULTS = parse_config("").server
@@ -131,3 +131,24 @@ def test_per_client_and_per_network_limits_exempt_mynetworks() -> None:
 ])
 def test_clients_are_counted_by_address_and_by_24_or_64(address: str, client: str, network: str) -> None:
     assert client_keys(address) == (client, network)
+
+
+def test_remembered_clients_are_counted_as_the_first_time_and_the_memory_is_bounded() -> None:
+    """Keys and trust are worked out once per address (issue 18); a flood of addresses does not grow it."""
+    slots = _config("max_sessions_per_client = 1\nmax_sessions_per_network = 2")
+    first = slots.admit("198.51.100.1")
+    assert isinstance(first, Slot) and not first.trusted
+    slots.release(first)
+    again = slots.admit("198.51.100.1")  # from memory: the same keys, still an outsider, still limited
+    assert again == first
+    assert slots.admit("198.51.100.1") is Refusal.CLIENT
+    trusted = slots.admit("192.0.2.7")
+    assert isinstance(trusted, Slot) and trusted.trusted
+    slots.release(again)
+    slots.release(trusted)
+    for i in range(CLIENT_CACHE + 10):
+        address = f"2001:db8::{i:x}"
+        slot = slots.admit(address)
+        assert isinstance(slot, Slot) and slot.network == "2001:db8::/64"
+        slots.release(slot)
+    assert len(slots._clients) <= CLIENT_CACHE

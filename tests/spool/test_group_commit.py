@@ -8,9 +8,13 @@ checkpoint pacing are for, and that an idle loop commits at once.
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -21,6 +25,8 @@ from mta.config import parse_config
 from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
 from spool.commit import AsyncSpool
+from spool.fileio import OsFileIO
+from spool.group_commit import INLINE_SYNC_FAST, INLINE_SYNC_SAMPLES
 from spool.record import Outcome, Status
 
 
@@ -329,4 +335,221 @@ async def test_a_session_between_rcpt_and_end_of_data_joins_the_commit(
             assert w.commits - commits == 1
             for s in (a, b):
                 await smtp(s, b"QUIT\r\n", b"221")
+            nursery.cancel_scope.cancel()
+
+
+# -- a lone committer writes in the event loop's thread ------------------------------------------
+
+
+class TimedSync(OsFileIO):
+    """Real files; each fdatasync says which thread ran it, and may take ``extra`` seconds more or skip the disk.
+
+    The disk's speed is what the inline rule reads; a test sets it here (``fast``: no real fdatasync,
+    so the machine's own disk, shared with other jobs, cannot decide the path; ``extra``: a slow disk).
+    """
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+        self.extra = 0.0
+        self.fast = False
+        self.before_sync: Callable[[], None] | None = None
+
+    def fdatasync(self, fd: int) -> None:
+        self.threads.append(threading.get_ident())
+        if self.before_sync is not None:
+            self.before_sync()
+        if not self.fast:
+            super().fdatasync(fd)
+        if self.extra:
+            time.sleep(self.extra)  # the disk's latency, not a synchronisation
+
+    def in_loop(self, since: int = 0) -> list[bool]:
+        """For each fdatasync from ``since`` on: did it run in this (the event loop's) thread?"""
+        me = threading.get_ident()
+        return [t == me for t in self.threads[since:]]
+
+
+@asynccontextmanager
+async def timed_spool(path: Path, io: TimedSync, **overrides: Any) -> AsyncIterator[AsyncSpool]:
+    """A spool over ``io`` with the inline path enabled (INLINE_SYNC_FAST), as an operator would enable it."""
+    aspool = await AsyncSpool.open(str(path), spool_config(**overrides), io)
+    aspool.inline_sync_max = INLINE_SYNC_FAST
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(aspool.run)
+            yield aspool
+            nursery.cancel_scope.cancel()
+    finally:
+        aspool.core.close()
+
+
+async def lone_enqueues(aspool: AsyncSpool, n: int, tag: str) -> None:
+    for i in range(n):
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"%s %d" % (tag.encode(), i))
+
+
+async def test_a_lone_commit_on_a_fast_disk_syncs_in_the_loop_and_a_slow_disk_sends_it_back_to_the_thread(
+        tmp_path: Path) -> None:
+    """Inline once the last INLINE_SYNC_SAMPLES syncs were fast; the thread again as soon as their median is
+    slow (a slow disk never holds the loop for long); inline again when the disk is fast again."""
+    io = TimedSync()
+    io.fast = True
+    async with timed_spool(tmp_path, io) as aspool:
+        w = aspool.core.writer
+        await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")  # no history yet: the thread
+        assert aspool.inline_commits == 0
+        since = len(io.threads)
+        await lone_enqueues(aspool, 5, "fast")
+        assert io.in_loop(since) == [True] * 5
+        assert aspool.inline_commits == 5 and w.durable_end == w.head
+
+        io.fast, io.extra = False, 0.005  # the disk slows down: 5 ms a sync
+        since = len(io.threads)
+        await lone_enqueues(aspool, 8, "slow")
+        path = io.in_loop(since)
+        assert path[:3] == [True] * 3, "the median of five still fast syncs says inline"
+        assert path[3:] == [False] * 5, "three slow syncs of five: back to the thread"
+        assert w.durable_end == w.head
+
+        io.fast, io.extra = True, 0.0  # fast again: the thread's syncs are timed too, so inline comes back
+        since = len(io.threads)
+        await lone_enqueues(aspool, 6, "fast again")
+        assert io.in_loop(since) == [False] * 3 + [True] * 3
+
+
+async def test_by_default_every_commit_keeps_the_thread(tmp_path: Path) -> None:
+    """Off by default (measured slower for a lone client: docs/benchmarks.md), even on the fastest disk."""
+    io = TimedSync()
+    io.fast = True
+    aspool = await AsyncSpool.open(str(tmp_path), spool_config(), io)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(aspool.run)
+            await lone_enqueues(aspool, 12, "default")
+            nursery.cancel_scope.cancel()
+    finally:
+        aspool.core.close()
+    assert aspool.inline_commits == 0 and len(io.threads) >= 12 and not any(io.in_loop())
+
+
+async def test_a_slow_disk_keeps_every_commit_in_the_thread(tmp_path: Path) -> None:
+    io = TimedSync()
+    io.extra = 0.002  # over INLINE_SYNC_FAST, whatever the machine's own disk does
+    async with timed_spool(tmp_path, io) as aspool:
+        await lone_enqueues(aspool, 12, "slow")
+        assert aspool.inline_commits == 0
+        assert not any(io.in_loop())
+
+
+async def test_the_deliveries_commits_keep_the_thread(tmp_path: Path) -> None:
+    """Claims and outcomes wait alone too, but no client waits on them: inline they held the loop while a
+    lone client's next command waited (docs/benchmarks.md, issue 18)."""
+    io = TimedSync()
+    io.fast = True
+    async with timed_spool(tmp_path, io) as aspool:
+        await lone_enqueues(aspool, INLINE_SYNC_SAMPLES + 1, "warm-up")
+        inline, since = aspool.inline_commits, len(io.threads)
+        attempts = await aspool.next_due()  # the claims (written through, synced with the outcomes)
+        await aspool.record_deliveries([(a, [Outcome("r@dest.example", Status.DELIVERED, 250)], 5)
+                                        for a in attempts])
+        assert attempts and len(io.threads) - since >= 1
+        assert aspool.inline_commits == inline and not any(io.in_loop(since))
+
+
+async def test_concurrent_commits_keep_the_thread_and_their_batching(tmp_path: Path) -> None:
+    """Twenty enqueues at once on a fast disk: one batch in the thread, as before (fsyncs do not rise)."""
+    io = TimedSync()
+    io.fast = True
+    async with timed_spool(tmp_path, io, commit_delay=1.0) as aspool:
+        w = aspool.core.writer
+        await lone_enqueues(aspool, INLINE_SYNC_SAMPLES + 1, "warm-up")
+        inline, fsyncs, since = aspool.inline_commits, w.fsyncs, len(io.threads)
+        assert inline == 1, "the lone one after the warm-up went inline"
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(lone_enqueues, aspool, 1, f"together {i}")
+        assert w.fsyncs - fsyncs == 1
+        assert aspool.inline_commits == inline and io.in_loop(since) == [False]
+
+
+async def test_a_commit_waiting_for_an_announced_session_keeps_the_thread(tmp_path: Path) -> None:
+    """A session between its RCPT and its end of data: the lone waiter's commit waits for its message, and
+    the two go in one batch, in the thread (two waiters), as before."""
+    io = TimedSync()
+    io.fast = True
+    async with timed_spool(tmp_path, io, commit_delay=1.0) as aspool:
+        w = aspool.core.writer
+        await lone_enqueues(aspool, INLINE_SYNC_SAMPLES + 1, "warm-up")
+        inline, fsyncs, since = aspool.inline_commits, w.fsyncs, len(io.threads)
+        token = aspool.expect_commit()
+
+        async def announced() -> None:
+            aspool.withdraw_commit(token)  # its data has arrived: withdrawn and appended in one step
+            await aspool.enqueue("s@src.example", ["r@dest.example"], b"the announced one")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lone_enqueues, aspool, 1, "beside an announced session")
+            await trio.testing.wait_all_tasks_blocked()
+            assert w.durable_end < w.head, "the commit waits for the announced message"
+            nursery.start_soon(announced)
+        assert w.fsyncs - fsyncs == 1
+        assert aspool.inline_commits == inline and io.in_loop(since) == [False]
+
+
+async def test_a_checkpoint_holding_the_files_sends_a_lone_commit_to_the_thread(tmp_path: Path) -> None:
+    """The loop never waits behind another thread's I/O: the log's lock is tried, not waited for."""
+    io = TimedSync()
+    io.fast = True
+    async with timed_spool(tmp_path, io) as aspool:
+        await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")
+        w = aspool.core.writer
+        since = len(io.threads)
+        async with trio.open_nursery() as nursery:
+            w.io_lock.acquire()  # as a checkpoint's sync_all in a worker thread holds it
+            try:
+                nursery.start_soon(lone_enqueues, aspool, 1, "while the files are busy")
+                await trio.testing.wait_all_tasks_blocked()
+                assert w.durable_end < w.head, "not written: the commit waits for the lock in its thread"
+            finally:
+                w.io_lock.release()
+        assert io.in_loop(since) == [False] and aspool.inline_commits == 0
+        assert w.durable_end == w.head
+
+
+async def test_an_inline_commit_sends_the_250_only_after_its_fdatasync(tmp_path: Path) -> None:
+    """A real session on a fast disk: each fdatasync runs in the loop's thread and, while it runs, the
+    client has no 250 in its socket; the 250 comes after it, for a message the spool holds durably."""
+    io = TimedSync()
+    io.fast = True
+    cfg = parse_config(SERVER_TOML.format(dir=tmp_path / "spool"), base_dir=str(tmp_path))
+    async with timed_spool(tmp_path / "spool", io) as aspool:
+        server = SmtpServer(cfg, aspool, Metrics())
+        await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve)
+            port = listeners[0].socket.getsockname()[1]
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            for line, expect in ((b"", b"220"), (b"EHLO client.test\r\n", b"250"),
+                                 (b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
+                                 (b"DATA\r\n", b"354")):
+                await smtp(client, line, expect)
+            seen: list[bytes | None] = []
+            raw = socket.fromfd(client.socket.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a blocking twin
+
+            def peek() -> None:  # in the fdatasync: what has the client been sent so far?
+                try:
+                    seen.append(raw.recv(4096, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+                except BlockingIOError:
+                    seen.append(None)
+
+            io.before_sync = peek
+            inline, since = aspool.inline_commits, len(io.threads)
+            await smtp(client, b"Subject: lone\r\n\r\nbody\r\n.\r\n", b"250 2.0.0 Ok: queued as")
+            io.before_sync = None
+            raw.close()
+            assert aspool.inline_commits > inline and io.in_loop(since)[0], "the message's sync ran inline"
+            assert seen[0] is None, f"the client had {seen[0]!r} before the fdatasync"
+            w = aspool.core.writer
+            assert w.durable_end == w.written_end
+            await smtp(client, b"QUIT\r\n", b"221")
             nursery.cancel_scope.cancel()
