@@ -286,38 +286,34 @@ def paths_from_options(options: dict[str, str]) -> list[str]:
 
 # -- decoding one segment ----------------------------------------------------
 #
-# Columns are built in bulk: the walk keeps each record's frame header as the
-# tuple the reader made (one list, file order) and its payload's field tuple
-# (spool.record.decode_fields: the codec's own checks, no record objects) in a
-# list per record type. A batch is then one Arrow array per column: the
-# header's columns straight from the one list, each type's own columns from its
-# list, spread to the type's rows by an Arrow ``take`` (see ``_to_batch``). Per
-# record, Python does only the frame check, the CBOR decode with its schema
-# checks and two appends.
+# Columns are built in bulk: the walk appends each record's header fields and
+# its payload's field tuple (spool.record.decode_fields: the codec's own checks,
+# no record objects) to lists per record type; a batch is then one Arrow array
+# per column and type, the types' parts concatenated and put back in file order
+# by Arrow (sort by pos). Per record, Python does only the frame check, the CBOR
+# decode with its schema checks and two appends.
 
 _RECORD_TYPES: Final = (int(RecordType.ENVELOPE), int(RecordType.START), int(RecordType.DELIVERY),
                         int(RecordType.FINISH))
 
 
 class _Chunk:
-    """Up to ``batch_rows`` rows of one segment, not yet Arrow: ``heads`` the records' frames in file order,
-    ``fields`` their payloads' field tuples by record type, ``errors`` the error rows ``(pos, error)``."""
+    """Up to ``batch_rows`` rows of one segment, by record type, not yet Arrow."""
 
     __slots__ = ("errors", "fields", "heads", "rows")
 
     def __init__(self) -> None:
-        self.heads: list[_Record] = []
+        self.heads: dict[int, list[tuple[int, int, int, int]]] = {t: [] for t in _RECORD_TYPES}
         self.fields: dict[int, list[tuple[Any, ...]]] = {t: [] for t in _RECORD_TYPES}
         self.errors: list[tuple[int, str]] = []
         self.rows = 0
 
 
-_Record = tuple[int, int, int, int, int, bytes]  # (pos, type, flags, class, time, payload): the reader's arguments
+_Record = tuple[tuple[int, int, int, int], int, bytes]  # (pos, flags, class, time), type, payload
 
 
-def _record(*frame: Any) -> _Record:
-    """The reader's ``make``: its arguments as they come, one tuple (the fewest objects a record)."""
-    return frame  # type: ignore[return-value]
+def _record(pos: int, rtype: int, flags: int, klass: int, time: int, payload: bytes) -> _Record:
+    return (pos, flags, klass, time), rtype, payload
 
 
 class _SegmentWalk:
@@ -365,20 +361,21 @@ class _SegmentWalk:
         loads = cbor2.loads
         readers: list[Any] = [FIELD_READERS.get(t) for t in range(max(_RECORD_TYPES) + 1)]  # lists: indexed, not hashed
         add_fields: list[Any] = [fields[t].append if t in fields else None for t in range(len(readers))]
-        add_head = heads.append
+        add_head: list[Any] = [heads[t].append if t in heads else None for t in range(len(readers))]
         at = self.at
         try:
             for item in self.items:
                 if type(item) is tuple:
-                    at, rtype = item[0], item[1]
+                    head, rtype, payload = item
+                    at = head[0]
                     try:
-                        d = loads(item[5])
+                        d = loads(payload)
                         if type(d) is not dict:
                             raise TypeError
                         values = readers[rtype](d)
                     except Exception:
                         try:
-                            values = decode_fields(rtype, item[5])
+                            values = decode_fields(rtype, payload)
                         except CorruptRecord as exc:  # the checksum passed, the payload does not decode
                             chunk.errors.append((at, f"undecodable payload ({exc.reason})"))
                             rows += 1
@@ -386,7 +383,7 @@ class _SegmentWalk:
                                 break
                             continue
                     add_fields[rtype](values)
-                    add_head(item)
+                    add_head[rtype](head)
                 else:
                     assert isinstance(item, Anomaly)
                     chunk.errors.append((item.pos, error_text(item)))
@@ -455,65 +452,29 @@ def _part(pa: Any, schema: Any, n: int, given: dict[str, Any]) -> Any:
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def _records_part(pa: Any, schema: Any, chunk: _Chunk) -> Any:
-    """The chunk's records (not its error rows) as a batch in file order.
-
-    The header columns come from ``heads``, which is in file order already.
-    Each type's own columns are built from its field tuples (one
-    ``pa.array`` per column, of the tuple of that field's values) and spread
-    to the type's rows by one ``take`` whose index is null on the other rows:
-    the index of a row of type T is how many rows of T come before it
-    (a cumulative sum of ``rtype == T``). Why: the columns of a type fill a
-    quarter of the rows or less; building each type's part with nulls around
-    it, concatenating the parts and sorting them back into file order copied
-    every column twice and sorted 65,536 positions per batch.
-    """
-    import pyarrow.compute as pc
-
-    heads = chunk.heads
-    n = len(heads)
-    pos, rtypes, flags, klass, time, _payloads = zip(*heads)
-    rtype_array = pa.array(rtypes, pa.int32())
-    given: dict[str, Any] = {
-        "pos": pa.array(pos, pa.int64()), "rtype": rtype_array,
-        "garbage": pc.not_equal(pc.bit_wise_and(pa.array(flags, pa.int32()), 1), 0),
-        "klass": pa.array(klass, pa.int32()), "time": pa.array(time, pa.int64()),
-    }
-    present = [t for t in _RECORD_TYPES if chunk.fields[t]]
-    spread: dict[str, list[Any]] = {}
-    for rtype in present:
-        rows = chunk.fields[rtype]
-        if len(present) == 1:
-            index = None  # every row is of this type: its columns are in file order as they are
-        else:
-            mine = pc.equal(rtype_array, rtype)
-            index = pc.if_else(mine, pc.subtract(pc.cumulative_sum(mine.cast(pa.int32())), 1),
-                               pa.scalar(None, pa.int32()))
-        columns = list(zip(*rows))
-        for name, i in _COLUMNS[rtype]:
-            values = pa.array(columns[i], schema.field(name).type)
-            spread.setdefault(name, []).append(values if index is None else values.take(index))
-    for name, arrays in spread.items():
-        given[name] = arrays[0] if len(arrays) == 1 else pc.coalesce(*arrays)  # ref, time_ms: one type a row
-    arrays = [given.get(f.name) for f in schema]
-    return pa.RecordBatch.from_arrays([pa.nulls(n, f.type) if a is None else a for f, a in zip(schema, arrays)],
-                                      schema=schema)
-
-
 def _to_batch(pa: Any, schema: Any, chunk: _Chunk, relay: str, path: str) -> Any:
-    """The chunk as one batch, rows in file order: the records (``_records_part``), and the error rows put in
-    their places by a stable sort on ``pos`` (a record before an error row at the same ``pos``) when there
-    are any (the reader names some anomalies after the records they cover: a segment's size)."""
     import pyarrow.compute as pc
 
-    parts = [_records_part(pa, schema, chunk)] if chunk.heads else []
+    parts = []
+    for rtype in _RECORD_TYPES:
+        heads = chunk.heads[rtype]
+        if not heads:
+            continue
+        n = len(heads)
+        pos, flags, klass, time = zip(*heads)
+        flag_array = pa.array(flags, pa.int32())
+        given: dict[str, Any] = {
+            "pos": pos, "rtype": pa.repeat(pa.scalar(rtype, pa.int32()), n),
+            "garbage": pc.not_equal(pc.bit_wise_and(flag_array, 1), 0), "klass": klass, "time": time,
+        }
+        columns = list(zip(*chunk.fields[rtype]))
+        given.update((name, columns[i]) for name, i in _COLUMNS[rtype])
+        parts.append(_part(pa, schema, n, given))
     if chunk.errors:
         pos, message = zip(*chunk.errors)
         parts.append(_part(pa, schema, len(pos), {"pos": pos, "rtype": [ERROR_TYPE] * len(pos), "error": message}))
-        batch = parts[0] if len(parts) == 1 else pa.concat_batches(parts)
-        batch = batch.take(pc.sort_indices(batch.column("pos")))
-    else:
-        batch = parts[0]
+    batch = parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+    batch = batch.take(pc.sort_indices(batch.column("pos")))
     n = batch.num_rows
     batch = batch.set_column(0, "relay", pa.repeat(pa.scalar(relay, pa.string()), n))
     return batch.set_column(1, "file", pa.repeat(pa.scalar(path, pa.string()), n))
