@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.roots:
         p.error("a path is needed unless --compare")
     tasks = _segments(args.roots, args.segments)
+    pa.array((0,), pa.int64())  # a process's first pa.array imports pandas (0.2 s): not the build's cost
     gc.disable()
     if args.dump:
         from spool import rows
