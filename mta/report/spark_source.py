@@ -134,6 +134,10 @@ def _freeze_worker_heap() -> None:
 
     import pyarrow.compute  # the first batch would import it otherwise: after the freeze
 
+    # The first ``pa.array`` of a process imports pandas when numpy is there (pyarrow asks pandas whether
+    # its input is array-like): some 400 modules and 30,000 tracked objects, which after the freeze every
+    # collection between tasks would scan again (3-5 ms each, docs/benchmarks.md "Branch i16-arrow").
+    pyarrow.array((0,), pyarrow.int64())
     del pyarrow
     gc.collect()
     gc.freeze()
