@@ -372,15 +372,9 @@ class TimedSync(OsFileIO):
 @asynccontextmanager
 async def timed_spool(path: Path, io: TimedSync, **overrides: Any) -> AsyncIterator[AsyncSpool]:
     """A spool over ``io`` with the inline path enabled (INLINE_SYNC_FAST), as an operator would enable it."""
-    aspool = await AsyncSpool.open(str(path), spool_config(**overrides), io)
-    aspool.inline_sync_max = INLINE_SYNC_FAST
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(aspool.run)
-            yield aspool
-            nursery.cancel_scope.cancel()
-    finally:
-        aspool.core.close()
+    async with running_spool(path, spool_config(**overrides), io) as aspool:
+        aspool.inline_sync_max = INLINE_SYNC_FAST
+        yield aspool
 
 
 async def lone_enqueues(aspool: AsyncSpool, n: int, tag: str) -> None:

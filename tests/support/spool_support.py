@@ -16,7 +16,7 @@ import trio
 
 from spool.commit import AsyncSpool
 from spool.config import SpoolConfig
-from spool.fileio import OsFileIO
+from spool.fileio import FileIO, OsFileIO
 
 
 def spool_config(clock: Callable[[], float] | None = None, **overrides: Any) -> SpoolConfig:
@@ -37,9 +37,9 @@ def tiny_config() -> SpoolConfig:
 
 
 @asynccontextmanager
-async def running_spool(path: Path | str, cfg: SpoolConfig) -> AsyncIterator[AsyncSpool]:
+async def running_spool(path: Path | str, cfg: SpoolConfig, io: FileIO | None = None) -> AsyncIterator[AsyncSpool]:
     """An AsyncSpool with its committer running. Leaving it is a crash: nothing is flushed."""
-    aspool = await AsyncSpool.open(str(path), cfg)
+    aspool = await AsyncSpool.open(str(path), cfg, io)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(aspool.run)
