@@ -122,9 +122,10 @@ class Result:
 
 
 async def run_case(tmp_path: Path, template: Template, template_map: LogMap, caplog: pytest.LogCaptureFixture,
-                   damage: Callable[[str], Damage]) -> Result:
+                   damage: Callable[[str], Damage], delivery_processes: int = 0) -> Result:
     """Damage a copy, start the relay on it, wait until everything the damage left is delivered, and check
-    the promises of the module docstring that every case shares."""
+    the promises of the module docstring that every case shares (``delivery_processes``: SMTP deliveries in
+    that many worker processes)."""
     caplog.set_level(logging.WARNING, logger="spool")
     normal = await _normal_start(tmp_path / "normal", template)
     root = tmp_path / "damaged"
@@ -143,7 +144,10 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
     async with trio.open_nursery() as nursery:
         hop = NextHop()
         port = await hop.start(nursery)
-        relay, took = await _start(nursery, _config(root, {"*": f"smtp://127.0.0.1:{port}"}))
+        cfg = _config(root, {"*": f"smtp://127.0.0.1:{port}"})
+        cfg = attrs.evolve(cfg, delivery=attrs.evolve(cfg.delivery, processes=delivery_processes))
+        relay, took = await _start(nursery, cfg)
+        assert (relay.workers is not None) == (delivery_processes > 0)
         watch = DeliveryWatch(relay)
         assert took <= normal + 1.0, f"start took {took:.2f} s, the undamaged spool's {normal:.2f} s"
         # Every untouched message arrives; every message whose body was damaged bounces, and its DSN arrives.
@@ -334,10 +338,11 @@ async def test_damaged_checkpoint(tmp_path: Path, template: Template, template_m
                for r in caplog.records)
 
 
+@pytest.mark.parametrize("delivery_processes", [0, 1])
 async def test_damaged_body(tmp_path: Path, template: Template, template_map: LogMap,
-                            caplog: pytest.LogCaptureFixture) -> None:
+                            caplog: pytest.LogCaptureFixture, delivery_processes: int) -> None:
     """A bit flipped in a live message's data: the message is bounced to its sender with the reason, its
-    record quarantined; delivery goes on for everything else."""
+    record quarantined; delivery goes on for everything else, in the relay or through a delivery worker."""
     victim = next(m for m in template.messages if not m.new and pos_segment(m.body[0][0]) == 2)
     lo, hi = victim.body[0]
     off = pos_offset(lo) + HEADER_SIZE + 40
@@ -349,7 +354,7 @@ async def test_damaged_body(tmp_path: Path, template: Template, template_map: Lo
         return Damage(ranges=[(lo, hi)], kept={_qname(seg, pos_offset(lo), "damaged-record"):
                                                data[pos_offset(lo):pos_offset(hi)]})
 
-    result = await run_case(tmp_path, template, template_map, caplog, damage)
+    result = await run_case(tmp_path, template, template_map, caplog, damage, delivery_processes)
     (bounce,) = [o for _, o in result.watch.outcomes if o.status is Status.BOUNCED]
     assert bounce.recipient == victim.rcpt and bounce.enhanced == "5.3.0" and "damaged" in bounce.reply
     assert any(r.getMessage().startswith(f"event=damaged_body qid={victim.qid} ") and "action=bounced" in r.getMessage()
