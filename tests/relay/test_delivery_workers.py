@@ -108,6 +108,49 @@ async def test_a_big_body_is_pulled_by_the_worker_chunk_by_chunk(tmp_path: Path)
         nursery.cancel_scope.cancel()
 
 
+def _flip_in_spool(spool: str, marker: bytes) -> None:
+    """Flip one bit of ``marker``'s bytes where the spool's segments hold them: that DATA record is damaged."""
+    for path in sorted(os.path.join(d, name) for d, _, names in os.walk(spool) for name in names
+                       if os.path.isfile(os.path.join(d, name))):
+        with open(path, "r+b") as f:
+            at = f.read().find(marker)
+            if at >= 0:
+                f.seek(at)
+                f.write(bytes([marker[0] ^ 0x01]))
+                return
+    raise AssertionError(f"{marker!r} is in no segment of {spool}")
+
+
+async def test_a_body_damaged_where_the_worker_pulls_it_bounces_and_the_worker_serves_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A big body read through the spool for a worker, damaged halfway: the message bounces with the reason,
+    as in the relay; the same worker then delivers the next message."""
+    caplog.set_level(logging.INFO)
+    with trio.socket.socket() as probe:  # a port nobody listens on yet: the first attempt is deferred
+        await probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        cfg = _with_processes(tmp_path, port, 1)
+        cfg = attrs.evolve(cfg, spool=attrs.evolve(cfg.spool, body_cache=0))
+        relay = await start_relay(nursery, cfg)
+        assert relay.workers is not None
+        watch = DeliveryWatch(relay)
+        worker_pid = relay.workers.pids[0]
+        body = "".join(f"{i:08d} the quick brown fox jumps over the lazy dog\r\n" for i in range(20000))  # ~1.1 MB
+        await send(relay.ports[0], "a@example.org", ["big@far.example"], "Subject: big\r\n\r\n" + body)
+        await watch.wait_for(Status.DEFERRED, 1, recipient="big@far.example")  # nobody listens yet
+        _flip_in_spool(cfg.spool.dir, b"00012345 the quick brown fox")
+        hop = NextHop()
+        await hop.start(nursery, port=port)
+        (bounce,) = await watch.wait_for(Status.BOUNCED, 1, recipient="big@far.example", timeout=90)
+        assert bounce.enhanced == "5.3.0" and "damaged" in bounce.reply
+        await send(relay.ports[0], "a@example.org", ["next@far.example"], "Subject: next\r\n\r\nafter\r\n")
+        await watch.wait_for(Status.DELIVERED, 1, recipient="next@far.example", timeout=90)
+        assert relay.workers.pids == [worker_pid] and relay.workers.deaths == 0
+        assert "big@far.example" not in [r for m in hop.messages for r in m.recipients]  # never sent whole
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_worker_killed_mid_delivery_defers_the_message_which_is_then_delivered(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
