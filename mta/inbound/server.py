@@ -39,7 +39,6 @@ import enum
 import functools
 import logging
 import math
-import os
 import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,6 +49,8 @@ from mta.config import Config, ListenAddress, NoRoute
 from mta.containment import is_fatal, local_error
 from mta.dkim.accept import AcceptSigner
 from mta.dkim.signer import Signature
+from mta.inbound import wire
+from mta.inbound.accept import accept_loop
 from mta.inbound.admission import Refusal, SessionSlots
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
@@ -146,26 +147,27 @@ class SmtpServer:
             task_status.started(self.listeners[Port.SMTP])
             for port, opened in self.listeners.items():
                 for listener in opened:
-                    nursery.start_soon(trio.serve_listeners, functools.partial(self._serve_connection, port=port),
-                                       [listener])
+                    nursery.start_soon(accept_loop, listener, functools.partial(self._serve_connection, port=port))
 
-    async def _serve_connection(self, stream: trio.SocketStream, port: Port = Port.SMTP) -> None:
+    async def _serve_connection(self, stream: trio.SocketStream, peer: Any, port: Port = Port.SMTP) -> None:
         """The last boundary of one connection: nothing raised while serving it ends the listener.
 
         Sessions contain their own failures (``handle``); this catches what
         happens around them (a peer gone before it was answered, say).
         """
         try:
-            await self.handle(stream, port)
+            await self.handle(stream, port, peer)
         except Exception as exc:
             if is_fatal(exc, self.aspool.core):  # before the network errors: SyncFailed is an OSError
                 raise
             if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
                 log.error("connection failed: %s", local_error(exc), exc_info=exc)
 
-    async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP) -> None:
+    async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP, peer: Any = None) -> None:
+        """Serve one connection; ``peer``: its address as ``accept`` returned it (None: asked of the socket)."""
         try:
-            peer: Any = stream.socket.getpeername()
+            if peer is None:
+                peer = stream.socket.getpeername()
             client_ip = str(peer[0])
         except OSError:
             return
@@ -237,6 +239,7 @@ class _Session:
         self._command_done = True  # the connection, a DATA phase or TLS began or ended: a new command is next
         self._command_lines = 0  # the core's ``command_lines`` when the current command deadline was set
         self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
+        self._reader = wire.Reader()
 
     def abort_body(self) -> None:
         if self.body is not None:
@@ -254,23 +257,8 @@ class _Session:
 
     async def _flush(self) -> None:
         out = self.conn.data_to_send()
-        if not out:
-            return
-        stream = self.stream
-        if type(stream) is trio.SocketStream:
-            # Replies nearly always fit in the socket's buffer: written at once, without trio's send (a pass
-            # of the scheduler and its error translation, ~10 us of CPU a reply; issue 18). What does not fit
-            # goes the ordinary way, under the client's deadline.
-            try:
-                sent = os.write(stream.socket.fileno(), out)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
-            if sent == len(out):
-                return
-            out = out[sent:]
-        await stream.send_all(out)
+        if out:
+            await wire.send(self.stream, out)
 
     async def fail(self, exc: Exception) -> None:
         """The session's boundary: an unexpected exception ends this session only.
@@ -350,7 +338,7 @@ class _Session:
                 await self._farewell(R_SESSION_OVER)
                 return False
         await self._flush()
-        data = await self.stream.receive_some(READ_SIZE)
+        data = await self._reader.receive(self.stream, READ_SIZE)
         self.deadlines.received(trio.current_time(), len(data))
         self._arm()
         self.conn.receive_data(data)
