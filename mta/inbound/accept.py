@@ -34,13 +34,17 @@ CAPACITY_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, er
 CAPACITY_PAUSE: Final = 0.1  # seconds before accepting again after one of them
 BURST: Final = 64  # connections taken at one wake-up before the loop lets the others run
 
-Handler = Callable[[trio.SocketStream, Any], Awaitable[object]]
+Admit = Callable[[Any], object]
+Handler = Callable[[trio.SocketStream, Any, Any], Awaitable[object]]
 
 
-async def accept_loop(listener: trio.SocketListener, handler: Handler) -> None:
-    """Accept on ``listener`` forever; each connection runs ``handler(stream, peer_address)`` in a task.
+async def accept_loop(listener: trio.SocketListener, admit: Admit, handler: Handler) -> None:
+    """Accept on ``listener`` forever; each connection runs ``handler(stream, peer_address, admit(peer_address))``
+    in a task of its own.
 
-    The handler owns the stream; if it returns with the socket still open, it is closed here.
+    ``admit`` is called here, in the order the connections were accepted: tasks started together run in no
+    set order, and the session limits are first come, first served. The handler owns the stream; if it
+    returns with the socket still open, it is closed here.
     """
     async with trio.open_nursery() as nursery:
         tsock = listener.socket
@@ -48,7 +52,8 @@ async def accept_loop(listener: trio.SocketListener, handler: Handler) -> None:
         while True:
             if not isinstance(raw, socket.socket):
                 stream = await listener.accept()
-                nursery.start_soon(_run, handler, stream, stream.socket.getpeername())
+                peer = stream.socket.getpeername()
+                nursery.start_soon(_run, handler, stream, peer, admit(peer))
                 continue
             await trio.lowlevel.wait_readable(tsock)
             for _ in range(BURST):
@@ -62,12 +67,13 @@ async def accept_loop(listener: trio.SocketListener, handler: Handler) -> None:
                     log.error("accept failed: %s; retrying in %s s", errno.errorcode[exc.errno], CAPACITY_PAUSE)
                     await trio.sleep(CAPACITY_PAUSE)
                     break
-                nursery.start_soon(_run, handler, trio.SocketStream(trio.socket.from_stdlib_socket(conn)), peer)
+                stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+                nursery.start_soon(_run, handler, stream, peer, admit(peer))
 
 
-async def _run(handler: Handler, stream: trio.SocketStream, peer: Any) -> None:
+async def _run(handler: Handler, stream: trio.SocketStream, peer: Any, admitted: object) -> None:
     try:
-        await handler(stream, peer)
+        await handler(stream, peer, admitted)
     finally:
         if stream.socket.fileno() != -1:
             await trio.aclose_forcefully(stream)

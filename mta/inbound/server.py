@@ -51,7 +51,7 @@ from mta.dkim.accept import AcceptSigner
 from mta.dkim.signer import Signature
 from mta.inbound import wire
 from mta.inbound.accept import accept_loop
-from mta.inbound.admission import Refusal, SessionSlots
+from mta.inbound.admission import Refusal, SessionSlots, Slot
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
@@ -147,31 +147,42 @@ class SmtpServer:
             task_status.started(self.listeners[Port.SMTP])
             for port, opened in self.listeners.items():
                 for listener in opened:
-                    nursery.start_soon(accept_loop, listener, functools.partial(self._serve_connection, port=port))
+                    nursery.start_soon(accept_loop, listener, self._admit,
+                                       functools.partial(self._serve_connection, port=port))
 
-    async def _serve_connection(self, stream: trio.SocketStream, peer: Any, port: Port = Port.SMTP) -> None:
+    def _admit(self, peer: Any) -> Slot | Refusal:
+        """A session slot for a client just accepted (``SessionSlots``), taken in the order of the accepts."""
+        return self.slots.admit(str(peer[0]))
+
+    async def _serve_connection(self, stream: trio.SocketStream, peer: Any, slot: Slot | Refusal,
+                                port: Port = Port.SMTP) -> None:
         """The last boundary of one connection: nothing raised while serving it ends the listener.
 
         Sessions contain their own failures (``handle``); this catches what
         happens around them (a peer gone before it was answered, say).
         """
         try:
-            await self.handle(stream, port, peer)
+            await self.handle(stream, port, peer, slot)
         except Exception as exc:
             if is_fatal(exc, self.aspool.core):  # before the network errors: SyncFailed is an OSError
                 raise
             if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
                 log.error("connection failed: %s", local_error(exc), exc_info=exc)
 
-    async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP, peer: Any = None) -> None:
-        """Serve one connection; ``peer``: its address as ``accept`` returned it (None: asked of the socket)."""
+    async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP, peer: Any = None,
+                     slot: Slot | Refusal | None = None) -> None:
+        """Serve one connection; ``peer``: its address as ``accept`` returned it, ``slot`` what ``_admit`` said
+        (None: asked here). A slot given is released here whatever happens."""
         try:
             if peer is None:
                 peer = stream.socket.getpeername()
             client_ip = str(peer[0])
         except OSError:
+            if isinstance(slot, Slot):
+                self.slots.release(slot)
             return
-        slot = self.slots.admit(client_ip)
+        if slot is None:
+            slot = self.slots.admit(client_ip)
         if isinstance(slot, Refusal):
             await self._refuse(stream, client_ip, slot)
             return
