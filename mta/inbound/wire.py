@@ -52,21 +52,18 @@ class Reader:
         try:
             data = os.read(sock.fileno(), max_bytes)
         except BlockingIOError:
-            self.streak = 0
             while True:
                 await trio.lowlevel.wait_readable(sock)
                 try:
-                    return os.read(sock.fileno(), max_bytes)
+                    data = os.read(sock.fileno(), max_bytes)
+                    break
                 except BlockingIOError:
                     continue
                 except OSError as exc:
                     raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
         except OSError as exc:
             raise trio.BrokenResourceError(f"socket read failed: {exc}") from exc
-        self.streak += 1
-        if self.streak >= EAGER_READS:
-            self.streak = 0
-            await trio.lowlevel.checkpoint()
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return data
 
 
