@@ -250,7 +250,6 @@ class _Session:
         self._command_done = True  # the connection, a DATA phase or TLS began or ended: a new command is next
         self._command_lines = 0  # the core's ``command_lines`` when the current command deadline was set
         self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
-        self._reader = wire.Reader()
 
     def abort_body(self) -> None:
         if self.body is not None:
@@ -349,7 +348,7 @@ class _Session:
                 await self._farewell(R_SESSION_OVER)
                 return False
         await self._flush()
-        data = await self._reader.receive(self.stream, READ_SIZE)
+        data = await wire.receive(self.stream, READ_SIZE)
         self.deadlines.received(trio.current_time(), len(data))
         self._arm()
         self.conn.receive_data(data)
