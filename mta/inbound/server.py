@@ -349,8 +349,9 @@ class _Session:
                 return False
         await self._flush()
         data = await wire.receive(self.stream, READ_SIZE)
-        self.deadlines.received(trio.current_time(), len(data))
-        self._arm()
+        if self.deadlines.in_data:  # bytes buy time only inside DATA; elsewhere the deadline stays where it is
+            self.deadlines.received(trio.current_time(), len(data))
+            self._arm()
         self.conn.receive_data(data)
         return True
 
