@@ -27,6 +27,8 @@ from typing import Any, Final
 
 import trio
 
+from mta.observe.logline import event
+
 log = logging.getLogger("mta.smtpd")
 
 # The errors of a listening socket that mean "out of a resource for now", not "broken" (as trio's list).
@@ -64,7 +66,8 @@ async def accept_loop(listener: trio.SocketListener, admit: Admit, handler: Hand
                 except OSError as exc:
                     if exc.errno not in CAPACITY_ERRNOS:
                         raise
-                    log.error("accept failed: %s; retrying in %s s", errno.errorcode[exc.errno], CAPACITY_PAUSE)
+                    event(log, "accept_failed", level=logging.ERROR, error=errno.errorcode[exc.errno],
+                          retry_in=CAPACITY_PAUSE)
                     await trio.sleep(CAPACITY_PAUSE)
                     break
                 stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
