@@ -412,7 +412,8 @@ class Recovery:
     def cut(self, torn: Anomaly, seg: int, end: int, size: int) -> None:
         """Cut a torn tail (an interrupted write: never acknowledged) from the last segment, its bytes kept."""
         path = segment_path(self.log_dir, seg)
-        tail = Anomaly(Kind.TORN_TAIL, seg, path, end, size - end, torn.reason)
+        # Kept up to where the zeros that end the file begin (the reader's range); the file is cut at ``end``.
+        tail = Anomaly(Kind.TORN_TAIL, seg, path, end, max(torn.offset + torn.length, end) - end, torn.reason)
         note = self.sp.damage.cut(tail, "a torn tail: a write interrupted by the crash, never acknowledged; cut")
         log.warning("cutting torn tail of %s: %d bytes at offset %d (%s)", path, size - end, end, _kept(note))
         self.truncate(seg, end, size)
