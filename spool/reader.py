@@ -332,14 +332,14 @@ class SegmentWalk(Generic[R]):
         first = SEGMENT_HEADER_SIZE if start is None else max(start, SEGMENT_HEADER_SIZE)
         self.valid_end = first
         self.data_end = first
-        self._records_end: int | None = None
+        self.zero_tail: int | None = None  # where the zeros that end the log begin, if the walk met them
         self.bytes_read = 0
         self.found = False  # the file was there (False: missing, or reclaimed while we read)
 
     @property
     def records_end(self) -> int:
         """Where the segment's records end: ``data_end``, or where the zeros that end the log begin."""
-        return self.data_end if self._records_end is None else self._records_end
+        return self.data_end if self.zero_tail is None else self.zero_tail
 
     def __iter__(self) -> Iterator[R | Anomaly]:
         r, seg = self.reader, self.seg
@@ -371,7 +371,7 @@ class SegmentWalk(Generic[R]):
             finally:
                 self.valid_end = walk.valid_end
                 if walk.zero_tail is not None:
-                    self._records_end = walk.zero_tail
+                    self.zero_tail = walk.zero_tail
                 r.records += walk.records
             yield from late
         finally:

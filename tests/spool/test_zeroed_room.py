@@ -191,7 +191,8 @@ def test_garbage_followed_by_zeros_past_what_is_durable_is_cut_as_unacknowledged
     try:
         assert live(sp) == acked
         assert os.path.getsize(path) == end
-        assert any(n.endswith("-cut.json") for n in quarantined(tmp_path)), quarantined(tmp_path)
+        [bin_name] = [n for n in quarantined(tmp_path) if n.endswith("-cut.bin")]
+        assert (tmp_path / "quarantine" / bin_name).read_bytes() == bogus, "the garbage, not the room after it"
     finally:
         sp.close()
 
