@@ -38,7 +38,7 @@ from typing import Final
 import attrs
 
 ROOM_MIN: Final = 64 * 1024
-ROOM_MAX: Final = 1024 * 1024
+ROOM_MAX: Final = 2 * 1024 * 1024  # made ~1 MiB at a time: 1.1 ms to write and sync here, 2 MiB 3.6 ms
 ZEROS: Final = bytes(256 * 1024)  # written a piece at a time, one buffer for every write
 ROOM_VERSION: Final = 3  # segments of this format version (and later) may end in zeroed room
 
