@@ -3,11 +3,13 @@ seals it away, and how every reader and recovery read a zero tail (the clean end
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
 
 import trio
+from click.testing import CliRunner
 from crc32c import crc32c
 from spool_support import spool_config
 
@@ -15,12 +17,14 @@ from fault_injection import powercut
 from fault_injection.recording import RecordingFileIO, Sync, Write
 from fault_injection.workloads import FakeClock as Clock
 from spool import admin
+from spool.cli import cli as spoolctl
 from spool.commit import AsyncSpool
 from spool.damage import Anomaly, Kind
 from spool.fileio import OsFileIO
 from spool.reader import LogReader, anomalies
 from spool.record import HEADER, HEADER_SIZE, RecordType, encode_frame, make_pos, pos_offset, pos_segment
 from spool.room import ROOM_MIN
+from spool.rows import ERROR_TYPE, segment_rows
 from spool.segment import SEGMENT_HEADER, SEGMENT_HEADER_SIZE, list_segments, segment_path
 from spool.spool import Spool
 
@@ -286,3 +290,25 @@ def test_the_committer_makes_room_with_syncs_of_its_own_never_in_a_commit(tmp_pa
             zeros_only += kinds == {True}
             records += kinds == {False}
     assert zeros_only >= 2 and records >= 120
+
+
+def test_spoolctl_verify_and_the_report_source_read_a_zero_tail_as_the_end(tmp_path: Path) -> None:
+    """The readers outside the engine: ``spoolctl verify`` says clean, and the Spark data source's rows
+    (spool/rows.py) are the records, with no error row, while the last segment ends in zeroed room."""
+    sp = Spool.open(str(tmp_path), spool_config(Clock()))
+    try:
+        for i in range(3):
+            sp.enqueue("s@src.example", [RCPT], b"r %d" % i)
+            commit_and_room(sp)
+        path, end = seg_file(sp), pos_offset(sp.writer.durable_end)
+        records = sp.writer.records
+    finally:
+        sp.close()
+    assert os.path.getsize(path) > end
+    result = CliRunner().invoke(spoolctl, ["verify", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["clean"] is True and out["torn_tail"] is None and out["records"] == records
+    rows = list(segment_rows(path))
+    assert [r for r in rows if r["rtype"] == ERROR_TYPE] == []
+    assert len(rows) == 3 and all(r["rtype"] == RecordType.ENVELOPE and pos_offset(r["pos"]) < end for r in rows)
