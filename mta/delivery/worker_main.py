@@ -157,7 +157,8 @@ class Worker:
             while True:
                 data = await self.sock.recv(RECEIVE_SIZE)
                 if not data:
-                    gone(self.index, self.format)
+                    if self.transport is not None:  # before its config: the relay failed to start, and says why
+                        gone(self.index, self.format)
                     nursery.cancel_scope.cancel()
                     return
                 for message in self._reader.feed(data):

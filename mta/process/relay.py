@@ -16,10 +16,12 @@ import os
 import ssl
 from collections.abc import Mapping, Sequence
 
+import attrs
 import trio
 
 from mta.admin.control import ControlServer
 from mta.config import DEFAULTS_SOURCE, Config, MaildirRoute
+from mta.config.sections import delivery_workers
 from mta.delivery import worker_fork
 from mta.delivery.local import DiscardTransport, MaildirTransport
 from mta.delivery.scheduler import Scheduler
@@ -62,7 +64,7 @@ def transports(config: Config, io: FileIO | None = None, forked: Sequence[Forked
     from mta.delivery.smtp_transport import SmtpTransport
 
     smtp: Transport = DeliveryWorkers(config, config.delivery.processes, forked) \
-        if config.delivery.processes > 0 else SmtpTransport(config)
+        if config.delivery.processes > 0 else SmtpTransport(config)  # 0, or "auto" not resolved by mta serve
     return {"maildir": MaildirTransport(config.server.hostname, io), "discard": DiscardTransport(),
             "smtp": smtp, "mx": smtp}
 
@@ -184,6 +186,8 @@ def serve(config: Config) -> None:
         ConfigError, StartError, SpoolError, OSError: it cannot start (one exception, never a group).
     """
     check_start(config)
+    config = attrs.evolve(config, delivery=attrs.evolve(
+        config.delivery, processes=delivery_workers(config.delivery.processes, 1)))
     forked = worker_fork.prefork(config.delivery.processes)  # before trio's loop and threads start
     with unwrapped():
         trio.run(Relay(config, forked=forked).run)
@@ -195,6 +199,8 @@ def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> Non
     The supervisor ran ``check_start`` for every shard before it started any.
     """
     armed = follow_parent(supervisor)
+    config = attrs.evolve(config, delivery=attrs.evolve(
+        config.delivery, processes=delivery_workers(config.delivery.processes, shards)))
     forked = worker_fork.prefork(config.delivery.processes)  # before trio's loop and threads start
     with unwrapped():
         trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor,

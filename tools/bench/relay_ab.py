@@ -52,13 +52,7 @@ def main() -> int:
             sink = Sink(free_port())
             base = os.path.join(work, name)
             os.makedirs(base)
-            relay = Logspool(base, free_port(), sink.port, args.sessions, args.processes, 0)
-            if delivery_processes is not None:  # written into the config here: Logspool writes numbers above 0
-                with open(relay.config) as f:
-                    text = f.read()
-                value = '"auto"' if delivery_processes == "auto" else str(delivery_processes)
-                with open(relay.config, "w") as f:
-                    f.write(text.replace("[delivery]\n", f"[delivery]\nprocesses = {value}\n", 1))
+            relay = Logspool(base, free_port(), sink.port, args.sessions, args.processes, delivery_processes)
             saved = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = os.path.abspath(path)
             try:
