@@ -20,6 +20,12 @@ reads happen here, through the spool, so a damaged body is found, named and
 quarantined exactly as without workers and the scheduler sees it on
 ``StoredBody.damaged``.
 
+Starting. Under ``mta serve`` each worker's first life was forked before the
+relay's loop started (``mta.delivery.worker_fork``: it shares the relay's
+pages) and is adopted here; a worker started again after a death, and every
+worker of a relay run inside another program's loop, is a new interpreter
+(``python -P -m mta.delivery.worker_main``).
+
 Picking a worker: the one with the fewest batches in flight. A worker holds
 many batches at once (its own trio tasks), so ``processes`` is about cores,
 not about concurrency (that stays ``[delivery] concurrency``).
