@@ -31,6 +31,7 @@ interpreter.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import socket
@@ -41,6 +42,8 @@ from typing import NoReturn
 import trio
 
 from mta.delivery import worker_main
+
+log = logging.getLogger("mta.workers")
 
 
 class Forked:
@@ -78,8 +81,13 @@ def prefork(count: int) -> list[Forked]:
     gc.freeze()  # what is alive now is code and config: kept, and its pages left alone by every collection
     workers: list[Forked] = []
     for index in range(count):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = os.fork()
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            pid = os.fork()
+        except OSError as exc:  # out of processes or descriptors: the rest start later, as new interpreters
+            log.warning("could not fork delivery worker %d before the event loop (%s): it starts as a new "
+                        "interpreter", index, exc)
+            break
         if pid == 0:  # pragma: no cover - the worker (covered through the relay's tests)
             ours.close()
             for earlier in workers:
@@ -87,7 +95,15 @@ def prefork(count: int) -> list[Forked]:
                     earlier.sock.close()
             _worker(theirs, index)
         theirs.close()
-        workers.append(Forked(pid, ours))
+        try:
+            workers.append(Forked(pid, ours))
+        except OSError as exc:  # no pidfd (a kernel before 5.3): this one is not ours to reap; no more forks
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            ours.close()
+            log.warning("could not watch forked delivery worker %d (%s): workers start as new interpreters",
+                        index, exc)
+            break
     return workers
 
 
