@@ -4,7 +4,7 @@ File ``DIR/checkpoint``::
 
     offset size field
     0      8    magic    b"LSPOOLCP"
-    8      2    version  FORMAT_VERSION, little-endian
+    8      2    version  CHECKPOINT_VERSION (2), little-endian
     10     2    reserved zero
     12     4    length   of the CBOR payload, little-endian
     16     4    crc      CRC-32C of the payload
@@ -44,9 +44,11 @@ from crc32c import crc32c
 
 from spool.errors import CheckpointFailed, CorruptRecord, DiskFull, FormatVersionError, SyncFailed, no_space
 from spool.fileio import FileIO, read_exact, write_all
-from spool.segment import FORMAT_VERSION
 
 MAGIC = b"LSPOOLCP"
+# The checkpoint's own format version. It was the segments' version until segments went to 3 (zeroed room,
+# which changed nothing in the checkpoint): it stays 2, so a spool's checkpoint reads across that change.
+CHECKPOINT_VERSION = 2
 _HEAD = struct.Struct("<8sHHII")
 NAME = "checkpoint"
 TEMP = NAME + ".tmp"
@@ -74,7 +76,7 @@ class Checkpoint:
     def to_bytes(self) -> bytes:
         payload = cbor2.dumps({0: self.head, 1: self.working_start, 2: self.garbage_end,
                                3: list(self.runners), 4: self.time_ms, 5: self.sequence, 6: self.body_span})
-        return _HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(payload), crc32c(payload)) + payload
+        return _HEAD.pack(MAGIC, CHECKPOINT_VERSION, 0, len(payload), crc32c(payload)) + payload
 
     @classmethod
     def from_bytes(cls, data: bytes, path: str) -> Checkpoint:
@@ -83,9 +85,9 @@ class Checkpoint:
         magic, version, reserved, length, crc = _HEAD.unpack_from(data)
         if magic != MAGIC:
             raise CorruptCheckpoint("not a logspool checkpoint (bad magic)", path, 0)
-        if version != FORMAT_VERSION:
+        if version != CHECKPOINT_VERSION:
             raise FormatVersionError(f"{path}: checkpoint format version {version}, this logspool reads "
-                                     f"{FORMAT_VERSION}")
+                                     f"{CHECKPOINT_VERSION}")
         payload = data[_HEAD.size:]
         if reserved or len(payload) != length:
             raise CorruptCheckpoint(f"checkpoint length {length} does not match the file", path, 12)

@@ -254,9 +254,29 @@ def classify(seg: int, path: str, src: Source, off: int, end: int, *, tail_ok: b
     later = next_valid(seg, src, off, end, window)
     if later is not None:
         return Anomaly(Kind.DAMAGED_RECORD, seg, path, off, later - off, reason, later)
-    if tail_ok and looks_torn(src, off, end, window):
-        return Anomaly(Kind.TORN_TAIL, seg, path, off, end - off, reason)
-    return Anomaly(Kind.DAMAGED_RECORD, seg, path, off, end - off, reason)
+    if not tail_ok:
+        return Anomaly(Kind.DAMAGED_RECORD, seg, path, off, end - off, reason)
+    # The end of the log: the range stops where the zeroed room begins (format version 3), so that a cut
+    # keeps the bytes that were written, not the megabyte of zeros the writer had prepared after them.
+    stop = zero_room(src, off, end, window)
+    if stop <= off:  # all zeros: a caller that did not take them as the clean end (FrameWalk does)
+        stop = end
+    if looks_torn(src, off, end, window):
+        return Anomaly(Kind.TORN_TAIL, seg, path, off, stop - off, reason)
+    return Anomaly(Kind.DAMAGED_RECORD, seg, path, off, stop - off, reason)
+
+
+def zero_room(src: Source, start: int, end: int, window: int = WINDOW) -> int:
+    """Where the run of zeros that ends the source at ``end`` begins, at or after ``start``.
+
+    ``start`` itself when everything from there is zero: the zeroed room a
+    writer of format version 3 keeps ahead of its position (docs/format.md,
+    "Zeroed room"). Zeros can never be a frame (type 0 is no record type, and
+    a frame's checksum is salted), so a zero tail is the log's clean end, not
+    damage.
+    """
+    last = _last_nonzero(src, start, end, window)
+    return start if last is None else last + 1
 
 
 def all_zero(src: Source, start: int, end: int, window: int = WINDOW) -> bool:

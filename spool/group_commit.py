@@ -242,6 +242,10 @@ class GroupCommit:
                     # between a lone client and its reply. One step later it overlaps the client's next command.
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 self._signal_change()
+                if not writer.has_pending and writer.room_wanted():
+                    # Nothing waits to be written: zero the room the next commits will write into, so that
+                    # their fdatasync has no file size to commit (spool.room). Nobody waits for this sync.
+                    await trio.to_thread.run_sync(writer.make_room)
 
     def _inline(self, batch: Batch, messages: int) -> bool:
         """Write and sync this batch in the event loop's thread? Only for a lone message on a fast disk.

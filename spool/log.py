@@ -46,7 +46,7 @@ import attrs
 from crc32c import crc32c
 
 from spool.errors import DiskFull, SpoolError, SyncFailed, no_space
-from spool.fileio import FileIO, write_all
+from spool.fileio import FileIO, read_exact, write_all
 from spool.reader import LogReader, Reporter, raise_anomaly
 from spool.record import (
     CRC_PREFIX,
@@ -60,7 +60,8 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, read_frame_at, segment_path
+from spool.room import ROOM_VERSION, ZEROS, ZeroRoom
+from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, header_version, read_frame_at, segment_path
 
 _MAX_OPEN = 16
 _pack_header = HEADER.pack
@@ -121,6 +122,8 @@ class LogWriter:
         # Where a sealed segment that is missing, or not the size its successor recorded, is reported when a
         # runner asks for its end (``segment_end``); the spool sets its damage policy here after recovery.
         self.on_damage: Reporter = raise_anomaly
+        # Zeroed, synced room past the written end of the last segment (``make_room``, spool.room).
+        self.room = ZeroRoom()
 
     # -- append side (event loop thread) -------------------------------------
 
@@ -261,10 +264,11 @@ class LogWriter:
             self.io.close(ofd)
         return fd
 
-    def _sync_fd(self, fd: int) -> None:
+    def _sync_fd(self, fd: int, *, count: bool = True) -> None:
         try:
             self.io.fdatasync(fd)
-            self.fsyncs += 1
+            if count:  # the zeroed room's syncs are counted apart (room.extensions): no commit waits on them
+                self.fsyncs += 1
         except OSError as exc:
             self.poisoned = exc
             raise SyncFailed(f"fdatasync failed: {exc}; the process must restart and recover") from exc
@@ -298,8 +302,10 @@ class LogWriter:
             raise SpoolError("the log is unusable after an I/O failure") from self.poisoned
         for seg, off, data in batch.chunks:
             if off == 0:
-                # The new header records the previous segment's sealed size: that segment, and any
-                # older one with unsynced bytes, must be on disk before the header can be.
+                # The new header records the previous segment's sealed size: that segment (cut to that
+                # size first, if it had zeroed room), and any older one with unsynced bytes, must be on
+                # disk before the header can be.
+                self._seal(seg - 1)
                 self._sync_segments(below=seg)
                 self._sync_dir()
             self._write_chunk(seg, off, data)
@@ -347,11 +353,80 @@ class LogWriter:
         fd = self._fds.get(seg)
         if fd is None:
             return  # the file could not even be created
+        self.room.cut_to(seg, off)
         try:
             self.io.truncate(fd, off)
         except OSError as exc:
             self.poisoned = exc
             raise SpoolError(f"cutting back a write that found no room failed: {exc}") from exc
+
+    def _seal(self, seg: int) -> None:
+        """Cut a segment the writer has left to the size its successor's header will record (its zeroed
+        room goes): a sealed segment is exactly its records, as in format version 2. Synced by the caller."""
+        size = self.closed_sizes.get(seg)
+        if size is None:
+            return
+        try:
+            fd = self._fd(seg)
+            if self.io.size(fd) > size:
+                self.io.truncate(fd, size)
+                self._unsynced.add(seg)
+                self._dirty.add(seg)
+        except FileNotFoundError:
+            return  # reclaimed already (a segment is deleted only behind a durable checkpoint)
+        except OSError as exc:
+            self.poisoned = exc
+            raise
+
+    # -- zeroed room (spool.room) -----------------------------------------------
+
+    def room_wanted(self) -> bool:
+        """Would ``make_room`` do something now? Cheap: the committer asks after each of its passes."""
+        if self.poisoned is not None or self.full is not None:
+            return False
+        end = self.written_end
+        return self.room.wanted(pos_segment(end), pos_offset(end), self.segment_size)
+
+    def make_room(self) -> None:
+        """Zero the last segment past its written end and fdatasync it (spool.room): off the commit path.
+
+        Never touches a byte below the written end (records), and holds the
+        writer's lock, so no batch is written meanwhile. A disk with no room
+        for the zeros is no error: the room is given up for this segment, and
+        the records grow the file as they did before. EIO and a failed sync
+        poison the writer, as on every other write.
+        """
+        with self.io_lock:
+            if self.poisoned is not None or self.full is not None:
+                return
+            seg, written = pos_segment(self.written_end), pos_offset(self.written_end)
+            room = self.room
+            fd = self._fd(seg)
+            if seg != room.seg:
+                version = header_version(read_exact(self.io, fd, SEGMENT_HEADER_SIZE, 0))
+                room.moved_to(seg, written, version is not None and version >= ROOM_VERSION)
+            if not room.enabled:
+                return
+            start, stop = max(room.end, written), room.target(written, self.segment_size)
+            if stop <= start:
+                return
+            try:
+                off = start
+                while off < stop:
+                    n = min(len(ZEROS), stop - off)
+                    write_all(self.io, fd, memoryview(ZEROS)[:n], off)
+                    off += n
+            except OSError as exc:
+                if not no_space(exc):
+                    self.poisoned = exc
+                    raise
+                self._cut_back(seg, start)
+                room.enabled = False  # tried again in the next segment
+                return
+            self._sync_fd(fd, count=False)
+            room.end = stop
+            room.extensions += 1
+            room.zeroed_bytes += stop - start
 
     def _apply_late_marks(self) -> None:
         """Write the marks waiting for this point; any that find no room wait for the next batch."""

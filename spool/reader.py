@@ -59,6 +59,7 @@ from spool.damage import (
     Source,
     all_zero,
     classify,
+    zero_room,
 )
 from spool.errors import CorruptRecord, CorruptSegment, FormatVersionError
 from spool.fileio import FileIO, read_exact
@@ -246,7 +247,7 @@ class LogReader:
         if torn and torn[0].offset == 0 and len(self.segments) > 1:
             prev = self.segments[-2]
             return make_pos(prev, self.size(prev)), found  # a half-created last segment held nothing
-        return make_pos(last, torn[0].offset if torn else walk.data_end), found
+        return make_pos(last, torn[0].offset if torn else walk.records_end), found
 
     def size(self, seg: int) -> int:
         """The size of ``seg``'s file now. Raises FileNotFoundError."""
@@ -314,8 +315,9 @@ class SegmentWalk(Generic[R]):
 
     After (or during) the walk: ``valid_end``, the offset just past the last
     valid frame met (LevelDB's ``LastRecordOffset``); ``data_end``, where the
-    segment's records end (its size, or less: the sealed size its successor
-    recorded, or the ``end`` asked for).
+    segment's data ends (its size, or less: the sealed size its successor
+    recorded, or the ``end`` asked for); ``records_end``, the same or less:
+    where the zeros that end the log begin (format version 3's zeroed room).
     """
 
     def __init__(self, reader: LogReader, seg: int, start: int | None, end: int | None, payloads: bool,
@@ -330,8 +332,14 @@ class SegmentWalk(Generic[R]):
         first = SEGMENT_HEADER_SIZE if start is None else max(start, SEGMENT_HEADER_SIZE)
         self.valid_end = first
         self.data_end = first
+        self.zero_tail: int | None = None  # where the zeros that end the log begin, if the walk met them
         self.bytes_read = 0
         self.found = False  # the file was there (False: missing, or reclaimed while we read)
+
+    @property
+    def records_end(self) -> int:
+        """Where the segment's records end: ``data_end``, or where the zeros that end the log begin."""
+        return self.data_end if self.zero_tail is None else self.zero_tail
 
     def __iter__(self) -> Iterator[R | Anomaly]:
         r, seg = self.reader, self.seg
@@ -362,6 +370,8 @@ class SegmentWalk(Generic[R]):
                 yield from walk
             finally:
                 self.valid_end = walk.valid_end
+                if walk.zero_tail is not None:
+                    self.zero_tail = walk.zero_tail
                 r.records += walk.records
             yield from late
         finally:
@@ -429,6 +439,7 @@ class FrameWalk(Generic[R]):
         self.types = types
         self.window = window
         self.valid_end = off
+        self.zero_tail: int | None = None  # where the zeros that end the log begin, if the walk met them
         self.records = 0
 
     def __iter__(self) -> Iterator[R | Anomaly]:
@@ -460,6 +471,11 @@ class FrameWalk(Generic[R]):
                         self.valid_end = off
                         continue
                 tail_ok = self.tail_from is not None and off >= self.tail_from
+                if tail_ok and zero_room(src, off, end, self.window) == off:
+                    # Nothing but zeros from here to the end: the writer's zeroed room (format version 3),
+                    # or a write that never reached the disk past the last record. The log ends here, cleanly.
+                    self.zero_tail = off
+                    return
                 anomaly = classify(seg, self.path, src, off, end, tail_ok=tail_ok, window=self.window)
                 yield anomaly
                 if anomaly.resume is None:

@@ -384,7 +384,9 @@ class Recovery:
                     self.report(anomaly)
             if unacked is not None:
                 cut_at = unacked.offset
-                self.cut_unacknowledged(unacked, last, proven, size,
+                # Kept up to where the zeros that end the file begin (the room is not part of the damage).
+                stop = unacked.offset + unacked.length if unacked.resume is None else walk.records_end
+                self.cut_unacknowledged(unacked, last, proven, size, stop,
                                         [f for f in after if pos_offset(f.pos) >= cut_at])
                 return last, cut_at
             end = walk.valid_end
@@ -412,18 +414,21 @@ class Recovery:
     def cut(self, torn: Anomaly, seg: int, end: int, size: int) -> None:
         """Cut a torn tail (an interrupted write: never acknowledged) from the last segment, its bytes kept."""
         path = segment_path(self.log_dir, seg)
-        tail = Anomaly(Kind.TORN_TAIL, seg, path, end, size - end, torn.reason)
+        # Kept up to where the zeros that end the file begin (the reader's range); the file is cut at ``end``.
+        tail = Anomaly(Kind.TORN_TAIL, seg, path, end, max(torn.offset + torn.length, end) - end, torn.reason)
         note = self.sp.damage.cut(tail, "a torn tail: a write interrupted by the crash, never acknowledged; cut")
         log.warning("cutting torn tail of %s: %d bytes at offset %d (%s)", path, size - end, end, _kept(note))
         self.truncate(seg, end, size)
 
-    def cut_unacknowledged(self, first: Anomaly, seg: int, proven: int, size: int, envelopes: list[Frame]) -> None:
+    def cut_unacknowledged(self, first: Anomaly, seg: int, proven: int, size: int, stop: int,
+                           envelopes: list[Frame]) -> None:
         """Cut the last segment at the damage ``first``, which lies past every position recovery can prove
         durable: pages written after the last fsync reached the disk out of order (docs/design.md,
         "Recovery"), so nothing from there on was acknowledged. The cut bytes are kept in the quarantine
         first (with the envelopes among them named, in case the disk, not a crash, damaged them)."""
         path = segment_path(self.log_dir, seg)
-        span = Anomaly(Kind.DAMAGED_RECORD, seg, path, first.offset, size - first.offset, first.reason, first.resume)
+        span = Anomaly(Kind.DAMAGED_RECORD, seg, path, first.offset, max(stop, first.offset + first.length)
+                       - first.offset, first.reason, first.resume)
         named = [_unacknowledged(self.sp, f) for f in envelopes]
         why = (f"damage at offset {first.offset} ({first.message()}) lies past the last position recovery can "
                f"prove durable (offset {proven}): pages written after the last fsync reached the disk out of "

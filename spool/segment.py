@@ -29,7 +29,8 @@ from spool.fileio import FileIO, read_exact
 from spool.record import HEADER, HEADER_SIZE, Frame, decode_frame
 
 MAGIC: Final = b"LSPOOLSG"
-FORMAT_VERSION: Final = 2
+FORMAT_VERSION: Final = 3  # what the writer writes: 3 may end in zeroed room past the last record (docs/format.md)
+READABLE_VERSIONS: Final = frozenset({2, 3})  # version 2 segments (no zeroed room) still open and read
 SEGMENT_HEADER = struct.Struct("<8sHHIQII")
 SEGMENT_HEADER_SIZE: Final = SEGMENT_HEADER.size  # 32
 SECTOR: Final = 512  # torn-write rules count sector boundaries from the start of the file
@@ -74,13 +75,24 @@ def segment_header_fields(buf: bytes, path: str, expect_id: int | None = None) -
         raise CorruptSegment("not a logspool segment (bad magic)", path, 0)
     if crc32c(buf[:28]) != crc:
         raise CorruptSegment("segment header checksum mismatch", path, 0)
-    if version != FORMAT_VERSION:
-        raise FormatVersionError(f"{path}: segment format version {version}, this logspool reads {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise FormatVersionError(f"{path}: segment format version {version}, this logspool reads "
+                                 f"{' and '.join(str(v) for v in sorted(READABLE_VERSIONS))}")
     if hdr_size != SEGMENT_HEADER_SIZE:
         raise CorruptSegment("segment header has an unknown size", path, 0)
     if expect_id is not None and seg_id != expect_id:
         raise CorruptSegment(f"segment id {seg_id} does not match its file name ({expect_id})", path, 16)
     return seg_id, created, prev_size
+
+
+def header_version(buf: bytes) -> int | None:
+    """The format version a segment header names, if it is a verified header (None: not one)."""
+    if len(buf) < SEGMENT_HEADER_SIZE:
+        return None
+    magic, version, _hdr, _prev, _seg, _created, crc = SEGMENT_HEADER.unpack_from(buf)
+    if magic != MAGIC or crc32c(buf[:28]) != crc:
+        return None
+    return int(version)
 
 
 def decode_segment_header(buf: bytes, path: str, expect_id: int | None = None) -> tuple[int, int]:

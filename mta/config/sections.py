@@ -49,6 +49,7 @@ from spool.settings import (
     Setting,
     Size,
     Text,
+    TomlValue,
     resolve_path,
     setting,
     settings_of,
@@ -197,22 +198,45 @@ class RelayConfig:
 
 
 MAX_DELIVERY_PROCESSES = 64
+# ``[delivery] processes = "auto"`` as read: resolved by ``mta serve`` when it starts (``delivery_workers``).
+AUTO_DELIVERY_PROCESSES = -1
 
 
 @attrs.frozen
 class DeliveryProcesses(Processes):
-    """``[delivery] processes``: 0 (deliver in the relay process), N, or ``"auto"``: one per CPU beyond the first."""
+    """``[delivery] processes``: 0 (deliver in the relay process), N, or ``"auto"`` (the default).
+
+    ``"auto"`` is kept as ``AUTO_DELIVERY_PROCESSES`` and resolved where the relay's processes are started
+    (``delivery_workers``): ``mta serve`` knows how many relay processes share the CPUs; a relay run inside
+    another program (the tests, the benchmarks' in-process relay) delivers itself.
+    """
 
     def what(self) -> str:
-        return f'integer 0–{MAX_DELIVERY_PROCESSES}, or "auto" (one per CPU beyond the first; 0 on one CPU)'
+        return (f'integer 0–{MAX_DELIVERY_PROCESSES}, or "auto" (the CPUs left by the relay processes, shared '
+                "among them: one per CPU beyond the first with one relay process; 0 on one CPU)")
 
     def convert(self, raw: object, base_dir: str | None) -> int:
         if raw == "auto":
-            return max(0, min((os.cpu_count() or 1) - 1, MAX_DELIVERY_PROCESSES))
-        return super().convert(raw, base_dir)
+            return AUTO_DELIVERY_PROCESSES
+        value = super().convert(raw, base_dir)
+        Integer(0, MAX_DELIVERY_PROCESSES).check(value)  # here: a -1 in the file is not "auto"
+        return value
 
     def check(self, value: int) -> None:
-        Integer(0, MAX_DELIVERY_PROCESSES).check(value)
+        if value != AUTO_DELIVERY_PROCESSES:
+            Integer(0, MAX_DELIVERY_PROCESSES).check(value)
+
+    def write(self, value: int) -> TomlValue:
+        return "auto" if value == AUTO_DELIVERY_PROCESSES else value
+
+
+def delivery_workers(processes: int, relay_processes: int, cpus: int | None = None) -> int:
+    """Delivery workers for each of ``relay_processes`` relay processes: ``processes``, or for ``"auto"`` the CPUs
+    the relay processes leave, shared among them (1 relay process on 2 CPUs: 1; 2 on 2: 0; 2 on 8: 3 each)."""
+    if processes != AUTO_DELIVERY_PROCESSES:
+        return processes
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    return max(0, min((cpus - relay_processes) // max(1, relay_processes), MAX_DELIVERY_PROCESSES))
 
 
 @attrs.frozen(kw_only=True)
@@ -252,7 +276,8 @@ class DeliveryConfig:
         "policy names", None)
     processes: int = setting(
         DeliveryProcesses(), "delivery worker processes that run the SMTP client beside each relay process, so "
-        "deliveries use another core (see \"Delivery worker processes\"); `0`: the relay process delivers itself", 0)
+        "deliveries use another core (see \"Delivery worker processes\"); `0`: the relay process delivers itself",
+        AUTO_DELIVERY_PROCESSES)
 
 
 @attrs.frozen(kw_only=True)

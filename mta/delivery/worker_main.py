@@ -1,7 +1,9 @@
 """A delivery worker: the SMTP transport in its own process and trio loop, fed by the relay over a socketpair.
 
 ``python -P -m mta.delivery.worker_main FD INDEX`` (``mta.delivery.workers``
-starts it; nobody else should). FD is this process's end of the socketpair.
+starts it; nobody else should), or ``serve`` in a process forked by the relay's
+forker (``mta.delivery.worker_fork``, under ``mta serve``). FD is this
+process's end of the socketpair.
 The first frame is the relay's config; then every ``batch`` frame is handed
 to one ``SmtpTransport`` (its connection cache, MX lookups, TLS policies and
 TLS-RPT journal are this process's), each outcome is sent back the moment
@@ -120,8 +122,17 @@ class Worker:
         self._out_send.send_nowait(frame)
 
     async def _sender(self) -> None:
+        """Write queued frames, all that are queued in one write: an outcome and its ``done``, log lines and
+        the frames of batches answered together wake the relay once, not once a frame."""
         async for frame in self._out_recv:
-            view = memoryview(frame)
+            await trio.lowlevel.checkpoint()  # let the task that queued this one queue what follows it
+            frames = [frame]
+            while True:
+                try:
+                    frames.append(self._out_recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            view = memoryview(frames[0] if len(frames) == 1 else b"".join(frames))
             while view:
                 sent = await self.sock.send(view)
                 view = view[sent:]
@@ -146,7 +157,8 @@ class Worker:
             while True:
                 data = await self.sock.recv(RECEIVE_SIZE)
                 if not data:
-                    gone(self.index, self.format)
+                    if self.transport is not None:  # before its config: the relay failed to start, and says why
+                        gone(self.index, self.format)
                     nursery.cancel_scope.cancel()
                     return
                 for message in self._reader.feed(data):
@@ -217,11 +229,15 @@ def gone(index: int, fmt: str) -> None:
     sys.stderr.flush()
 
 
-def main(argv: list[str]) -> int:
-    fd, index = int(argv[0]), int(argv[1])
-    sock = socket.socket(fileno=fd)
+def serve(sock: socket.socket, index: int) -> int:
+    """Worker ``index`` on ``sock`` until the relay's end closes: in a new interpreter or forked (worker_fork)."""
     trio.run(Worker(sock, index).run)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    fd, index = int(argv[0]), int(argv[1])
+    return serve(socket.socket(fileno=fd), index)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ reads happen here, through the spool, so a damaged body is found, named and
 quarantined exactly as without workers and the scheduler sees it on
 ``StoredBody.damaged``.
 
+Starting. Under ``mta serve`` each worker's first life was forked before the
+relay's loop started (``mta.delivery.worker_fork``: it shares the relay's
+pages) and is adopted here; a worker started again after a death, and every
+worker of a relay run inside another program's loop, is a new interpreter
+(``python -P -m mta.delivery.worker_main``).
+
 Picking a worker: the one with the fewest batches in flight. A worker holds
 many batches at once (its own trio tasks), so ``processes`` is about cores,
 not about concurrency (that stays ``[delivery] concurrency``).
@@ -48,7 +54,7 @@ import subprocess
 import sys
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -58,6 +64,7 @@ from mta.config import Config
 from mta.delivery import mx
 from mta.delivery.tlspolicy.plan import Planner
 from mta.delivery.transport import Destination, Job, OnOutcome, TransportLost, body_chunks
+from mta.delivery.worker_fork import Forked
 from mta.delivery.worker_protocol import (
     FrameReader,
     ProtocolError,
@@ -137,6 +144,20 @@ class _Worker:
                 raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
 
 
+class _Process(Protocol):
+    """A running worker as ``_life`` needs it: ``trio.Process`` (a new interpreter) or ``worker_fork.Forked``."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
 class DeliveryWorkers:
     """The ``smtp`` and ``mx`` transports of a relay with ``[delivery] processes`` > 0 (see the module's text).
 
@@ -145,9 +166,12 @@ class DeliveryWorkers:
     ``deaths``: workers that ended, for tests and the log.
     """
 
-    def __init__(self, config: Config, count: int) -> None:
+    def __init__(self, config: Config, count: int, forked: Sequence[Forked] = ()) -> None:
         self.config = config
         self.count = count
+        # Workers forked before the relay's loop started (worker_fork), for their first lives; the rest, and
+        # every restart, are new interpreters.
+        self._forked = dict(enumerate(forked))
         self.observers: list[Callable[[str, str], None]] = []
         self.reused = 0
         self.deaths = 0
@@ -189,18 +213,19 @@ class DeliveryWorkers:
 
     async def _life(self, worker: _Worker, task_status: _Once) -> str:
         """One worker process from its start to its death; returns how it ended (``signal 9``, ``exit 1``)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        code_dir = os.path.dirname(os.path.dirname(os.path.abspath(mta.__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (code_dir, os.environ.get("PYTHONPATH")) if p))
-        try:
-            process = await trio.lowlevel.open_process(
-                [sys.executable, "-P", "-m", "mta.delivery.worker_main", str(theirs.fileno()), str(worker.index)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
-        except OSError as exc:  # out of processes or descriptors: try again after the back-off
-            ours.close()
-            return f"could not start: {exc}"
-        finally:
-            theirs.close()
+        forked = self._forked.pop(worker.index, None)
+        process: _Process
+        if forked is not None and forked.sock is not None:
+            ours, process = forked.sock, forked
+        else:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                process = await self._spawn(worker, theirs)
+            except OSError as exc:  # out of processes or descriptors: try again after the back-off
+                ours.close()
+                return f"could not start: {exc}"
+            finally:
+                theirs.close()
         worker.pid = process.pid
         worker.stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
         try:
@@ -226,6 +251,14 @@ class DeliveryWorkers:
                     f"({_status(process.returncode)}); the message may have been delivered")
                 batch.done.set()
         return _status(process.returncode)
+
+    async def _spawn(self, worker: _Worker, theirs: socket.socket) -> trio.Process:
+        """Worker ``worker`` on ``theirs``, as a new interpreter."""
+        code_dir = os.path.dirname(os.path.dirname(os.path.abspath(mta.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (code_dir, os.environ.get("PYTHONPATH")) if p))
+        return await trio.lowlevel.open_process(
+            [sys.executable, "-P", "-m", "mta.delivery.worker_main", str(theirs.fileno()), str(worker.index)],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
 
     async def _converse(self, worker: _Worker, task_status: _Once) -> None:
         assert worker.stream is not None and self._nursery is not None

@@ -14,15 +14,19 @@ import functools
 import logging
 import os
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+import attrs
 import trio
 
 from mta.admin.control import ControlServer
 from mta.config import DEFAULTS_SOURCE, Config, MaildirRoute
+from mta.config.sections import delivery_workers
+from mta.delivery import worker_fork
 from mta.delivery.local import DiscardTransport, MaildirTransport
 from mta.delivery.scheduler import Scheduler
 from mta.delivery.transport import Transport
+from mta.delivery.worker_fork import Forked
 from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
@@ -51,15 +55,16 @@ def ssl_context(config: Config) -> ssl.SSLContext | None:
     return ctx
 
 
-def transports(config: Config, io: FileIO | None = None) -> Mapping[str, Transport]:
+def transports(config: Config, io: FileIO | None = None, forked: Sequence[Forked] = ()) -> Mapping[str, Transport]:
     """The transports by kind; ``io``: the file layer for local delivery (None: the real files).
 
-    With ``[delivery] processes`` > 0, SMTP deliveries go to worker processes (``mta.delivery.workers``).
+    With ``[delivery] processes`` > 0, SMTP deliveries go to worker processes (``mta.delivery.workers``),
+    the first of them ``forked`` before the loop started (``mta.delivery.worker_fork``).
     """
     from mta.delivery.smtp_transport import SmtpTransport
 
-    smtp: Transport = DeliveryWorkers(config, config.delivery.processes) if config.delivery.processes > 0 \
-        else SmtpTransport(config)
+    smtp: Transport = DeliveryWorkers(config, config.delivery.processes, forked) \
+        if config.delivery.processes > 0 else SmtpTransport(config)  # 0, or "auto" not resolved by mta serve
     return {"maildir": MaildirTransport(config.server.hostname, io), "discard": DiscardTransport(),
             "smtp": smtp, "mx": smtp}
 
@@ -86,12 +91,16 @@ class Relay:
     this process must poll for that death (the kernel was not asked to
     deliver it, see ``mta.process.supervisor.follow_parent``); ``io``: the
     file layer under the spool and the Maildirs (a test's or a harness's
-    recording; None: the real files).
+    recording; None: the real files); ``forked``: delivery workers forked
+    before the loop started (``mta.delivery.worker_fork``; none: each is a
+    new interpreter).
     """
 
     def __init__(self, config: Config, *, shard: int = 0, reuse_port: bool = False,
-                 supervisor: int | None = None, poll_parent: bool = True, io: FileIO | None = None) -> None:
+                 supervisor: int | None = None, poll_parent: bool = True, io: FileIO | None = None,
+                 forked: Sequence[Forked] = ()) -> None:
         self.config = config
+        self.forked = forked
         self.io = io
         self.shard = shard
         self.reuse_port = reuse_port
@@ -125,7 +134,7 @@ class Relay:
             await nursery.start(control.serve)
             from mta.delivery.smtp_transport import SmtpTransport
 
-            outgoing = transports(cfg, self.io)
+            outgoing = transports(cfg, self.io, self.forked)
             smtp = outgoing["smtp"]  # the same transport serves "mx"
             if isinstance(smtp, SmtpTransport):
                 smtp.policies.observers.append(self.metrics.tls_policy_outcome)
@@ -177,8 +186,11 @@ def serve(config: Config) -> None:
         ConfigError, StartError, SpoolError, OSError: it cannot start (one exception, never a group).
     """
     check_start(config)
+    config = attrs.evolve(config, delivery=attrs.evolve(
+        config.delivery, processes=delivery_workers(config.delivery.processes, 1)))
+    forked = worker_fork.prefork(config.delivery.processes)  # before trio's loop and threads start
     with unwrapped():
-        trio.run(Relay(config).run)
+        trio.run(Relay(config, forked=forked).run)
 
 
 def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> None:
@@ -187,6 +199,9 @@ def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> Non
     The supervisor ran ``check_start`` for every shard before it started any.
     """
     armed = follow_parent(supervisor)
+    config = attrs.evolve(config, delivery=attrs.evolve(
+        config.delivery, processes=delivery_workers(config.delivery.processes, shards)))
+    forked = worker_fork.prefork(config.delivery.processes)  # before trio's loop and threads start
     with unwrapped():
         trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor,
-                       poll_parent=not armed).run)
+                       poll_parent=not armed, forked=forked).run)

@@ -228,6 +228,52 @@ async def test_a_worker_whose_relay_died_exits(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
+def _parent_and_command(pid: int) -> tuple[int, str]:
+    with open(f"/proc/{pid}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return ppid, f.read().replace(b"\0", b" ").decode()
+
+
+def _worker_pids(lines: list[str]) -> list[int]:
+    return [int(m.group(1)) for line in lines if "event=worker_started" in line
+            for m in [re.search(r"worker_pid=(\d+)", line)] if m]
+
+
+@pytest.mark.slow
+async def test_mta_serve_forks_its_worker_before_its_loop_and_starts_a_new_interpreter_after_a_death(
+        tmp_path: Path) -> None:
+    """The first worker of ``mta serve`` is forked from the relay (it shares the relay's pages: no command line
+    of its own), delivers, and after a kill -9 its successor is a new interpreter that delivers too."""
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        config = write_relay_config(tmp_path, {"*": f"smtp://127.0.0.1:{port}"})
+        config.write_text(config.read_text().replace("[routes]", "[delivery]\nprocesses = 1\n\n[routes]"))
+        relay = RelayProcess(config)
+        await relay.start(nursery)
+        assert relay.proc is not None
+        await relay.wait_output(lambda: len(_worker_pids(relay.lines)) == 1, 60, "the worker's start")
+        (first,) = _worker_pids(relay.lines)
+        ppid, command = _parent_and_command(first)
+        assert ppid == relay.proc.pid and "worker_main" not in command and " serve " in command
+        await send(relay.port, "a@example.org", ["one@far.example"], "Subject: one\r\n\r\nforked\r\n")
+        await relay.wait_output(lambda: any(re.search(r" event=delivery .*to=<one@far.example>.* status=sent", line)
+                                            for line in relay.lines), 60, "the first message's outcome")
+        os.kill(first, signal.SIGKILL)
+        await relay.wait_output(lambda: any("event=worker_died" in line and f"worker_pid={first}" in line
+                                            and 'status="signal 9"' in line for line in relay.lines),
+                                60, "the forked worker's death, reaped with its status")
+        await relay.wait_output(lambda: len(_worker_pids(relay.lines)) == 2, 60, "the next worker's start")
+        second = _worker_pids(relay.lines)[1]
+        ppid, command = _parent_and_command(second)
+        assert ppid == relay.proc.pid and "mta.delivery.worker_main" in command
+        await send(relay.port, "a@example.org", ["two@far.example"], "Subject: two\r\n\r\nspawned\r\n")
+        msgs = await hop.wait_messages(2)
+        assert sorted(r for m in msgs for r in m.recipients) == ["one@far.example", "two@far.example"]
+        nursery.cancel_scope.cancel()
+
+
 async def test_tls_policy_counts_and_log_lines_of_a_worker_reach_the_relay(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """MTA-STS in a worker: the policy's fetch line and the session's count come back; the TLS-RPT journal is

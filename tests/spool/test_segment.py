@@ -137,10 +137,14 @@ def test_zeros_from_a_sector_boundary_inside_the_last_frame_are_a_torn_tail(tmp_
     assert info.value.offset == start
 
 
-def test_zeros_after_the_last_frame_up_to_a_preallocated_size_are_a_torn_tail(tmp_path: Path) -> None:
+def test_zeros_after_the_last_frame_up_to_a_preallocated_size_are_the_clean_end(tmp_path: Path) -> None:
+    """Format version 3's zeroed room (or a write that never came): no anomaly at all, the log ends there."""
     body = b"".join(some_frames(SEG))
     path, _data = write_segment(tmp_path, SEG, body + bytes(4096))
     assert end_of(SEG, path, last=True) == SEGMENT_HEADER_SIZE + len(body)
+    reader = LogReader(IO, str(tmp_path), segments=(SEG,))
+    assert [a for a in reader.read() if isinstance(a, Anomaly)] == []
+    assert reader.log_end()[0] == make_pos(SEG, SEGMENT_HEADER_SIZE + len(body))
 
 
 def test_zeros_not_reaching_back_to_a_sector_boundary_are_corruption(tmp_path: Path) -> None:

@@ -158,8 +158,10 @@ def test_torn_tail_is_cut_and_committed_messages_survive(tmp_path: Path, cut: in
         sp.close()
 
 
-def test_zeroed_tail_after_crash_is_cut(tmp_path: Path) -> None:
-    """A file extended by the crash with zeros (the filesystem allocated, the data never came)."""
+def test_zeroed_tail_after_crash_is_the_clean_end(tmp_path: Path) -> None:
+    """A file extended by the crash with zeros (the filesystem allocated, the data never came), or by the
+    writer's zeroed room (format version 3): the log ends there cleanly. Nothing is cut or quarantined, and
+    the next record is written over the first zero, where the last one ended."""
     clock = Clock()
     sp = Spool.open(str(tmp_path), config(clock))
     kept = sp.enqueue("s@src.example", [RCPT], b"kept")
@@ -171,8 +173,18 @@ def test_zeroed_tail_after_crash_is_cut(tmp_path: Path) -> None:
         f.write(b"\0" * (4096 - size % 512))
     sp = Spool.open(str(tmp_path), config(clock))
     try:
-        assert os.path.getsize(path) == size
+        assert sp.recovery_stats.tail_cut_bytes == 0
+        assert not os.path.exists(os.path.join(str(tmp_path), "quarantine")) or not os.listdir(
+            os.path.join(str(tmp_path), "quarantine"))
         assert set(live(sp)) == {kept}
+        assert pos_offset(sp.writer.head) == size
+        after = sp.enqueue("s@src.example", [RCPT], b"after")
+        sp.commit()
+    finally:
+        sp.close()
+    sp = Spool.open(str(tmp_path), config(clock))
+    try:
+        assert set(live(sp)) == {kept, after}
     finally:
         sp.close()
 

@@ -3,6 +3,7 @@
     .venv/bin/python tools/bench/relay_ab.py base=/tmp/base new=/work/main --sessions 20 --messages 300 --reps 4
     .venv/bin/python tools/bench/relay_ab.py base=/tmp/base new=/work/main --processes 2 --strace 300
     .venv/bin/python tools/bench/relay_ab.py w0=/tmp/new w1=/tmp/new --delivery-processes 0,1
+    .venv/bin/python tools/bench/relay_ab.py main=/tmp/main auto=/tmp/new --delivery-processes 0,auto
 
 Each VARIANT is ``name=DIR``: DIR holds the ``spool`` and ``mta`` packages to run (``git archive COMMIT
 spool mta | tar -x -C DIR`` makes one), put first on PYTHONPATH of that relay's ``mta serve``. Uses
@@ -36,9 +37,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--strace", type=int, default=200, help="messages in the strace run (0: none)")
     ap.add_argument("--processes", type=int, default=1)
-    ap.add_argument("--delivery-processes", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                    help="[delivery] processes of each variant in order, comma-separated (default 0 for all): "
-                         "base=DIR new=DIR --delivery-processes 0,1 runs the same tree both ways")
+    ap.add_argument("--delivery-processes", type=lambda v: [x if x == "auto" else int(x) for x in v.split(",")],
+                    default=None,
+                    help="[delivery] processes of each variant in order, comma-separated, a number or auto (default: "
+                         "each variant's own default): base=DIR new=DIR --delivery-processes 0,1 runs the same tree "
+                         "both ways")
     ap.add_argument("--metrics", action="store_true",
                     help="give each relay a metrics endpoint and add its fsyncs per message to every timed run "
                          "(logspool_fsyncs before and after: no strace, so the timing is the run's own)")
@@ -48,7 +51,7 @@ def main() -> int:
     relays: list[tuple[str, Logspool, Sink]] = []
     metrics_port: dict[str, int] = {}
     try:
-        workers = args.delivery_processes or [0] * len(args.variants)
+        workers: list[int | str | None] = args.delivery_processes or [None] * len(args.variants)
         for spec, delivery_processes in zip(args.variants, workers, strict=True):
             name, _, path = spec.partition("=")
             sink = Sink(free_port())
@@ -96,8 +99,9 @@ def main() -> int:
             e2e = [r["e2e_per_s"] for r in rs if r["e2e_per_s"]]
             cpu = statistics.median(r["cpu_ms_per_msg"] for r in rs) if rs else None
             root = statistics.median(r["cpu_root_ms_per_msg"] for r in rs) if rs else None
+            pss = max((r["peak_pss_mb"] for r in rs), default=None)
             print(f"{name}: end-to-end msg/s median {statistics.median(e2e) if e2e else None} runs {e2e}; "
-                  f"CPU ms/msg all processes {cpu}, relay process {root}; "
+                  f"CPU ms/msg all processes {cpu}, relay process {root}; peak PSS {pss} MB; "
                   f"fsyncs/msg {traced.get(name, {}).get('fsync_per_msg')} {traced.get(name, {}).get('strace_calls')}"
                   + (f"; untraced fsyncs/msg median {statistics.median(r['fsyncs_per_msg'] for r in rs)} "
                      f"runs {[r['fsyncs_per_msg'] for r in rs]}" if args.metrics and rs else ""))

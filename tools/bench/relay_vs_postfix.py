@@ -264,16 +264,23 @@ max_messages_per_connection = 100
 """
 
 
+def _delivery_line(processes: int | str | None) -> str:
+    """``[delivery] processes`` as the config says it; None: not set (logspool's default)."""
+    if processes is None:
+        return ""
+    return f'processes = "{processes}"\n' if processes == "auto" else f"processes = {processes}\n"
+
+
 class Logspool:
     def __init__(self, base: str, port: int, sink_port: int, max_sessions: int, processes: int = 1,
-                 delivery_processes: int = 0) -> None:
+                 delivery_processes: int | str | None = None) -> None:
         self.base, self.port, self.processes = base, port, processes
         self.config = os.path.join(base, "logspool.toml")
         with open(self.config, "w") as f:
             f.write(LOGSPOOL_TOML.format(port=port, dir=base, sink_port=sink_port,
                                          max_sessions=max(200, 2 * max_sessions),
                                          processes=f"processes = {processes}\n" if processes != 1 else "",
-                                         delivery=f"processes = {delivery_processes}\n" if delivery_processes else ""))
+                                         delivery=_delivery_line(delivery_processes)))
         self.log_path = os.path.join(base, "relay.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -632,8 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, maillog)")
     ap.add_argument("--probe-seconds", type=float, default=2.0,
                     help="length of the 4 KiB append+fdatasync probe before and after the runs (0: none)")
-    ap.add_argument("--delivery-processes", type=int, default=0,
-                    help="logspool's [delivery] processes (delivery worker processes; default 0, none)")
+    ap.add_argument("--delivery-processes", type=lambda v: v if v == "auto" else int(v), default=None,
+                    help="logspool's [delivery] processes (delivery worker processes: a number or auto; default: "
+                         "not set, logspool's default)")
     ap.add_argument("--processes", type=int, default=1,
                     help="logspool relay processes ([server] processes; Postfix runs as many as it likes)")
     args = ap.parse_args(argv)
