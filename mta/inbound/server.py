@@ -39,7 +39,6 @@ import enum
 import functools
 import logging
 import math
-import os
 import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,7 +49,9 @@ from mta.config import Config, ListenAddress, NoRoute
 from mta.containment import is_fatal, local_error
 from mta.dkim.accept import AcceptSigner
 from mta.dkim.signer import Signature
-from mta.inbound.admission import Refusal, SessionSlots
+from mta.inbound import wire
+from mta.inbound.accept import accept_loop
+from mta.inbound.admission import Refusal, SessionSlots, Slot
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
@@ -146,30 +147,42 @@ class SmtpServer:
             task_status.started(self.listeners[Port.SMTP])
             for port, opened in self.listeners.items():
                 for listener in opened:
-                    nursery.start_soon(trio.serve_listeners, functools.partial(self._serve_connection, port=port),
-                                       [listener])
+                    nursery.start_soon(accept_loop, listener, self._admit,
+                                       functools.partial(self._serve_connection, port=port))
 
-    async def _serve_connection(self, stream: trio.SocketStream, port: Port = Port.SMTP) -> None:
+    def _admit(self, peer: Any) -> Slot | Refusal:
+        """A session slot for a client just accepted (``SessionSlots``), taken in the order of the accepts."""
+        return self.slots.admit(str(peer[0]))
+
+    async def _serve_connection(self, stream: trio.SocketStream, peer: Any, slot: Slot | Refusal,
+                                port: Port = Port.SMTP) -> None:
         """The last boundary of one connection: nothing raised while serving it ends the listener.
 
         Sessions contain their own failures (``handle``); this catches what
         happens around them (a peer gone before it was answered, say).
         """
         try:
-            await self.handle(stream, port)
+            await self.handle(stream, port, peer, slot)
         except Exception as exc:
             if is_fatal(exc, self.aspool.core):  # before the network errors: SyncFailed is an OSError
                 raise
             if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
                 log.error("connection failed: %s", local_error(exc), exc_info=exc)
 
-    async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP) -> None:
+    async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP, peer: Any = None,
+                     slot: Slot | Refusal | None = None) -> None:
+        """Serve one connection; ``peer``: its address as ``accept`` returned it, ``slot`` what ``_admit`` said
+        (None: asked here). A slot given is released here whatever happens."""
         try:
-            peer: Any = stream.socket.getpeername()
+            if peer is None:
+                peer = stream.socket.getpeername()
             client_ip = str(peer[0])
         except OSError:
+            if isinstance(slot, Slot):
+                self.slots.release(slot)
             return
-        slot = self.slots.admit(client_ip)
+        if slot is None:
+            slot = self.slots.admit(client_ip)
         if isinstance(slot, Refusal):
             await self._refuse(stream, client_ip, slot)
             return
@@ -254,23 +267,8 @@ class _Session:
 
     async def _flush(self) -> None:
         out = self.conn.data_to_send()
-        if not out:
-            return
-        stream = self.stream
-        if type(stream) is trio.SocketStream:
-            # Replies nearly always fit in the socket's buffer: written at once, without trio's send (a pass
-            # of the scheduler and its error translation, ~10 us of CPU a reply; issue 18). What does not fit
-            # goes the ordinary way, under the client's deadline.
-            try:
-                sent = os.write(stream.socket.fileno(), out)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"socket write failed: {exc}") from exc
-            if sent == len(out):
-                return
-            out = out[sent:]
-        await stream.send_all(out)
+        if out:
+            await wire.send(self.stream, out)
 
     async def fail(self, exc: Exception) -> None:
         """The session's boundary: an unexpected exception ends this session only.
@@ -350,9 +348,10 @@ class _Session:
                 await self._farewell(R_SESSION_OVER)
                 return False
         await self._flush()
-        data = await self.stream.receive_some(READ_SIZE)
-        self.deadlines.received(trio.current_time(), len(data))
-        self._arm()
+        data = await wire.receive(self.stream, READ_SIZE)
+        if self.deadlines.in_data:  # bytes buy time only inside DATA; elsewhere the deadline stays where it is
+            self.deadlines.received(trio.current_time(), len(data))
+            self._arm()
         self.conn.receive_data(data)
         return True
 

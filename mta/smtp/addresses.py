@@ -35,6 +35,11 @@ def _split_path(arg: str, what: str, status: str) -> tuple[str, str]:
     arg = arg.lstrip(" ")
     if not arg.startswith("<"):
         raise RemoteProtocolError(f"{what} must be in angle brackets", Reply(501, status, f"Syntax: {what} <address>"))
+    if '"' not in arg:  # no quoted string: the first ">" ends the path (the loop below, without a pass per character)
+        i = arg.find(">", 1)
+        if i > 0:
+            return arg[1:i], arg[i + 1 :]
+        raise RemoteProtocolError("unterminated path", Reply(501, status, f"Syntax: {what} <address>"))
     quoted = escaped = False
     for i in range(1, len(arg)):
         c = arg[i]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 import re
+import time
 from typing import Final
 
 import attrs
@@ -457,7 +458,24 @@ _UNSAFE_RE: Final = re.compile(r"[\x00-\x1f\x7f()\\]")
 
 def _clean(s: str, limit: int = 255) -> str:
     """Peer-supplied text goes into a header: no control chars, no comment breakers."""
+    if s.isprintable() and not ("(" in s or ")" in s or "\\" in s):  # nothing to replace: no regex pass
+        return s[:limit]
     return _UNSAFE_RE.sub("?", s)[:limit]
+
+
+# The Received: date of the last second one was written in (a header per message; issue 18).
+_received_second: tuple[int, str] = (-1, "")
+
+
+def _received_date() -> str:
+    global _received_second
+    now = time.time()
+    whole = int(now)
+    second = _received_second
+    if second[0] != whole:
+        text = _dt.datetime.fromtimestamp(whole, _dt.UTC).strftime("%a, %d %b %Y %H:%M:%S %z")
+        second = _received_second = (whole, text)
+    return second[1]
 
 
 def received_protocol(*, esmtp: bool, tls: bool, smtputf8: bool, auth: bool = False) -> str:
@@ -488,7 +506,6 @@ def received_header(
     ``authenticated``: the AUTH user, ``(Authenticated sender: NAME)`` as Postfix writes it.
     Peer-supplied text is sanitised, so a hostile HELO cannot inject headers.
     """
-    when = when or _dt.datetime.now(_dt.UTC)
     host = _clean(client_host) if client_host else "unknown"
     parts = [f"Received: from {_clean(helo)} ({host} [{_clean(client_ip, 64)}])"]
     if tls:
@@ -502,5 +519,5 @@ def received_header(
     if recipient:
         parts.append(f"\tfor <{_clean(recipient)}>")
     parts[-1] += ";"
-    parts.append("\t" + when.strftime("%a, %d %b %Y %H:%M:%S %z"))
+    parts.append("\t" + (when.strftime("%a, %d %b %Y %H:%M:%S %z") if when is not None else _received_date()))
     return ("\r\n".join(parts) + "\r\n").encode("utf-8")

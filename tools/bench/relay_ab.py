@@ -21,6 +21,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import urllib.request
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,10 +42,14 @@ def main() -> int:
                     help="[delivery] processes of each variant in order, comma-separated, a number or auto (default: "
                          "each variant's own default): base=DIR new=DIR --delivery-processes 0,1 runs the same tree "
                          "both ways")
+    ap.add_argument("--metrics", action="store_true",
+                    help="give each relay a metrics endpoint and add its fsyncs per message to every timed run "
+                         "(logspool_fsyncs before and after: no strace, so the timing is the run's own)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="relay-ab-")
     os.chmod(work, 0o755)
     relays: list[tuple[str, Logspool, Sink]] = []
+    metrics_port: dict[str, int] = {}
     try:
         workers: list[int | str | None] = args.delivery_processes or [None] * len(args.variants)
         for spec, delivery_processes in zip(args.variants, workers, strict=True):
@@ -53,6 +58,13 @@ def main() -> int:
             base = os.path.join(work, name)
             os.makedirs(base)
             relay = Logspool(base, free_port(), sink.port, args.sessions, args.processes, delivery_processes)
+            if args.metrics:
+                metrics_port[name] = free_port()
+                with open(relay.config) as f:
+                    text = f.read()
+                with open(relay.config, "w") as f:
+                    listen = f'metrics_listen = "127.0.0.1:{metrics_port[name]}"\n'
+                    f.write(text.replace("[server]\n", "[server]\n" + listen, 1))
             saved = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = os.path.abspath(path)
             try:
@@ -70,7 +82,10 @@ def main() -> int:
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in relays}
         for rep in range(args.reps):
             for name, relay, sink in (relays if rep % 2 == 0 else relays[::-1]):
+                fsyncs0 = fsyncs(metrics_port[name]) if args.metrics else 0.0
                 r = measure(relay.pid, sink, relay.port, args.size, args.sessions, args.messages, 900)
+                if args.metrics:
+                    r["fsyncs_per_msg"] = round((fsyncs(metrics_port[name]) - fsyncs0) / args.messages, 4)
                 r["loadavg"] = round(os.getloadavg()[0], 1)
                 runs[name].append(r)
                 log(f"{name} rep {rep + 1}: {r}")
@@ -87,7 +102,9 @@ def main() -> int:
             pss = max((r["peak_pss_mb"] for r in rs), default=None)
             print(f"{name}: end-to-end msg/s median {statistics.median(e2e) if e2e else None} runs {e2e}; "
                   f"CPU ms/msg all processes {cpu}, relay process {root}; peak PSS {pss} MB; "
-                  f"fsyncs/msg {traced.get(name, {}).get('fsync_per_msg')} {traced.get(name, {}).get('strace_calls')}")
+                  f"fsyncs/msg {traced.get(name, {}).get('fsync_per_msg')} {traced.get(name, {}).get('strace_calls')}"
+                  + (f"; untraced fsyncs/msg median {statistics.median(r['fsyncs_per_msg'] for r in rs)} "
+                     f"runs {[r['fsyncs_per_msg'] for r in rs]}" if args.metrics and rs else ""))
         names = list(runs)
         if len(names) >= 2:
             pairs = [b["e2e_per_s"] / a["e2e_per_s"] for a, b in zip(runs[names[0]], runs[names[1]], strict=True)
@@ -100,6 +117,15 @@ def main() -> int:
             sink.stop()
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def fsyncs(port: int) -> float:
+    """The relay's ``logspool_fsyncs`` (its fsync and fdatasync calls since start), from its metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("logspool_fsyncs "):
+                return float(line.split()[1])
+    raise RuntimeError("no logspool_fsyncs in the metrics")
 
 
 if __name__ == "__main__":
