@@ -44,7 +44,10 @@ from mta.inbound.server import SmtpServer
 from mta.process.relay import Relay
 from mta.smtp.common import Reply
 from spool import checkpoint as ckpt
-from spool.record import Status
+from spool.core import LOG_DIR
+from spool.fileio import OsFileIO
+from spool.reader import LogReader
+from spool.record import Status, pos_offset
 from spool.segment import list_segments
 
 FS_SIZE = 8 << 20
@@ -184,6 +187,15 @@ def subjects(messages: list[Received]) -> list[str]:
     return out
 
 
+def cut_zeroed_room(spool_dir: Path) -> None:
+    """Cut the zeroed room off the last segment, as if the relay had died right after a commit that used
+    it up (a crash state the room allows): what recovery appends then needs new blocks of the disk."""
+    reader = LogReader(OsFileIO(), str(spool_dir / LOG_DIR))
+    end, _anomalies = reader.log_end()
+    assert reader.last is not None
+    os.truncate(reader.path(reader.last), pos_offset(end))
+
+
 async def wait_disk(relay: Relay, condition: Callable[[], bool], timeout: float = 30) -> None:
     with trio.fail_after(timeout):
         while not condition():
@@ -313,9 +325,10 @@ async def test_an_outcome_that_finds_the_disk_full_waits_for_room_and_delivery_r
         assert mounted, NEEDS_ROOT
         async with trio.open_nursery() as nursery:
             hop = GatedHop()  # holds its 250 until the gate opens
-            # A long reply makes the DELIVERY record longer than a page: it cannot hide in the slack of the
-            # segment's last tmpfs page, and finds the disk full for certain.
-            hop.reply_text = "taken\n" + "\n".join(f"line {i} " + "x" * 1000 for i in range(8))
+            # A long reply makes the DELIVERY record longer than the zeroed room the log keeps ahead of its
+            # write position (at most the 512 KiB segment here) and than the slack of the segment's last
+            # tmpfs page: it finds the disk full for certain.
+            hop.reply_text = "taken\n" + "\n".join(f"line {i} " + "x" * 3000 for i in range(190))
             await hop.start(nursery)
             cfg = relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{hop.port}?tls=none"},
                                spool_extra='queue_minfree = "1M"\n')
@@ -366,6 +379,7 @@ async def test_start_on_a_full_disk_answers_452_until_space_returns(tmp_path: Pa
             await hop.wait_until(lambda: len(hop.held) == 1)  # m0 delivered, m1 taken and not answered
             await relay.kill()
 
+            cut_zeroed_room(fs / "spool")
             (fs / "spool" / ckpt.TEMP).write_bytes(b"a temporary checkpoint left by a crash")
             fill_disk(fs / "filler")
             hop.new_life(accept_first=1 << 30)
