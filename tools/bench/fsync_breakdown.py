@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench/fsync_breakdown.py --sessions 20 --messages 1000
     .venv/bin/python tools/bench/fsync_breakdown.py --tree /tmp/base --sessions 20 --messages 1000 --json out.json
+    .venv/bin/python tools/bench/fsync_breakdown.py --messages 20 --gap 0.5     # a trickle: one message each 0.5 s
 
 Starts a logspool relay (relay_vs_postfix.py's config, smtp-sink as next hop; ``--tree DIR``: the ``spool``
 and ``mta`` packages of DIR, as relay_ab.py's variants), warms it up with ``--warmup`` messages (the timed
@@ -30,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import smtplib
 import subprocess
 import sys
 import tempfile
@@ -37,7 +39,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from relay_vs_postfix import ROOT, Logspool, Sink, free_port, smtp_source, tool
+from relay_vs_postfix import RECIPIENT, ROOT, SENDER, Logspool, Sink, free_port, smtp_source, tool
 
 SYNCS = ("fsync", "fdatasync", "sync_file_range", "syncfs")
 WRITES = ("pwrite64", "pwritev", "pwritev2")
@@ -158,6 +160,8 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=300, help="messages sent before the traced run")
     ap.add_argument("--tree", help="DIR holding spool/ and mta/ to run (default: this checkout)")
+    ap.add_argument("--gap", type=float, default=0.0,
+                    help="instead of smtp-source: one message at a time (smtplib), this many seconds apart")
     ap.add_argument("--json", help="write the classified calls and the summary here")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (the strace output) and print it")
     args = ap.parse_args()
@@ -180,7 +184,9 @@ def main() -> int:
         count = sink.count
         smtp_source(relay.port, args.sessions, args.warmup, args.size, 600)
         sink.wait_for(count + args.warmup, 600)
-        time.sleep(3)  # the warm-up's lazy commits and its checkpoint happen before the trace
+        # The warm-up's lazy commits and its quiet checkpoint (up to two checkpoint intervals, 2 s each, after
+        # its last record) happen before the trace: the trace counts this run's own calls.
+        time.sleep(5)
         out = os.path.join(work, "strace.txt")
         calls = ",".join(SYNCS + WRITES + ("rename", "renameat", "renameat2"))
         strace = subprocess.Popen([tool("strace") or "strace", "-f", "-tt", "-y", "-s", "0", "-o", out,
@@ -195,7 +201,14 @@ def main() -> int:
             time.sleep(0.05)
         time.sleep(0.3)  # every thread attached
         count = sink.count
-        smtp_source(relay.port, args.sessions, args.messages, args.size, 900)
+        if args.gap:
+            body = f"From: <{SENDER}>\r\nTo: <{RECIPIENT}>\r\nSubject: gap\r\n\r\n" + ("x" * 76 + "\r\n") * max(1, args.size // 78)
+            for _ in range(args.messages):
+                with smtplib.SMTP("127.0.0.1", relay.port, timeout=60) as smtp:
+                    smtp.sendmail(SENDER, [RECIPIENT], body)
+                time.sleep(args.gap)
+        else:
+            smtp_source(relay.port, args.sessions, args.messages, args.size, 900)
         sink.wait_for(count + args.messages, 900)
         time.sleep(0.5)  # as relay_vs_postfix.py's strace run: the last delivery's bookkeeping
         strace.send_signal(signal.SIGINT)
