@@ -202,7 +202,8 @@ def main() -> int:
         time.sleep(0.3)  # every thread attached
         count = sink.count
         if args.gap:
-            body = f"From: <{SENDER}>\r\nTo: <{RECIPIENT}>\r\nSubject: gap\r\n\r\n" + ("x" * 76 + "\r\n") * max(1, args.size // 78)
+            lines = ("x" * 76 + "\r\n") * max(1, args.size // 78)
+            body = f"From: <{SENDER}>\r\nTo: <{RECIPIENT}>\r\nSubject: gap\r\n\r\n" + lines
             for _ in range(args.messages):
                 with smtplib.SMTP("127.0.0.1", relay.port, timeout=60) as smtp:
                     smtp.sendmail(SENDER, [RECIPIENT], body)
