@@ -156,10 +156,18 @@ class AsyncClaims(GroupCommit):
 
     def finish(self, attempt: Attempt, *, next_class: int | None = None,
                extra: dict[str, Any] | None = None) -> int | None:
-        """End the attempt. No fsync of its own: recovery rebuilds a lost FINISH or replacement."""
+        """End the attempt. No fsync of its own: recovery rebuilds a lost FINISH or replacement.
+
+        The records ride with the next commit. If none comes within
+        ``lazy_commit_delay``, a replacement envelope is synced then (its
+        runner reads only the durable log); a FINISH alone is only written.
+        """
         was_full = not self.core.has_room
         result = self.core.finish(attempt, next_class=next_class, extra=extra)
-        self._lazy.set()  # the records ride with the next commit, or a lazy one soon
+        if result is not None:
+            self.lazy_needs_sync()  # a replacement envelope: durable soon, so that its runner sees it
+        else:
+            self._lazy.set()  # a FINISH alone: written soon, durable with the next commit somebody needs
         if was_full:
             self._signal_change()  # a claim waits for this room (next_due)
         else:

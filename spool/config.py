@@ -91,10 +91,11 @@ class SpoolConfig:
         Size(), "...or when this much log was written since the last one (recovery rescans at most about this "
         "much); `0`: every interval", 16 * MIB)
     checkpoint_max_interval: float = setting(Duration(positive=True), "...or at the latest after this long", 60.0)
-    # Records nobody waits for (FINISH, replacement envelopes) ride with the next commit, or are
-    # committed this many seconds after they were appended if no commit comes sooner.
-    lazy_commit_delay: float = setting(Duration(), "records nobody waits for are committed at most this late",
-                                       0.1, in_file=False)
+    # Records nobody waits for (FINISH, replacement envelopes) ride with the next commit; if none comes
+    # sooner, this many seconds after they were appended replacement envelopes are committed (their runner
+    # reads only the durable log) and FINISH records alone are written, not synced (spool.group_commit).
+    lazy_commit_delay: float = setting(Duration(), "records nobody waits for are committed (FINISH records alone: "
+                                       "written) at most this late", 0.1, in_file=False)
     # Group-commit window: a commit someone waits for is cut once every commit announced as coming has
     # arrived (SMTP sessions between an accepted RCPT and the end of their data) and the event loop has
     # nothing else to run, or after this many seconds at most. With nothing announced and an idle loop it

@@ -12,15 +12,20 @@ someone waits for durability (``commit``): ``write_through`` (claims, before
 delivery begins) and a big body's flush only need the bytes in the file,
 where a killed process leaves them. The next sync covers them.
 
-Lazy records. FINISH records, replacement envelopes and the marks of an
-ended attempt need no fsync of their own (docs/design.md, "The log",
-durability rules), so ``finish`` does not start a commit: they ride with the
-next commit someone waits for, or, if none comes within
-``lazy_commit_delay``, one lazy commit takes them. It still fdatasyncs,
-because runners read only the durable part of the log (a replacement
-envelope must become visible to its runner) and a garbage mark may only be
-written once its START is durable; but at any load it finds the records
-already taken by a commit that was needed anyway.
+Lazy records. FINISH records and replacement envelopes need no fsync of
+their own (docs/design.md, "The log", durability rules), so ``finish`` does
+not start a commit: they ride with the next commit someone waits for, or, if
+none comes within ``lazy_commit_delay``, the lazy committer takes them. It
+fdatasyncs only when a record among them must become durable soon: a
+replacement envelope (runners read only the durable part of the log, so a
+deferred message would otherwise wait for the next commit to be retried) or
+a checkpoint that waits (``_ride_along``). FINISH records alone are written,
+not synced: in the file they survive the process being killed, a power cut
+that loses them costs recovery the rewriting of them from the durable
+DELIVERY records before them, and nothing anybody was told depends on them.
+The next commit anybody needs makes them durable. So a burst of mail ends
+with no fsync for its last FINISH records, and a relay that takes a message
+now and then pays two fsyncs a message (its enqueue, its outcomes), not three.
 
 Crash-only. An exception in the committer (a failed fsync above all) is not
 handled: it ends the nursery and the process, and the next start recovers.
@@ -89,7 +94,9 @@ class GroupCommit:
         # logspool_commit_batch_messages). Called in the event loop; must not block.
         self.commit_observers: list[Callable[[int], None]] = []
         self._unsynced_messages = 0  # enqueued since the last sync batch was taken
-        self.lazy_commits = 0
+        self.lazy_commits = 0  # lazy batches that were synced (a replacement envelope, a checkpoint waited)
+        self.lazy_writes = 0  # lazy batches only written: FINISH records that nothing waits to see durable
+        self._lazy_sync = False  # a lazily appended record must be durable soon (see _lazy_committer)
         self._want_sync = False  # someone waits for durability, not only for the bytes to be written
         self._writing = 0  # bytes of the batch the committer's thread is writing now
         self._sync_tickets: list[int] = []  # what each task in commit() waits to see durable (its ticket)
@@ -207,6 +214,8 @@ class GroupCommit:
                     await self._gather()
                 before = writer.records
                 sync, self._want_sync = self._want_sync, False
+                if sync:
+                    self._lazy_sync = False  # this sync covers every lazy record appended so far
                 was_full = writer.full is not None
                 batch = writer.take_batch(sync=sync)
                 messages = 0
@@ -400,6 +409,7 @@ class GroupCommit:
         ticket = writer.head
         while writer.durable_end < ticket:
             self._raise_if_full()
+            self._lazy_sync = True
             self._lazy.set()
             await self._synced.wait()
 
@@ -416,18 +426,37 @@ class GroupCommit:
             self._kick.set()
             await self._synced.wait()
 
+    def lazy_needs_sync(self) -> None:
+        """A record appended without a commit must become durable within ``lazy_commit_delay`` (not only written).
+
+        For a replacement envelope: its runner reads only the durable log.
+        """
+        self._lazy_sync = True
+        self._lazy.set()
+
     async def _lazy_committer(self) -> None:
-        """Commit what nobody waits for, unless a commit somebody waits for takes it first."""
+        """Write (and, if a record needs it, sync) what nobody waits for, unless a commit somebody waits for
+        takes it first.
+
+        Why not always sync: a batch of FINISH records protects nothing anybody
+        was told (docs/design.md, durability rules), and at the end of every
+        burst, and after every message of a relay that takes one now and then,
+        it was an fsync of its own. Written, it survives a killed process; the
+        next commit somebody needs syncs it.
+        """
         delay = self.core.config.lazy_commit_delay
         writer = self.core.writer
         while True:
             await self._lazy.wait()
             await trio.sleep(delay)
             self._lazy = trio.Event()
-            if writer.has_pending or writer.durable_end < writer.written_end:
+            if self._lazy_sync and (writer.has_pending or writer.durable_end < writer.written_end):
                 self.lazy_commits += 1
                 self._want_sync = True
                 self._kick.set()
+            elif writer.has_chunks:
+                self.lazy_writes += 1
+                self._kick.set()  # a pass that writes without fdatasync (nobody set _want_sync)
 
     def _signal_change(self) -> None:
         changed, self._changed = self._changed, trio.Event()

@@ -52,7 +52,10 @@ class Reclaim(SpoolCore):
         attempts that ended in memory but whose FINISH is not durable yet
         (``_settling``) count as in flight: if those records are lost,
         recovery must still find their STARTs, envelopes and bodies. Runners
-        never pass the durable end.
+        never pass the durable end, but they have passed the envelopes they
+        claimed: a runner is named no further than the envelope of an attempt
+        whose START is not durable (lost with the START, that message must be
+        found again).
         """
         if durable_only:
             head = self.writer.durable_end
@@ -65,6 +68,13 @@ class Reclaim(SpoolCore):
         envs = [min((a.envelope_pos, *a.envelope.body)) for a in self.attempts.values()] + [
             first for _, _, first in settling]
         runners = tuple(r.pos for r in self.runners)
+        if durable_only:
+            # A runner has passed every envelope it claimed, but a claim whose START is not durable is lost
+            # with it, and recovery must find that envelope again: no runner is named past it.
+            unclaimed = [a.envelope_pos for a in self.attempts.values() if a.start_pos >= head] + [
+                first for _, start, first in settling if start >= head]
+            if unclaimed:
+                runners = tuple(min(pos, *unclaimed) for pos in runners)
         working = min([head, *starts])
         garbage = min([working, *runners, *envs, *self._open_bodies.values()])
         seq = (self._checkpoint.sequence + 1) if self._checkpoint else 1

@@ -135,6 +135,53 @@ async def test_finish_alone_is_committed_after_the_lazy_delay(tmp_path: Path,
         assert w.fsyncs - fsyncs == 1 and not w.has_pending
 
 
+async def test_a_delivered_finish_alone_is_written_without_an_fsync(tmp_path: Path,
+                                                                    autojump_clock: trio.testing.MockClock) -> None:
+    """A FINISH that nothing waits for is written (a killed process leaves it) but costs no fsync of its own."""
+    async with running_spool(tmp_path, spool_config(trio_clock, lazy_commit_delay=0.1)) as aspool:
+        w = aspool.core.writer
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
+        (a,) = await aspool.next_due()
+        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DELIVERED, 250)])
+        fsyncs, durable = w.fsyncs, w.durable_end
+        aspool.finish(a)
+        finish_end = w.head
+        await trio.sleep(1)
+        assert aspool.lazy_writes == 1 and aspool.lazy_commits == 0
+        await aspool.write_through()  # the lazy pass's thread may still be writing (the mock clock jumped)
+        assert w.written_end >= finish_end and not w.has_chunks, "the FINISH is in the file"
+        assert w.fsyncs == fsyncs and w.durable_end == durable, "and it cost no fsync"
+        # what kill -9 leaves now: the attempt is over, nothing is in flight or due again
+        copy = tmp_path.parent / f"{tmp_path.name}-killed"
+        shutil.copytree(tmp_path, copy)
+        sp = Spool.open(str(copy), spool_config(trio_clock))
+        try:
+            assert sp.recovery_stats.in_flight == 0 and sp.poll_due() == []
+        finally:
+            sp.close()
+        # the next commit somebody needs makes it durable, with one fsync for both
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"two")
+        assert w.durable_end > finish_end and w.fsyncs - fsyncs == 1
+
+
+async def test_a_checkpoint_waiting_for_a_finish_alone_gets_it_synced(tmp_path: Path,
+                                                                     autojump_clock: trio.testing.MockClock) -> None:
+    """A FINISH only written is synced when a checkpoint waits for it (it may not name what is not durable)."""
+    async with running_spool(tmp_path, spool_config(trio_clock, lazy_commit_delay=0.1)) as aspool:
+        w = aspool.core.writer
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
+        (a,) = await aspool.next_due()
+        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DELIVERED, 250)])
+        aspool.finish(a)
+        await trio.sleep(1)
+        await aspool.write_through()
+        assert aspool.lazy_writes == 1 and w.durable_end < w.written_end == w.head
+        await aspool.checkpoint()
+        cp = aspool.core.checkpoint_state
+        assert cp is not None and cp.head == w.head == w.durable_end
+        assert aspool.lazy_commits == 1
+
+
 async def test_body_of_fresh_mail_comes_from_the_cache(tmp_path: Path) -> None:
     async with running_spool(tmp_path, spool_config(trio_clock)) as aspool:
         core = aspool.core
