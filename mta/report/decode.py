@@ -39,6 +39,7 @@ file-system layer as the inputs (``spool.remote``: fsspec).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -90,7 +91,9 @@ def _remove_tree(place: str) -> None:
         if fs.exists(place):
             fs.rm(place, recursive=True)
     else:
-        shutil.rmtree(remote.local_path(place), ignore_errors=True)
+        # Not ignore_errors: a previous run's files left in place would be read with this run's.
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(remote.local_path(place))
 
 
 def _rename(src: str, dst: str) -> None:
