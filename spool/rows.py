@@ -67,7 +67,8 @@ SCHEMA_DDL: Final = (
 their start). ``time`` is the frame header's append time in seconds."""
 
 
-def _arrow_schema() -> Any:
+def arrow_schema() -> Any:
+    """The Arrow schema of :data:`SCHEMA_DDL`: the batches' and the Parquet files'."""
     import pyarrow as pa
 
     outcome = pa.struct(
@@ -510,7 +511,7 @@ def segment_batches(path: str | SegmentTask, relay: str, batch_rows: int = DEFAU
     """
     import pyarrow as pa
 
-    schema = _arrow_schema()
+    schema = arrow_schema()
     task = path if isinstance(path, SegmentTask) else SegmentTask.alone(path)
     walk = _SegmentWalk(task)
     while True:

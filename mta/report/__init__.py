@@ -9,7 +9,9 @@ right on its line, so there is no cycle):
 
 - ``cli``: the click command; argument checks before any JVM starts → ``session``, ``errors``
 - ``job``: decode once, build the tables, compute the figures, write the reports
-  → ``figures``, ``text``, ``html_page``, ``errors`` (and ``spool.rows``)
+  → ``decode``, ``figures``, ``text``, ``html_page``, ``errors`` (and ``spool.rows``)
+- ``decode``: the segments into ``records/``, Parquet files written by the Spark tasks themselves with
+  pyarrow and committed by the driver → ``spark_source``, ``errors`` (and ``spool.rows``, ``spool.remote``)
 - ``session``: the SparkSession, local mode tuned for small machines → ``shipping``, ``spark_source``, ``errors``
 - ``shipping``: on a cluster, the project's packages zipped for the executors, and the check that
   their Python can run them → ``errors``

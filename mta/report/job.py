@@ -1,9 +1,11 @@
 """The delivery report job: segments → Parquet tables → pflogsumm-style figures.
 
-Theory of operation. The segments are decoded **once**, by the ``logspool``
-data source (``mta.report.spark_source``), into ``records/`` (one row per log
-record, damaged spots included as error rows). Three tables are built from
-it and written as Parquet:
+Theory of operation. The segments are decoded **once** into ``records/``
+(one row per log record, damaged spots included as error rows), by Spark
+tasks that write its Parquet files themselves with pyarrow, from the same
+Arrow batches as the ``logspool`` data source's (``mta.report.decode``; it
+says why not through the data source). Three tables are built from it, read
+back by Spark's own Parquet reader, and written as Parquet:
 
 - ``messages``: one row per message (relay, message id, sender, recipients,
   size, arrival, number of attempts, final state and time);
@@ -84,10 +86,11 @@ def read_records(spark: Any, inputs: Sequence[str], relay: str | None = None) ->
 
 
 def decode_records(spark: Any, inputs: Sequence[str], out: str, relay: str | None = None) -> str:
-    """Decode the segments once into ``out/records`` (Parquet); returns its path."""
-    path = os.path.join(out, "records")
-    read_records(spark, inputs, relay).write.mode("overwrite").parquet(path)
-    return path
+    """Decode the segments once into ``out/records`` (Parquet); returns its path. The Python tasks write
+    the files themselves (``mta.report.decode``), not through the data source and the JVM."""
+    from mta.report import decode
+
+    return decode.decode_records(spark, inputs, out, relay)
 
 
 def build_tables(spark: Any, records_path: str, since_ms: int | None = None,

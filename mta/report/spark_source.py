@@ -40,7 +40,7 @@ from spool.rows import (
     segment_batches,
 )
 
-__all__ = ["LogspoolDataSource", "LogspoolReader", "SegmentPartition", "group_tasks"]
+__all__ = ["LogspoolDataSource", "LogspoolReader", "SegmentPartition", "freeze_worker_heap", "group_tasks"]
 
 TASKS_PER_CORE: Final = 4
 MAX_FILES_PER_PARTITION: Final = 8  # 128 MiB of 16 MiB segments: Spark's own spark.sql.files.maxPartitionBytes
@@ -106,7 +106,7 @@ class LogspoolReader(DataSourceReader):  # type: ignore[misc]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, SegmentPartition)
-        _freeze_worker_heap()
+        freeze_worker_heap()
         for task, relay in zip(partition.tasks, partition.relays, strict=True):
             yield from segment_batches(task, relay, self.batch_rows)
 
@@ -114,7 +114,7 @@ class LogspoolReader(DataSourceReader):  # type: ignore[misc]
 _frozen = False
 
 
-def _freeze_worker_heap() -> None:
+def freeze_worker_heap() -> None:
     """Once per Python worker: import what the walk needs and move every object then alive (modules,
     classes, pyspark's and pyarrow's tables) out of the cyclic collector's sight (``gc.freeze``).
 

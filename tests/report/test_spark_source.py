@@ -270,7 +270,7 @@ def test_a_worker_freezes_its_heap_once_before_the_first_segment() -> None:
     import subprocess
     import sys
 
-    code = ("import gc, sys; from mta.report.spark_source import _freeze_worker_heap as f; "
+    code = ("import gc, sys; from mta.report.spark_source import freeze_worker_heap as f; "
             "before = gc.get_freeze_count(); f(); once = gc.get_freeze_count(); x = [[] for _ in range(1000)]; f(); "
             "twice = gc.get_freeze_count(); import pyarrow as pa; gc.collect(); n = len(gc.get_objects()); "
             "pa.array((1, 2), pa.int64()); "

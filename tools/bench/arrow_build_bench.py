@@ -30,12 +30,17 @@ def _segments(roots: list[str], count: int) -> list[Any]:
     return tasks[:count] if count else tasks
 
 
+def _schema(rows: Any) -> Any:
+    """The batches' Arrow schema (``arrow_schema``; ``_arrow_schema`` in trees before i16-parquet)."""
+    return (getattr(rows, "arrow_schema", None) or rows._arrow_schema)()
+
+
 def _one_pass(tasks: list[Any], batch_rows: int, dump: Any) -> tuple[int, float, float, float]:
     import pyarrow as pa
 
     from spool import rows
 
-    schema = rows._arrow_schema()
+    schema = _schema(rows)
     records = 0
     walk_s = build_s = free_s = 0.0
     clock = time.process_time
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         from spool import rows
 
-        with pa.ipc.new_file(args.dump, rows._arrow_schema()) as sink:
+        with pa.ipc.new_file(args.dump, _schema(rows)) as sink:
             _one_pass(tasks, args.batch_rows, sink)
     results = []
     n = 0

@@ -11,7 +11,10 @@ workers with a ``count()``, then ``--repeat`` times runs the plain reader
 ``spark_bench.plain_reader``) and right after it the ``logspool`` data source
 as the job reads it (``mta.report.job.read_records``) written to Spark's
 ``noop`` sink, so every ratio comes from a pair measured together (A B A B),
-each with its CPU per record; ``--java-options`` replaces local mode's JVM
+each with its CPU per record (``--stage decode``: the Spark side of a pair is
+instead the job's first stage, ``mta.report.job.decode_records``, the
+segments into ``records/`` as Parquet, its rows counted after the timing;
+a first decode warms it); ``--java-options`` replaces local mode's JVM
 options for A/B runs; then ``--reports`` times the whole report job
 (``mta.report.job.run_report``: decode into Parquet, the three tables, the
 figures, report.txt and report.html). ``cluster`` starts a standalone master
@@ -85,8 +88,8 @@ def tree_cpu_s() -> float:
     return sum(t for pid, t in cpu.items() if below(pid))
 
 
-def child(directory: str, config: str, expect: int, repeat: int, reports: int, java_options: str | None = None
-          ) -> dict[str, Any]:
+def child(directory: str, config: str, expect: int, repeat: int, reports: int, java_options: str | None = None,
+          stage: str = "read") -> dict[str, Any]:
     from mta.report import job
     from mta.report.job import run_report
     from mta.report.session import make_session
@@ -116,14 +119,29 @@ def child(directory: str, config: str, expect: int, repeat: int, reports: int, j
         first, n = timed(df.count)
         if n != expect:
             raise SystemExit(f"{config}: {n} rows, expected {expect}")
+        decoded = os.path.join(workdir, "decoded")
+
+        def spark_side() -> int:
+            if stage == "decode":  # the job's first stage: the segments into records/ (Parquet)
+                job.decode_records(spark, inputs, decoded)
+            else:
+                df.write.format("noop").mode("overwrite").save()
+            return 0
+
+        if stage == "decode":
+            spark_side()  # the first decode warms what it uses apart from the data source's read
         pairs = []
         for _ in range(repeat):
             c0 = time.process_time()
             tp, _n = timed(lambda: plain_read(files))
             plain_cpu = time.process_time() - c0
             c0 = tree_cpu_s()
-            ts, _n = timed(lambda: (df.write.format("noop").mode("overwrite").save(), expect)[1])
+            ts, _zero = timed(spark_side)
             spark_cpu = tree_cpu_s() - c0
+            got = spark.read.parquet(os.path.join(decoded, "records")).where("rtype > 0").count() \
+                if stage == "decode" else expect  # checked apart from the timing, as the count above
+            if got != expect:
+                raise SystemExit(f"{config}: {got} records decoded, expected {expect}")
             pairs.append({"plain_rps": expect / tp, "spark_rps": expect / ts, "load_avg_1m": os.getloadavg()[0],
                           "plain_cpu_s": plain_cpu, "spark_cpu_s": spark_cpu})
         walls = []
@@ -136,7 +154,8 @@ def child(directory: str, config: str, expect: int, repeat: int, reports: int, j
     finally:
         if cluster is not None:
             cluster.stop()
-    return {"config": config, "session_start_s": started, "first_count_s": first, "pairs": pairs, "reports": walls}
+    return {"config": config, "stage": stage, "session_start_s": started, "first_count_s": first, "pairs": pairs,
+            "reports": walls}
 
 
 def python_report(directory: str) -> dict[str, Any]:
@@ -157,6 +176,9 @@ def main() -> None:
     ap.add_argument("--configs", default="local[1],local[2],cluster,python")
     ap.add_argument("--java-options", default=None,
                     help="the driver JVM's options instead of mta.report.session.LOCAL_JAVA_OPTIONS (A/B runs)")
+    ap.add_argument("--stage", choices=("read", "decode"), default="read",
+                    help="the Spark side of a pair: read = the data source into the noop sink; decode = the job's "
+                         "decode_records, the segments into records/ (Parquet), then a count of its records")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     files = expand_paths(fleet_inputs(args.dir))
@@ -164,7 +186,8 @@ def main() -> None:
         raise SystemExit(f"report_bench: no segments under {args.dir} (make them with fleet_sim.py)")
     if args.child:
         config, expect = args.child.rsplit(":", 1)
-        print(json.dumps(child(args.dir, config, int(expect), args.repeat, args.reports, args.java_options)))
+        print(json.dumps(child(args.dir, config, int(expect), args.repeat, args.reports, args.java_options,
+                               args.stage)))
         return
     tp, n = timed(lambda: plain_read(files))
     size = sum(os.path.getsize(f) for f in files)
@@ -180,7 +203,7 @@ def main() -> None:
             continue
         extra = [] if args.java_options is None else [f"--java-options={args.java_options}"]
         proc = subprocess.run([sys.executable, __file__, args.dir, "--repeat", str(args.repeat), "--reports",
-                               str(args.reports), *extra, "--child", f"{config}:{n}"],
+                               str(args.reports), *extra, "--stage", args.stage, "--child", f"{config}:{n}"],
                               stdout=subprocess.PIPE, text=True, check=True)
         c = json.loads(proc.stdout.strip().splitlines()[-1])
         pairs = c["pairs"]
