@@ -71,11 +71,13 @@ SPACE_RETRY_MAX = 2.0
 CHECKPOINT_RETRY_MAX = 30.0
 # A lone committer may write and fdatasync in the event loop's thread (see GroupCommit._inline): while the median
 # of the last INLINE_SYNC_SAMPLES sync batches' write + fdatasync took less than ``inline_sync_max`` seconds, for
-# a batch of at most INLINE_MAX_BYTES that starts no segment. Off by default (INLINE_SYNC_MAX 0): measured, a lone
-# client was 3-22 % slower with it (a thread's fsync overlaps the deliveries' CPU work; inline, that work lands on
-# the client's next commands; docs/benchmarks.md, "Branch i18-lone"). INLINE_SYNC_FAST is the bound to enable it.
-INLINE_SYNC_MAX = 0.0
+# a batch of at most INLINE_MAX_BYTES that starts no segment, while at most one client is connected. Measured:
+# with the deliveries in the relay's own thread a lone client was 3-22 % slower with it (a thread's fsync
+# overlapped the deliveries' CPU work; "Branch i18-lone"); with the zeroed room and the deliveries in a worker it
+# is 6 % faster, and at 20 sessions it cost 5 % until it was kept to a lone client (docs/benchmarks.md, "The night").
+# So the spool keeps it off (INLINE_SYNC_MAX) and a relay whose deliveries run in worker processes turns it on.
 INLINE_SYNC_FAST = 0.001
+INLINE_SYNC_MAX = 0.0
 INLINE_SYNC_SAMPLES = 5
 INLINE_MAX_BYTES = 128 * 1024
 
@@ -102,6 +104,9 @@ class GroupCommit:
         self._sync_tickets: list[int] = []  # what each task in commit() waits to see durable (its ticket)
         self._sync_seconds: deque[float] = deque(maxlen=INLINE_SYNC_SAMPLES)  # the last sync batches' write+sync
         self.inline_sync_max = INLINE_SYNC_MAX
+        # How many clients are connected now: set by the SMTP server (its admitted sessions); with more than one,
+        # a session between its greeting and its RCPT (not announced by expect_commit) may be about to need the loop.
+        self.connected_clients: Callable[[], int] = lambda: 0
         self.inline_commits = 0  # sync batches written in the event loop's thread
         core.flush_hook = self._kick.set
         self._running = False
@@ -272,10 +277,12 @@ class GroupCommit:
         loop. The deliveries' commits (claims, outcomes) keep it too: nobody
         waits on them, and inline they held the loop while the client's next
         command waited. Measured, a lone client was slower with it in every
-        pair, so it is off by default (``INLINE_SYNC_MAX``; docs/benchmarks.md).
+        pair while the deliveries ran in the same thread; with them in a worker
+        and the zeroed room it pays, for a lone client only (``connected_clients``;
+        ``INLINE_SYNC_MAX``; docs/benchmarks.md).
         """
         if (self.inline_sync_max <= 0 or not batch.sync or not messages or self._expected
-                or batch.size > INLINE_MAX_BYTES or not self._one_waiter()):
+                or batch.size > INLINE_MAX_BYTES or self.connected_clients() > 1 or not self._one_waiter()):
             return False
         recent = self._sync_seconds
         if len(recent) < INLINE_SYNC_SAMPLES or statistics.median(recent) >= self.inline_sync_max:

@@ -39,6 +39,7 @@ from mta.process.supervisor import follow_parent, watch_parent
 from mta.shards import shard_config, spool_config
 from spool.commit import AsyncSpool
 from spool.fileio import FileIO
+from spool.group_commit import INLINE_SYNC_FAST
 
 log = logging.getLogger("mta")
 
@@ -142,6 +143,9 @@ class Relay:
             elif isinstance(smtp, DeliveryWorkers):
                 smtp.observers.append(self.metrics.tls_policy_outcome)
                 self.workers = smtp
+                # The deliveries' CPU is in the workers: a lone client's fdatasync may run in the loop's thread
+                # (spool.group_commit, "inline"; docs/benchmarks.md, "The night": +6 % for a lone client).
+                self.aspool.inline_sync_max = INLINE_SYNC_FAST
                 await nursery.start(smtp.run)  # the worker processes, each ready
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)

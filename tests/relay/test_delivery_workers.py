@@ -35,6 +35,7 @@ from mta.config import Config, parse_config
 from mta.delivery.smtp_transport import SmtpTransport
 from mta.delivery.workers import DeliveryWorkers
 from mta.observe.logline import LogEvent
+from spool.group_commit import INLINE_SYNC_FAST
 from spool.record import Status
 
 
@@ -60,6 +61,8 @@ async def test_mail_goes_through_a_worker_process_to_the_next_hop(tmp_path: Path
         cfg = _with_processes(tmp_path, port, 1)
         relay = await start_relay(nursery, cfg)
         assert isinstance(relay.workers, DeliveryWorkers) and len(relay.workers.pids) == 1
+        # The deliveries' CPU is in the worker: a lone client's fdatasync may run in the loop's thread.
+        assert relay.aspool.inline_sync_max == INLINE_SYNC_FAST
         worker_pid = relay.workers.pids[0]
         assert worker_pid != os.getpid()
         watch = DeliveryWatch(relay)
@@ -195,6 +198,7 @@ async def test_processes_0_delivers_in_the_relay_process(tmp_path: Path) -> None
         relay = await start_relay(nursery, _with_processes(tmp_path, port, 0))
         assert relay.workers is None
         assert isinstance(relay.scheduler.transports["smtp"], SmtpTransport)
+        assert relay.aspool.inline_sync_max == 0, "deliveries in the loop: every fdatasync in the thread"
         await send(relay.ports[0], "a@example.org", ["x@far.example"], "Subject: x\r\n\r\nx\r\n")
         await hop.wait_messages(1)
         nursery.cancel_scope.cancel()

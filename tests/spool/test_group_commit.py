@@ -501,6 +501,44 @@ async def test_a_commit_waiting_for_an_announced_session_keeps_the_thread(tmp_pa
         assert aspool.inline_commits == inline and io.in_loop(since) == [False]
 
 
+async def test_with_a_second_client_connected_the_commit_stays_in_the_thread(tmp_path: Path) -> None:
+    """A real session on a fast disk while another client is connected and has not yet said RCPT (so no
+    commit of its is announced): the message's fdatasync runs in the worker thread, not in the loop,
+    which the other client may need at any moment; once it has gone, the next message's runs inline."""
+    io = TimedSync()
+    io.fast = True
+    cfg = parse_config(SERVER_TOML.format(dir=tmp_path / "spool"), base_dir=str(tmp_path))
+    async with timed_spool(tmp_path / "spool", io) as aspool:
+        server = SmtpServer(cfg, aspool, Metrics())
+        await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(server.serve)
+            port = listeners[0].socket.getsockname()[1]
+            other = await trio.open_tcp_stream("127.0.0.1", port)
+            await smtp(other, b"", b"220")
+            await smtp(other, b"EHLO other.test\r\n", b"250")
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            for line, expect in ((b"", b"220"), (b"EHLO client.test\r\n", b"250"),
+                                 (b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
+                                 (b"DATA\r\n", b"354")):
+                await smtp(client, line, expect)
+            inline, since = aspool.inline_commits, len(io.threads)
+            await smtp(client, b"Subject: one of two\r\n\r\nbody\r\n.\r\n", b"250 2.0.0 Ok: queued as")
+            assert aspool.inline_commits == inline and io.in_loop(since) == [False]
+            await smtp(other, b"QUIT\r\n", b"221")
+            await other.aclose()
+            await trio.testing.wait_all_tasks_blocked()  # the other session's task has ended, its slot given back
+            assert server.slots.total == 1
+            for line, expect in ((b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
+                                 (b"DATA\r\n", b"354")):
+                await smtp(client, line, expect)
+            since = len(io.threads)
+            await smtp(client, b"Subject: alone now\r\n\r\nbody\r\n.\r\n", b"250 2.0.0 Ok: queued as")
+            assert aspool.inline_commits == inline + 1 and io.in_loop(since) == [True]
+            await smtp(client, b"QUIT\r\n", b"221")
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_checkpoint_holding_the_files_sends_a_lone_commit_to_the_thread(tmp_path: Path) -> None:
     """The loop never waits behind another thread's I/O: the log's lock is tried, not waited for."""
     io = TimedSync()
