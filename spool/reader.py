@@ -59,7 +59,6 @@ from spool.damage import (
     Source,
     all_zero,
     classify,
-    zero_room,
 )
 from spool.errors import CorruptRecord, CorruptSegment, FormatVersionError
 from spool.fileio import FileIO, read_exact
@@ -471,7 +470,7 @@ class FrameWalk(Generic[R]):
                         self.valid_end = off
                         continue
                 tail_ok = self.tail_from is not None and off >= self.tail_from
-                if tail_ok and zero_room(src, off, end, self.window) == off:
+                if tail_ok and all_zero(src, off, end, self.window):
                     # Nothing but zeros from here to the end: the writer's zeroed room (format version 3),
                     # or a write that never reached the disk past the last record. The log ends here, cleanly.
                     self.zero_tail = off

@@ -170,20 +170,10 @@ class SmtpServer:
             if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
                 log.error("connection failed: %s", local_error(exc), exc_info=exc)
 
-    async def handle(self, stream: trio.SocketStream, port: Port = Port.SMTP, peer: Any = None,
-                     slot: Slot | Refusal | None = None) -> None:
-        """Serve one connection; ``peer``: its address as ``accept`` returned it, ``slot`` what ``_admit`` said
-        (None: asked here). A slot given is released here whatever happens."""
-        try:
-            if peer is None:
-                peer = stream.socket.getpeername()
-            client_ip = str(peer[0])
-        except OSError:
-            if isinstance(slot, Slot):
-                self.slots.release(slot)
-            return
-        if slot is None:
-            slot = self.slots.admit(client_ip)
+    async def handle(self, stream: trio.SocketStream, port: Port, peer: Any, slot: Slot | Refusal) -> None:
+        """Serve one connection; ``peer``: its address as ``accept`` returned it, ``slot`` what ``_admit`` said.
+        A slot is released here whatever happens."""
+        client_ip = str(peer[0])
         if isinstance(slot, Refusal):
             await self._refuse(stream, client_ip, slot)
             return

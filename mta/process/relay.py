@@ -190,9 +190,7 @@ def serve(config: Config) -> None:
         ConfigError, StartError, SpoolError, OSError: it cannot start (one exception, never a group).
     """
     check_start(config)
-    config = attrs.evolve(config, delivery=attrs.evolve(
-        config.delivery, processes=delivery_workers(config.delivery.processes, 1)))
-    forked = worker_fork.prefork(config.delivery.processes)  # before trio's loop and threads start
+    config, forked = _with_workers(config, 1)
     with unwrapped():
         trio.run(Relay(config, forked=forked).run)
 
@@ -203,9 +201,15 @@ def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> Non
     The supervisor ran ``check_start`` for every shard before it started any.
     """
     armed = follow_parent(supervisor)
-    config = attrs.evolve(config, delivery=attrs.evolve(
-        config.delivery, processes=delivery_workers(config.delivery.processes, shards)))
-    forked = worker_fork.prefork(config.delivery.processes)  # before trio's loop and threads start
+    config, forked = _with_workers(config, shards)
     with unwrapped():
         trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor,
                        poll_parent=not armed, forked=forked).run)
+
+
+def _with_workers(config: Config, relay_processes: int) -> tuple[Config, list[Forked]]:
+    """``[delivery] processes`` resolved for one of ``relay_processes`` relay processes ("auto": the CPUs
+    they leave), and the first lives of those workers forked; before trio's loop and threads start."""
+    config = attrs.evolve(config, delivery=attrs.evolve(
+        config.delivery, processes=delivery_workers(config.delivery.processes, relay_processes)))
+    return config, worker_fork.prefork(config.delivery.processes)

@@ -242,8 +242,6 @@ _ALLOWED: Final[dict[str, frozenset[State]]] = {
 TransitionHook = Callable[[State, Step, State], None]
 
 
-# The events that wait for accept() or reject() (a tuple: ``A | B`` in isinstance builds a union at every call).
-_DECISIONS: Final = (MailFrom, RcptTo, EndOfData, StartTls, AuthRequest)
 # The step an accepted decision takes.
 _ON_ACCEPT: Final[dict[type[Decision], Step]] = {
     MailFrom: Step.MAIL_ACCEPTED,
@@ -448,7 +446,7 @@ class ServerConnection:
                 ev = self._auth_event()
             else:
                 ev = self._command_event()
-        if isinstance(ev, _DECISIONS):
+        if isinstance(ev, Decision):  # the union built once (server_events), not at every call
             self._pending = ev
         return ev
 
