@@ -54,7 +54,11 @@ async def accept_loop(listener: trio.SocketListener, admit: Admit, handler: Hand
         while True:
             if not isinstance(raw, socket.socket):
                 stream = await listener.accept()
-                peer = stream.socket.getpeername()
+                try:
+                    peer = stream.socket.getpeername()
+                except OSError:  # the client has gone already: that connection only
+                    await trio.aclose_forcefully(stream)
+                    continue
                 nursery.start_soon(_run, handler, stream, peer, admit(peer))
                 continue
             await trio.lowlevel.wait_readable(tsock)
