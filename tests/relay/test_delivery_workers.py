@@ -191,6 +191,13 @@ async def test_a_worker_killed_mid_delivery_defers_the_message_which_is_then_del
         nursery.cancel_scope.cancel()
 
 
+def _serve_config(tmp_path: Path, port: int) -> Path:
+    """A config file for ``mta serve`` with one delivery worker, delivering to the next hop on ``port``."""
+    config = write_relay_config(tmp_path, {"*": f"smtp://127.0.0.1:{port}"})
+    config.write_text(config.read_text().replace("[routes]", "[delivery]\nprocesses = 1\n\n[routes]"))
+    return config
+
+
 async def test_processes_0_delivers_in_the_relay_process(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         hop = NextHop()
@@ -209,9 +216,7 @@ async def test_a_worker_whose_relay_died_exits(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         hop = NextHop()
         port = await hop.start(nursery)
-        config = write_relay_config(tmp_path, {"*": f"smtp://127.0.0.1:{port}"})
-        config.write_text(config.read_text().replace("[routes]", "[delivery]\nprocesses = 1\n\n[routes]"))
-        relay = RelayProcess(config)
+        relay = RelayProcess(_serve_config(tmp_path, port))
         await relay.start(nursery)
         await relay.wait_output(lambda: any("event=worker_started" in line for line in relay.lines), 60,
                                 "the worker's start")
@@ -252,9 +257,7 @@ async def test_mta_serve_forks_its_worker_before_its_loop_and_starts_a_new_inter
     async with trio.open_nursery() as nursery:
         hop = NextHop()
         port = await hop.start(nursery)
-        config = write_relay_config(tmp_path, {"*": f"smtp://127.0.0.1:{port}"})
-        config.write_text(config.read_text().replace("[routes]", "[delivery]\nprocesses = 1\n\n[routes]"))
-        relay = RelayProcess(config)
+        relay = RelayProcess(_serve_config(tmp_path, port))
         await relay.start(nursery)
         assert relay.proc is not None
         await relay.wait_output(lambda: len(_worker_pids(relay.lines)) == 1, 60, "the worker's start")

@@ -393,6 +393,13 @@ async def lone_enqueues(aspool: AsyncSpool, n: int, tag: str) -> None:
         await aspool.enqueue("s@src.example", ["r@dest.example"], b"%s %d" % (tag.encode(), i))
 
 
+async def to_data(client: trio.SocketStream) -> None:
+    """MAIL, RCPT and DATA of one message on a greeted session: the client is to send its data next."""
+    for line, expect in ((b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
+                         (b"DATA\r\n", b"354")):
+        await smtp(client, line, expect)
+
+
 async def test_a_lone_commit_on_a_fast_disk_syncs_in_the_loop_and_a_slow_disk_sends_it_back_to_the_thread(
         tmp_path: Path) -> None:
     """Inline once the last INLINE_SYNC_SAMPLES syncs were fast; the thread again as soon as their median is
@@ -518,10 +525,9 @@ async def test_with_a_second_client_connected_the_commit_stays_in_the_thread(tmp
             await smtp(other, b"", b"220")
             await smtp(other, b"EHLO other.test\r\n", b"250")
             client = await trio.open_tcp_stream("127.0.0.1", port)
-            for line, expect in ((b"", b"220"), (b"EHLO client.test\r\n", b"250"),
-                                 (b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
-                                 (b"DATA\r\n", b"354")):
-                await smtp(client, line, expect)
+            await smtp(client, b"", b"220")
+            await smtp(client, b"EHLO client.test\r\n", b"250")
+            await to_data(client)
             inline, since = aspool.inline_commits, len(io.threads)
             await smtp(client, b"Subject: one of two\r\n\r\nbody\r\n.\r\n", b"250 2.0.0 Ok: queued as")
             assert aspool.inline_commits == inline and io.in_loop(since) == [False]
@@ -529,9 +535,7 @@ async def test_with_a_second_client_connected_the_commit_stays_in_the_thread(tmp
             await other.aclose()
             await trio.testing.wait_all_tasks_blocked()  # the other session's task has ended, its slot given back
             assert server.slots.total == 1
-            for line, expect in ((b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
-                                 (b"DATA\r\n", b"354")):
-                await smtp(client, line, expect)
+            await to_data(client)
             since = len(io.threads)
             await smtp(client, b"Subject: alone now\r\n\r\nbody\r\n.\r\n", b"250 2.0.0 Ok: queued as")
             assert aspool.inline_commits == inline + 1 and io.in_loop(since) == [True]
@@ -577,10 +581,9 @@ async def test_an_inline_commit_sends_the_250_only_after_its_fdatasync(tmp_path:
             listeners = await nursery.start(server.serve)
             port = listeners[0].socket.getsockname()[1]
             client = await trio.open_tcp_stream("127.0.0.1", port)
-            for line, expect in ((b"", b"220"), (b"EHLO client.test\r\n", b"250"),
-                                 (b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
-                                 (b"DATA\r\n", b"354")):
-                await smtp(client, line, expect)
+            await smtp(client, b"", b"220")
+            await smtp(client, b"EHLO client.test\r\n", b"250")
+            await to_data(client)
             seen: list[bytes | None] = []
             raw = socket.fromfd(client.socket.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a blocking twin
 

@@ -13,7 +13,8 @@ import trio
 import trio.testing
 from spool_support import running_spool, spool_config
 
-from spool.commit import INLINE_READ, StoredBody
+from spool.commit import INLINE_READ, AsyncSpool, StoredBody
+from spool.core import Attempt
 from spool.record import Outcome, Status
 from spool.spool import Spool
 
@@ -31,6 +32,14 @@ def trio_clock() -> float:
 def passes(core: Spool) -> int:
     return sum(r.passes for r in core.runners)
 
+
+
+async def claimed_with_outcome(aspool: AsyncSpool, status: Status, code: int) -> Attempt:
+    """One message enqueued, claimed, and its outcome recorded (committed): the attempt, not yet finished."""
+    await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
+    (a,) = await aspool.next_due()
+    await aspool.record_delivery(a, [Outcome("r@dest.example", status, code)])
+    return a
 
 async def test_runner_reads_nothing_while_the_log_and_clock_stand_still(tmp_path: Path) -> None:
     async with running_spool(tmp_path, spool_config(trio_clock)) as aspool:
@@ -105,9 +114,7 @@ async def test_idle_spool_neither_checkpoints_nor_syncs(tmp_path: Path, mock_clo
 async def test_finish_rides_with_the_next_commit(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
     async with running_spool(tmp_path, spool_config(trio_clock, lazy_commit_delay=0.1)) as aspool:
         w = aspool.core.writer
-        await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
-        (a,) = await aspool.next_due()
-        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DELIVERED, 250)])
+        a = await claimed_with_outcome(aspool, Status.DELIVERED, 250)
         fsyncs, commits = w.fsyncs, w.commits
         aspool.finish(a)
         finish_end = w.head
@@ -123,9 +130,7 @@ async def test_finish_alone_is_committed_after_the_lazy_delay(tmp_path: Path,
                                                               autojump_clock: trio.testing.MockClock) -> None:
     async with running_spool(tmp_path, spool_config(trio_clock, lazy_commit_delay=0.1)) as aspool:
         w = aspool.core.writer
-        await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
-        (a,) = await aspool.next_due()
-        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DEFERRED, 451)])
+        a = await claimed_with_outcome(aspool, Status.DEFERRED, 451)
         fsyncs = w.fsyncs
         aspool.finish(a)
         assert w.has_pending and w.fsyncs == fsyncs, "finish starts no commit of its own"
@@ -140,9 +145,7 @@ async def test_a_delivered_finish_alone_is_written_without_an_fsync(tmp_path: Pa
     """A FINISH that nothing waits for is written (a killed process leaves it) but costs no fsync of its own."""
     async with running_spool(tmp_path, spool_config(trio_clock, lazy_commit_delay=0.1)) as aspool:
         w = aspool.core.writer
-        await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
-        (a,) = await aspool.next_due()
-        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DELIVERED, 250)])
+        a = await claimed_with_outcome(aspool, Status.DELIVERED, 250)
         fsyncs, durable = w.fsyncs, w.durable_end
         aspool.finish(a)
         finish_end = w.head
@@ -169,9 +172,7 @@ async def test_a_checkpoint_waiting_for_a_finish_alone_gets_it_synced(tmp_path: 
     """A FINISH only written is synced when a checkpoint waits for it (it may not name what is not durable)."""
     async with running_spool(tmp_path, spool_config(trio_clock, lazy_commit_delay=0.1)) as aspool:
         w = aspool.core.writer
-        await aspool.enqueue("s@src.example", ["r@dest.example"], b"one")
-        (a,) = await aspool.next_due()
-        await aspool.record_delivery(a, [Outcome("r@dest.example", Status.DELIVERED, 250)])
+        a = await claimed_with_outcome(aspool, Status.DELIVERED, 250)
         aspool.finish(a)
         await trio.sleep(1)
         await aspool.write_through()
