@@ -58,28 +58,37 @@ def encode(message: Sequence[Any]) -> bytes:
 
 
 class FrameReader:
-    """Bytes as they arrive -> whole frames, each a decoded list; a frame may span any number of reads."""
+    """Bytes as they arrive -> whole frames, each a decoded list; a frame may span any number of reads.
+
+    A read that holds whole frames (the common case: one write a wake-up) is decoded where it lies, through a
+    memoryview; only the part of a frame that a later read completes is kept, and copied once.
+    """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> Iterator[list[Any]]:
-        self._buffer += data
-        while len(self._buffer) >= 4:
-            (size,) = _LENGTH.unpack_from(self._buffer)
-            if size > MAX_FRAME:
-                raise FrameTooLong(f"a frame of {size} bytes announced (at most {MAX_FRAME})")
-            if len(self._buffer) < 4 + size:
-                return
-            payload = bytes(self._buffer[4:4 + size])
-            del self._buffer[:4 + size]
-            try:
-                message = cbor2.loads(payload)
-            except (cbor2.CBORDecodeError, ValueError) as exc:
-                raise ProtocolError(f"undecodable frame: {exc}") from None
-            if not isinstance(message, list) or not message or not isinstance(message[0], str):
-                raise ProtocolError(f"a frame that is not [kind, ...]: {type(message).__name__}")
-            yield message
+        if self._buffer:
+            self._buffer += data
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        at, end = 0, len(data)
+        with memoryview(data) as view:
+            while end - at >= 4:
+                (size,) = _LENGTH.unpack_from(data, at)
+                if size > MAX_FRAME:
+                    raise FrameTooLong(f"a frame of {size} bytes announced (at most {MAX_FRAME})")
+                if end - at - 4 < size:
+                    break
+                try:
+                    message = cbor2.loads(view[at + 4:at + 4 + size])
+                except (cbor2.CBORDecodeError, ValueError) as exc:
+                    raise ProtocolError(f"undecodable frame: {exc}") from None
+                at += 4 + size
+                if not isinstance(message, list) or not message or not isinstance(message[0], str):
+                    raise ProtocolError(f"a frame that is not [kind, ...]: {type(message).__name__}")
+                yield message
+            self._buffer += view[at:]
 
     @property
     def pending(self) -> int:

@@ -123,25 +123,47 @@ class _Once:
 
 
 class _Worker:
-    """One worker process and the relay's end of its socket."""
+    """One worker process and the relay's end of its socket (non-blocking; see ``send`` and ``_converse``)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.pid = 0
-        self.stream: trio.SocketStream | None = None
+        self.sock: socket.socket | None = None
         self.ready = False
         self.batches: dict[int, _Batch] = {}
         self.send_lock = trio.Lock()
 
     async def send(self, frame: bytes) -> None:
-        stream = self.stream
-        if stream is None:
+        """``frame`` to the worker: written at once when the socket buffer takes it (a batch frame nearly always:
+        it carries no body bytes, see ``_body_item``), else the rest waits under ``send_lock``, so frames never
+        interleave.
+
+        Why not trio's ``SocketStream.send_all``: its checkpoint and wrapping cost the relay's loop a pass of
+        the scheduler a batch, on the path a lone client waits behind (issue 18).
+        """
+        sock = self.sock
+        if sock is None:
             raise WorkerLost(f"delivery worker {self.index} is not running")
-        async with self.send_lock:
+        if not self.send_lock.locked():
             try:
-                await stream.send_all(frame)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                sent = sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
                 raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
+            if sent == len(frame):
+                return
+            frame = frame[sent:]
+        async with self.send_lock:
+            view = memoryview(frame)
+            while view:
+                try:
+                    await trio.lowlevel.wait_writable(sock)
+                    view = view[sock.send(view):]
+                except BlockingIOError:
+                    continue
+                except (trio.ClosedResourceError, OSError) as exc:
+                    raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
 
 
 class _Process(Protocol):
@@ -175,6 +197,7 @@ class DeliveryWorkers:
         self.observers: list[Callable[[str, str], None]] = []
         self.reused = 0
         self.deaths = 0
+        self.served = 0  # body chunks read here for a worker (a body not given by position, or its fallback)
         self.workers = [_Worker(i) for i in range(count)]
         self._next_batch = 0
         self._ready_changed = trio.Event()
@@ -227,7 +250,8 @@ class DeliveryWorkers:
             finally:
                 theirs.close()
         worker.pid = process.pid
-        worker.stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        ours.setblocking(False)
+        worker.sock = ours
         try:
             await worker.send(encode(["config", dump_config(self.config), logging.getLogger().getEffectiveLevel()]))
             await self._converse(worker, task_status)
@@ -237,9 +261,10 @@ class DeliveryWorkers:
                       error=str(exc))
         finally:
             worker.ready = False
-            stream, worker.stream = worker.stream, None
+            worker.sock = None
+            trio.lowlevel.notify_closing(ours)  # a sender waiting for room gets ClosedResourceError: WorkerLost
+            ours.close()
             with trio.CancelScope(shield=True):
-                await stream.aclose()
                 if process.returncode is None:
                     process.kill()  # the socket is gone or garbled: this worker is of no use
                 await process.wait()
@@ -261,15 +286,29 @@ class DeliveryWorkers:
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
 
     async def _converse(self, worker: _Worker, task_status: _Once) -> None:
-        assert worker.stream is not None and self._nursery is not None
+        """Frames from ``worker`` until its socket ends.
+
+        It waits for the socket to be readable before it reads, rather than reading until EAGAIN as trio's
+        ``receive_some`` does: the frames of a wake-up (an outcome and its ``done``) come in one write, so the
+        relay makes one ``recv`` a wake-up, not two (issue 18). A read that fills the buffer reads again at once.
+        """
+        assert worker.sock is not None and self._nursery is not None
+        sock = worker.sock
         reader = FrameReader()
+        full = False
         while True:
             try:
-                data = await worker.stream.receive_some(RECEIVE_SIZE)
-            except (trio.BrokenResourceError, OSError):
+                if not full:
+                    await trio.lowlevel.wait_readable(sock)
+                data = sock.recv(RECEIVE_SIZE)
+            except BlockingIOError:
+                full = False
+                continue
+            except (trio.ClosedResourceError, OSError):
                 data = b""
             if not data:
                 return
+            full = len(data) == RECEIVE_SIZE
             for message in reader.feed(data):
                 try:
                     self._take(worker, message, task_status)
@@ -354,16 +393,20 @@ class DeliveryWorkers:
             pass  # its death fails the batch
 
     async def _chunk(self, batch: _Batch, index: int, k: int) -> bytes | None:
+        """Chunk ``k``: the next one of this body's reader, or (a retry, or a worker that read the chunks before
+        ``k`` itself and could not read ``k``) a new reader that reads and drops the chunks before it."""
         at, chunks = batch.pulls.get(index, (0, None))
-        if k == 0 or chunks is None:
-            at, chunks = 0, body_chunks(batch.jobs[index].body).__aiter__()  # a retry starts over
-        if k != at:
-            raise ProtocolError(f"chunk {k} of a body asked for after chunk {at - 1}")
+        if chunks is None or k < at:
+            at, chunks = 0, body_chunks(batch.jobs[index].body).__aiter__()
+        chunk: bytes | None = None
         try:
-            chunk: bytes | None = await chunks.__anext__()
+            while at <= k:
+                chunk = await chunks.__anext__()
+                at += 1
         except StopAsyncIteration:
             chunk = None
-        batch.pulls[index] = (at + 1, chunks)
+        batch.pulls[index] = (at, chunks)
+        self.served += 1
         return chunk
 
     def _wake(self) -> None:
@@ -371,6 +414,9 @@ class DeliveryWorkers:
         changed.set()
 
     async def _pick(self) -> _Worker:
+        ready = [w for w in self.workers if w.ready]
+        if ready:  # the common case, without the cancel scope's deadline (a few us of the loop's time a batch)
+            return ready[0] if len(ready) == 1 else min(ready, key=lambda w: len(w.batches))
         with trio.move_on_after(WAIT_FOR_WORKER):
             while True:
                 ready = [w for w in self.workers if w.ready]
@@ -387,14 +433,24 @@ class DeliveryWorkers:
         transport raised there), which the scheduler's batch boundary turns into
         deferrals; DamagedBody when a body could not be read.
         """
-        items = [[job_header(job), await _inline(job)] for job in jobs]
+        items: list[list[Any]] = []
+        log_dir: str | None = None
+        for job in jobs:
+            if isinstance(job.body, StoredBody):  # its DATA records' positions: the worker reads them (worker_body)
+                items.append([job_header(job), list(job.body.positions)])
+                log_dir = job.body.log_dir
+            else:
+                items.append([job_header(job), await _inline(job)])
         worker = await self._pick()
         self._next_batch += 1
         bid = self._next_batch
         batch = _Batch(jobs, on_outcome)
         worker.batches[bid] = batch
         try:
-            await worker.send(encode(["batch", bid, destination_item(destination), items]))
+            frame = encode(["batch", bid, destination_item(destination), items, log_dir])
+            del items  # an inline body is not held here for the batch's whole delivery
+            await worker.send(frame)
+            del frame
             await batch.done.wait()
         finally:
             worker.batches.pop(bid, None)
