@@ -2,10 +2,12 @@
 
 Theory of operation. A frame is a 4-byte big-endian length followed by that
 many bytes of CBOR: a list whose first item names the message. The relay
-writes ``config`` once, then ``batch`` frames (a destination and its jobs,
-small bodies inline) and ``chunk`` frames (a piece of a big body the worker
-asked for with ``read``). The worker answers ``outcome`` as each job's next
-hop answers, then ``done`` (every job's outcomes) or ``failed`` (the
+writes ``config`` once, then ``batch`` frames (a destination, its jobs, and
+the spool's log directory; a job's body is the positions of its DATA records,
+which the worker reads itself, or for a body not from the spool its chunks
+inline or None) and ``chunk`` frames (a piece of a body the worker asked for
+with ``read``: one it was not given by position, or could not read there).
+The worker answers ``outcome`` as each job's next hop answers, then ``done`` (every job's outcomes) or ``failed`` (the
 transport raised: the relay defers the batch as a local error); ``log`` and
 ``tls_policy`` frames carry what the transport logs and counts, so the
 relay's log and metrics see them as before.
@@ -36,7 +38,7 @@ __all__ = ["MAX_FRAME", "FrameReader", "FrameTooLong", "ProtocolError", "decode_
            "destination_item", "encode", "encode_outcomes", "job_from", "job_header"]
 
 _LENGTH = struct.Struct(">I")
-# The largest frame either side sends: a batch whose bodies are inline is at most
+# The largest frame either side sends: a batch whose bodies are inline (bodies not from the spool) is at most
 # max_messages_per_connection x INLINE_BODY; bigger bodies go in chunks of one DATA record.
 MAX_FRAME = 1 << 30
 

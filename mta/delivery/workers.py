@@ -12,13 +12,18 @@ every record stay in the relay: a worker writes nothing but its log lines
 (sent back here) and the TLS-RPT journal (lines appended with O_APPEND,
 safe between processes; the daily roll-up runs here, once).
 
-Bodies. A body the spool has in memory (the common case: mail delivered a
-moment after it came) or one of at most ``INLINE_BODY`` bytes goes inline in
-the batch frame; a bigger one is pulled by the worker chunk by chunk as it
-sends (``read``/``chunk`` frames), so neither process holds it whole. The
-reads happen here, through the spool, so a damaged body is found, named and
-quarantined exactly as without workers and the scheduler sees it on
-``StoredBody.damaged``.
+Bodies. A stored body (``StoredBody``: every body the scheduler hands over)
+goes to the worker as the positions of its DATA records, with the spool's
+log directory; the worker reads the records from the segment files itself,
+each checked against its checksum, one at a time as it sends
+(``mta.delivery.worker_body``). So the relay's loop neither reads nor copies
+a body for a worker, and neither process holds one whole. A record the worker
+cannot read is asked of the relay (``read``/``chunk`` frames): the relay reads
+it through the spool, so a damaged body is found, named and quarantined here
+exactly as without workers and the scheduler sees it on
+``StoredBody.damaged``. Any other body (not from the spool) goes inline in
+the batch frame up to ``INLINE_BODY`` bytes and is pulled chunk by chunk
+beyond.
 
 Starting. Under ``mta serve`` each worker's first life was forked before the
 relay's loop started (``mta.delivery.worker_fork``: it shares the relay's
