@@ -7,8 +7,9 @@ the spool's log directory; a job's body is the positions of its DATA records,
 which the worker reads itself, or for a body not from the spool its chunks
 inline or None) and ``chunk`` frames (a piece of a body the worker asked for
 with ``read``: one it was not given by position, or could not read there).
-The worker answers ``outcome`` as each job's next hop answers, then ``done`` (every job's outcomes) or ``failed`` (the
-transport raised: the relay defers the batch as a local error); ``log`` and
+The worker answers ``outcome`` as each job's next hop answers, then ``done``
+(every job's outcomes) or ``failed`` (the transport raised: the relay defers
+the batch as a local error); ``log`` and
 ``tls_policy`` frames carry what the transport logs and counts, so the
 relay's log and metrics see them as before.
 
