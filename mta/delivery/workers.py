@@ -48,6 +48,7 @@ stops because of a worker. A worker whose relay died sees EOF and exits.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import io
 import logging
@@ -140,8 +141,9 @@ class _Worker:
 
     async def send(self, frame: bytes) -> None:
         """``frame`` to the worker: written at once when the socket buffer takes it (a batch frame nearly always:
-        it carries no body bytes, see ``_body_item``), else the rest waits under ``send_lock``, so frames never
-        interleave.
+        a stored body goes by position, not in it), else the rest waits under ``send_lock``, so frames never
+        interleave. Cancelled with part of the frame out, it shuts the socket down: a stream cut mid-frame is of
+        no more use, and the worker's death path (WorkerLost for its batches) follows.
 
         Why not trio's ``SocketStream.send_all``: its checkpoint and wrapping cost the relay's loop a pass of
         the scheduler a batch, on the path a lone client waits behind (issue 18).
@@ -149,26 +151,31 @@ class _Worker:
         sock = self.sock
         if sock is None:
             raise WorkerLost(f"delivery worker {self.index} is not running")
+        view = memoryview(frame)
         if not self.send_lock.locked():
             try:
-                sent = sock.send(frame)
+                view = view[sock.send(view):]
             except BlockingIOError:
-                sent = 0
+                pass
             except OSError as exc:
                 raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
-            if sent == len(frame):
+            if not view:
                 return
-            frame = frame[sent:]
-        async with self.send_lock:
-            view = memoryview(frame)
-            while view:
-                try:
-                    await trio.lowlevel.wait_writable(sock)
-                    view = view[sock.send(view):]
-                except BlockingIOError:
-                    continue
-                except (trio.ClosedResourceError, OSError) as exc:
-                    raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
+        try:
+            async with self.send_lock:
+                while view:
+                    try:
+                        await trio.lowlevel.wait_writable(sock)
+                        view = view[sock.send(view):]
+                    except BlockingIOError:
+                        continue
+                    except (trio.ClosedResourceError, OSError) as exc:
+                        raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
+        except trio.Cancelled:
+            if len(view) < len(frame):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # both ends see EOF
+            raise
 
 
 class _Process(Protocol):

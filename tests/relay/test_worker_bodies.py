@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 
 import attrs
 import pytest
 import trio
+import trio.testing
 from relay_support import DeliveryWatch, NextHop, relay_config_text, start_relay
 from spool_support import running_spool
 
@@ -195,3 +197,36 @@ async def test_bodies_not_in_the_spool_cross_inline_and_pulled_through_a_full_so
         assert workers.served >= 2, "the big one was pulled"
         nursery.cancel_scope.cancel()
 
+
+
+async def test_a_delivery_cancelled_with_half_its_frame_written_ends_that_worker_and_the_next_one_delivers(
+        tmp_path: Path) -> None:
+    """The worker is stopped (SIGSTOP), so a batch frame bigger than the socket's buffer is written only in part;
+    the delivery is cancelled there. The relay shuts the socket down (a stream cut mid-frame is of no use): the
+    worker, continued, meets EOF and ends, and the worker started in its place delivers the same jobs."""
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        workers = await _workers(nursery, tmp_path, port)
+        (first,) = workers.pids
+        bodies = [b"Subject: i%d\r\n\r\n" % i + _lines(f"i{i}", 3000) for i in range(3)]  # ~200 KB each
+        jobs = [Job(f"Q{i}", "a@example.org", (f"r{i}@far.example",), [b], len(b)) for i, b in enumerate(bodies)]
+        dest = Destination("smtp", f"127.0.0.1:{port}")
+        os.kill(first, signal.SIGSTOP)
+        try:
+            with trio.CancelScope() as scope:
+                async def cancel_once_blocked() -> None:
+                    await trio.testing.wait_all_tasks_blocked()
+                    scope.cancel()
+                nursery.start_soon(cancel_once_blocked)
+                await workers.deliver(dest, jobs)
+            assert scope.cancelled_caught
+        finally:
+            os.kill(first, signal.SIGCONT)
+        await trio.testing.wait_all_tasks_blocked()  # the relay's reader has met the EOF of the shut socket
+        assert workers.pids == [], "the cut worker is no longer used"
+        results = await workers.deliver(dest, jobs)  # waits for the next worker
+        assert [o.status for outs in results for o in outs] == [Status.DELIVERED] * 3
+        assert workers.pids and workers.pids[0] != first and workers.deaths == 1
+        assert len(hop.messages) == 3
+        nursery.cancel_scope.cancel()
