@@ -450,7 +450,8 @@ class DeliveryWorkers:
         for job in jobs:
             if isinstance(job.body, StoredBody):  # its DATA records' positions: the worker reads them (worker_body)
                 items.append([job_header(job), list(job.body.positions)])
-                log_dir = job.body.log_dir
+                if log_dir is None:  # absolute: a spool dir may be given relative to the relay's cwd
+                    log_dir = os.path.abspath(job.body.log_dir)
             else:
                 items.append([job_header(job), await _inline(job)])
         worker = await self._pick()
