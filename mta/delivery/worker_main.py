@@ -7,7 +7,9 @@ process's end of the socketpair.
 The first frame is the relay's config; then every ``batch`` frame is handed
 to one ``SmtpTransport`` (its connection cache, MX lookups, TLS policies and
 TLS-RPT journal are this process's), each outcome is sent back the moment
-the next hop answers, and the batch ends with ``done`` or ``failed``.
+the next hop answers, and the batch ends with ``done`` or ``failed``. A
+stored body comes as its DATA records' positions and is read here from the
+spool's segment files as it is sent (``mta.delivery.worker_body``).
 
 Crash-only, as the relay: there is no shutdown. The relay ends a worker with
 SIGKILL; a worker whose relay died sees EOF on its socket and exits at once,
