@@ -52,6 +52,11 @@ class StoredBody:
     def cached(self) -> bool:
         return self._cached is not None
 
+    @property
+    def log_dir(self) -> str:
+        """Where the segment files holding ``positions`` are (a delivery worker reads them there)."""
+        return self._core.log_dir
+
     def _read(self, pos: int) -> bytes:
         try:
             return self._core.read_chunk(pos)

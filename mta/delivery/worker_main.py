@@ -7,7 +7,9 @@ process's end of the socketpair.
 The first frame is the relay's config; then every ``batch`` frame is handed
 to one ``SmtpTransport`` (its connection cache, MX lookups, TLS policies and
 TLS-RPT journal are this process's), each outcome is sent back the moment
-the next hop answers, and the batch ends with ``done`` or ``failed``.
+the next hop answers, and the batch ends with ``done`` or ``failed``. A
+stored body comes as its DATA records' positions and is read here from the
+spool's segment files as it is sent (``mta.delivery.worker_body``).
 
 Crash-only, as the relay: there is no shutdown. The relay ends a worker with
 SIGKILL; a worker whose relay died sees EOF on its socket and exits at once,
@@ -23,6 +25,7 @@ relay left to write it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -36,6 +39,7 @@ from typing import Any
 import trio
 
 from mta.config import Config
+from mta.delivery.worker_body import SegmentBody, SegmentReader
 from mta.delivery.worker_protocol import (
     FrameReader,
     ProtocolError,
@@ -100,8 +104,11 @@ class _Forward(logging.Handler):
 
 class Worker:
     def __init__(self, sock: socket.socket, index: int) -> None:
-        self.sock = trio.socket.from_stdlib_socket(sock)
+        sock.setblocking(False)
+        self.sock = sock
         self.index = index
+        self.readers: dict[str, SegmentReader] = {}  # by the spool's log directory (one: its relay's)
+        self.chunk_size = 256 * 1024  # [spool] body_chunk, from the config
         self.transport: Any = None  # the SmtpTransport, once the config came
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](math.inf)
         self._reader = FrameReader()
@@ -134,8 +141,10 @@ class Worker:
                     break
             view = memoryview(frames[0] if len(frames) == 1 else b"".join(frames))
             while view:
-                sent = await self.sock.send(view)
-                view = view[sent:]
+                try:
+                    view = view[self.sock.send(view):]
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self.sock)
 
     async def pull(self, batch: int, index: int, k: int) -> bytes | None:
         key = (batch, index, k)
@@ -154,8 +163,19 @@ class Worker:
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._sender)
+            full = False
             while True:
-                data = await self.sock.recv(RECEIVE_SIZE)
+                # Wait, then read: one recv a batch frame, not a second one that finds nothing (issue 18).
+                if not full:
+                    await trio.lowlevel.wait_readable(self.sock)
+                try:
+                    data = self.sock.recv(RECEIVE_SIZE)
+                except BlockingIOError:
+                    full = False
+                    continue
+                except OSError:
+                    data = b""
+                full = len(data) == RECEIVE_SIZE
                 if not data:
                     if self.transport is not None:  # before its config: the relay failed to start, and says why
                         gone(self.index, self.format)
@@ -184,6 +204,7 @@ class Worker:
         from mta.delivery.smtp_transport import SmtpTransport
 
         self.format = config.log.format
+        self.chunk_size = config.spool.body_chunk
         root = logging.getLogger()
         for handler in list(root.handlers):
             root.removeHandler(handler)
@@ -195,11 +216,25 @@ class Worker:
         self.transport = transport
         self.send(["ready", os.getpid()])
 
+    def _body(self, batch: int, index: int, header: list[Any], body: Any, log_dir: str | None) -> Any:
+        """A job's body as the batch frame gave it: chunks inline, positions in the segment files (read here,
+        ``worker_body``), or None (the relay gives it chunk by chunk)."""
+        if body is None:
+            return PulledBody(self, batch, index)
+        if log_dir is not None and body and all(type(p) is int for p in body):
+            reader = self.readers.get(log_dir)
+            if reader is None:
+                reader = self.readers[log_dir] = SegmentReader(log_dir, self.chunk_size)
+            return SegmentBody(reader, str(header[0]), body, int(header[3]),
+                               functools.partial(self.pull, batch, index))
+        return body
+
     async def _deliver(self, message: list[Any]) -> None:
-        _, batch, dest_item, jobs_items = message
+        _, batch, dest_item, jobs_items, log_dir = message
         dest = decode_destination(dest_item)
-        jobs = [job_from(header, body if body is not None else PulledBody(self, batch, i))
+        jobs = [job_from(header, self._body(batch, i, header, body, log_dir))
                 for i, (header, body) in enumerate(jobs_items)]
+        del message, jobs_items  # the jobs hold what they need; nothing else of the frame stays for the batch
 
         sent: set[int] = set()
 

@@ -2,11 +2,14 @@
 
 Theory of operation. A frame is a 4-byte big-endian length followed by that
 many bytes of CBOR: a list whose first item names the message. The relay
-writes ``config`` once, then ``batch`` frames (a destination and its jobs,
-small bodies inline) and ``chunk`` frames (a piece of a big body the worker
-asked for with ``read``). The worker answers ``outcome`` as each job's next
-hop answers, then ``done`` (every job's outcomes) or ``failed`` (the
-transport raised: the relay defers the batch as a local error); ``log`` and
+writes ``config`` once, then ``batch`` frames (a destination, its jobs, and
+the spool's log directory; a job's body is the positions of its DATA records,
+which the worker reads itself, or for a body not from the spool its chunks
+inline or None) and ``chunk`` frames (a piece of a body the worker asked for
+with ``read``: one it was not given by position, or could not read there).
+The worker answers ``outcome`` as each job's next hop answers, then ``done``
+(every job's outcomes) or ``failed`` (the transport raised: the relay defers
+the batch as a local error); ``log`` and
 ``tls_policy`` frames carry what the transport logs and counts, so the
 relay's log and metrics see them as before.
 
@@ -36,7 +39,7 @@ __all__ = ["MAX_FRAME", "FrameReader", "FrameTooLong", "ProtocolError", "decode_
            "destination_item", "encode", "encode_outcomes", "job_from", "job_header"]
 
 _LENGTH = struct.Struct(">I")
-# The largest frame either side sends: a batch whose bodies are inline is at most
+# The largest frame either side sends: a batch whose bodies are inline (bodies not from the spool) is at most
 # max_messages_per_connection x INLINE_BODY; bigger bodies go in chunks of one DATA record.
 MAX_FRAME = 1 << 30
 
@@ -58,28 +61,37 @@ def encode(message: Sequence[Any]) -> bytes:
 
 
 class FrameReader:
-    """Bytes as they arrive -> whole frames, each a decoded list; a frame may span any number of reads."""
+    """Bytes as they arrive -> whole frames, each a decoded list; a frame may span any number of reads.
+
+    A read that holds whole frames (the common case: one write a wake-up) is decoded where it lies, through a
+    memoryview; only the part of a frame that a later read completes is kept, and copied once.
+    """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> Iterator[list[Any]]:
-        self._buffer += data
-        while len(self._buffer) >= 4:
-            (size,) = _LENGTH.unpack_from(self._buffer)
-            if size > MAX_FRAME:
-                raise FrameTooLong(f"a frame of {size} bytes announced (at most {MAX_FRAME})")
-            if len(self._buffer) < 4 + size:
-                return
-            payload = bytes(self._buffer[4:4 + size])
-            del self._buffer[:4 + size]
-            try:
-                message = cbor2.loads(payload)
-            except (cbor2.CBORDecodeError, ValueError) as exc:
-                raise ProtocolError(f"undecodable frame: {exc}") from None
-            if not isinstance(message, list) or not message or not isinstance(message[0], str):
-                raise ProtocolError(f"a frame that is not [kind, ...]: {type(message).__name__}")
-            yield message
+        if self._buffer:
+            self._buffer += data
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        at, end = 0, len(data)
+        with memoryview(data) as view:
+            while end - at >= 4:
+                (size,) = _LENGTH.unpack_from(data, at)
+                if size > MAX_FRAME:
+                    raise FrameTooLong(f"a frame of {size} bytes announced (at most {MAX_FRAME})")
+                if end - at - 4 < size:
+                    break
+                try:
+                    message = cbor2.loads(view[at + 4:at + 4 + size])
+                except (cbor2.CBORDecodeError, ValueError) as exc:
+                    raise ProtocolError(f"undecodable frame: {exc}") from None
+                at += 4 + size
+                if not isinstance(message, list) or not message or not isinstance(message[0], str):
+                    raise ProtocolError(f"a frame that is not [kind, ...]: {type(message).__name__}")
+                yield message
+            self._buffer += view[at:]
 
     @property
     def pending(self) -> int:

@@ -12,13 +12,18 @@ every record stay in the relay: a worker writes nothing but its log lines
 (sent back here) and the TLS-RPT journal (lines appended with O_APPEND,
 safe between processes; the daily roll-up runs here, once).
 
-Bodies. A body the spool has in memory (the common case: mail delivered a
-moment after it came) or one of at most ``INLINE_BODY`` bytes goes inline in
-the batch frame; a bigger one is pulled by the worker chunk by chunk as it
-sends (``read``/``chunk`` frames), so neither process holds it whole. The
-reads happen here, through the spool, so a damaged body is found, named and
-quarantined exactly as without workers and the scheduler sees it on
-``StoredBody.damaged``.
+Bodies. A stored body (``StoredBody``: every body the scheduler hands over)
+goes to the worker as the positions of its DATA records, with the spool's
+log directory; the worker reads the records from the segment files itself,
+each checked against its checksum, one at a time as it sends
+(``mta.delivery.worker_body``). So the relay's loop neither reads nor copies
+a body for a worker, and neither process holds one whole. A record the worker
+cannot read is asked of the relay (``read``/``chunk`` frames): the relay reads
+it through the spool, so a damaged body is found, named and quarantined here
+exactly as without workers and the scheduler sees it on
+``StoredBody.damaged``. Any other body (not from the spool) goes inline in
+the batch frame up to ``INLINE_BODY`` bytes and is pulled chunk by chunk
+beyond.
 
 Starting. Under ``mta serve`` each worker's first life was forked before the
 relay's loop started (``mta.delivery.worker_fork``: it shares the relay's
@@ -43,6 +48,7 @@ stops because of a worker. A worker whose relay died sees EOF and exits.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import io
 import logging
@@ -123,25 +129,53 @@ class _Once:
 
 
 class _Worker:
-    """One worker process and the relay's end of its socket."""
+    """One worker process and the relay's end of its socket (non-blocking; see ``send`` and ``_converse``)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.pid = 0
-        self.stream: trio.SocketStream | None = None
+        self.sock: socket.socket | None = None
         self.ready = False
         self.batches: dict[int, _Batch] = {}
         self.send_lock = trio.Lock()
 
     async def send(self, frame: bytes) -> None:
-        stream = self.stream
-        if stream is None:
+        """``frame`` to the worker: written at once when the socket buffer takes it (a batch frame nearly always:
+        a stored body goes by position, not in it), else the rest waits under ``send_lock``, so frames never
+        interleave. Cancelled with part of the frame out, it shuts the socket down: a stream cut mid-frame is of
+        no more use, and the worker's death path (WorkerLost for its batches) follows.
+
+        Why not trio's ``SocketStream.send_all``: its checkpoint and wrapping cost the relay's loop a pass of
+        the scheduler a batch, on the path a lone client waits behind (issue 18).
+        """
+        sock = self.sock
+        if sock is None:
             raise WorkerLost(f"delivery worker {self.index} is not running")
-        async with self.send_lock:
+        view = memoryview(frame)
+        if not self.send_lock.locked():
             try:
-                await stream.send_all(frame)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                view = view[sock.send(view):]
+            except BlockingIOError:
+                pass
+            except OSError as exc:
                 raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
+            if not view:
+                return
+        try:
+            async with self.send_lock:
+                while view:
+                    try:
+                        await trio.lowlevel.wait_writable(sock)
+                        view = view[sock.send(view):]
+                    except BlockingIOError:
+                        continue
+                    except (trio.ClosedResourceError, OSError) as exc:
+                        raise WorkerLost(f"delivery worker {self.index} (pid {self.pid}) is gone: {exc}") from None
+        except trio.Cancelled:
+            if len(view) < len(frame):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # both ends see EOF
+            raise
 
 
 class _Process(Protocol):
@@ -175,6 +209,7 @@ class DeliveryWorkers:
         self.observers: list[Callable[[str, str], None]] = []
         self.reused = 0
         self.deaths = 0
+        self.served = 0  # body chunks read here for a worker (a body not given by position, or its fallback)
         self.workers = [_Worker(i) for i in range(count)]
         self._next_batch = 0
         self._ready_changed = trio.Event()
@@ -227,7 +262,8 @@ class DeliveryWorkers:
             finally:
                 theirs.close()
         worker.pid = process.pid
-        worker.stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
+        ours.setblocking(False)
+        worker.sock = ours
         try:
             await worker.send(encode(["config", dump_config(self.config), logging.getLogger().getEffectiveLevel()]))
             await self._converse(worker, task_status)
@@ -237,9 +273,10 @@ class DeliveryWorkers:
                       error=str(exc))
         finally:
             worker.ready = False
-            stream, worker.stream = worker.stream, None
+            worker.sock = None
+            trio.lowlevel.notify_closing(ours)  # a sender waiting for room gets ClosedResourceError: WorkerLost
+            ours.close()
             with trio.CancelScope(shield=True):
-                await stream.aclose()
                 if process.returncode is None:
                     process.kill()  # the socket is gone or garbled: this worker is of no use
                 await process.wait()
@@ -261,15 +298,29 @@ class DeliveryWorkers:
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
 
     async def _converse(self, worker: _Worker, task_status: _Once) -> None:
-        assert worker.stream is not None and self._nursery is not None
+        """Frames from ``worker`` until its socket ends.
+
+        It waits for the socket to be readable before it reads, rather than reading until EAGAIN as trio's
+        ``receive_some`` does: the frames of a wake-up (an outcome and its ``done``) come in one write, so the
+        relay makes one ``recv`` a wake-up, not two (issue 18). A read that fills the buffer reads again at once.
+        """
+        assert worker.sock is not None and self._nursery is not None
+        sock = worker.sock
         reader = FrameReader()
+        full = False
         while True:
             try:
-                data = await worker.stream.receive_some(RECEIVE_SIZE)
-            except (trio.BrokenResourceError, OSError):
+                if not full:
+                    await trio.lowlevel.wait_readable(sock)
+                data = sock.recv(RECEIVE_SIZE)
+            except BlockingIOError:
+                full = False
+                continue
+            except (trio.ClosedResourceError, OSError):
                 data = b""
             if not data:
                 return
+            full = len(data) == RECEIVE_SIZE
             for message in reader.feed(data):
                 try:
                     self._take(worker, message, task_status)
@@ -354,16 +405,20 @@ class DeliveryWorkers:
             pass  # its death fails the batch
 
     async def _chunk(self, batch: _Batch, index: int, k: int) -> bytes | None:
+        """Chunk ``k``: the next one of this body's reader, or (a retry, or a worker that read the chunks before
+        ``k`` itself and could not read ``k``) a new reader that reads and drops the chunks before it."""
         at, chunks = batch.pulls.get(index, (0, None))
-        if k == 0 or chunks is None:
-            at, chunks = 0, body_chunks(batch.jobs[index].body).__aiter__()  # a retry starts over
-        if k != at:
-            raise ProtocolError(f"chunk {k} of a body asked for after chunk {at - 1}")
+        if chunks is None or k < at:
+            at, chunks = 0, body_chunks(batch.jobs[index].body).__aiter__()
+        chunk: bytes | None = None
         try:
-            chunk: bytes | None = await chunks.__anext__()
+            while at <= k:
+                chunk = await chunks.__anext__()
+                at += 1
         except StopAsyncIteration:
             chunk = None
-        batch.pulls[index] = (at + 1, chunks)
+        batch.pulls[index] = (at, chunks)
+        self.served += 1
         return chunk
 
     def _wake(self) -> None:
@@ -371,6 +426,9 @@ class DeliveryWorkers:
         changed.set()
 
     async def _pick(self) -> _Worker:
+        ready = [w for w in self.workers if w.ready]
+        if ready:  # the common case, without the cancel scope's deadline (a few us of the loop's time a batch)
+            return ready[0] if len(ready) == 1 else min(ready, key=lambda w: len(w.batches))
         with trio.move_on_after(WAIT_FOR_WORKER):
             while True:
                 ready = [w for w in self.workers if w.ready]
@@ -387,14 +445,25 @@ class DeliveryWorkers:
         transport raised there), which the scheduler's batch boundary turns into
         deferrals; DamagedBody when a body could not be read.
         """
-        items = [[job_header(job), await _inline(job)] for job in jobs]
+        items: list[list[Any]] = []
+        log_dir: str | None = None
+        for job in jobs:
+            if isinstance(job.body, StoredBody):  # its DATA records' positions: the worker reads them (worker_body)
+                items.append([job_header(job), list(job.body.positions)])
+                if log_dir is None:  # absolute: a spool dir may be given relative to the relay's cwd
+                    log_dir = os.path.abspath(job.body.log_dir)
+            else:
+                items.append([job_header(job), await _inline(job)])
         worker = await self._pick()
         self._next_batch += 1
         bid = self._next_batch
         batch = _Batch(jobs, on_outcome)
         worker.batches[bid] = batch
         try:
-            await worker.send(encode(["batch", bid, destination_item(destination), items]))
+            frame = encode(["batch", bid, destination_item(destination), items, log_dir])
+            del items  # an inline body is not held here for the batch's whole delivery
+            await worker.send(frame)
+            del frame
             await batch.done.wait()
         finally:
             worker.batches.pop(bid, None)

@@ -96,8 +96,9 @@ def _with_processes(tmp_path: Path, port: int, processes: int) -> Config:
     return parse_config(text, source=str(tmp_path / "test.toml"), base_dir=str(tmp_path))
 
 
-async def test_a_big_body_is_pulled_by_the_worker_chunk_by_chunk(tmp_path: Path) -> None:
-    """Not in the spool's cache (body_cache = 0) and bigger than INLINE_BODY: read through the spool as sent."""
+async def test_a_big_body_is_read_by_the_worker_chunk_by_chunk(tmp_path: Path) -> None:
+    """Not in the spool's cache (body_cache = 0) and bigger than INLINE_BODY: read from the segment files by the
+    worker as it is sent, none of it through the relay."""
     async with trio.open_nursery() as nursery:
         hop = NextHop()
         port = await hop.start(nursery)
@@ -108,6 +109,7 @@ async def test_a_big_body_is_pulled_by_the_worker_chunk_by_chunk(tmp_path: Path)
         await send(relay.ports[0], "a@example.org", ["big@far.example"], "Subject: big\r\n\r\n" + body)
         (msg,) = await hop.wait_messages(1)
         assert body.encode() in msg.data
+        assert relay.workers is not None and relay.workers.served == 0
         nursery.cancel_scope.cancel()
 
 
@@ -126,8 +128,9 @@ def _flip_in_spool(spool: str, marker: bytes) -> None:
 
 async def test_a_body_damaged_where_the_worker_pulls_it_bounces_and_the_worker_serves_on(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A big body read through the spool for a worker, damaged halfway: the message bounces with the reason,
-    as in the relay; the same worker then delivers the next message."""
+    """A big body damaged halfway, found in the relay (by its own read for the worker, or before the attempt):
+    the message bounces with the reason, as in the relay; the same worker then delivers the next message
+    (test_worker_bodies has the worker's fallback to the relay's reads)."""
     caplog.set_level(logging.INFO)
     with trio.socket.socket() as probe:  # a port nobody listens on yet: the first attempt is deferred
         await probe.bind(("127.0.0.1", 0))

@@ -111,16 +111,24 @@ class Timeline:
 
 
 class StepClock(trio.abc.Instrument):
-    """CPU time (thread time) of the event loop's task steps, by component."""
+    """CPU time (thread time) of the event loop's task steps, by component (``by_task``: the delivery's and the
+    rest's by task, ``Scheduler._feeder``, ``DeliveryWorkers._keep``...)."""
 
-    def __init__(self, line: Timeline) -> None:
+    def __init__(self, line: Timeline, by_task: bool = False) -> None:
         self.cpu: dict[str, float] = defaultdict(float)
         self._t0 = 0.0
         self.recording = False
         self.line = line
+        self.by_task = by_task
+
+    def component(self, task: trio.lowlevel.Task) -> str:
+        part = self._component(task)
+        if self.by_task and part in ("delivery", "other"):
+            return f"{part}: {'.'.join(task.name.rsplit('.', 2)[-2:])}"
+        return part
 
     @staticmethod
-    def component(task: trio.lowlevel.Task) -> str:
+    def _component(task: trio.lowlevel.Task) -> str:
         name = task.name
         if "inbound" in name or "serve_listeners" in name or "_run_handler" in name:
             return "SMTP sessions"
@@ -282,7 +290,7 @@ async def bench(args: argparse.Namespace, work: str) -> list[dict[str, Any]]:
                                     else "")
         config = parse_config(text, source=os.path.join(work, "bench.toml"), base_dir=work)
         line = Timeline()
-        clock = StepClock(line)
+        clock = StepClock(line, args.by_task)
         undo = instrument(line)
         trio.lowlevel.add_instrument(clock)
         try:
@@ -311,6 +319,9 @@ def main() -> int:
                     help="concurrent sessions (above 1 the phases mix sessions: read the CPU figures only)")
     ap.add_argument("--delivery-processes", type=int, default=0,
                     help="[delivery] processes: SMTP deliveries in this many worker processes (default 0)")
+    ap.add_argument("--by-task", action="store_true",
+                    help="split the loop CPU of the delivery and of the rest by task (the scheduler's feeder and "
+                         "workers, the delivery workers' conversation)")
     ap.add_argument("--profile", metavar="FILE", help="also cProfile the event loop's thread on its CPU clock "
                     "(time.thread_time: other processes' load does not show) into FILE (pstats)")
     args = ap.parse_args()
