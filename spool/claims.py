@@ -162,9 +162,15 @@ class Claims(SpoolCore):
         """
         now = self._now()
         gate = self.budget.next_allowed(now)
+        durable = self.writer.durable_end
         times = []
         for r in self.runners:
             t = now if r.has_more else r.wake_at
+            if t is None and not r.idle(durable, now):
+                # The log grew past where it last looked, but the poll did not let it look (a deferred
+                # runner while the budget allowed none): its turn comes when the budget allows one. Without
+                # this the caller slept until some later commit happened to wake it.
+                t = now
             if t is not None:
                 times.append(t if r.klass == 0 else max(t, gate))
         return min(times) if times else None

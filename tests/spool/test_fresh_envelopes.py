@@ -128,3 +128,28 @@ async def test_a_batch_without_an_envelope_does_not_wake_the_claimer(tmp_path: P
                 mid = await aspool.enqueue("s@src.example", ["r2@dest.example"], b"body 2\r\n")
         assert got == [mid]
         assert changed.is_set()
+
+
+def test_a_deferred_envelope_the_budget_kept_a_runner_from_reading_still_gives_a_wake_time(tmp_path: Path) -> None:
+    """Once the claimer is woken only for new envelopes, ``next_wake`` must name the time of a runner that the
+    budget did not let read the log past where it last looked: nothing else would wake the claimer for it."""
+    clock = Clock()
+    sp = Spool.open(str(tmp_path), spool_config(clock, retry_intervals=(1.0, 2.0)))
+    try:
+        assert sp.poll_due() == []  # every runner reads to the end of the (empty) log
+        sp.enqueue("s@src.example", ["a@dest.example"], b"one\r\n")
+        sp.commit()
+        (first,) = sp.poll_due()
+        sp.record_delivery(first, [Outcome("a@dest.example", Status.DEFERRED, 451)])
+        assert sp.finish(first) is not None  # a replacement envelope in class 1
+        sp.enqueue("s@src.example", ["b@dest.example"], b"two\r\n")
+        sp.commit()
+        (second,) = sp.poll_due()  # new mail flows: no deferred claim allowed yet, class 1 does not read
+        assert second.envelope.recipients == ("b@dest.example",)
+        wake = sp.next_wake()
+        assert wake is not None, "the deferred message would wait for an unrelated commit"
+        clock.advance(max(0.0, wake - clock()) + 1.0)  # past its interval and the budget's gate
+        got = sp.poll_due()
+        assert [a.envelope.recipients for a in got] == [("a@dest.example",)]
+    finally:
+        sp.close()
