@@ -18,7 +18,6 @@ from spool.errors import CorruptRecord, MessageBusy
 from spool.log import LogWriter
 from spool.reader import Reporter
 from spool.record import HELD_CLASS, Outcome, RecordType, StartKind, Status
-from spool.runner import Candidate
 
 
 class AdminChanges(Claims):
@@ -55,7 +54,7 @@ class AdminChanges(Claims):
                                 anomaly.offset) from None
         if frame.garbage or frame.rtype != RecordType.ENVELOPE:
             raise MessageBusy("the message changed while we looked; list it again")
-        return self._claim(Candidate(pos, frame.klass, frame.time, frame.payload), self._now(), StartKind.ADMIN)
+        return self._claim(frame, self._now(), StartKind.ADMIN)
 
     def admin_replace(self, attempt: Attempt, *, klass: int, held: bool) -> int:
         new = self._write_replacement(attempt.envelope, attempt.envelope_pos, klass,

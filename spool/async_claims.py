@@ -86,6 +86,32 @@ class StoredBody:
 class AsyncClaims(GroupCommit):
     """Claims, outcomes and finishes through the group commit."""
 
+    # The durable end at the last wake-up of ``next_due`` by a commit (-1: none yet).
+    _wake_end: int = -1
+
+    def _signal_change(self) -> None:
+        """Wake ``next_due`` after a batch only when a runner could find something in it.
+
+        Why: the committer signals after every batch, and at one message a
+        connection most batches bring the runners nothing: the START written
+        before a delivery, the DELIVERY commit, the FINISH written lazily. Each
+        woke the feeder for a poll that found every runner idle (a task step of
+        the event loop's, ~3 a message for 1). The runners read only the
+        durable log, and only an ENVELOPE is work for them: so a batch wakes
+        them only if it moved the durable end after an envelope was appended
+        since the last wake-up (``SpoolCore.envelope_head``; conservative: an
+        envelope appended but not yet durable wakes them once for nothing).
+        Room freed under ``active_limit`` wakes them by ``finish``; admin
+        changes append envelopes and commit, which wakes them here.
+        """
+        core = self.core
+        durable = core.writer.durable_end
+        if durable == self._wake_end or core.envelope_head < self._wake_end:
+            self._moved.set()  # the checkpointer still hears of every batch
+            return
+        self._wake_end = durable
+        super()._signal_change()
+
     async def next_due(self, limit: int | None = None) -> list[Attempt]:
         """Wait until something is due, then claim it (new and deferred mail alternately).
 
@@ -174,7 +200,7 @@ class AsyncClaims(GroupCommit):
         else:
             self._lazy.set()  # a FINISH alone: written soon, durable with the next commit somebody needs
         if was_full:
-            self._signal_change()  # a claim waits for this room (next_due)
+            super()._signal_change()  # a claim waits for this room (next_due), whatever the log did
         else:
             # Nothing a claim waits for changed (its records become visible to the runners with the commit,
             # which signals): only the checkpointer is told. Waking next_due for nothing cost a task switch

@@ -79,21 +79,27 @@ class Claims(SpoolCore):
         self._take(0, (room + 1) // 2, now, out)
         if budget is not None:
             budget.note_new(len(out), now)
-        deferred = list(range(1, len(self.runners)))
-        if deferred:
+        n = len(self.runners)
+        if n > 1:
             allowed = budget.allowance(now) if budget is not None else None
             cap = room if allowed is None else len(out) + min(allowed, room - len(out))
-            rot = self._rr % len(deferred)
+            rot = self._rr % (n - 1)
             self._rr += 1
             before = len(out)
-            for k in deferred[rot:] + deferred[:rot]:
-                self._take(k, cap - len(out), now, out)
+            # Only the deferred runners a pass could find work for: an idle one stays idle through this
+            # poll (the durable end and ``now`` do not move in it), and at one message a poll the calls
+            # that return nothing were most of a poll's cost.
+            runners = self.runners
+            for k in (*range(1 + rot, n), *range(1, 1 + rot)):
+                if not runners[k].idle(durable, now):
+                    self._take(k, cap - len(out), now, out)
             if budget is not None:
                 budget.spend(len(out) - before)
-        before = len(out)
-        self._take(0, room - len(out), now, out)
-        if budget is not None:
-            budget.note_new(len(out) - before, now)
+        if len(out) < room and not self.runners[0].idle(durable, now):
+            before = len(out)
+            self._take(0, room - len(out), now, out)
+            if budget is not None:
+                budget.note_new(len(out) - before, now)
         return out
 
     def _take(self, klass: int, count: int, now: float, out: list[Attempt]) -> None:
@@ -127,8 +133,11 @@ class Claims(SpoolCore):
 
     def _claim(self, cand: Candidate, now: float, kind: StartKind = StartKind.DELIVERY) -> Attempt:
         """Raises CorruptRecord (before appending anything) when the envelope's payload does not decode."""
-        env = decode_payload(RecordType.ENVELOPE, cand.payload)
-        assert isinstance(env, Envelope)
+        env = self.fresh.take(cand.pos, cand.payload)
+        if env is None:
+            decoded = decode_payload(RecordType.ENVELOPE, cand.payload)
+            assert isinstance(decoded, Envelope)
+            env = decoded
         start = self._append(RecordType.START, Start(cand.pos, int(now * 1000), kind))
         self.writer.mark_after_sync(cand.pos)
         expired = (kind is StartKind.DELIVERY
@@ -153,9 +162,15 @@ class Claims(SpoolCore):
         """
         now = self._now()
         gate = self.budget.next_allowed(now)
+        durable = self.writer.durable_end
         times = []
         for r in self.runners:
             t = now if r.has_more else r.wake_at
+            if t is None and not r.idle(durable, now):
+                # The log grew past where it last looked, but the poll did not let it look (a deferred
+                # runner while the budget allowed none): its turn comes when the budget allows one. Without
+                # this the caller slept until some later commit happened to wake it.
+                t = now
             if t is not None:
                 times.append(t if r.klass == 0 else max(t, gate))
         return min(times) if times else None

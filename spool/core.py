@@ -57,6 +57,7 @@ from spool.damage_policy import DamagePolicy
 from spool.errors import CorruptRecord, DamagedBody, DiskFull
 from spool.fairness import DeferredBudget
 from spool.fileio import FileIO
+from spool.fresh import FreshEnvelopes
 from spool.log import Batch, LogWriter
 from spool.lost import LogContext
 from spool.reader import LogReader
@@ -147,6 +148,10 @@ class SpoolCore:
         # reaches while recovery runs (there is no writer yet); the finder of lost messages reads no further.
         self.damage = DamagePolicy(io, path, config.on_damage, self.damage_context)
         self._recovery_end: int | None = None
+        # The position of the last ENVELOPE appended (-1: none yet). A batch that becomes durable gives a
+        # runner work only if an envelope was appended since the last wake-up (AsyncClaims._signal_change).
+        self.envelope_head = -1
+        self.fresh = FreshEnvelopes()  # new envelopes until their claim (spool.fresh): no decode for the runner
 
     def _now(self) -> float:
         return self.config.clock()
@@ -166,7 +171,10 @@ class SpoolCore:
 
     def _append(self, rtype: RecordType, payload: Any, klass: int = 0) -> int:
         data = payload if isinstance(payload, bytes) else payload.to_payload()
-        return self.writer.append(rtype, data, klass=klass, now=self._now())
+        pos = self.writer.append(rtype, data, klass=klass, now=self._now())
+        if rtype == RecordType.ENVELOPE:
+            self.envelope_head = pos
+        return pos
 
     def _maybe_flush(self) -> None:
         """Write (without sync) once enough is buffered, so big bodies do not pile up in memory.
@@ -221,9 +229,11 @@ class SpoolCore:
         mid = reserved if reserved is not None else self.writer.head
         # Encoded from the fields: no Envelope record is built for an envelope that is never read back here.
         now = self._now()
-        payload = envelope_payload(mid, sender, rcpts, chunks, size,
-                                   arrival_ms if arrival_ms is not None else int(now * 1000), extra=extra)
+        arrival = arrival_ms if arrival_ms is not None else int(now * 1000)
+        payload = envelope_payload(mid, sender, rcpts, chunks, size, arrival, extra=extra)
         pos = self.writer.append(RecordType.ENVELOPE, payload, klass=0, now=now)
+        self.envelope_head = pos
+        self.fresh.add(pos, payload, mid, sender, rcpts, chunks, size, arrival, extra)
         self._note_span(pos, chunks)
         return Appended(mid, pos, chunks)
 

@@ -39,11 +39,15 @@ def _share(_inst: object, _attr: object, value: float) -> None:
         raise ValueError(f"deferred_share must be between 0 and 1, got {value}")
 
 
-@attrs.define
+@attrs.define(on_setattr=attrs.setters.NO_OP)
 class DeferredBudget:
-    """The allowance of deferred claims; see the module docstring for the rules."""
+    """The allowance of deferred claims; see the module docstring for the rules.
 
-    share: float = attrs.field(default=DEFAULT_SHARE, validator=_share)
+    Only ``share`` is checked when set: the buckets change on every poll that
+    claims, and attrs' default hooks on each set were a fifth of the budget's cost.
+    """
+
+    share: float = attrs.field(default=DEFAULT_SHARE, validator=_share, on_setattr=attrs.setters.validate)
     trickle: float = TRICKLE
     quiet: float = QUIET
     burst: float = BURST

@@ -31,8 +31,6 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Protocol
 
-import attrs
-
 from spool.fileio import FileIO
 from spool.reader import HeaderWalk, LogReader, Reporter, raise_anomaly
 from spool.record import HELD_CLASS, Frame, make_pos, pos_offset, pos_segment
@@ -48,12 +46,9 @@ class LogBounds(Protocol):
     def segment_end(self, seg: int) -> int: ...
 
 
-@attrs.frozen
-class Candidate:
-    pos: int
-    klass: int
-    time: int
-    payload: bytes
+Candidate = Frame
+"""A due envelope as the walk found it (position, class, time, payload), checksum verified. The walk's own
+``Frame``: a pass hands its frames on as they are, with no second object built for each."""
 
 
 class Runner:
@@ -124,4 +119,4 @@ class Runner:
             if too_new is not None:
                 self.wake_at = too_new + self.interval
                 break
-        return [Candidate(f.pos, f.klass, f.time, f.payload) for f in found]
+        return found
