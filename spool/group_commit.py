@@ -238,6 +238,9 @@ class GroupCommit:
                     continue
                 finally:
                     self._writing = 0
+                # Written: its buffers go now. Kept until the next take (across the wake-ups and the room's
+                # sync below), they were a batch in memory that no longer counted against the threshold.
+                del batch
                 if was_full:
                     delay = SPACE_RETRY_MIN
                     self._room_again()
