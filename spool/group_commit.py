@@ -80,6 +80,10 @@ INLINE_SYNC_FAST = 0.001
 INLINE_SYNC_MAX = 0.0
 INLINE_SYNC_SAMPLES = 5
 INLINE_MAX_BYTES = 128 * 1024
+# Delivery outcomes wait at most this long for a commit somebody else needs (``commit_riding``): at 20 sessions the
+# enqueue commits come every ~10 ms and an outcome waits ~half that on average, so most ride; on a relay where no
+# commit can come (no client connected, nothing announced or appended) they are committed at once.
+RIDE_MAX = 0.005
 
 
 class GroupCommit:
@@ -108,6 +112,8 @@ class GroupCommit:
         # a session between its greeting and its RCPT (not announced by expect_commit) may be about to need the loop.
         self.connected_clients: Callable[[], int] = lambda: 0
         self.inline_commits = 0  # sync batches written in the event loop's thread
+        self.rides = 0  # commit_riding calls that waited for another commit (outcomes)
+        self.rides_run_out = 0  # ...of which none came within the bound: committed on their own
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
@@ -390,8 +396,11 @@ class GroupCommit:
         Raises DiskFull while a write waits for room: the records stay appended
         and become durable when it fits (``wait_for_space``, then commit again).
         """
+        await self._commit_to(self.core.writer.head)
+
+    async def _commit_to(self, ticket: int) -> None:
+        """Return once the log up to ``ticket`` is durable, asking the committer for a sync until it is."""
         writer = self.core.writer
-        ticket = writer.head
         if writer.durable_end >= ticket:
             return
         tickets = self._sync_tickets
@@ -404,6 +413,43 @@ class GroupCommit:
                 await self._synced.wait()
         finally:
             tickets.remove(ticket)
+
+    async def commit_riding(self, upto: int | None = None, within: float = RIDE_MAX, *,
+                            more_coming: bool = False) -> None:
+        """Return once the log up to ``upto`` (default: everything appended before the call) is durable;
+        ride another commit if one comes soon.
+
+        For delivery outcomes. Their rule is order (durable before the
+        message's next step), not speed: nobody is waiting for a reply. With a
+        delivery worker they come back after the enqueue commit they used to
+        ride with, and a commit of their own was an fsync for a handful of
+        records (docs/benchmarks.md, issue 18, "Branch i18-tail"). So while a
+        commit somebody needs may come (a client is connected, a session has
+        announced one, a message or a sync waits), they wait for it, at most
+        ``within`` seconds; then, or at once on a relay where none can come,
+        they ask for their own (``commit``). ``more_coming``: the caller knows
+        of more such records on their way (other deliveries out), so that a
+        burst's last outcomes share one commit. Either way this returns only
+        when they are durable, and raises DiskFull as ``commit`` does.
+        """
+        writer = self.core.writer
+        ticket = writer.head if upto is None else upto
+        if writer.durable_end >= ticket:
+            return
+        if within > 0 and (more_coming or self._commit_may_come()):
+            self.rides += 1
+            with trio.move_on_after(within):
+                while writer.durable_end < ticket:
+                    self._raise_if_full()
+                    await self._synced.wait()
+            if writer.durable_end >= ticket:
+                return
+            self.rides_run_out += 1
+        await self._commit_to(ticket)
+
+    def _commit_may_come(self) -> bool:
+        """Might somebody need a commit soon (so that a record in no hurry can wait to ride with it)?"""
+        return bool(self._want_sync or self._unsynced_messages or self._expected or self.connected_clients() > 0)
 
     async def _ride_along(self) -> None:
         """Return once everything appended before the call is durable, without a sync of its own.
