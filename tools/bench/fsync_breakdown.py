@@ -58,7 +58,7 @@ def parse(path: str) -> list[dict[str, Any]]:
                 tid, ts, name, _fd, fdpath, rest = m.groups()
                 call: dict[str, Any] = {"tid": int(tid), "t": ts, "name": name, "path": fdpath}
                 if name in WRITES:
-                    args = rest.split(",")
+                    args = rest.replace("<unfinished ...>", ")").split(",")  # a call another thread's line cut
                     with contextlib.suppress(ValueError, IndexError):
                         call["len"] = int(args[-2].strip().rstrip(")").split()[0]) if name == "pwrite64" else 0
                         call["off"] = int(args[-1].split(")")[0].strip())
