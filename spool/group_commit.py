@@ -80,10 +80,13 @@ INLINE_SYNC_FAST = 0.001
 INLINE_SYNC_MAX = 0.0
 INLINE_SYNC_SAMPLES = 5
 INLINE_MAX_BYTES = 128 * 1024
-# Delivery outcomes wait at most this long for a commit somebody else needs (``commit_riding``): at 20 sessions the
-# enqueue commits come every ~10 ms and an outcome waits ~half that on average, so most ride; on a relay where no
-# commit can come (no client connected, nothing announced or appended) they are committed at once.
-RIDE_MAX = 0.005
+# Delivery outcomes wait at most this long for a commit somebody else needs (``commit_riding``). At 20 sessions the
+# enqueue commits come every ~10 ms (every ~26 ms under strace, where the fsyncs are counted), so with this bound
+# nearly every outcome rides one; with 5 ms a third ran out and asked for a sync of their own (docs/benchmarks.md,
+# "Branch i18-tail"). Its cost: a crash in those milliseconds leaves the recipients in doubt, as it would a moment
+# earlier, before the next hop's answer was known. With no commit to come (no client connected, nothing announced
+# or appended, no other delivery out) outcomes are committed at once.
+RIDE_MAX = 0.025
 
 
 class GroupCommit:
