@@ -80,13 +80,17 @@ INLINE_SYNC_FAST = 0.001
 INLINE_SYNC_MAX = 0.0
 INLINE_SYNC_SAMPLES = 5
 INLINE_MAX_BYTES = 128 * 1024
-# Delivery outcomes wait at most this long for a commit somebody else needs (``commit_riding``). At 20 sessions the
-# enqueue commits come every ~10 ms (every ~26 ms under strace, where the fsyncs are counted), so with this bound
-# nearly every outcome rides one; with 5 ms a third ran out and asked for a sync of their own (docs/benchmarks.md,
-# "Branch i18-tail"). Its cost: a crash in those milliseconds leaves the recipients in doubt, as it would a moment
-# earlier, before the next hop's answer was known. With no commit to come (no client connected, nothing announced
-# or appended, no other delivery out) outcomes are committed at once.
-RIDE_MAX = 0.025
+# Delivery outcomes wait for a commit somebody else needs (``commit_riding``) at most twice the recent interval
+# between enqueue commits (a moving average), within RIDE_MIN..RIDE_MAX: the next enqueue commit then comes within
+# the bound unless the pace changed. At 20 sessions that interval is ~10 ms (~26 ms under strace, where the fsyncs
+# are counted; longer under load): a fixed 5 ms let a third of them run out and ask for a sync of their own, a fixed
+# 25 ms a few in a run under load (docs/benchmarks.md, "Branch i18-tail"). The cost of the wait: a crash in those
+# milliseconds leaves the recipients in doubt, as it would a moment earlier, before the next hop's answer was known.
+# With no commit to come (no client connected, nothing announced or appended, no other delivery out) outcomes are
+# committed at once.
+RIDE_MIN = 0.002
+RIDE_MAX = 0.05
+RIDE_GAP_WEIGHT = 0.25  # of the newest interval in the moving average
 
 
 class GroupCommit:
@@ -117,6 +121,8 @@ class GroupCommit:
         self.inline_commits = 0  # sync batches written in the event loop's thread
         self.rides = 0  # commit_riding calls that waited for another commit (outcomes)
         self.rides_run_out = 0  # ...of which none came within the bound: committed on their own
+        self._enqueue_synced_at: float | None = None  # trio time of the last sync that made new messages durable
+        self.enqueue_gap = RIDE_MAX / 2  # moving average of the intervals between such syncs (seconds)
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
@@ -254,8 +260,7 @@ class GroupCommit:
                 if len(self.batch_sizes) > 1024:
                     del self.batch_sizes[:512]
                 if messages:
-                    for observe in self.commit_observers:
-                        observe(messages)
+                    self._enqueue_synced(messages)
                 synced, self._synced = self._synced, trio.Event()
                 synced.set()
                 if messages:
@@ -269,6 +274,20 @@ class GroupCommit:
                     # Nothing waits to be written: zero the room the next commits will write into, so that
                     # their fdatasync has no file size to commit (spool.room). Nobody waits for this sync.
                     await trio.to_thread.run_sync(writer.make_room)
+
+    def _enqueue_synced(self, messages: int) -> None:
+        """A sync made ``messages`` new messages durable: tell the observers, and time the pace (``ride_bound``)."""
+        for observe in self.commit_observers:
+            observe(messages)
+        now = trio.current_time()
+        if self._enqueue_synced_at is not None:
+            gap = min(now - self._enqueue_synced_at, RIDE_MAX)  # a quiet spell counts as the longest wait, no more
+            self.enqueue_gap += RIDE_GAP_WEIGHT * (gap - self.enqueue_gap)
+        self._enqueue_synced_at = now
+
+    def ride_bound(self) -> float:
+        """How long an outcome waits for the next enqueue commit: twice their recent interval, RIDE_MIN..RIDE_MAX."""
+        return min(RIDE_MAX, max(RIDE_MIN, 2 * self.enqueue_gap))
 
     def _inline(self, batch: Batch, messages: int) -> bool:
         """Write and sync this batch in the event loop's thread? Only for a lone message on a fast disk.
@@ -417,7 +436,7 @@ class GroupCommit:
         finally:
             tickets.remove(ticket)
 
-    async def commit_riding(self, upto: int | None = None, within: float = RIDE_MAX, *,
+    async def commit_riding(self, upto: int | None = None, within: float | None = None, *,
                             more_coming: bool = False) -> None:
         """Return once the log up to ``upto`` (default: everything appended before the call) is durable;
         ride another commit if one comes soon.
@@ -429,8 +448,9 @@ class GroupCommit:
         records (docs/benchmarks.md, issue 18, "Branch i18-tail"). So while a
         commit somebody needs may come (a client is connected, a session has
         announced one, a message or a sync waits), they wait for it, at most
-        ``within`` seconds; then, or at once on a relay where none can come,
-        they ask for their own (``commit``). ``more_coming``: the caller knows
+        ``within`` seconds (default ``ride_bound``: twice the recent interval
+        between enqueue commits, at most RIDE_MAX); then, or at once on a relay
+        where none can come, they ask for their own (``commit``). ``more_coming``: the caller knows
         of more such records on their way (other deliveries out), so that a
         burst's last outcomes share one commit. Either way this returns only
         when they are durable, and raises DiskFull as ``commit`` does.
@@ -439,6 +459,8 @@ class GroupCommit:
         ticket = writer.head if upto is None else upto
         if writer.durable_end >= ticket:
             return
+        if within is None:
+            within = self.ride_bound()
         if within > 0 and (more_coming or self._commit_may_come()):
             self.rides += 1
             with trio.move_on_after(within):

@@ -19,8 +19,9 @@ itself before it parks.
 
 Outcomes. For each job the worker appends its outcomes as a DELIVERY record
 and waits for the commit: the outcome is durable before the message's next
-step. The commit is the next one somebody needs if it comes within a few
-milliseconds (an enqueue's, while clients are connected), else its own. A
+step. The commit is the next one somebody needs if it comes soon (an
+enqueue's, while clients are connected: within twice the recent interval
+between enqueue commits, at most 50 ms), else its own. A
 bounce (DSN) is enqueued in the same commit as the DELIVERY that reports it,
 so a crash can lose neither without the other. When every job of a message
 is done, ``finish`` writes the replacement envelope (remaining recipients,
@@ -408,9 +409,9 @@ class Scheduler:
     async def _commit_outcomes(self, count: int, upto: int, in_batch: bool = False) -> None:
         """Commit the appended outcomes; while the disk is full, wait for room and commit again.
 
-        They ride with the next commit somebody needs if one comes within a few
-        milliseconds (``AsyncSpool.commit_riding``: an enqueue's, while clients
-        are connected), else get their own: with a delivery worker they come
+        They ride with the next commit somebody needs if one comes soon
+        (``AsyncSpool.commit_riding``: an enqueue's, while clients are
+        connected; ``ride_bound``, at most 50 ms), else get their own: with a delivery worker they come
         back after the enqueue commit they used to share, and a commit of their
         own cost an fsync for a handful of records. They also wait (as long)
         while other batches are out and not yet waiting here, so that at the

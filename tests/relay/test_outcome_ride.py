@@ -31,7 +31,7 @@ from fault_injection import relayload, scratch_dir
 from fault_injection.recording import Link, Recording, Sync, Write
 from spool.errors import CorruptRecord
 from spool.record import Delivery, Finish, RecordType, Status, decode_frame, decode_payload
-from spool.segment import parse_segment_name
+from spool.segment import SEGMENT_HEADER_SIZE, parse_segment_name
 
 BOUND = 10.0  # seconds: a bound on waiting for one outcome (liveness), not a pace
 
@@ -52,7 +52,8 @@ def _frames(rec: Recording) -> list[tuple[int, int, int, int]]:
                 segment_of[op.ino] = seg
         if not isinstance(op, Write) or op.ino not in segment_of or len(op.data) < 2:
             continue
-        seg, off = segment_of[op.ino], 0
+        seg = segment_of[op.ino]
+        off = SEGMENT_HEADER_SIZE if op.offset == 0 else 0  # a new segment's header, written with its first records
         while off < len(op.data):
             try:
                 frame = decode_frame(seg, op.data, off, at=op.offset + off)
@@ -82,7 +83,9 @@ def test_no_finish_reaches_the_log_before_its_attempts_outcomes_are_synced() -> 
         else:
             finishes.append((i, start))
     delivered = [(i, start) for i, start in finishes if start in deliveries]
-    assert len(delivered) >= 24, "the run finished too few delivered attempts to say anything"
+    # Each of the 24 messages is finished once at least (the last FINISH records may still be unwritten when
+    # the run stops: they are written lazily), and a message deferred at first once more.
+    assert len(delivered) >= 20, f"only {len(delivered)} delivered attempts were finished: too few to say anything"
     for at, start in delivered:
         for written, ino in deliveries[start]:
             assert written < at, f"the FINISH of attempt {start:#x} was written before its DELIVERY"
