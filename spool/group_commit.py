@@ -122,6 +122,7 @@ class GroupCommit:
         self.inline_commits = 0  # sync batches written in the event loop's thread
         self.rides = 0  # commit_riding calls that waited for another commit (outcomes)
         self.rides_run_out = 0  # ...of which none came within the bound: committed on their own
+        self.claiming = 0  # attempts claimed whose START records are being written (spool.async_claims.next_due)
         self._enqueue_synced_at: float | None = None  # trio time of the last sync that made new messages durable
         self.enqueue_gap = RIDE_MAX / 2  # moving average of the intervals between such syncs (seconds)
         core.flush_hook = self._kick.set
@@ -458,10 +459,12 @@ class GroupCommit:
         announced one, a message or a sync waits), they wait for it, at most
         ``within`` seconds (default ``ride_bound``: twice the recent interval
         between enqueue commits, at most RIDE_MAX); then, or at once on a relay
-        where none can come, they ask for their own (``commit``). ``more_coming``: the caller knows
-        of more such records on their way (other deliveries out), so that a
-        burst's last outcomes share one commit. Either way this returns only
-        when they are durable, and raises DiskFull as ``commit`` does.
+        where none can come, they ask for their own (``commit``).
+        ``more_coming``: the caller knows of more such records on their way
+        (other deliveries out), so that a burst's last outcomes share one
+        commit; so are the outcomes of attempts being claimed now
+        (``claiming``). Either way this returns only when they are durable,
+        and raises DiskFull as ``commit`` does.
         """
         writer = self.core.writer
         ticket = writer.head if upto is None else upto
@@ -469,7 +472,7 @@ class GroupCommit:
             return
         if within is None:
             within = self.ride_bound()
-        if within > 0 and (more_coming or self._commit_may_come()):
+        if within > 0 and (more_coming or self.claiming or self._commit_may_come()):
             self.rides += 1
             with trio.move_on_after(within):
                 while writer.durable_end < ticket:

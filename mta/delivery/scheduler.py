@@ -414,7 +414,7 @@ class Scheduler:
         connected; ``ride_bound``, at most 50 ms), else get their own: with a delivery worker they come
         back after the enqueue commit they used to share, and a commit of their
         own cost an fsync for a handful of records. They also wait (as long)
-        while other batches are out and not yet waiting here, so that at the
+        while other batches are out (or queued) and not yet waiting here, so that at the
         end of a burst the last batches' outcomes share one commit. Nothing of
         the messages' next step happens before this returns. ``upto``: the log
         position their records end at; what others appended since (claims,
@@ -423,7 +423,7 @@ class Scheduler:
         The records stay appended at their positions (spool.log), so the same
         commit covers them once it fits; nothing is finished before that.
         """
-        out = sum(state.active for state in self.dests.values()) - self._riding - (1 if in_batch else 0)
+        out = sum(state.active for state in self.dests.values()) - self._riding - (1 if in_batch else 0) + self.pending
         self._riding += 1
         try:
             while True:
