@@ -8,12 +8,15 @@ next, so that a slow machine cannot make it run out first.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import trio
+import trio.testing
 from spool_support import running_spool, spool_config
 
 from spool.commit import AsyncSpool
+from spool.fileio import OsFileIO
 from spool.record import Outcome, Status
 from spool.spool import Attempt
 
@@ -84,3 +87,53 @@ async def test_an_outcome_waits_for_its_own_records_only(tmp_path: Path) -> None
         await aspool.commit_riding(upto, LONG)
         assert aspool.core.writer.fsyncs == before
         assert aspool.core.writer.durable_end < aspool.core.writer.head  # the FINISH is still not durable
+
+
+class GatedIO(OsFileIO):
+    """The real file calls, where the test can hold the next write or fdatasync in its thread until released."""
+
+    def __init__(self) -> None:
+        self.gates: dict[str, tuple[threading.Event, threading.Event]] = {}  # call: (entered, release)
+
+    def _gate(self, call: str) -> None:
+        gate = self.gates.pop(call, None)
+        if gate is not None:
+            gate[0].set()
+            gate[1].wait(LONG)
+
+    def write(self, fd: int, data: bytes | bytearray | memoryview, offset: int) -> int:
+        self._gate("write")
+        return super().write(fd, data, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        self._gate("fdatasync")
+        super().fdatasync(fd)
+
+    def hold(self, call: str) -> tuple[threading.Event, threading.Event]:
+        """Hold the next ``call``: (set once a thread waits in it, set it to let the thread go on)."""
+        gate = self.gates[call] = (threading.Event(), threading.Event())
+        return gate
+
+
+async def test_a_waiter_woken_before_the_sync_that_covers_it_asks_for_no_second_one(tmp_path: Path) -> None:
+    """An enqueue woken by the write-only pass before its sync batch asked again for a sync, and after that
+    batch the committer synced what was appended meanwhile (a FINISH) for nobody."""
+    io = GatedIO()
+    async with running_spool(tmp_path, spool_config(), io) as aspool:
+        attempt = await _claimed(aspool)
+        aspool.withdraw_commit(aspool.expect_commit())  # sessions announce: a lone message is cut at once
+        in_write, end_write = io.hold("write")
+        aspool.append_delivery(attempt, [Outcome("r@dest.example", Status.DELIVERED, 250)])  # a write-only pass
+        await trio.to_thread.run_sync(in_write.wait, LONG)
+        before = aspool.core.writer.fsyncs
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(aspool.enqueue, "s@src.example", ["q@dest.example"], b"next " * 100)
+            await trio.testing.wait_all_tasks_blocked()  # the enqueue waits for the pass in the thread
+            in_sync, end_sync = io.hold("fdatasync")
+            end_write.set()  # the write-only pass ends, waking the enqueue; its sync batch is taken at once
+            await trio.to_thread.run_sync(in_sync.wait, LONG)
+            await trio.testing.wait_all_tasks_blocked()  # the enqueue ran while its sync batch is in the thread
+            aspool.finish(attempt)  # appended while that sync runs: needs none
+            end_sync.set()
+        await aspool.write_through()  # the FINISH written: by a pass that synced it (the bug) or by one that did not
+        assert aspool.core.writer.fsyncs - before == 1
