@@ -80,6 +80,17 @@ INLINE_SYNC_FAST = 0.001
 INLINE_SYNC_MAX = 0.0
 INLINE_SYNC_SAMPLES = 5
 INLINE_MAX_BYTES = 128 * 1024
+# Delivery outcomes wait for a commit somebody else needs (``commit_riding``) at most twice the recent interval
+# between enqueue commits (a moving average), within RIDE_MIN..RIDE_MAX: the next enqueue commit then comes within
+# the bound unless the pace changed. At 20 sessions that interval is ~10 ms (~26 ms under strace, where the fsyncs
+# are counted; longer under load): a fixed 5 ms let a third of them run out and ask for a sync of their own, a fixed
+# 25 ms a few in a run under load (docs/benchmarks.md, "Branch i18-tail"). The cost of the wait: a crash in those
+# milliseconds leaves the recipients in doubt, as it would a moment earlier, before the next hop's answer was known.
+# With no commit to come (no client connected, nothing announced or appended, no other delivery out) outcomes are
+# committed at once.
+RIDE_MIN = 0.002
+RIDE_MAX = 0.05
+RIDE_GAP_WEIGHT = 0.25  # of the newest interval in the moving average
 
 
 class GroupCommit:
@@ -100,6 +111,7 @@ class GroupCommit:
         self.lazy_writes = 0  # lazy batches only written: FINISH records that nothing waits to see durable
         self._lazy_sync = False  # a lazily appended record must be durable soon (see _lazy_committer)
         self._want_sync = False  # someone waits for durability, not only for the bytes to be written
+        self._syncing_to = 0  # the log position the sync batch being written now makes durable (0: none)
         self._writing = 0  # bytes of the batch the committer's thread is writing now
         self._sync_tickets: list[int] = []  # what each task in commit() waits to see durable (its ticket)
         self._sync_seconds: deque[float] = deque(maxlen=INLINE_SYNC_SAMPLES)  # the last sync batches' write+sync
@@ -108,6 +120,11 @@ class GroupCommit:
         # a session between its greeting and its RCPT (not announced by expect_commit) may be about to need the loop.
         self.connected_clients: Callable[[], int] = lambda: 0
         self.inline_commits = 0  # sync batches written in the event loop's thread
+        self.rides = 0  # commit_riding calls that waited for another commit (outcomes)
+        self.rides_run_out = 0  # ...of which none came within the bound: committed on their own
+        self.claiming = 0  # attempts claimed whose START records are being written (spool.async_claims.next_due)
+        self._enqueue_synced_at: float | None = None  # trio time of the last sync that made new messages durable
+        self.enqueue_gap = RIDE_MAX / 2  # moving average of the intervals between such syncs (seconds)
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
@@ -222,6 +239,8 @@ class GroupCommit:
                 if sync:
                     self._lazy_sync = False  # this sync covers every lazy record appended so far
                 was_full = writer.full is not None
+                if sync:
+                    self._syncing_to = writer.head  # the batch takes everything appended: durable up to here
                 batch = writer.take_batch(sync=sync)
                 messages = 0
                 if sync:  # a failed sync batch's messages are cancelled by their enqueue: they are not counted
@@ -238,6 +257,7 @@ class GroupCommit:
                     continue
                 finally:
                     self._writing = 0
+                    self._syncing_to = 0
                 if was_full:
                     delay = SPACE_RETRY_MIN
                     self._room_again()
@@ -245,8 +265,7 @@ class GroupCommit:
                 if len(self.batch_sizes) > 1024:
                     del self.batch_sizes[:512]
                 if messages:
-                    for observe in self.commit_observers:
-                        observe(messages)
+                    self._enqueue_synced(messages)
                 synced, self._synced = self._synced, trio.Event()
                 synced.set()
                 if messages:
@@ -260,6 +279,20 @@ class GroupCommit:
                     # Nothing waits to be written: zero the room the next commits will write into, so that
                     # their fdatasync has no file size to commit (spool.room). Nobody waits for this sync.
                     await trio.to_thread.run_sync(writer.make_room)
+
+    def _enqueue_synced(self, messages: int) -> None:
+        """A sync made ``messages`` new messages durable: tell the observers, and time the pace (``ride_bound``)."""
+        for observe in self.commit_observers:
+            observe(messages)
+        now = trio.current_time()
+        if self._enqueue_synced_at is not None:
+            gap = min(now - self._enqueue_synced_at, RIDE_MAX)  # a quiet spell counts as the longest wait, no more
+            self.enqueue_gap += RIDE_GAP_WEIGHT * (gap - self.enqueue_gap)
+        self._enqueue_synced_at = now
+
+    def ride_bound(self) -> float:
+        """How long an outcome waits for the next enqueue commit: twice their recent interval, RIDE_MIN..RIDE_MAX."""
+        return min(RIDE_MAX, max(RIDE_MIN, 2 * self.enqueue_gap))
 
     def _inline(self, batch: Batch, messages: int) -> bool:
         """Write and sync this batch in the event loop's thread? Only for a lone message on a fast disk.
@@ -390,8 +423,11 @@ class GroupCommit:
         Raises DiskFull while a write waits for room: the records stay appended
         and become durable when it fits (``wait_for_space``, then commit again).
         """
+        await self._commit_to(self.core.writer.head)
+
+    async def _commit_to(self, ticket: int) -> None:
+        """Return once the log up to ``ticket`` is durable, asking the committer for a sync until it is."""
         writer = self.core.writer
-        ticket = writer.head
         if writer.durable_end >= ticket:
             return
         tickets = self._sync_tickets
@@ -399,11 +435,57 @@ class GroupCommit:
         try:
             while writer.durable_end < ticket:
                 self._raise_if_full()
-                self._want_sync = True
-                self._kick.set()
+                if self._syncing_to < ticket:
+                    # Not while a sync batch that covers the ticket is being written: woken by a pass before it
+                    # (a write-only one), the ticket asked again for a sync that came after, for nobody
+                    # (FINISH and START records only; docs/benchmarks.md, "Branch i18-tail").
+                    self._want_sync = True
+                    self._kick.set()
                 await self._synced.wait()
         finally:
             tickets.remove(ticket)
+
+    async def commit_riding(self, upto: int | None = None, within: float | None = None, *,
+                            more_coming: bool = False) -> None:
+        """Return once the log up to ``upto`` (default: everything appended before the call) is durable;
+        ride another commit if one comes soon.
+
+        For delivery outcomes. Their rule is order (durable before the
+        message's next step), not speed: nobody is waiting for a reply. With a
+        delivery worker they come back after the enqueue commit they used to
+        ride with, and a commit of their own was an fsync for a handful of
+        records (docs/benchmarks.md, issue 18, "Branch i18-tail"). So while a
+        commit somebody needs may come (a client is connected, a session has
+        announced one, a message or a sync waits), they wait for it, at most
+        ``within`` seconds (default ``ride_bound``: twice the recent interval
+        between enqueue commits, at most RIDE_MAX); then, or at once on a relay
+        where none can come, they ask for their own (``commit``).
+        ``more_coming``: the caller knows of more such records on their way
+        (other deliveries out), so that a burst's last outcomes share one
+        commit; so are the outcomes of attempts being claimed now
+        (``claiming``). Either way this returns only when they are durable,
+        and raises DiskFull as ``commit`` does.
+        """
+        writer = self.core.writer
+        ticket = writer.head if upto is None else upto
+        if writer.durable_end >= ticket:
+            return
+        if within is None:
+            within = self.ride_bound()
+        if within > 0 and (more_coming or self.claiming or self._commit_may_come()):
+            self.rides += 1
+            with trio.move_on_after(within):
+                while writer.durable_end < ticket:
+                    self._raise_if_full()
+                    await self._synced.wait()
+            if writer.durable_end >= ticket:
+                return
+            self.rides_run_out += 1
+        await self._commit_to(ticket)
+
+    def _commit_may_come(self) -> bool:
+        """Might somebody need a commit soon (so that a record in no hurry can wait to ride with it)?"""
+        return bool(self._want_sync or self._unsynced_messages or self._expected or self.connected_clients() > 0)
 
     async def _ride_along(self) -> None:
         """Return once everything appended before the call is durable, without a sync of its own.
