@@ -108,6 +108,7 @@ class GroupCommit:
         # a session between its greeting and its RCPT (not announced by expect_commit) may be about to need the loop.
         self.connected_clients: Callable[[], int] = lambda: 0
         self.inline_commits = 0  # sync batches written in the event loop's thread
+        self.inline_writes = 0  # write-only batches written there (``_inline``)
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
@@ -281,14 +282,22 @@ class GroupCommit:
         and the zeroed room it pays, for a lone client only (``connected_clients``;
         ``INLINE_SYNC_MAX``; docs/benchmarks.md).
         """
-        if (self.inline_sync_max <= 0 or not batch.sync or not messages or self._expected
-                or batch.size > INLINE_MAX_BYTES or self.connected_clients() > 1 or not self._one_waiter()):
+        if self.inline_sync_max <= 0 or batch.size > INLINE_MAX_BYTES or self.connected_clients() > 1:
             return False
+        if not batch.sync:
+            # Written, not synced (a delivery's claim, FINISH records): a write into the page cache, a few
+            # microseconds, where the thread's hand-off cost the loop ~50 us of CPU a batch (futexes, the
+            # wake-up, trio's thread machinery) while a lone client waits on that loop (issue 18).
+            return self._fast_disk() and all(off for _, off, _ in batch.chunks)
+        if not messages or self._expected or not self._one_waiter():
+            return False
+        return self._fast_disk() and all(off for _, off, _ in batch.chunks)
+
+    def _fast_disk(self) -> bool:
+        """Were the recent sync batches' write + fdatasync quick (their median under ``inline_sync_max``)?"""
         recent = self._sync_seconds
-        if len(recent) < INLINE_SYNC_SAMPLES or statistics.median(recent) >= self.inline_sync_max:
-            return False
-        # A batch that starts a segment also syncs the ones before it and the directory.
-        return all(off for _, off, _ in batch.chunks)
+        # (A batch that starts a segment also syncs the ones before it and the directory: never inline.)
+        return len(recent) >= INLINE_SYNC_SAMPLES and statistics.median(recent) < self.inline_sync_max
 
     def _one_waiter(self) -> bool:
         """Does exactly one task wait for records not yet durable? (Those woken by the last sync may not have
@@ -306,8 +315,11 @@ class GroupCommit:
         start = time.perf_counter()
         if not self.core.writer.try_write_batch(batch):
             return False
-        self._sync_seconds.append(time.perf_counter() - start)
-        self.inline_commits += 1
+        if batch.sync:
+            self._sync_seconds.append(time.perf_counter() - start)
+            self.inline_commits += 1
+        else:
+            self.inline_writes += 1
         return True
 
     def _write_timed(self, batch: Batch) -> None:
