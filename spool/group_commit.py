@@ -110,6 +110,8 @@ class GroupCommit:
         self.connected_clients: Callable[[], int] = lambda: 0
         self.inline_commits = 0  # sync batches written in the event loop's thread
         self.inline_writes = 0  # write-only batches written there (``_inline``)
+        self.direct_commits = 0  # of the inline sync batches, those a lone enqueue wrote itself (``_commit_here``)
+        self._committing = False  # the committer holds a batch it has taken and not yet written
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
@@ -229,6 +231,7 @@ class GroupCommit:
                 if sync:  # a failed sync batch's messages are cancelled by their enqueue: they are not counted
                     messages, self._unsynced_messages = self._unsynced_messages, 0
                 self._writing = batch.size
+                self._committing = True
                 try:
                     if not (self._inline(batch, messages) and self._write_inline(batch)):
                         await trio.to_thread.run_sync(self._write_timed, batch)
@@ -236,10 +239,12 @@ class GroupCommit:
                     writer.restore(batch)
                     self._want_sync = self._want_sync or sync
                     self._writing = 0
+                    self._committing = False
                     delay = await self._no_room(delay)
                     continue
                 finally:
                     self._writing = 0
+                    self._committing = False
                 if was_full:
                     delay = SPACE_RETRY_MIN
                     self._room_again()
@@ -262,6 +267,8 @@ class GroupCommit:
                     # Nothing waits to be written: zero the room the next commits will write into, so that
                     # their fdatasync has no file size to commit (spool.room). Nobody waits for this sync.
                     await trio.to_thread.run_sync(writer.make_room)
+            if not writer.has_pending and writer.room_wanted():  # after a lone enqueue's own commit (_commit_here)
+                await trio.to_thread.run_sync(writer.make_room)
 
     def _inline(self, batch: Batch, messages: int) -> bool:
         """Write and sync this batch in the event loop's thread? Only for a lone message on a fast disk.
@@ -293,6 +300,61 @@ class GroupCommit:
         if not messages or self._expected or not self._one_message_waiter():
             return False
         return self._fast_disk() and all(off for _, off, _ in batch.chunks)
+
+    def _commit_here(self) -> bool:
+        """Write and fdatasync everything appended, now, in the calling enqueue (a lone client's); False: not
+        done (nothing changed), the committer is to do it.
+
+        Why: through the committer a lone client's commit costs two passes of
+        the scheduler on its path (the committer woken, then the session
+        woken by it), ~0.2 ms of a 1.2 ms transaction (docs/benchmarks.md,
+        issue 18). Done here under the conditions of the committer's own
+        inline path (``_inline``) and those where its window cuts at once
+        (``_lone_message``): sessions announce their commits and none is
+        announced, at most one client connected, no other enqueue waiting,
+        the recent syncs fast, the batch small and in the current segment,
+        the log's files not busy in another thread, and the committer not
+        holding a batch it took (batches are written in the order they were
+        taken). The waiters whose records this sync covers (a delivery's
+        outcome) are woken as by the committer, and the runners told.
+        A write that finds the disk full puts the batch back for the
+        committer, whose retries and refusals then apply as ever.
+        """
+        writer = self.core.writer
+        if (self._committing or self.inline_sync_max <= 0 or not self._lone_message()
+                or writer.pending_bytes > INLINE_MAX_BYTES or writer.full is not None or writer.io_lock.locked()
+                or self.connected_clients() > 1 or not self._fast_disk()):
+            return False
+        durable = writer.durable_end
+        if any(t > durable for t in self._message_tickets):
+            return False
+        before = writer.records
+        batch = writer.take_batch(sync=True)
+        try:
+            written = all(off for _, off, _ in batch.chunks) and self._write_inline(batch)
+        except DiskFull:
+            writer.restore(batch)
+            self._want_sync = True
+            self._kick.set()
+            return False
+        if not written:
+            writer.restore(batch)
+            return False
+        self.direct_commits += 1
+        messages, self._unsynced_messages = self._unsynced_messages, 0
+        self._lazy_sync = False  # this sync covers every lazy record appended so far
+        self._want_sync = False  # nothing is pending: every waiter's records are in this batch
+        self.batch_sizes.append(before)
+        if len(self.batch_sizes) > 1024:
+            del self.batch_sizes[:512]
+        for observe in self.commit_observers:
+            observe(messages)
+        synced, self._synced = self._synced, trio.Event()
+        synced.set()
+        self._signal_change()
+        if writer.room_wanted():
+            self._kick.set()  # the committer makes the room (spool.room)
+        return True
 
     def _fast_disk(self) -> bool:
         """Were the recent sync batches' write + fdatasync quick (their median under ``inline_sync_max``)?"""
@@ -407,7 +469,7 @@ class GroupCommit:
         """
         writer = self.core.writer
         ticket = writer.head
-        if writer.durable_end >= ticket:
+        if writer.durable_end >= ticket or (message and self._commit_here()):
             return
         tickets = self._sync_tickets
         tickets.append(ticket)
