@@ -277,18 +277,21 @@ class GroupCommit:
         it is done costs a lone client ~0.13 ms a message, as much as a fast
         disk's fdatasync (docs/benchmarks.md, issue 18). The loop does nothing
         else meanwhile, which costs nothing when nothing else waits to run:
-        exactly one task waits for durability and it waits for a new message
-        (its sender waits for the 250), no session has announced a commit
-        coming (none is between its RCPT and its end of data), and the recent
-        syncs were fast. Anything else keeps the thread, so that the next
-        batch gathers while this one syncs (the fsyncs per message under
-        concurrency do not change), and a slow or stalled disk never holds the
-        loop. The deliveries' commits (claims, outcomes) keep it too: nobody
-        waits on them, and inline they held the loop while the client's next
-        command waited. Measured, a lone client was slower with it in every
-        pair while the deliveries ran in the same thread; with them in a worker
-        and the zeroed room it pays, for a lone client only (``connected_clients``;
-        ``INLINE_SYNC_MAX``; docs/benchmarks.md).
+        exactly one enqueue waits for durability (its sender waits for the
+        250; deliveries' commits waiting beside it ride with its sync), no
+        session has announced a commit coming (none is between its RCPT and
+        its end of data), and the recent syncs were fast. Anything else keeps
+        the thread, so that the next batch gathers while this one syncs (the
+        fsyncs per message under concurrency do not change), and a slow or
+        stalled disk never holds the loop. A sync the deliveries' commits
+        (outcomes) ask for alone keeps it too: nobody waits on them, and
+        inline they held the loop while the client's next command waited.
+        Measured, a lone client was slower with it in every pair while the
+        deliveries ran in the same thread; with them in a worker and the
+        zeroed room it pays, for a lone client only (``connected_clients``;
+        ``INLINE_SYNC_MAX``; docs/benchmarks.md). A small write-only batch
+        (no fdatasync: a claim, FINISH records) goes inline under the same
+        rule, since it waits for no disk.
         """
         if self.inline_sync_max <= 0 or batch.size > INLINE_MAX_BYTES or self.connected_clients() > 1:
             return False
