@@ -221,6 +221,8 @@ class GroupCommit:
                     writer.has_pending or writer.durable_end < writer.written_end)):
                 if self._want_sync:
                     await self._gather()
+                    if not (writer.has_chunks or self._want_sync):
+                        continue  # a lone enqueue made the commit meanwhile (_commit_here): nothing is left
                 before = writer.records
                 sync, self._want_sync = self._want_sync, False
                 if sync:
