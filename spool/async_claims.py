@@ -127,7 +127,11 @@ class AsyncClaims(GroupCommit):
             if [r.pos for r in core.runners] != before:
                 self._moved.set()
             if attempts:
-                await self._claims_written()
+                self.claiming = len(attempts)  # their outcomes are coming (commit_riding)
+                try:
+                    await self._claims_written()
+                finally:
+                    self.claiming = 0
                 return attempts
             wake = core.next_wake() if core.has_room else None
             if wake is None:

@@ -80,6 +80,17 @@ INLINE_SYNC_FAST = 0.001
 INLINE_SYNC_MAX = 0.0
 INLINE_SYNC_SAMPLES = 5
 INLINE_MAX_BYTES = 128 * 1024
+# Delivery outcomes wait for a commit somebody else needs (``commit_riding``) at most twice the recent interval
+# between enqueue commits (a moving average), within RIDE_MIN..RIDE_MAX: the next enqueue commit then comes within
+# the bound unless the pace changed. At 20 sessions that interval is ~10 ms (~26 ms under strace, where the fsyncs
+# are counted; longer under load): a fixed 5 ms let a third of them run out and ask for a sync of their own, a fixed
+# 25 ms a few in a run under load (docs/benchmarks.md, "Branch i18-tail"). The cost of the wait: a crash in those
+# milliseconds leaves the recipients in doubt, as it would a moment earlier, before the next hop's answer was known.
+# With no commit to come (no client connected, nothing announced or appended, no other delivery out) outcomes are
+# committed at once.
+RIDE_MIN = 0.002
+RIDE_MAX = 0.05
+RIDE_GAP_WEIGHT = 0.25  # of the newest interval in the moving average
 
 
 class GroupCommit:
@@ -100,14 +111,24 @@ class GroupCommit:
         self.lazy_writes = 0  # lazy batches only written: FINISH records that nothing waits to see durable
         self._lazy_sync = False  # a lazily appended record must be durable soon (see _lazy_committer)
         self._want_sync = False  # someone waits for durability, not only for the bytes to be written
+        self._syncing_to = 0  # the log position the sync batch being written now makes durable (0: none)
         self._writing = 0  # bytes of the batch the committer's thread is writing now
         self._sync_tickets: list[int] = []  # what each task in commit() waits to see durable (its ticket)
+        self._message_tickets: list[int] = []  # of those, the enqueues' (a sender waits for each: ``_inline``)
         self._sync_seconds: deque[float] = deque(maxlen=INLINE_SYNC_SAMPLES)  # the last sync batches' write+sync
         self.inline_sync_max = INLINE_SYNC_MAX
         # How many clients are connected now: set by the SMTP server (its admitted sessions); with more than one,
         # a session between its greeting and its RCPT (not announced by expect_commit) may be about to need the loop.
         self.connected_clients: Callable[[], int] = lambda: 0
         self.inline_commits = 0  # sync batches written in the event loop's thread
+        self.inline_writes = 0  # write-only batches written there (``_inline``)
+        self.direct_commits = 0  # of the inline sync batches, those a lone enqueue wrote itself (``_commit_here``)
+        self._committing = False  # the committer holds a batch it has taken and not yet written
+        self.rides = 0  # commit_riding calls that waited for another commit (outcomes)
+        self.rides_run_out = 0  # ...of which none came within the bound: committed on their own
+        self.claiming = 0  # attempts claimed whose START records are being written (spool.async_claims.next_due)
+        self._enqueue_synced_at: float | None = None  # trio time of the last sync that made new messages durable
+        self.enqueue_gap = RIDE_MAX / 2  # moving average of the intervals between such syncs (seconds)
         core.flush_hook = self._kick.set
         self._running = False
         self._expected = 0  # commits announced as coming (expect_commit) and not yet withdrawn
@@ -217,16 +238,21 @@ class GroupCommit:
                     writer.has_pending or writer.durable_end < writer.written_end)):
                 if self._want_sync:
                     await self._gather()
+                    if not (writer.has_chunks or self._want_sync):
+                        continue  # a lone enqueue made the commit meanwhile (_commit_here): nothing is left
                 before = writer.records
                 sync, self._want_sync = self._want_sync, False
                 if sync:
                     self._lazy_sync = False  # this sync covers every lazy record appended so far
                 was_full = writer.full is not None
+                if sync:
+                    self._syncing_to = writer.head  # the batch takes everything appended: durable up to here
                 batch = writer.take_batch(sync=sync)
                 messages = 0
                 if sync:  # a failed sync batch's messages are cancelled by their enqueue: they are not counted
                     messages, self._unsynced_messages = self._unsynced_messages, 0
                 self._writing = batch.size
+                self._committing = True
                 try:
                     if not (self._inline(batch, messages) and self._write_inline(batch)):
                         await trio.to_thread.run_sync(self._write_timed, batch)
@@ -234,10 +260,13 @@ class GroupCommit:
                     writer.restore(batch)
                     self._want_sync = self._want_sync or sync
                     self._writing = 0
+                    self._committing = False
                     delay = await self._no_room(delay)
                     continue
                 finally:
                     self._writing = 0
+                    self._syncing_to = 0
+                    self._committing = False
                 if was_full:
                     delay = SPACE_RETRY_MIN
                     self._room_again()
@@ -248,8 +277,7 @@ class GroupCommit:
                 if len(self.batch_sizes) > 1024:
                     del self.batch_sizes[:512]
                 if messages:
-                    for observe in self.commit_observers:
-                        observe(messages)
+                    self._enqueue_synced(messages)
                 synced, self._synced = self._synced, trio.Event()
                 synced.set()
                 if messages:
@@ -263,6 +291,22 @@ class GroupCommit:
                     # Nothing waits to be written: zero the room the next commits will write into, so that
                     # their fdatasync has no file size to commit (spool.room). Nobody waits for this sync.
                     await trio.to_thread.run_sync(writer.make_room)
+            if not writer.has_pending and writer.room_wanted():  # after a lone enqueue's own commit (_commit_here)
+                await trio.to_thread.run_sync(writer.make_room)
+
+    def _enqueue_synced(self, messages: int) -> None:
+        """A sync made ``messages`` new messages durable: tell the observers, and time the pace (``ride_bound``)."""
+        for observe in self.commit_observers:
+            observe(messages)
+        now = trio.current_time()
+        if self._enqueue_synced_at is not None:
+            gap = min(now - self._enqueue_synced_at, RIDE_MAX)  # a quiet spell counts as the longest wait, no more
+            self.enqueue_gap += RIDE_GAP_WEIGHT * (gap - self.enqueue_gap)
+        self._enqueue_synced_at = now
+
+    def ride_bound(self) -> float:
+        """How long an outcome waits for the next enqueue commit: twice their recent interval, RIDE_MIN..RIDE_MAX."""
+        return min(RIDE_MAX, max(RIDE_MIN, 2 * self.enqueue_gap))
 
     def _inline(self, batch: Batch, messages: int) -> bool:
         """Write and sync this batch in the event loop's thread? Only for a lone message on a fast disk.
@@ -271,33 +315,100 @@ class GroupCommit:
         it is done costs a lone client ~0.13 ms a message, as much as a fast
         disk's fdatasync (docs/benchmarks.md, issue 18). The loop does nothing
         else meanwhile, which costs nothing when nothing else waits to run:
-        exactly one task waits for durability and it waits for a new message
-        (its sender waits for the 250), no session has announced a commit
-        coming (none is between its RCPT and its end of data), and the recent
-        syncs were fast. Anything else keeps the thread, so that the next
-        batch gathers while this one syncs (the fsyncs per message under
-        concurrency do not change), and a slow or stalled disk never holds the
-        loop. The deliveries' commits (claims, outcomes) keep it too: nobody
-        waits on them, and inline they held the loop while the client's next
-        command waited. Measured, a lone client was slower with it in every
-        pair while the deliveries ran in the same thread; with them in a worker
-        and the zeroed room it pays, for a lone client only (``connected_clients``;
-        ``INLINE_SYNC_MAX``; docs/benchmarks.md).
+        exactly one enqueue waits for durability (its sender waits for the
+        250; deliveries' commits waiting beside it ride with its sync), no
+        session has announced a commit coming (none is between its RCPT and
+        its end of data), and the recent syncs were fast. Anything else keeps
+        the thread, so that the next batch gathers while this one syncs (the
+        fsyncs per message under concurrency do not change), and a slow or
+        stalled disk never holds the loop. A sync the deliveries' commits
+        (outcomes) ask for alone keeps it too: nobody waits on them, and
+        inline they held the loop while the client's next command waited.
+        Measured, a lone client was slower with it in every pair while the
+        deliveries ran in the same thread; with them in a worker and the
+        zeroed room it pays, for a lone client only (``connected_clients``;
+        ``INLINE_SYNC_MAX``; docs/benchmarks.md). A small write-only batch
+        (no fdatasync: a claim, FINISH records) goes inline under the same
+        rule, since it waits for no disk.
         """
-        if (self.inline_sync_max <= 0 or not batch.sync or not messages or self._expected
-                or batch.size > INLINE_MAX_BYTES or self.connected_clients() > 1 or not self._one_waiter()):
+        if self.inline_sync_max <= 0 or batch.size > INLINE_MAX_BYTES or self.connected_clients() > 1:
             return False
-        recent = self._sync_seconds
-        if len(recent) < INLINE_SYNC_SAMPLES or statistics.median(recent) >= self.inline_sync_max:
+        if not batch.sync:
+            # Written, not synced (a delivery's claim, FINISH records): a write into the page cache, a few
+            # microseconds, where the thread's hand-off cost the loop ~50 us of CPU a batch (futexes, the
+            # wake-up, trio's thread machinery) while a lone client waits on that loop (issue 18).
+            return self._fast_disk() and all(off for _, off, _ in batch.chunks)
+        if not messages or self._expected or not self._one_message_waiter():
             return False
-        # A batch that starts a segment also syncs the ones before it and the directory.
-        return all(off for _, off, _ in batch.chunks)
+        return self._fast_disk() and all(off for _, off, _ in batch.chunks)
 
-    def _one_waiter(self) -> bool:
-        """Does exactly one task wait for records not yet durable? (Those woken by the last sync may not have
-        run yet: they no longer wait.)"""
+    def _commit_here(self) -> bool:
+        """Write and fdatasync everything appended, now, in the calling enqueue (a lone client's); False: not
+        done (nothing changed), the committer is to do it.
+
+        Why: through the committer a lone client's commit costs two passes of
+        the scheduler on its path (the committer woken, then the session
+        woken by it), ~0.2 ms of a 1.2 ms transaction (docs/benchmarks.md,
+        issue 18). Done here under the conditions of the committer's own
+        inline path (``_inline``) and those where its window cuts at once
+        (``_lone_message``): sessions announce their commits and none is
+        announced, at most one client connected, no other enqueue waiting,
+        the recent syncs fast, the batch small and in the current segment,
+        the log's files not busy in another thread, and the committer not
+        holding a batch it took (batches are written in the order they were
+        taken). The waiters whose records this sync covers (a delivery's
+        outcome) are woken as by the committer, and the runners told.
+        A write that finds the disk full puts the batch back for the
+        committer, whose retries and refusals then apply as ever.
+        """
+        writer = self.core.writer
+        if (self._committing or self.inline_sync_max <= 0 or not self._lone_message()
+                or writer.pending_bytes > INLINE_MAX_BYTES or writer.full is not None or writer.io_lock.locked()
+                or self.connected_clients() > 1 or not self._fast_disk()):
+            return False
+        durable = writer.durable_end
+        if any(t > durable for t in self._message_tickets):
+            return False
+        before = writer.records
+        batch = writer.take_batch(sync=True)
+        try:
+            written = all(off for _, off, _ in batch.chunks) and self._write_inline(batch)
+        except DiskFull:
+            writer.restore(batch)
+            self._want_sync = True
+            self._kick.set()
+            return False
+        if not written:
+            writer.restore(batch)
+            return False
+        self.direct_commits += 1
+        messages, self._unsynced_messages = self._unsynced_messages, 0
+        self._lazy_sync = False  # this sync covers every lazy record appended so far
+        self._want_sync = False  # nothing is pending: every waiter's records are in this batch
+        self.batch_sizes.append(before)
+        if len(self.batch_sizes) > 1024:
+            del self.batch_sizes[:512]
+        self._enqueue_synced(messages)
+        synced, self._synced = self._synced, trio.Event()
+        synced.set()
+        self._signal_change()
+        if writer.room_wanted():
+            self._kick.set()  # the committer makes the room (spool.room)
+        return True
+
+    def _fast_disk(self) -> bool:
+        """Were the recent sync batches' write + fdatasync quick (their median under ``inline_sync_max``)?"""
+        recent = self._sync_seconds
+        # (A batch that starts a segment also syncs the ones before it and the directory: never inline.)
+        return len(recent) >= INLINE_SYNC_SAMPLES and statistics.median(recent) < self.inline_sync_max
+
+    def _one_message_waiter(self) -> bool:
+        """Does exactly one enqueue wait for records not yet durable? (Those woken by the last sync may not have
+        run yet: they no longer wait.) The deliveries' commits waiting beside it (an outcome, with at most one
+        client connected) keep no client waiting: they ride with its sync (issue 18: with them counted, a lone
+        client's commit went to the thread for 6 messages in 10)."""
         durable, waiting = self.core.writer.durable_end, 0
-        for ticket in self._sync_tickets:
+        for ticket in self._message_tickets:
             if ticket > durable:
                 waiting += 1
                 if waiting > 1:
@@ -309,8 +420,11 @@ class GroupCommit:
         start = time.perf_counter()
         if not self.core.writer.try_write_batch(batch):
             return False
-        self._sync_seconds.append(time.perf_counter() - start)
-        self.inline_commits += 1
+        if batch.sync:
+            self._sync_seconds.append(time.perf_counter() - start)
+            self.inline_commits += 1
+        else:
+            self.inline_writes += 1
         return True
 
     def _write_timed(self, batch: Batch) -> None:
@@ -387,26 +501,83 @@ class GroupCommit:
         changed, self._expected_changed = self._expected_changed, trio.Event()
         changed.set()
 
-    async def commit(self) -> None:
-        """Return once everything appended before the call is durable.
+    async def commit(self, *, message: bool = False) -> None:
+        """Return once everything appended before the call is durable; ``message``: an enqueue's (``_inline``).
 
         Raises DiskFull while a write waits for room: the records stay appended
         and become durable when it fits (``wait_for_space``, then commit again).
         """
         writer = self.core.writer
         ticket = writer.head
+        if writer.durable_end >= ticket or (message and self._commit_here()):
+            return
+        await self._commit_to(ticket, message=message)
+
+    async def _commit_to(self, ticket: int, *, message: bool = False) -> None:
+        """Return once the log up to ``ticket`` is durable, asking the committer for a sync until it is."""
+        writer = self.core.writer
         if writer.durable_end >= ticket:
             return
         tickets = self._sync_tickets
         tickets.append(ticket)
+        if message:
+            self._message_tickets.append(ticket)
         try:
             while writer.durable_end < ticket:
                 self._raise_if_full()
-                self._want_sync = True
-                self._kick.set()
+                if self._syncing_to < ticket:
+                    # Not while a sync batch that covers the ticket is being written: woken by a pass before it
+                    # (a write-only one), the ticket asked again for a sync that came after, for nobody
+                    # (FINISH and START records only; docs/benchmarks.md, "Branch i18-tail").
+                    self._want_sync = True
+                    self._kick.set()
                 await self._synced.wait()
         finally:
             tickets.remove(ticket)
+            if message:
+                self._message_tickets.remove(ticket)
+
+    async def commit_riding(self, upto: int | None = None, within: float | None = None, *,
+                            more_coming: bool = False) -> None:
+        """Return once the log up to ``upto`` (default: everything appended before the call) is durable;
+        ride another commit if one comes soon.
+
+        For delivery outcomes. Their rule is order (durable before the
+        message's next step), not speed: nobody is waiting for a reply. With a
+        delivery worker they come back after the enqueue commit they used to
+        ride with, and a commit of their own was an fsync for a handful of
+        records (docs/benchmarks.md, issue 18, "Branch i18-tail"). So while a
+        commit somebody needs may come (a client is connected, a session has
+        announced one, a message or a sync waits), they wait for it, at most
+        ``within`` seconds (default ``ride_bound``: twice the recent interval
+        between enqueue commits, at most RIDE_MAX); then, or at once on a relay
+        where none can come, they ask for their own (``commit``).
+        ``more_coming``: the caller knows of more such records on their way
+        (other deliveries out), so that a burst's last outcomes share one
+        commit; so are the outcomes of attempts being claimed now
+        (``claiming``). Either way this returns only when they are durable,
+        and raises DiskFull as ``commit`` does.
+        """
+        writer = self.core.writer
+        ticket = writer.head if upto is None else upto
+        if writer.durable_end >= ticket:
+            return
+        if within is None:
+            within = self.ride_bound()
+        if within > 0 and (more_coming or self.claiming or self._commit_may_come()):
+            self.rides += 1
+            with trio.move_on_after(within):
+                while writer.durable_end < ticket:
+                    self._raise_if_full()
+                    await self._synced.wait()
+            if writer.durable_end >= ticket:
+                return
+            self.rides_run_out += 1
+        await self._commit_to(ticket)
+
+    def _commit_may_come(self) -> bool:
+        """Might somebody need a commit soon (so that a record in no hurry can wait to ride with it)?"""
+        return bool(self._want_sync or self._unsynced_messages or self._expected or self.connected_clients() > 0)
 
     async def _ride_along(self) -> None:
         """Return once everything appended before the call is durable, without a sync of its own.
@@ -512,7 +683,7 @@ class GroupCommit:
         msg = self.core.append_message(sender, recipients, body, extra=extra)
         self._unsynced_messages += 1
         try:
-            await self.commit()
+            await self.commit(message=True)
         except DiskFull:
             self.core.cancel(msg)
             raise
@@ -522,7 +693,7 @@ class GroupCommit:
         appended = [self.core.append_message(s, r, b) for s, r, b in messages]
         self._unsynced_messages += len(appended)
         try:
-            await self.commit()
+            await self.commit(message=True)
         except DiskFull:
             for msg in appended:
                 self.core.cancel(msg)

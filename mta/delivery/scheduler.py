@@ -19,10 +19,13 @@ itself before it parks.
 
 Outcomes. For each job the worker appends its outcomes as a DELIVERY record
 and waits for the commit: the outcome is durable before the message's next
-step. A bounce (DSN) is enqueued in the same commit as the DELIVERY that
-reports it, so a crash can lose neither without the other. When every job of
-a message is done, ``finish`` writes the replacement envelope (remaining
-recipients, next class) with no fsync of its own.
+step. The commit is the next one somebody needs if it comes soon (an
+enqueue's, while clients are connected: within twice the recent interval
+between enqueue commits, at most 50 ms), else its own. A
+bounce (DSN) is enqueued in the same commit as the DELIVERY that reports it,
+so a crash can lose neither without the other. When every job of a message
+is done, ``finish`` writes the replacement envelope (remaining recipients,
+next class) with no fsync of its own.
 
 A full disk. A DELIVERY record that cannot be written (DiskFull) stays
 appended at its position; the worker waits for the spool to have room and
@@ -100,6 +103,7 @@ class Tracker:
     outstanding: int = 0
     last_error: str = ""
     hold: bool = False  # its data is damaged and on_damaged_body = "hold": it goes to the held class
+    appended_to: int = 0  # the log's head after its last DELIVERY (and DSN) was appended: durable before FINISH
     # DSNs appended and not yet logged: (the job whose outcomes they report, the DSN's queue id, recipients).
     dsns: list[tuple[Job, str, int]] = attrs.field(factory=list)
 
@@ -159,6 +163,7 @@ class Scheduler:
         # Called with (queue id, outcome) once an outcome is durable: the delivery
         # log and metrics are two readers; tests wait on it instead of sleeping.
         self.observers: list[Callable[[str, Outcome], None]] = []
+        self._riding = 0  # batches whose outcomes wait in _commit_outcomes to ride another commit
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -310,7 +315,8 @@ class Scheduler:
         if now < state.backoff_until:
             reply = f"destination {dest} not reachable, retry postponed: {state.last_error}"
             await self._complete_all([(tracker, job, [Outcome(r, Status.DEFERRED, 0, "4.4.1", reply, str(dest))
-                                                      for r in job.recipients]) for job, tracker in batch])
+                                                      for r in job.recipients]) for job, tracker in batch],
+                                     in_batch=True)
             return
         jobs = [job for job, _tracker in batch]
         started = last = time.monotonic()
@@ -377,13 +383,13 @@ class Scheduler:
         for job, _tracker in batch:
             job.body = ()
         await self._complete_all([(tracker, job, outs) for (job, tracker), outs in zip(batch, results, strict=True)],
-                                 duration, recorded=set(early))
+                                 duration, recorded=set(early), in_batch=True)
 
     async def _complete(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float = 0.0) -> None:
         await self._complete_all([(tracker, job, outcomes)], duration)
 
     async def _complete_all(self, done: list[tuple[Tracker, Job, list[Outcome]]], duration: float = 0.0,
-                            recorded: Collection[int] = ()) -> None:
+                            recorded: Collection[int] = (), in_batch: bool = False) -> None:
         """Make the outcomes durable (with any DSNs) in one commit, then log them and finish what is done.
 
         One commit for a connection's messages, not one each: the durability
@@ -391,28 +397,45 @@ class Scheduler:
         the FINISH), and it holds for all of them after the one fsync.
         ``recorded``: the indexes in ``done`` whose outcomes were appended as
         they came (``on_outcome``); they only wait for the commit here.
+        ``in_batch``: called by a batch's own task (counted in its destination's ``active``).
         """
         done = [(tracker, job, outcomes if i in recorded else
                  self._append(tracker, job, outcomes, int(duration * 1000)))
                 for i, (tracker, job, outcomes) in enumerate(done)]
-        await self._commit_outcomes(len(done))
+        await self._commit_outcomes(len(done), max(tracker.appended_to for tracker, _job, _outs in done), in_batch)
         for tracker, job, outcomes in done:
             self._after_durable(tracker, job, outcomes, duration)
 
-    async def _commit_outcomes(self, count: int) -> None:
+    async def _commit_outcomes(self, count: int, upto: int, in_batch: bool = False) -> None:
         """Commit the appended outcomes; while the disk is full, wait for room and commit again.
+
+        They ride with the next commit somebody needs if one comes soon
+        (``AsyncSpool.commit_riding``: an enqueue's, while clients are
+        connected; ``ride_bound``, at most 50 ms), else get their own: with a delivery worker they come
+        back after the enqueue commit they used to share, and a commit of their
+        own cost an fsync for a handful of records. They also wait (as long)
+        while other batches are out (or queued) and not yet waiting here, so that at the
+        end of a burst the last batches' outcomes share one commit. Nothing of
+        the messages' next step happens before this returns. ``upto``: the log
+        position their records end at; what others appended since (claims,
+        FINISH records) need not wait for this commit, nor make one.
 
         The records stay appended at their positions (spool.log), so the same
         commit covers them once it fits; nothing is finished before that.
         """
-        while True:
-            try:
-                await self.aspool.commit()
-                return
-            except DiskFull as exc:
-                event(log, "no_room", None, level=logging.WARNING, outcomes=count, error=str(exc),
-                      action="delivery pauses until there is room")
-                await self.aspool.wait_for_space()
+        out = sum(state.active for state in self.dests.values()) - self._riding - (1 if in_batch else 0) + self.pending
+        self._riding += 1
+        try:
+            while True:
+                try:
+                    await self.aspool.commit_riding(upto, more_coming=out > 0)
+                    return
+                except DiskFull as exc:
+                    event(log, "no_room", None, level=logging.WARNING, outcomes=count, error=str(exc),
+                          action="delivery pauses until there is room")
+                    await self.aspool.wait_for_space()
+        finally:
+            self._riding -= 1
 
     def _append(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration_ms: int) -> list[Outcome]:
         """Append a DELIVERY record, after the DSN for its failures (no fsync; the commit follows).
@@ -439,6 +462,7 @@ class Scheduler:
                 outcomes = [Outcome(o.recipient, Status.DEFERRED, 0, "4.3.0", f"{reason}; was: {o.reply}",
                                     o.next_hop) if o in failed else o for o in outcomes]
         self.aspool.append_delivery(attempt, outcomes, duration_ms)
+        tracker.appended_to = self.aspool.core.writer.head
         return outcomes
 
     def _after_durable(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float) -> None:

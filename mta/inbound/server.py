@@ -241,6 +241,7 @@ class _Session:
         self._command_done = True  # the connection, a DATA phase or TLS began or ended: a new command is next
         self._command_lines = 0  # the core's ``command_lines`` when the current command deadline was set
         self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
+        self._pace = wire.Pace()  # a lone client's reads may skip their yield (``mta.inbound.wire``)
 
     def abort_body(self) -> None:
         if self.body is not None:
@@ -339,7 +340,9 @@ class _Session:
                 await self._farewell(R_SESSION_OVER)
                 return False
         await self._flush()
-        data = await wire.receive(self.stream, READ_SIZE)
+        pace = self._pace
+        pace.lone = self.server.slots.total <= 1
+        data = await wire.receive(self.stream, READ_SIZE, pace)
         if self.deadlines.in_data:  # bytes buy time only inside DATA; elsewhere the deadline stays where it is
             self.deadlines.received(trio.current_time(), len(data))
             self._arm()

@@ -58,7 +58,7 @@ def parse(path: str) -> list[dict[str, Any]]:
                 tid, ts, name, _fd, fdpath, rest = m.groups()
                 call: dict[str, Any] = {"tid": int(tid), "t": ts, "name": name, "path": fdpath}
                 if name in WRITES:
-                    args = rest.split(",")
+                    args = rest.replace("<unfinished ...>", ")").split(",")  # a call another thread's line cut
                     with contextlib.suppress(ValueError, IndexError):
                         call["len"] = int(args[-2].strip().rstrip(")").split()[0]) if name == "pwrite64" else 0
                         call["off"] = int(args[-1].split(")")[0].strip())
@@ -97,12 +97,17 @@ def classify(calls: list[dict[str, Any]], recs: dict[str, list[tuple[int, int, s
              spool_dir: str) -> list[dict[str, Any]]:
     """One entry per sync call: its kind, thread, time and what it covered."""
     written: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)  # since the file's last sync
+    # A write that does not end where a record ends is zeros written ahead of the log (spool.room, make_room):
+    # it covers offsets records are written into later, so it must not count them.
+    ends = {path: {end for _off, end, _kind in rs} for path, rs in recs.items()}
     syncs: list[dict[str, Any]] = []
     for c in calls:
         path = c["path"]
         if c["name"] in WRITES:
             if c.get("len", 0) > 1 and "off" in c:
-                written[path].append((c["off"], c["off"] + c["len"]))
+                end = c["off"] + c["len"]
+                room = path.endswith(".seg") and end not in ends.get(path, ())
+                written[path + "#room" if room else path].append((c["off"], end))
             elif c.get("len") == 1:
                 written[path + "#marks"].append((c.get("off", 0), c.get("off", 0) + 1))
             continue
@@ -112,14 +117,18 @@ def classify(calls: list[dict[str, Any]], recs: dict[str, list[tuple[int, int, s
         if path.endswith(".seg"):
             ranges = written.pop(path, [])
             marks = len(written.pop(path + "#marks", []))
+            room = len(written.pop(path + "#room", []))
             kinds = collections.Counter(k for off, end, k in recs.get(path, [])
                                         if any(lo <= off < hi for lo, hi in ranges))
             entry["covered"] = dict(kinds)
             entry["marks"] = marks
+            entry["room_writes"] = room
             if kinds["ENVELOPE_NEW"]:
                 entry["kind"] = "segment: enqueue commit"
             elif kinds["DELIVERY"]:
                 entry["kind"] = "segment: deliveries, no new message"
+            elif room:
+                entry["kind"] = "segment: zeroed room made ahead (spool.room)"
             elif kinds:
                 entry["kind"] = "segment: claims/finish/replacements only"
             elif marks:

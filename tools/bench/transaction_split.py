@@ -227,15 +227,15 @@ def instrument(line: Timeline) -> Callable[[], None]:
 
     def commit(fn: Any) -> Any:
         @functools.wraps(fn)
-        async def wrapper(self: Any) -> None:
+        async def wrapper(self: Any, **k: Any) -> None:
             current = line.current
             if "eod" in current and "commit" not in current:
                 line.mark("commit")
                 current["syncs_before"] = line.syncs
-                await fn(self)
+                await fn(self, **k)
                 current["syncs_waited"] = line.syncs - current["syncs_before"]
                 return
-            await fn(self)
+            await fn(self, **k)
         return wrapper
 
     wrap(inbound.SmtpServer, "handle", handle)
