@@ -270,6 +270,9 @@ class GroupCommit:
                 if was_full:
                     delay = SPACE_RETRY_MIN
                     self._room_again()
+                # Written: its buffers go now. Kept until the next take (across the wake-ups and the room's
+                # sync below), they were a batch in memory that no longer counted against the threshold.
+                del batch
                 self.batch_sizes.append(before)
                 if len(self.batch_sizes) > 1024:
                     del self.batch_sizes[:512]

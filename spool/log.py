@@ -64,6 +64,10 @@ from spool.room import ROOM_VERSION, ZEROS, ZeroRoom
 from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, header_version, read_frame_at, segment_path
 
 _MAX_OPEN = 16
+# A record with a payload this big or bigger (a body's chunk) is buffered alone, in a buffer of exactly its size,
+# not appended to the growing buffer the small records share: growing a buffer of megabytes by realloc left the
+# event loop's heap holes of every size on the way (glibc keeps them), and RSS then grew by twice the data.
+OWN_BUFFER = 64 * 1024
 _pack_header = HEADER.pack
 _pack_crc_prefix = CRC_PREFIX.pack
 
@@ -173,13 +177,22 @@ class LogWriter:
             self._rotate(t)
             off = SEGMENT_HEADER_SIZE
         seg = self._seg
-        buf = self._buf
-        if buf is None:
-            buf = self._buf = bytearray()
+        header = _pack_header(crc32c(payload, crc32c(_pack_crc_prefix(seg, n, rtype, klass, 0, t))),
+                              n, rtype, 0, klass, 0, t)
+        if n >= OWN_BUFFER:
+            # A body chunk: a buffer of its own, of exactly its size (one allocation of one size, again and
+            # again), never grown record by record (docs/design.md, "Memory while a body streams").
+            buf = bytearray(header)
+            buf += payload
             self._chunks.append((seg, off, buf))
-        buf += _pack_header(crc32c(payload, crc32c(_pack_crc_prefix(seg, n, rtype, klass, 0, t))),
-                            n, rtype, 0, klass, 0, t)
-        buf += payload
+            self._buf = None
+        else:
+            shared = self._buf
+            if shared is None:
+                shared = self._buf = bytearray()
+                self._chunks.append((seg, off, shared))
+            shared += header
+            shared += payload
         self._off = off + size
         self._pending_bytes += size
         self.appended_bytes += size
