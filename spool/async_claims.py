@@ -25,7 +25,7 @@ import trio
 
 from spool.errors import DamagedBody, DiskFull
 from spool.group_commit import GroupCommit
-from spool.record import Outcome
+from spool.record import Outcome, pos_segment
 from spool.spool import Attempt, Spool
 
 # Bodies up to this size are read in the event loop's thread (from the page cache: a few
@@ -103,10 +103,17 @@ class AsyncClaims(GroupCommit):
         envelope appended but not yet durable wakes them once for nothing).
         Room freed under ``active_limit`` wakes them by ``finish``; admin
         changes append envelopes and commit, which wakes them here.
+        Two more reasons wake them, for the space a pass frees rather than
+        for claims: the durable end crossed into a new segment, and the disk
+        is short of room. A segment is deleted only once every runner has
+        passed it, so runners left asleep in front of bytes that hold no
+        envelope (the body of a message refused at its end of data, garbage
+        marks) would keep a full disk full.
         """
         core = self.core
         durable = core.writer.durable_end
-        if durable == self._wake_end or core.envelope_head < self._wake_end:
+        if durable == self._wake_end or (core.envelope_head < self._wake_end and self.space_ok
+                                         and pos_segment(durable) == pos_segment(self._wake_end)):
             self._moved.set()  # the checkpointer still hears of every batch
             return
         self._wake_end = durable

@@ -153,3 +153,21 @@ def test_a_deferred_envelope_the_budget_kept_a_runner_from_reading_still_gives_a
         assert [a.envelope.recipients for a in got] == [("a@dest.example",)]
     finally:
         sp.close()
+
+
+async def test_a_batch_that_reaches_a_new_segment_wakes_the_claimer_without_an_envelope(tmp_path: Path) -> None:
+    """A segment is deleted only once every runner has passed it: bytes that hold no envelope (the body of a
+    message refused at its end of data) must still move the runners when they fill segments, or a full disk
+    stays full (tests/security/test_security_disk.py's 552 test hung so, now and then, under load)."""
+    clock = Clock()
+    async with running_spool(tmp_path, spool_config(clock, segment_size=64 * 1024, body_chunk=8192)) as aspool:
+        await aspool.enqueue("s@src.example", ["r@dest.example"], b"body\r\n")
+        (attempt,) = await aspool.next_due()
+        await aspool.record_delivery(attempt, [Outcome("r@dest.example", Status.DELIVERED, 250)])
+        changed = aspool._changed
+        first_segment = aspool.core.writer.durable_end >> 32
+        refused = aspool.begin_body()
+        refused.write(b"x" * 100 * 1024)  # never enqueued: garbage once the runners pass it
+        await aspool.commit()
+        assert aspool.core.writer.durable_end >> 32 > first_segment
+        assert changed.is_set(), "bytes that filled a segment left the runners asleep in front of them"
