@@ -39,7 +39,7 @@ from mta.process.supervisor import follow_parent, watch_parent
 from mta.shards import shard_config, spool_config
 from spool.commit import AsyncSpool
 from spool.fileio import FileIO
-from spool.group_commit import INLINE_SYNC_FAST
+from spool.inline_commit import INLINE_SYNC_FAST
 
 log = logging.getLogger("mta")
 

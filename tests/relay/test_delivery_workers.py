@@ -35,7 +35,7 @@ from mta.config import Config, parse_config
 from mta.delivery.smtp_transport import SmtpTransport
 from mta.delivery.workers import DeliveryWorkers
 from mta.observe.logline import LogEvent
-from spool.group_commit import INLINE_SYNC_FAST
+from spool.inline_commit import INLINE_SYNC_FAST
 from spool.record import Status
 
 

@@ -26,7 +26,7 @@ from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
 from spool.commit import AsyncSpool
 from spool.fileio import OsFileIO
-from spool.group_commit import INLINE_SYNC_FAST, INLINE_SYNC_SAMPLES
+from spool.inline_commit import INLINE_SYNC_FAST, INLINE_SYNC_SAMPLES
 from spool.record import Outcome, Status
 
 

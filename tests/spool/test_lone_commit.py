@@ -27,7 +27,7 @@ from mta.observe.metrics import Metrics
 from spool import admin
 from spool.commit import AsyncSpool
 from spool.fileio import OsFileIO
-from spool.group_commit import INLINE_SYNC_FAST, INLINE_SYNC_SAMPLES
+from spool.inline_commit import INLINE_SYNC_FAST, INLINE_SYNC_SAMPLES
 
 SERVER_TOML = """
 [server]
