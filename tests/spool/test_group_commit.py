@@ -11,14 +11,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from session_support import SERVER_TOML, greeted, inline_spool, lone_enqueues, smtp, to_data
 from spool_support import running_spool, spool_config
 
 from mta.config import parse_config
@@ -26,7 +25,7 @@ from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
 from spool.commit import AsyncSpool
 from spool.fileio import OsFileIO
-from spool.inline_commit import INLINE_SYNC_FAST, INLINE_SYNC_SAMPLES
+from spool.inline_commit import INLINE_SYNC_SAMPLES
 from spool.record import Outcome, Status
 
 
@@ -282,28 +281,6 @@ async def test_nothing_moved_no_checkpoint_no_fsync(tmp_path: Path, mock_clock: 
 # -- sessions in a mail transaction are waited for ------------------------------------------
 
 
-SERVER_TOML = """
-[server]
-listen = ["127.0.0.1:0"]
-hostname = "relay.test"
-[spool]
-dir = "{dir}"
-[routes]
-"dest.test" = "discard"
-"""
-
-
-async def smtp(stream: trio.SocketStream, line: bytes, expect: bytes) -> None:
-    await stream.send_all(line)
-    got = b""
-    with trio.fail_after(30):
-        while not got.endswith(b"\r\n") or got.split(b"\r\n")[-2][3:4] == b"-":
-            data = await stream.receive_some(4096)
-            assert data, f"connection closed waiting for {expect!r}"
-            got += data
-    assert got.startswith(expect), got
-
-
 @pytest.mark.parametrize("order", ["a first", "b first"])
 async def test_a_session_between_rcpt_and_end_of_data_joins_the_commit(
         tmp_path: Path, mock_clock: trio.testing.MockClock, order: str) -> None:
@@ -315,14 +292,9 @@ async def test_a_session_between_rcpt_and_end_of_data_joins_the_commit(
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(server.serve)
             port = listeners[0].socket.getsockname()[1]
-            a = await trio.open_tcp_stream("127.0.0.1", port)
-            b = await trio.open_tcp_stream("127.0.0.1", port)
+            a, b = await greeted(port), await greeted(port)
             for s in (a, b):
-                await smtp(s, b"", b"220")
-                await smtp(s, b"EHLO client.test\r\n", b"250")
-                await smtp(s, b"MAIL FROM:<s@src.test>\r\n", b"250")
-                await smtp(s, b"RCPT TO:<r@dest.test>\r\n", b"250")
-                await smtp(s, b"DATA\r\n", b"354")
+                await to_data(s)
             w = aspool.core.writer
             commits = w.commits
             first, second = (a, b) if order == "a first" else (b, a)
@@ -380,33 +352,13 @@ class TimedSync(OsFileIO):
         return [t == me for t in self.threads[since:]]
 
 
-@asynccontextmanager
-async def timed_spool(path: Path, io: TimedSync, **overrides: Any) -> AsyncIterator[AsyncSpool]:
-    """A spool over ``io`` with the inline path enabled (INLINE_SYNC_FAST), as an operator would enable it."""
-    async with running_spool(path, spool_config(**overrides), io) as aspool:
-        aspool.inline_sync_max = INLINE_SYNC_FAST
-        yield aspool
-
-
-async def lone_enqueues(aspool: AsyncSpool, n: int, tag: str) -> None:
-    for i in range(n):
-        await aspool.enqueue("s@src.example", ["r@dest.example"], b"%s %d" % (tag.encode(), i))
-
-
-async def to_data(client: trio.SocketStream) -> None:
-    """MAIL, RCPT and DATA of one message on a greeted session: the client is to send its data next."""
-    for line, expect in ((b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
-                         (b"DATA\r\n", b"354")):
-        await smtp(client, line, expect)
-
-
 async def test_a_lone_commit_on_a_fast_disk_syncs_in_the_loop_and_a_slow_disk_sends_it_back_to_the_thread(
         tmp_path: Path) -> None:
     """Inline once the last INLINE_SYNC_SAMPLES syncs were fast; the thread again as soon as their median is
     slow (a slow disk never holds the loop for long); inline again when the disk is fast again."""
     io = TimedSync()
     io.fast = True
-    async with timed_spool(tmp_path, io) as aspool:
+    async with inline_spool(tmp_path, io) as aspool:
         w = aspool.core.writer
         await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")  # no history yet: the thread
         assert aspool.inline_commits == 0
@@ -447,7 +399,7 @@ async def test_by_default_every_commit_keeps_the_thread(tmp_path: Path) -> None:
 async def test_a_slow_disk_keeps_every_commit_in_the_thread(tmp_path: Path) -> None:
     io = TimedSync()
     io.extra = 0.002  # over INLINE_SYNC_FAST, whatever the machine's own disk does
-    async with timed_spool(tmp_path, io) as aspool:
+    async with inline_spool(tmp_path, io) as aspool:
         await lone_enqueues(aspool, 12, "slow")
         assert aspool.inline_commits == 0
         assert not any(io.in_loop())
@@ -458,7 +410,7 @@ async def test_the_deliveries_commits_keep_the_thread(tmp_path: Path) -> None:
     lone client's next command waited (docs/benchmarks.md, issue 18)."""
     io = TimedSync()
     io.fast = True
-    async with timed_spool(tmp_path, io) as aspool:
+    async with inline_spool(tmp_path, io) as aspool:
         await lone_enqueues(aspool, INLINE_SYNC_SAMPLES + 1, "warm-up")
         inline, since = aspool.inline_commits, len(io.threads)
         attempts = await aspool.next_due()  # the claims (written through, synced with the outcomes)
@@ -472,7 +424,7 @@ async def test_concurrent_commits_keep_the_thread_and_their_batching(tmp_path: P
     """Twenty enqueues at once on a fast disk: one batch in the thread, as before (fsyncs do not rise)."""
     io = TimedSync()
     io.fast = True
-    async with timed_spool(tmp_path, io, commit_delay=1.0) as aspool:
+    async with inline_spool(tmp_path, io, commit_delay=1.0) as aspool:
         w = aspool.core.writer
         await lone_enqueues(aspool, INLINE_SYNC_SAMPLES + 1, "warm-up")
         inline, fsyncs, since = aspool.inline_commits, w.fsyncs, len(io.threads)
@@ -489,7 +441,7 @@ async def test_a_commit_waiting_for_an_announced_session_keeps_the_thread(tmp_pa
     the two go in one batch, in the thread (two waiters), as before."""
     io = TimedSync()
     io.fast = True
-    async with timed_spool(tmp_path, io, commit_delay=1.0) as aspool:
+    async with inline_spool(tmp_path, io, commit_delay=1.0) as aspool:
         w = aspool.core.writer
         await lone_enqueues(aspool, INLINE_SYNC_SAMPLES + 1, "warm-up")
         inline, fsyncs, since = aspool.inline_commits, w.fsyncs, len(io.threads)
@@ -515,18 +467,14 @@ async def test_with_a_second_client_connected_the_commit_stays_in_the_thread(tmp
     io = TimedSync()
     io.fast = True
     cfg = parse_config(SERVER_TOML.format(dir=tmp_path / "spool"), base_dir=str(tmp_path))
-    async with timed_spool(tmp_path / "spool", io) as aspool:
+    async with inline_spool(tmp_path / "spool", io) as aspool:
         server = SmtpServer(cfg, aspool, Metrics())
         await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(server.serve)
             port = listeners[0].socket.getsockname()[1]
-            other = await trio.open_tcp_stream("127.0.0.1", port)
-            await smtp(other, b"", b"220")
-            await smtp(other, b"EHLO other.test\r\n", b"250")
-            client = await trio.open_tcp_stream("127.0.0.1", port)
-            await smtp(client, b"", b"220")
-            await smtp(client, b"EHLO client.test\r\n", b"250")
+            other = await greeted(port, "other.test")
+            client = await greeted(port)
             await to_data(client)
             inline, since = aspool.inline_commits, len(io.threads)
             await smtp(client, b"Subject: one of two\r\n\r\nbody\r\n.\r\n", b"250 2.0.0 Ok: queued as")
@@ -547,7 +495,7 @@ async def test_a_checkpoint_holding_the_files_sends_a_lone_commit_to_the_thread(
     """The loop never waits behind another thread's I/O: the log's lock is tried, not waited for."""
     io = TimedSync()
     io.fast = True
-    async with timed_spool(tmp_path, io) as aspool:
+    async with inline_spool(tmp_path, io) as aspool:
         await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")
         w = aspool.core.writer
         # No zeroed room from here on (spool.room): the committer would otherwise be making room in its
@@ -574,15 +522,13 @@ async def test_an_inline_commit_sends_the_250_only_after_its_fdatasync(tmp_path:
     io = TimedSync()
     io.fast = True
     cfg = parse_config(SERVER_TOML.format(dir=tmp_path / "spool"), base_dir=str(tmp_path))
-    async with timed_spool(tmp_path / "spool", io) as aspool:
+    async with inline_spool(tmp_path / "spool", io) as aspool:
         server = SmtpServer(cfg, aspool, Metrics())
         await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(server.serve)
             port = listeners[0].socket.getsockname()[1]
-            client = await trio.open_tcp_stream("127.0.0.1", port)
-            await smtp(client, b"", b"220")
-            await smtp(client, b"EHLO client.test\r\n", b"250")
+            client = await greeted(port)
             await to_data(client)
             seen: list[bytes | None] = []
             raw = socket.fromfd(client.socket.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a blocking twin

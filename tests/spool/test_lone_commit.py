@@ -12,32 +12,20 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
 import trio.testing
-from spool_support import running_spool, spool_config
+from session_support import SERVER_TOML, greeted, inline_spool, lone_enqueues, smtp, to_data
 
 from mta.config import parse_config
 from mta.inbound import wire
 from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
 from spool import admin
-from spool.commit import AsyncSpool
 from spool.fileio import OsFileIO
-from spool.inline_commit import INLINE_SYNC_FAST, INLINE_SYNC_SAMPLES
-
-SERVER_TOML = """
-[server]
-listen = ["127.0.0.1:0"]
-hostname = "relay.test"
-[spool]
-dir = "{dir}"
-[routes]
-"dest.test" = "discard"
-"""
+from spool.inline_commit import INLINE_SYNC_SAMPLES
 
 
 class LoopIO(OsFileIO):
@@ -75,36 +63,6 @@ class LoopIO(OsFileIO):
         return [t == me for t in self.threads[since:]]
 
 
-@asynccontextmanager
-async def inline_spool(path: Path, io: LoopIO) -> AsyncIterator[AsyncSpool]:
-    """A spool with the inline path on, as a relay whose deliveries run in workers has it."""
-    async with running_spool(path, spool_config(), io) as aspool:
-        aspool.inline_sync_max = INLINE_SYNC_FAST
-        yield aspool
-
-
-async def lone_enqueues(aspool: AsyncSpool, n: int, tag: str) -> None:
-    for i in range(n):
-        await aspool.enqueue("s@src.example", ["r@dest.example"], b"%s %d" % (tag.encode(), i))
-
-
-async def smtp(stream: trio.SocketStream, line: bytes, expect: bytes) -> None:
-    await stream.send_all(line)
-    got = b""
-    with trio.fail_after(30):
-        while not got.endswith(b"\r\n") or got.split(b"\r\n")[-2][3:4] == b"-":
-            data = await stream.receive_some(4096)
-            assert data, f"connection closed waiting for {expect!r}"
-            got += data
-    assert got.startswith(expect), got
-
-
-async def to_data(client: trio.SocketStream) -> None:
-    for line, expect in ((b"MAIL FROM:<s@src.test>\r\n", b"250"), (b"RCPT TO:<r@dest.test>\r\n", b"250"),
-                         (b"DATA\r\n", b"354")):
-        await smtp(client, line, expect)
-
-
 async def test_a_lone_sessions_commit_is_made_by_its_enqueue_and_the_250_follows_its_fdatasync(
         tmp_path: Path) -> None:
     """No committer in between: the session's own step writes and fdatasyncs the message (in the loop's
@@ -117,9 +75,7 @@ async def test_a_lone_sessions_commit_is_made_by_its_enqueue_and_the_250_follows
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(server.serve)
             port = listeners[0].socket.getsockname()[1]
-            client = await trio.open_tcp_stream("127.0.0.1", port)
-            await smtp(client, b"", b"220")
-            await smtp(client, b"EHLO client.test\r\n", b"250")
+            client = await greeted(port)
             raw = socket.fromfd(client.socket.fileno(), socket.AF_INET, socket.SOCK_STREAM)
             seen: list[bytes | None] = []
 
@@ -159,9 +115,7 @@ async def test_a_lone_sessions_own_commit_on_a_full_disk_gets_452_and_its_messag
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(server.serve)
             port = listeners[0].socket.getsockname()[1]
-            client = await trio.open_tcp_stream("127.0.0.1", port)
-            await smtp(client, b"", b"220")
-            await smtp(client, b"EHLO client.test\r\n", b"250")
+            client = await greeted(port)
             await to_data(client)
             io.full = True
             await smtp(client, b"Subject: no room\r\n\r\nbody\r\n.\r\n", b"452 4.3.1")
