@@ -180,16 +180,7 @@ def main() -> int:
     relay = Logspool(work, free_port(), sink.port, args.sessions)
     strace = None
     try:
-        saved = os.environ.get("PYTHONPATH")
-        if args.tree:
-            os.environ["PYTHONPATH"] = os.path.abspath(args.tree)
-        try:
-            relay.start()
-        finally:
-            if saved is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = saved
+        relay.start(pythonpath=args.tree or None)
         count = sink.count
         smtp_source(relay.port, args.sessions, args.warmup, args.size, 600)
         sink.wait_for(count + args.warmup, 600)

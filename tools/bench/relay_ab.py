@@ -65,15 +65,7 @@ def main() -> int:
                 with open(relay.config, "w") as f:
                     listen = f'metrics_listen = "127.0.0.1:{metrics_port[name]}"\n'
                     f.write(text.replace("[server]\n", "[server]\n" + listen, 1))
-            saved = os.environ.get("PYTHONPATH")
-            os.environ["PYTHONPATH"] = os.path.abspath(path)
-            try:
-                relay.start()
-            finally:
-                if saved is None:
-                    del os.environ["PYTHONPATH"]
-                else:
-                    os.environ["PYTHONPATH"] = saved
+            relay.start(pythonpath=path)
             relays.append((name, relay, sink))
         for _name, relay, sink in relays:  # warm-up
             count = sink.count

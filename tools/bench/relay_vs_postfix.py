@@ -289,11 +289,13 @@ class Logspool:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, timeout: float = 120) -> None:
+    def start(self, timeout: float = 120, pythonpath: str | None = None) -> None:
+        """``pythonpath``: a tree holding ``spool`` and ``mta`` to run instead of the installed ones (A/B tools)."""
+        env = None if pythonpath is None else {**os.environ, "PYTHONPATH": os.path.abspath(pythonpath)}
         with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen([os.path.join(VENV_BIN, "mta"), "serve", "--config", self.config],
                                          stdout=logf, stderr=subprocess.STDOUT, cwd=self.base,
-                                         start_new_session=True)
+                                         start_new_session=True, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with open(self.log_path, errors="replace") as f:

@@ -115,15 +115,7 @@ def main() -> int:
             base = os.path.join(work, name)
             os.makedirs(base)
             relay = Logspool(base, free_port(), sink.port, args.sessions, 1, dp)
-            saved = os.environ.get("PYTHONPATH")
-            os.environ["PYTHONPATH"] = os.path.abspath(path)
-            try:
-                relay.start()
-            finally:
-                if saved is None:
-                    del os.environ["PYTHONPATH"]
-                else:
-                    os.environ["PYTHONPATH"] = saved
+            relay.start(pythonpath=path)
             try:
                 count = sink.count
                 smtp_source(relay.port, 2, 20, args.size, 300)  # warm-up
