@@ -260,13 +260,7 @@ class GroupCommit(InlineCommit):
                 # Written: its buffers go now. Kept until the next take (across the wake-ups and the room's
                 # sync below), they were a batch in memory that no longer counted against the threshold.
                 del batch
-                self.batch_sizes.append(before)
-                if len(self.batch_sizes) > 1024:
-                    del self.batch_sizes[:512]
-                if messages:
-                    self._enqueue_synced(messages)
-                synced, self._synced = self._synced, trio.Event()
-                synced.set()
+                self._batch_done(before, messages)
                 if messages:
                     # The sessions whose messages are now durable answer 250 before the runners are woken:
                     # trio runs the tasks woken here in a batch of its choosing, and a runner's pass
@@ -280,6 +274,16 @@ class GroupCommit(InlineCommit):
                     await trio.to_thread.run_sync(writer.make_room)
             if not writer.has_pending and writer.room_wanted():  # after a lone enqueue's own commit (_commit_here)
                 await trio.to_thread.run_sync(writer.make_room)
+
+    def _batch_done(self, records_before: int, messages: int) -> None:
+        """A batch is written (a sync batch: durable): count it, time the enqueues' pace, wake its waiters."""
+        self.batch_sizes.append(records_before)
+        if len(self.batch_sizes) > 1024:
+            del self.batch_sizes[:512]
+        if messages:
+            self._enqueue_synced(messages)
+        synced, self._synced = self._synced, trio.Event()
+        synced.set()
 
     def _enqueue_synced(self, messages: int) -> None:
         """A sync made ``messages`` new messages durable: tell the observers, and time the pace (``ride_bound``)."""
@@ -338,12 +342,7 @@ class GroupCommit(InlineCommit):
         messages, self._unsynced_messages = self._unsynced_messages, 0
         self._lazy_sync = False  # this sync covers every lazy record appended so far
         self._want_sync = False  # nothing is pending: every waiter's records are in this batch
-        self.batch_sizes.append(before)
-        if len(self.batch_sizes) > 1024:
-            del self.batch_sizes[:512]
-        self._enqueue_synced(messages)
-        synced, self._synced = self._synced, trio.Event()
-        synced.set()
+        self._batch_done(before, messages)
         self._signal_change()
         if writer.room_wanted():
             self._kick.set()  # the committer makes the room (spool.room)
