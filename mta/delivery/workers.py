@@ -425,16 +425,19 @@ class DeliveryWorkers:
         changed, self._ready_changed = self._ready_changed, trio.Event()
         changed.set()
 
-    async def _pick(self) -> _Worker:
+    def _least_busy(self) -> _Worker | None:
+        """The ready worker with the fewest batches in flight; None while none is ready."""
         ready = [w for w in self.workers if w.ready]
-        if ready:  # the common case, without the cancel scope's deadline (a few us of the loop's time a batch)
-            return ready[0] if len(ready) == 1 else min(ready, key=lambda w: len(w.batches))
+        return min(ready, key=lambda w: len(w.batches)) if ready else None
+
+    async def _pick(self) -> _Worker:
+        worker = self._least_busy()
+        if worker is not None:  # the common case, without the cancel scope's deadline (a few us of the loop's time)
+            return worker
         with trio.move_on_after(WAIT_FOR_WORKER):
-            while True:
-                ready = [w for w in self.workers if w.ready]
-                if ready:
-                    return min(ready, key=lambda w: len(w.batches))
+            while (worker := self._least_busy()) is None:
                 await self._ready_changed.wait()
+            return worker
         raise WorkerLost(f"no delivery worker running after {WAIT_FOR_WORKER:g} s")
 
     async def deliver(self, destination: Destination, jobs: Sequence[Job],
