@@ -8,8 +8,8 @@ against 110 MB before workers), and the relay's loop, the lone client's
 bottleneck, spent its time on the copies. Now the batch frame carries each
 stored body's positions (its DATA records, as its envelope lists them), and
 the worker reads the records itself, one at a time as the transport sends
-them, each checked against its checksum (``spool.record.check_frame``, the
-segment id as salt), so neither process holds a body whole.
+them, each read and checked against its checksum by the spool's own
+``spool.segment.read_frame_at``, so neither process holds a body whole.
 
 Damage stays the relay's. A record this worker cannot read (a checksum that
 fails, a length past the file's end, not a DATA record, a segment missing or
@@ -43,13 +43,15 @@ import trio
 
 from mta.observe.logline import event
 from spool.errors import CorruptRecord
-from spool.record import HEADER, HEADER_SIZE, MAX_PAYLOAD, RecordType, check_frame, pos_offset, pos_segment
-from spool.segment import segment_path
+from spool.fileio import OsFileIO
+from spool.record import RecordType, pos_offset, pos_segment
+from spool.segment import read_frame_at, segment_path
 
 log = logging.getLogger("mta.worker")
 # Bodies up to this size are read in the worker's loop (from the page cache); bigger ones in a thread.
 INLINE_READ = 64 * 1024
 
+_FILES = OsFileIO()
 Pull = Callable[[int], Awaitable[bytes | None]]
 """``pull(k)``: chunk ``k`` of the body as the relay reads it (None after the last)."""
 
@@ -57,37 +59,28 @@ Pull = Callable[[int], Awaitable[bytes | None]]
 class SegmentReader:
     """DATA records by position from one spool's segment files, verified as the spool verifies them."""
 
-    def __init__(self, log_dir: str, chunk_size: int) -> None:
+    def __init__(self, log_dir: str) -> None:
         self.log_dir = log_dir
-        self.chunk_size = chunk_size  # a body's DATA records are at most this long ([spool] body_chunk)
         self._open: tuple[int, int] | None = None  # (segment id, descriptor) of the newest segment read
 
-    def read(self, pos: int, left: int, *, keep: bool = True) -> bytes:
-        """The payload of the DATA record at ``pos``; ``left``: the body's bytes not read yet (a size hint).
+    def read(self, pos: int, *, keep: bool = True) -> bytes:
+        """The payload of the DATA record at ``pos``, read and verified by the spool's own ``read_frame_at``.
 
         ``keep``: may use and keep the descriptor of the newest segment (only the worker's loop may; a thread
         opens its own). Raises CorruptRecord (checksum, length, type) or OSError (a segment missing).
         """
-        seg, offset = pos_segment(pos), pos_offset(pos)
+        seg = pos_segment(pos)
+        path = segment_path(self.log_dir, seg)
         fd, owned = self._descriptor(seg, keep)
         try:
-            want = HEADER_SIZE + max(0, min(left, self.chunk_size))
-            data = os.pread(fd, want, offset)
-            if len(data) >= HEADER_SIZE:
-                length = HEADER.unpack_from(data)[1]
-                if HEADER_SIZE + length > len(data) and length <= MAX_PAYLOAD:
-                    data += os.pread(fd, HEADER_SIZE + length - len(data), offset + len(data))
+            frame = read_frame_at(_FILES, fd, path, seg, pos_offset(pos))
         finally:
             if owned:
                 os.close(fd)
-        try:
-            rtype, _flags, _klass, _time, end = check_frame(seg, data, 0)
-        except CorruptRecord as exc:
-            raise CorruptRecord(exc.reason, segment_path(self.log_dir, seg), offset) from None
-        if rtype != RecordType.DATA:
-            raise CorruptRecord(f"a {RecordType(rtype).name} record lies where message data should be",
-                                segment_path(self.log_dir, seg), offset)
-        return data[HEADER_SIZE:end]
+        if frame.rtype != RecordType.DATA:
+            raise CorruptRecord(f"a {RecordType(frame.rtype).name} record lies where message data should be",
+                                path, pos_offset(pos))
+        return frame.payload
 
     def _descriptor(self, seg: int, keep: bool) -> tuple[int, bool]:
         """A descriptor of segment ``seg``, and whether the caller closes it."""
@@ -124,21 +117,19 @@ class SegmentBody:
         raise TypeError("a body read by a delivery worker is read with async for")
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        left = self.size
         inline = self.size <= INLINE_READ
         for k, pos in enumerate(self.positions):
             try:
                 if inline:
-                    chunk = self.reader.read(pos, left)
+                    chunk = self.reader.read(pos)
                 else:
-                    chunk = await trio.to_thread.run_sync(functools.partial(self.reader.read, pos, left, keep=False))
+                    chunk = await trio.to_thread.run_sync(functools.partial(self.reader.read, pos, keep=False))
             except (CorruptRecord, OSError) as exc:
                 event(log, "body_read_fallback", self.qid, level=logging.WARNING, chunk=k,
                       error=f"{type(exc).__name__}: {exc}", action="the relay reads it")
                 async for pulled in self._pulled(k):
                     yield pulled
                 return
-            left -= len(chunk)
             yield chunk
 
     async def _pulled(self, k: int) -> AsyncIterator[bytes]:

@@ -108,7 +108,6 @@ class Worker:
         self.sock = sock
         self.index = index
         self.readers: dict[str, SegmentReader] = {}  # by the spool's log directory (one: its relay's)
-        self.chunk_size = 256 * 1024  # [spool] body_chunk, from the config
         self.transport: Any = None  # the SmtpTransport, once the config came
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](math.inf)
         self._reader = FrameReader()
@@ -204,7 +203,6 @@ class Worker:
         from mta.delivery.smtp_transport import SmtpTransport
 
         self.format = config.log.format
-        self.chunk_size = config.spool.body_chunk
         root = logging.getLogger()
         for handler in list(root.handlers):
             root.removeHandler(handler)
@@ -224,7 +222,7 @@ class Worker:
         if log_dir is not None and body and all(type(p) is int for p in body):
             reader = self.readers.get(log_dir)
             if reader is None:
-                reader = self.readers[log_dir] = SegmentReader(log_dir, self.chunk_size)
+                reader = self.readers[log_dir] = SegmentReader(log_dir)
             return SegmentBody(reader, str(header[0]), body, int(header[3]),
                                functools.partial(self.pull, batch, index))
         return body
