@@ -43,6 +43,7 @@ from mta.delivery.worker_body import SegmentBody, SegmentReader
 from mta.delivery.worker_protocol import (
     FrameReader,
     ProtocolError,
+    SocketReceiver,
     decode_destination,
     encode,
     encode_outcomes,
@@ -51,8 +52,6 @@ from mta.delivery.worker_protocol import (
 from mta.observe import logline
 
 log = logging.getLogger("mta.worker")
-# Read this much from the socket at a time.
-RECEIVE_SIZE = 256 * 1024
 
 
 class BodyUnavailable(Exception):
@@ -162,19 +161,9 @@ class Worker:
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._sender)
-            full = False
+            receiver = SocketReceiver(self.sock)
             while True:
-                # Wait, then read: one recv a batch frame, not a second one that finds nothing (issue 18).
-                if not full:
-                    await trio.lowlevel.wait_readable(self.sock)
-                try:
-                    data = self.sock.recv(RECEIVE_SIZE)
-                except BlockingIOError:
-                    full = False
-                    continue
-                except OSError:
-                    data = b""
-                full = len(data) == RECEIVE_SIZE
+                data = await receiver.receive()
                 if not data:
                     if self.transport is not None:  # before its config: the relay failed to start, and says why
                         gone(self.index, self.format)

@@ -26,19 +26,23 @@ network: the socketpair has no one else on it.
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import cbor2
+import trio
 
 from mta.delivery.transport import Destination, Job
 from spool.record import Outcome, Status
 
-__all__ = ["MAX_FRAME", "FrameReader", "FrameTooLong", "ProtocolError", "decode_destination", "decode_outcomes",
-           "destination_item", "encode", "encode_outcomes", "job_from", "job_header"]
+__all__ = ["MAX_FRAME", "RECEIVE_SIZE", "FrameReader", "FrameTooLong", "ProtocolError", "SocketReceiver",
+           "decode_destination", "decode_outcomes", "destination_item", "encode", "encode_outcomes", "job_from",
+           "job_header"]
 
 _LENGTH = struct.Struct(">I")
+RECEIVE_SIZE = 256 * 1024  # bytes a read of the socketpair asks for
 # The largest frame either side sends: a batch whose bodies are inline (bodies not from the spool) is at most
 # max_messages_per_connection x INLINE_BODY; bigger bodies go in chunks of one DATA record.
 MAX_FRAME = 1 << 30
@@ -58,6 +62,35 @@ def encode(message: Sequence[Any]) -> bytes:
     if len(payload) > MAX_FRAME:
         raise FrameTooLong(f"a {message[0]} frame of {len(payload)} bytes (at most {MAX_FRAME})")
     return _LENGTH.pack(len(payload)) + payload
+
+
+class SocketReceiver:
+    """Reads of one end of the socketpair (non-blocking): wait until readable, then one ``recv``.
+
+    Why not trio's ``receive_some``: it reads until EAGAIN, and the frames of
+    a wake-up (an outcome and its ``done``; a batch) come in one write, so it
+    made two ``recv`` calls a wake-up where one does (issue 18). A read that
+    filled the buffer reads again at once, without waiting.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._full = False
+
+    async def receive(self) -> bytes:
+        """The next bytes; ``b""`` once the socket has ended (EOF, an error, or closed under the wait)."""
+        while True:
+            try:
+                if not self._full:
+                    await trio.lowlevel.wait_readable(self.sock)
+                data = self.sock.recv(RECEIVE_SIZE)
+            except BlockingIOError:
+                self._full = False
+                continue
+            except (trio.ClosedResourceError, OSError):
+                return b""
+            self._full = len(data) == RECEIVE_SIZE
+            return data
 
 
 class FrameReader:

@@ -74,6 +74,7 @@ from mta.delivery.worker_fork import Forked
 from mta.delivery.worker_protocol import (
     FrameReader,
     ProtocolError,
+    SocketReceiver,
     decode_outcomes,
     destination_item,
     encode,
@@ -93,7 +94,6 @@ RESTART_MAX = 30.0
 STABLE_AFTER = 10.0
 # How long a batch waits for a worker to be running before it is deferred.
 WAIT_FOR_WORKER = 30.0
-RECEIVE_SIZE = 256 * 1024
 
 
 class WorkerLost(TransportLost):
@@ -298,29 +298,14 @@ class DeliveryWorkers:
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
 
     async def _converse(self, worker: _Worker, task_status: _Once) -> None:
-        """Frames from ``worker`` until its socket ends.
-
-        It waits for the socket to be readable before it reads, rather than reading until EAGAIN as trio's
-        ``receive_some`` does: the frames of a wake-up (an outcome and its ``done``) come in one write, so the
-        relay makes one ``recv`` a wake-up, not two (issue 18). A read that fills the buffer reads again at once.
-        """
+        """Frames from ``worker`` until its socket ends (one ``recv`` a wake-up: ``SocketReceiver``)."""
         assert worker.sock is not None and self._nursery is not None
-        sock = worker.sock
+        receiver = SocketReceiver(worker.sock)
         reader = FrameReader()
-        full = False
         while True:
-            try:
-                if not full:
-                    await trio.lowlevel.wait_readable(sock)
-                data = sock.recv(RECEIVE_SIZE)
-            except BlockingIOError:
-                full = False
-                continue
-            except (trio.ClosedResourceError, OSError):
-                data = b""
+            data = await receiver.receive()
             if not data:
                 return
-            full = len(data) == RECEIVE_SIZE
             for message in reader.feed(data):
                 try:
                     self._take(worker, message, task_status)
