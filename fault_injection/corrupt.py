@@ -44,11 +44,11 @@ from fault_injection import scratch_dir
 from fault_injection.ledger import FAR_FUTURE, Found, Ledger, judge
 from fault_injection.recording import RecordingFileIO
 from fault_injection.workloads import FakeClock, commit_logged, deliver, enqueue_logged, make_config
+from spool.damage.quarantine import read_entries
+from spool.engine.spool import Spool
 from spool.errors import DamagedBody
 from spool.fileio import OsFileIO
-from spool.quarantine import read_entries
-from spool.reader import LogReader
-from spool.record import (
+from spool.format.record import (
     FLAGS_OFFSET,
     HEADER,
     HEADER_SIZE,
@@ -60,8 +60,8 @@ from spool.record import (
     format_id,
     make_pos,
 )
-from spool.segment import SEGMENT_HEADER_SIZE
-from spool.spool import Spool
+from spool.format.segment import SEGMENT_HEADER_SIZE
+from spool.read.reader import LogReader
 
 KINDS = ("bitflip", "zero", "truncate")
 CASE_SECONDS = 5.0
@@ -145,7 +145,7 @@ class LogMap:
         return m
 
     def unnameable(self, mid: int, damaged: Callable[[int], bool]) -> bool:
-        """Did the damage take every record that could name message ``mid`` (``spool.lost``'s rules)?
+        """Did the damage take every record that could name message ``mid`` (``spool.read.lost``'s rules)?
 
         Its live envelope (the last one) lies in the damage, and so does what
         would name it: for a new message, its body's first chunk; for a

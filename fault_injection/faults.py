@@ -46,13 +46,13 @@ from fault_injection.ledger import Ledger, check, listed
 from fault_injection.powercut import check_state
 from fault_injection.recording import RecordingFileIO
 from fault_injection.workloads import FakeClock, Scenario, commit_logged, deliver_round, enqueue_logged, make_config
-from spool import checkpoint as ckpt
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import BODY_SLACK, Spool
 from spool.errors import CheckpointFailed, DiskFull, SpoolError, SyncFailed
 from spool.fileio import FileIO, OsFileIO
-from spool.record import pos_segment
-from spool.segment import list_segments
-from spool.spool import BODY_SLACK, Spool
+from spool.format import checkpoint as ckpt
+from spool.format.record import pos_segment
+from spool.format.segment import list_segments
 
 OPS = ("open", "write", "allocate", "fdatasync", "fsync", "fsync_dir", "rename", "unlink", "truncate")
 KINDS = {"write": ("ENOSPC", "EIO", "short"), "open": ("ENOSPC",), "allocate": ("ENOSPC",), "fdatasync": ("EIO",),

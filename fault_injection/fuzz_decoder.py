@@ -24,11 +24,11 @@ import sys
 import atheris
 
 with atheris.instrument_imports(include=["spool"]):
-    from spool.checkpoint import Checkpoint
     from spool.errors import SpoolError
-    from spool.reader import check_buffer
-    from spool.record import HEADER, HEADER_SIZE, RecordType, checksum, decode_frame, decode_payload
-    from spool.segment import segment_header_fields
+    from spool.format.checkpoint import Checkpoint
+    from spool.format.record import HEADER, HEADER_SIZE, RecordType, checksum, decode_frame, decode_payload
+    from spool.format.segment import segment_header_fields
+    from spool.read.reader import check_buffer
 
 SEG = 7
 _TYPES = [int(t) for t in RecordType]

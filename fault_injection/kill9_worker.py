@@ -34,11 +34,11 @@ import zlib
 
 import trio
 
-from spool import admin
-from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
-from spool.record import Outcome, Status
-from spool.spool import Attempt
+from spool.aio.async_spool import AsyncSpool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Attempt
+from spool.format.record import Outcome, Status
+from spool.read import listing as admin
 
 DELIVERY_TASKS = 8
 

@@ -33,9 +33,9 @@ from collections.abc import Iterable
 import attrs
 
 from fault_injection.recording import Event
-from spool import admin
-from spool.record import Status
-from spool.spool import Spool
+from spool.engine.spool import Spool
+from spool.format.record import Status
+from spool.read import listing as admin
 
 FAR_FUTURE = 4_000_000_000.0
 

@@ -21,7 +21,7 @@ import attrs
 from fault_injection import crashstates, scratch_dir
 from fault_injection.ledger import CheckResult, Ledger, check
 from fault_injection.workloads import WORKLOADS, FakeClock, Scenario, build, make_config
-from spool.spool import Spool
+from spool.engine.spool import Spool
 
 
 @attrs.define

@@ -70,11 +70,11 @@ from fault_injection.relayload import SENDER_DOMAIN, Plan, Run, message_number, 
 from mta.process.relay import Relay
 from mta.process.startup import check_start, unwrapped
 from mta.shards import spool_config
-from spool import admin
+from spool.damage.quarantine import DIRNAME as QUARANTINE_DIR
+from spool.engine.spool import Spool
 from spool.errors import SpoolError
-from spool.quarantine import DIRNAME as QUARANTINE_DIR
-from spool.record import Status
-from spool.spool import Spool
+from spool.format.record import Status
+from spool.read import listing as admin
 
 FINAL_RCPT = re.compile(rb"^Final-Recipient:\s*rfc822;\s*(\S+?)\s*$", re.MULTILINE | re.IGNORECASE)
 KINDS = ("synced", "prefix", "torn", "pages", "names")

@@ -71,7 +71,7 @@ from mta.smtp.server import (
     RcptTo,
     ServerConnection,
 )
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 SEGMENT_SIZE = 16 * 1024
 LOCAL_DOMAIN = "local.test"

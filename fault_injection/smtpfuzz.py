@@ -53,7 +53,7 @@ import trio
 from mta.config import parse_config
 from mta.process.relay import Relay
 from mta.smtp.common import ReplyParser, SmtpProtocolError
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 
 class Chooser(Protocol):

@@ -32,9 +32,9 @@ import attrs
 from fault_injection import scratch_dir
 from fault_injection.crashstates import Recipe, Walker
 from fault_injection.recording import Event, Recording, RecordingFileIO
-from spool.config import SpoolConfig
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status
 
 START_TIME = 1_700_000_000.0
 WORKLOADS = ("enqueue-only", "deliver", "flush-rotate", "recovery")
@@ -88,7 +88,7 @@ def commit_logged(sp: Spool, rio: RecordingFileIO) -> None:
     sp.commit()
     rio.event("committed")
     if sp.writer.room_wanted():
-        # As the trio committer does between commits (spool.room): zeroed, synced room ahead of the next
+        # As the trio committer does between commits (spool.write.room): zeroed, synced room ahead of the next
         # records, so that every crash state of the room (zeros never synced, a cut at rotation) is explored.
         sp.writer.make_room()
 

@@ -17,7 +17,7 @@ class ConfigError(ValueError):
     """A setting's value cannot be used. ``file``, ``key`` (dotted) and ``problem`` say why.
 
     The message reads ``FILE: KEY: PROBLEM`` so an operator can go straight to
-    it. One type for every setting, the engine's (``spool.config``) and the
+    it. One type for every setting, the engine's (``spool.config.engine``) and the
     relay's (``mta.config``, which re-exports it). Deliberately not a
     ``SpoolError``: it means "change the settings" (``mta`` exits 2), and it is
     raised before any spool is touched, so no handler of spool trouble should

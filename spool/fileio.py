@@ -48,7 +48,7 @@ class FileIO(Protocol):
         """Give the file blocks for its first ``length`` bytes (zeros), so that the space is held.
 
         Raises OSError(ENOSPC) when there is no room. Used for the spool's
-        reserve (``spool.reserve``).
+        reserve (``spool.write.reserve``).
         """
         ...
 

@@ -26,9 +26,9 @@ from mta.admin.errors import (
 )
 from mta.admin.queue_ops import CHANGES, Request, RequestError, change_op, parse_request, read_op
 from mta.config import Config, ConfigError
-from spool import admin
+from spool.engine.spool import Spool
 from spool.errors import NotFound, SpoolError, SpoolLocked
-from spool.spool import Spool
+from spool.read import listing as admin
 
 
 def answer_offline(config: Config, shard: int, raw: dict[str, Any]) -> dict[str, Any]:

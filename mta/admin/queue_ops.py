@@ -6,7 +6,7 @@ through it. When no relay runs, ``mta.admin.offline`` opens the spool itself
 (taking its lock, which also runs recovery) and calls the same functions. Requests and
 answers are plain JSON-able dicts either way.
 
-Reads are the spool's constant-memory walks (``spool.admin``). A ``list``
+Reads are the spool's constant-memory walks (``spool.read.listing``). A ``list``
 page holds at most ``limit`` messages, oldest first, with the totals of every
 message the filter matches; its cursor is the last message's arrival time and
 queue id (``mta.shards.format_cursor``), so pages over several shards
@@ -31,14 +31,14 @@ from typing import Any
 import attrs
 
 from mta.shards import Cursor, format_cursor, format_queue_id, parse_cursor, parse_queue_id
-from spool import admin
-from spool.config import SpoolConfig
-from spool.core import SpoolCore
+from spool.config.engine import SpoolConfig
+from spool.engine.core import SpoolCore
 from spool.errors import DamagedBody, NotFound, SpoolError
-from spool.record import Status
+from spool.format.record import Status
+from spool.read import listing as admin
 
 MAX_LIMIT = 10_000
-MAX_POSITION = (1 << 64) - 1  # a log position: segment id << 32 | offset (``spool.record.make_pos``)
+MAX_POSITION = (1 << 64) - 1  # a log position: segment id << 32 | offset (``spool.format.record.make_pos``)
 _SHOWN = 40  # at most this many characters of a client's value appear in an error
 
 

@@ -2,7 +2,7 @@
 
 Theory of operation. With ``[spool] archive_dir`` set, the relay moves a
 segment into the archive directory only once it is sealed and wholly
-garbage, behind a durable checkpoint (``spool.reclaim``): a file there never
+garbage, behind a durable checkpoint (``spool.engine.reclaim``): a file there never
 changes again. ``upload_archive`` sends each one to
 ``URL/RELAY/<segment>.seg`` (shard K's to ``URL/RELAY/shards/K/``, which the
 report names ``RELAY-K``, as its queue ids end in ``-K``), so a cron line on
@@ -37,8 +37,8 @@ from typing import Any, Final
 import attrs
 
 from mta.archive.errors import ArchiveError, UploadFailed
-from spool import remote
-from spool.segment import parse_segment_name
+from spool.export import remote
+from spool.format.segment import parse_segment_name
 
 CHECKSUM_KEY: Final = "logspool-sha256"
 """The user-metadata key of an uploaded segment's SHA-256 (hex) on S3."""

@@ -1,12 +1,12 @@
 """The relay's configuration: one TOML file, validated up front into frozen records.
 
 Every setting is defined once, with its type, default, limits and one line of
-help: the engine's in ``spool.config`` (so the engine needs nothing from
+help: the engine's in ``spool.config.engine`` (so the engine needs nothing from
 here), the relay's in ``mta.config.sections``. Everything else is made from
 those definitions:
 
 - ``values``: the kinds of value only the relay has (addresses, networks, ...);
-  durations and sizes are read and written by ``spool.units``;
+  durations and sizes are read and written by ``spool.config.units``;
 - ``routes``: the ``[routes]`` table, its transports and domain matching;
 - ``sections``: the definitions, as the records the relay reads;
 - ``model``: ``Config``, and the decisions that span sections (routing, relay control);
@@ -56,8 +56,8 @@ from mta.config.sections import (
     SubmissionConfig,
 )
 from mta.config.values import IPAddress, IPNetwork, ListenAddress, parse_listen_address
+from spool.config.units import parse_duration, parse_size
 from spool.errors import ConfigError
-from spool.units import parse_duration, parse_size
 
 __all__ = [
     "DEFAULTS_SOURCE",

@@ -16,7 +16,7 @@ from typing import Any
 
 from mta.config.sections import SECTIONS, file_settings
 from mta.config.show import toml_value
-from spool.settings import Setting
+from spool.config.settings import Setting
 
 __all__ = ["DOC", "render_table", "update"]
 

@@ -1,11 +1,11 @@
 """Every setting of the relay, defined once: the sections of the config file as frozen records.
 
-Each field is declared with ``spool.settings.setting``: its kind (type,
+Each field is declared with ``spool.config.settings.setting``: its kind (type,
 grammar, limits), its default (or how the default follows from other
 settings), and one line of help. The loader, ``mta config show``, ``mta
 config check`` and the tables in docs/operations.md are all made from these
 definitions; nothing else names a default. ``[spool]`` is the engine's own
-``spool.config.SpoolConfig`` (its settings are defined there, where the
+``spool.config.engine.SpoolConfig`` (its settings are defined there, where the
 engine can see them without the relay) plus where the spool lives and how
 much disk the relay keeps free. ``[routes]`` is a table of its own
 (``mta.config.routes``).
@@ -35,8 +35,8 @@ from mta.config.values import (
     default_hostname,
 )
 from mta.smtp.common import DEFAULT_MAX_ERRORS, DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_MAX_RECIPIENTS
-from spool.config import SpoolConfig
-from spool.settings import (
+from spool.config.engine import SpoolConfig
+from spool.config.settings import (
     Boolean,
     Derived,
     Duration,
@@ -139,7 +139,8 @@ def _minfree(r: Resolver) -> int:
 
 @attrs.frozen(kw_only=True)
 class SpoolSection(SpoolConfig):
-    """``[spool]``: the engine's settings (``spool.config.SpoolConfig``), where the spool lives, and the disk floor.
+    """``[spool]``: the engine's settings (``spool.config.engine.SpoolConfig``), where the spool lives,
+    and the disk floor.
 
     ``engine()`` is what the engine is opened with.
     """

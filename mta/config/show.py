@@ -1,6 +1,6 @@
 """``mta config show``: the effective config as TOML that the loader reads back as the same ``Config``.
 
-Every value is written by its setting's kind (``spool.settings``), so a
+Every value is written by its setting's kind (``spool.config.settings``), so a
 duration comes out as ``"5m"``, a size as ``"10MiB"``, a path absolute, a
 derived default (the host name, ``queue_minfree``, ...) as the value it took.
 With ``only_changed`` (``-n``, as ``postconf -n``) a setting is left out when
@@ -19,7 +19,7 @@ from mta.config.loader import key_name
 from mta.config.model import Config
 from mta.config.routes import DEFAULT_ROUTES, format_route, parse_route
 from mta.config.sections import SECTIONS, file_settings
-from spool.settings import TomlValue, settings_of
+from spool.config.settings import TomlValue, settings_of
 
 __all__ = ["show_config", "toml_value"]
 

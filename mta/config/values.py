@@ -1,8 +1,8 @@
 """The kinds of value only the relay's settings take: addresses, host names, mailboxes, networks, files.
 
-Each is a ``spool.settings.Kind``: it reads a TOML value, checks a typed one,
+Each is a ``spool.config.settings.Kind``: it reads a TOML value, checks a typed one,
 writes one back for ``mta config show`` and describes itself for the docs.
-The grammars of durations and sizes are ``spool.units``, shared with the engine.
+The grammars of durations and sizes are ``spool.config.units``, shared with the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import socket
 import attrs
 
 from mta.smtp.addresses import parse_mailbox
-from spool.settings import ConfigError, Integer, Kind, TomlValue, expect, resolve_path
+from spool.config.settings import ConfigError, Integer, Kind, TomlValue, expect, resolve_path
 
 __all__ = [
     "Address",

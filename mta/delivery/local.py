@@ -9,7 +9,7 @@ import trio
 from mta.delivery import maildir
 from mta.delivery.transport import Destination, Job, OnOutcome
 from spool.fileio import FileIO
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 
 class MaildirTransport:

@@ -38,7 +38,7 @@ the known duplicate window.
 
 A damaged body. A message whose data the spool cannot read back (a DATA
 record that fails its checksum, a segment gone: the spool has quarantined
-and named it by then, ``spool.damage_policy``) is bounced to its sender with
+and named it by then, ``spool.damage.policy``) is bounced to its sender with
 the reason (``5.3.0``), or held for the administrator with
 ``delivery.on_damaged_body = "hold"``; never retried as if the next attempt
 could read it, and never the relay's end. Found while a batch is being sent
@@ -80,11 +80,11 @@ from mta.delivery import dsn as dsnmod
 from mta.delivery.transport import Destination, Job, Transport, TransportLost
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
-from spool.commit import AsyncSpool, StoredBody
-from spool.core import DAMAGED_BODY
+from spool.aio.async_spool import AsyncSpool, StoredBody
+from spool.engine.core import DAMAGED_BODY
+from spool.engine.spool import Attempt
 from spool.errors import DamagedBody, DiskFull
-from spool.record import HELD_CLASS, Envelope, Outcome, Status
-from spool.spool import Attempt
+from spool.format.record import HELD_CLASS, Envelope, Outcome, Status
 
 log = logging.getLogger("mta.delivery")
 
@@ -420,7 +420,7 @@ class Scheduler:
         position their records end at; what others appended since (claims,
         FINISH records) need not wait for this commit, nor make one.
 
-        The records stay appended at their positions (spool.log), so the same
+        The records stay appended at their positions (spool.write.log), so the same
         commit covers them once it fits; nothing is finished before that.
         """
         out = sum(state.active for state in self.dests.values()) - self._riding - (1 if in_batch else 0) + self.pending

@@ -7,7 +7,7 @@ connection. A transport reports one outcome per recipient; it never touches
 the spool (the scheduler records outcomes and makes them durable).
 
 A job's body is an iterable of chunks that may be read from the spool as it is
-iterated (``spool.commit.StoredBody``): iterate it in a worker thread, or in
+iterated (``spool.aio.async_spool.StoredBody``): iterate it in a worker thread, or in
 the event loop with ``async for chunk in body_chunks(job.body)`` (which reads
 big bodies in a worker thread). It may be iterated again, from the start, to
 retry. Never join it: a body may be 50 MB.
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import attrs
 
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 
 @attrs.frozen

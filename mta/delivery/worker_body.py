@@ -9,7 +9,7 @@ bottleneck, spent its time on the copies. Now the batch frame carries each
 stored body's positions (its DATA records, as its envelope lists them), and
 the worker reads the records itself, one at a time as the transport sends
 them, each read and checked against its checksum by the spool's own
-``spool.segment.read_frame_at``, so neither process holds a body whole.
+``spool.format.segment.read_frame_at``, so neither process holds a body whole.
 
 Damage stays the relay's. A record this worker cannot read (a checksum that
 fails, a length past the file's end, not a DATA record, a segment missing or
@@ -23,7 +23,7 @@ reads fine (its cached copy, say) is delivered.
 Why the worker may read the files: a body is durable before its message's
 ``250`` and the runners hand out only what is durable, so every record a batch
 names is in the file; a segment is deleted only once no message in flight
-needs it (``spool/reclaim.py``); and the files' bytes are what the relay's own
+needs it (``spool/engine/reclaim.py``); and the files' bytes are what the relay's own
 reads verify, by the same function.
 
 Descriptors. The worker keeps one segment open, the newest it has read (most
@@ -44,8 +44,8 @@ import trio
 from mta.observe.logline import event
 from spool.errors import CorruptRecord
 from spool.fileio import OsFileIO
-from spool.record import RecordType, pos_offset, pos_segment
-from spool.segment import read_frame_at, segment_path
+from spool.format.record import RecordType, pos_offset, pos_segment
+from spool.format.segment import read_frame_at, segment_path
 
 log = logging.getLogger("mta.worker")
 # Bodies up to this size are read in the worker's loop (from the page cache); bigger ones in a thread.

@@ -81,8 +81,8 @@ from mta.delivery.worker_protocol import (
     job_header,
 )
 from mta.observe.logline import LogEvent, event
-from spool.commit import StoredBody
-from spool.record import Outcome
+from spool.aio.async_spool import StoredBody
+from spool.format.record import Outcome
 
 log = logging.getLogger("mta.workers")
 

@@ -4,7 +4,7 @@ Why then: the signature is made once and stored with the message, so every
 attempt (a retry after a ``451``, a delivery after a restart) sends the same
 bytes, and the log needs no record rewritten. It goes into the spool as a
 DATA record of its own, listed second in the body, after the ``Received:``
-header (``spool.bodies.BodyWriter.add_header``); the client's data is never
+header (``spool.write.bodies.BodyWriter.add_header``); the client's data is never
 changed. The enqueue's commit makes it durable with the envelope.
 
 The message is read whole for dkimpy (it has no streaming interface): from
@@ -28,8 +28,8 @@ import trio
 
 from mta.dkim.signer import Signature, Signer, Unsigned
 from mta.observe.logline import event
-from spool.commit import AsyncSpool
-from spool.spool import BodyWriter
+from spool.aio.async_spool import AsyncSpool
+from spool.engine.spool import BodyWriter
 
 __all__ = ["SIGNING_THREADS", "AcceptSigner"]
 

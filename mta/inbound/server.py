@@ -79,9 +79,9 @@ from mta.smtp.server import (
     ServerConnection,
     StartTls,
 )
-from spool.commit import AsyncSpool
+from spool.aio.async_spool import AsyncSpool
+from spool.engine.spool import BodyWriter
 from spool.errors import DiskFull
-from spool.spool import BodyWriter
 
 log = logging.getLogger("mta.smtpd")
 

@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from mta.config import ListenAddress
 from mta.observe.metrics_http import MetricsServer
-from spool.record import Status
+from spool.format.record import Status
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400, float("inf"))
 
@@ -46,7 +46,7 @@ class _SpoolCollector:
                                 value=stats.bytes_read)
         yield GaugeMetricFamily("logspool_recovery_in_doubt", "recipients in doubt after the last recovery",
                                 value=stats.in_doubt)
-        # Damage (spool.damage_policy; docs/operations.md, "When the disk lies").
+        # Damage (spool.damage.policy; docs/operations.md, "When the disk lies").
         damage = core.damage
         found = GaugeMetricFamily("logspool_damage_found", "damage met since start, each piece once, by kind "
                                   "(damaged_record, missing_segment, size_mismatch, ends_early, bad_header, cut, "

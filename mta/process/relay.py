@@ -37,9 +37,9 @@ from mta.process.security import check_spool_dir
 from mta.process.startup import check_start, unwrapped
 from mta.process.supervisor import follow_parent, watch_parent
 from mta.shards import shard_config, spool_config
-from spool.commit import AsyncSpool
+from spool.aio.async_spool import AsyncSpool
+from spool.aio.inline_commit import INLINE_SYNC_FAST
 from spool.fileio import FileIO
-from spool.inline_commit import INLINE_SYNC_FAST
 
 log = logging.getLogger("mta")
 
@@ -144,7 +144,7 @@ class Relay:
                 smtp.observers.append(self.metrics.tls_policy_outcome)
                 self.workers = smtp
                 # The deliveries' CPU is in the workers: a lone client's fdatasync may run in the loop's thread
-                # (spool.group_commit, "inline"; docs/benchmarks.md, "The night": +6 % for a lone client).
+                # (spool.aio.group_commit, "inline"; docs/benchmarks.md, "The night": +6 % for a lone client).
                 self.aspool.inline_sync_max = INLINE_SYNC_FAST
                 await nursery.start(smtp.run)  # the worker processes, each ready
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)

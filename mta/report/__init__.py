@@ -9,13 +9,14 @@ right on its line, so there is no cycle):
 
 - ``cli``: the click command; argument checks before any JVM starts → ``session``, ``errors``
 - ``job``: decode once, build the tables, compute the figures, write the reports
-  → ``decode``, ``figures``, ``text``, ``html_page``, ``errors`` (and ``spool.rows``)
+  → ``decode``, ``figures``, ``text``, ``html_page``, ``errors`` (and ``spool.export.rows``)
 - ``decode``: the segments into ``records/``, Parquet files written by the Spark tasks themselves with
-  pyarrow and committed by the driver → ``spark_source``, ``errors`` (and ``spool.rows``, ``spool.remote``)
+  pyarrow and committed by the driver → ``spark_source``, ``errors``
+  (and ``spool.export.rows``, ``spool.export.remote``)
 - ``session``: the SparkSession, local mode tuned for small machines → ``shipping``, ``spark_source``, ``errors``
 - ``shipping``: on a cluster, the project's packages zipped for the executors, and the check that
   their Python can run them → ``errors``
-- ``spark_source``: the ``logspool`` PySpark data source over segment files → ``spool.rows``
+- ``spark_source``: the ``logspool`` PySpark data source over segment files → ``spool.export.rows``
 - ``html_page``: the report as one self-contained HTML page → ``charts``, ``text``, ``figures``
 - ``text``: the report as plain text, pflogsumm-style → ``figures``
 - ``charts``: bar charts as inline SVG, drawn by matplotlib (the benchmarks use it too)

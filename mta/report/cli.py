@@ -13,8 +13,8 @@ import click
 
 from mta.report.errors import ReportError
 from mta.report.session import JAVA_MISSING, java_available, missing_libraries
-from spool import remote
-from spool.rows import expand_paths
+from spool.export import remote
+from spool.export.rows import expand_paths
 
 
 def parse_time(text: str) -> int:

@@ -1,11 +1,11 @@
 """The job's first stage: segments → ``records/`` (Parquet), written by the Python tasks themselves.
 
-Theory of operation. The driver plans the inputs (``spool.rows.plan``: it
+Theory of operation. The driver plans the inputs (``spool.export.rows.plan``: it
 only lists), packs the segment files into runs of consecutive ones
 (``mta.report.spark_source.group_tasks``: a few a core) and makes one Spark
 task per run, an RDD of ``(index, run, relays)`` with one element per
 partition. Each task walks its segments into Arrow record batches
-(``spool.rows.segment_batches``, the data source's own code) and writes them
+(``spool.export.rows.segment_batches``, the data source's own code) and writes them
 with pyarrow's Parquet writer to a file of its own attempt under
 ``records/_temporary/JOB/``; what comes back to the driver is the file's
 name, the run's index and the row count. The driver then **commits**: it
@@ -34,7 +34,7 @@ no row is read twice and none is missing, as with Spark's own file committer.
 
 Where it writes: ``out`` is a local path (on a cluster, one every host sees
 at the same path, as for Spark's own tables) or a URL, through the same
-file-system layer as the inputs (``spool.remote``: fsspec).
+file-system layer as the inputs (``spool.export.remote``: fsspec).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from typing import Any, Final
 
 from mta.report.errors import ReportError
 from mta.report.spark_source import freeze_worker_heap, group_tasks
-from spool import remote
-from spool.rows import DEFAULT_BATCH_ROWS, SegmentTask, arrow_schema, plan, relay_name_for, segment_batches
+from spool.export import remote
+from spool.export.rows import DEFAULT_BATCH_ROWS, SegmentTask, arrow_schema, plan, relay_name_for, segment_batches
 
 __all__ = ["decode_records", "write_run"]
 
@@ -158,7 +158,7 @@ def _write_partition(items: Iterator[Item], staging: str, batch_rows: int) -> It
 def decode_records(spark: Any, inputs: Sequence[str], out: str, relay: str | None = None,
                    batch_rows: int = DEFAULT_BATCH_ROWS) -> str:
     """Decode the segments that ``inputs`` name into ``out/records`` (Parquet, the data source's schema:
-    ``spool.rows.SCHEMA_DDL``), replacing what was there; returns its path.
+    ``spool.export.rows.SCHEMA_DDL``), replacing what was there; returns its path.
 
     Raises ReportError if Spark returns other than one result per run (it never should).
     """

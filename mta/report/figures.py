@@ -14,7 +14,7 @@ from typing import Final
 import attrs
 
 STATUS_NAMES: Final = ("delivered", "deferred", "bounced", "expired", "deleted")
-"""Delivery outcomes by ``spool.record.Status`` value (the index is the status)."""
+"""Delivery outcomes by ``spool.format.record.Status`` value (the index is the status)."""
 LATENCY_EDGES_S: Final = (1, 10, 60, 300, 1800, 3600, 4 * 3600, 86400)
 LATENCY_LABELS: Final = ("<1s", "1-10s", "10s-1m", "1-5m", "5-30m", "30m-1h", "1-4h", "4h-1d", ">1d")
 QSHAPE_EDGES_MIN: Final = (5, 10, 20, 40, 80, 160, 320, 640, 1280)

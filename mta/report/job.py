@@ -52,7 +52,7 @@ from mta.report.figures import (
 )
 from mta.report.html_page import render_html
 from mta.report.text import render_text
-from spool.rows import expand_paths
+from spool.export.rows import expand_paths
 
 Progress = Callable[[str], None]
 

@@ -3,19 +3,19 @@
 Theory of operation. The driver plans the paths it is given (segment files,
 ``log/`` directories, spool directories, archive directories, globs of any of
 these; a spool directory gives both its ``log/`` and its ``archive/``), local
-or at a URL (``s3://``, ``hdfs://``, ``file://``: ``spool.remote``), into a
-sorted list of segment files (``spool.rows.plan``), plus one task per segment
+or at a URL (``s3://``, ``hdfs://``, ``file://``: ``spool.export.remote``), into a
+sorted list of segment files (``spool.export.rows.plan``), plus one task per segment
 missing from a directory's sequence, and makes **one partition per file**, or
 with the ``cores`` option one partition per run of consecutive files (see
 ``group_tasks``). The driver only lists: a worker opens its own files (objects
-in a bucket too) and turns each into Arrow record batches with ``spool.rows``
-(which reads through the spool's log reader, ``spool.reader``), one row per
+in a bucket too) and turns each into Arrow record batches with ``spool.export.rows``
+(which reads through the spool's log reader, ``spool.read.reader``), one row per
 record and one error row per anomaly, in file order; a file it cannot open is
 an error row.
 
 It lives with the report rather than in ``spool``, because it is the only
 piece of the pipeline that imports pyspark: ``spool``, the pure-Python walk
-(``spool.rows``) included, imports without it.
+(``spool.export.rows``) included, imports without it.
 
 Options: ``path`` / ``paths`` (as ``load()`` passes them), ``relay``,
 ``batchRows`` (rows per Arrow batch, default 65536), ``cores`` (the job's
@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from spool.rows import (
+from spool.export.rows import (
     DEFAULT_BATCH_ROWS,
     FORMAT_NAME,
     SCHEMA_DDL,

@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fault_injection import corrupt
-from spool.checkpoint import Checkpoint, CorruptCheckpoint
-from spool.damage import Anomaly
 from spool.errors import FormatVersionError
 from spool.fileio import OsFileIO
-from spool.reader import LogReader, check_buffer
-from spool.record import RecordType, encode_frame
-from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header
+from spool.format.checkpoint import Checkpoint, CorruptCheckpoint
+from spool.format.record import RecordType, encode_frame
+from spool.format.segment import SEGMENT_HEADER_SIZE, encode_segment_header
+from spool.read.anomaly import Anomaly
+from spool.read.reader import LogReader, check_buffer
 
 SEG = 7
 

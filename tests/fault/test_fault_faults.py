@@ -11,9 +11,9 @@ from spool_support import tiny_config
 
 from fault_injection import faults
 from fault_injection.ledger import Ledger, check
+from spool.engine.spool import Spool
 from spool.errors import DiskFull, SpoolError, SyncFailed
 from spool.fileio import OsFileIO
-from spool.spool import Spool
 
 
 def _enqueue(sp: Spool, led: Ledger, i: int) -> int:

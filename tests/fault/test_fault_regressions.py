@@ -14,10 +14,10 @@ import pytest
 from spool_support import tiny_config
 
 from fault_injection.corrupt import Fixture, Mutation, try_mutation
-from spool import admin
+from spool.engine.spool import Spool
 from spool.errors import CorruptSegment, SpoolError, SyncFailed
 from spool.fileio import OsFileIO
-from spool.spool import Spool
+from spool.read import listing as admin
 
 
 def test_power_cut_during_the_first_start_recovers(tmp_path: Path) -> None:

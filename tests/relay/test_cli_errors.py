@@ -25,8 +25,8 @@ from relay_support import NextHop, start_relay
 
 from mta.admin.control import ERROR_CODES
 from mta.config import parse_config
-from spool.config import SpoolConfig
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
 
 
 def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

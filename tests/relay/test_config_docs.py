@@ -10,8 +10,8 @@ import pytest
 from mta.config.doc import DOC, main, render_table, update
 from mta.config.loader import definitions
 from mta.config.sections import SECTIONS, SpoolSection, file_settings
-from spool.config import SpoolConfig
-from spool.settings import settings_of
+from spool.config.engine import SpoolConfig
+from spool.config.settings import settings_of
 
 TEXT = Path(DOC).read_text(encoding="utf-8")
 

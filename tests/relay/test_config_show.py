@@ -1,7 +1,7 @@
 """``mta config show [-n]``: the effective config as TOML that the loader reads back as the same ``Config``.
 
 The property test draws values for every setting from its own definition
-(``spool.settings`` kinds), so a setting added later is covered without a
+(``spool.config.settings`` kinds), so a setting added later is covered without a
 change here; a new kind of value fails loudly until it gets a strategy.
 """
 
@@ -24,9 +24,9 @@ from mta.config.loader import definitions
 from mta.config.routes import Domain
 from mta.config.show import show_config, toml_value
 from mta.config.values import Address, Hostname, Listen, Mailbox, Network, Processes, ReadableFile
-from spool.settings import Boolean, Duration, Fraction, Integer, Kind, ListOf, OneOf, Optional, Size, Text
-from spool.settings import Path as PathKind
-from spool.units import parse_duration
+from spool.config.settings import Boolean, Duration, Fraction, Integer, Kind, ListOf, OneOf, Optional, Size, Text
+from spool.config.settings import Path as PathKind
+from spool.config.units import parse_duration
 
 ENV = {k: v for k, v in os.environ.items() if k != "LOGSPOOL_CONFIG"}
 BASE = "/base"

@@ -19,7 +19,7 @@ from relay_support import NextHop, relay_config, server_context
 
 from mta.delivery.smtp_transport import SmtpTransport
 from mta.delivery.transport import Destination, Job
-from spool.record import Status
+from spool.format.record import Status
 
 
 def job(n: int) -> Job:

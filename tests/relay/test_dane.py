@@ -23,7 +23,7 @@ from relay_support import DeliveryWatch, NextHop, relay_config, server_context, 
 from unbound_support import have_unbound, unbound
 
 from mta.delivery.tlspolicy.dane import Tlsa, check
-from spool.record import Status
+from spool.format.record import Status
 
 assert have_unbound(), "unbound, ldns-keygen and ldns-signzone are needed (make sysdeps installs them)"
 

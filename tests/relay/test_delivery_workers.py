@@ -35,8 +35,8 @@ from mta.config import Config, parse_config
 from mta.delivery.smtp_transport import SmtpTransport
 from mta.delivery.workers import DeliveryWorkers
 from mta.observe.logline import LogEvent
-from spool.inline_commit import INLINE_SYNC_FAST
-from spool.record import Status
+from spool.aio.inline_commit import INLINE_SYNC_FAST
+from spool.format.record import Status
 
 
 def _send(port: int, sender: str, rcpts: list[str], body: str) -> None:

@@ -18,7 +18,7 @@ from dns_server import DnsServer
 from relay_support import DeliveryWatch, NextHop, Received, relay_config, start_relay
 
 from mta.smtp.common import Reply
-from spool.record import Status
+from spool.format.record import Status
 
 
 @pytest.fixture(scope="module")

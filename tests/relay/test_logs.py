@@ -26,7 +26,7 @@ from relay_support import DeliveryWatch, NextHop, RawClient, SilentHop, relay_co
 from mta.admin.control import socket_path
 from mta.observe.logline import JsonFormatter, TextFormatter
 from mta.smtp.common import Reply
-from spool.record import Status
+from spool.format.record import Status
 
 CONTROL_CHARS = {chr(c) for c in (*range(0x20), 0x7F)}
 

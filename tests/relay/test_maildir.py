@@ -24,7 +24,7 @@ from fault_injection.recording import ROOT_INO, Event, Link, Op, RecordingFileIO
 from mta.delivery.maildir import InvalidMailbox, MaildirDelivery, MaildirWriter, mailbox_name
 from mta.process.relay import Relay
 from spool.fileio import OsFileIO
-from spool.record import Status
+from spool.format.record import Status
 
 MESSAGE = b"From: a@example.org\r\nSubject: hi\r\n\r\nbody line\r\n"
 

@@ -37,8 +37,8 @@ from mta.auth.users import add_user
 from mta.inbound.server import Port
 from mta.shards import spool_config
 from mta.smtp.common import Reply
-from spool.record import Status
-from spool.spool import Spool
+from spool.engine.spool import Spool
+from spool.format.record import Status
 
 
 @attrs.frozen

@@ -32,7 +32,7 @@ from mta.delivery.smtp_transport import SmtpTransport
 from mta.delivery.tlspolicy.mtasts import PolicyInvalid, mx_matches, parse_policy, parse_txt
 from mta.delivery.tlspolicy.tlsrpt import Reporter
 from mta.process.relay import Relay
-from spool.record import Status
+from spool.format.record import Status
 
 GOOD, WRONG, PLAIN = "127.0.0.1", "127.0.0.3", "127.0.0.4"
 DOMAINS = ("sts.test", "bad.test", "none.test", "try.test")

@@ -30,8 +30,8 @@ from relay_support import DeliveryWatch, relay_config, start_relay
 from fault_injection import relayload, scratch_dir
 from fault_injection.recording import Link, Recording, Sync, Write
 from spool.errors import CorruptRecord
-from spool.record import Delivery, Finish, RecordType, Status, decode_frame, decode_payload
-from spool.segment import SEGMENT_HEADER_SIZE, parse_segment_name
+from spool.format.record import Delivery, Finish, RecordType, Status, decode_frame, decode_payload
+from spool.format.segment import SEGMENT_HEADER_SIZE, parse_segment_name
 
 BOUND = 10.0  # seconds: a bound on waiting for one outcome (liveness), not a pace
 
@@ -40,7 +40,7 @@ def _frames(rec: Recording) -> list[tuple[int, int, int, int]]:
     """(op index, inode, record type, attempt's START position) of every DELIVERY and FINISH frame written.
 
     A batch is written as whole frames from a frame boundary; zeros written
-    ahead of the log (spool.room), segment headers and one-byte garbage marks
+    ahead of the log (spool.write.room), segment headers and one-byte garbage marks
     decode as no frame and are skipped.
     """
     segment_of: dict[int, int] = {}

@@ -32,10 +32,10 @@ from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
 
 from mta.cli import main
 from mta.smtp.common import Reply
-from spool import admin
-from spool.config import SpoolConfig
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status
+from spool.read import listing as admin
 
 MTA = os.path.join(os.path.dirname(sys.executable), "mta")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"

@@ -14,7 +14,7 @@ from process_support import mta_json
 from relay_support import DeliveryWatch, NextHop, Received, relay_config, start_relay, write_relay_config
 
 from mta.smtp.common import Reply
-from spool.record import Status
+from spool.format.record import Status
 
 
 def _send(port: int, sender: str, rcpts: list[str], body: str) -> dict[str, tuple[int, bytes]]:

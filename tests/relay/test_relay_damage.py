@@ -45,9 +45,9 @@ from mta.config import Config
 from mta.process.relay import Relay
 from mta.process.startup import unwrapped
 from mta.smtp.common import Reply
-from spool import admin
-from spool.damage_policy import DamageRefused
-from spool.record import HEADER_SIZE, Status, make_pos, pos_offset, pos_segment
+from spool.damage.policy import DamageRefused
+from spool.format.record import HEADER_SIZE, Status, make_pos, pos_offset, pos_segment
+from spool.read import listing as admin
 
 SPOOL_EXTRA = 'segment_size = "16KiB"'
 
@@ -164,7 +164,7 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
     assert sorted(m.recipients[0] for m in dsns) == sorted(m.sender for m in template.messages if m.qid in bodies)
     assert all(b"damaged" in m.data for m in dsns)
     # Every lost message is named (log line and note), where a surviving record could name it.
-    lines = [r.getMessage() for r in caplog.records if r.name == "spool.damage"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
     lost_lines = [ln for ln in lines if ln.startswith("lost message:")]
     named = named_lost(spool)
     lost = envelopes - cut_out
@@ -251,7 +251,7 @@ async def test_zeroed_4k_range_in_a_middle_segment(tmp_path: Path, template: Tem
 
     result = await run_case(tmp_path, template, template_map, caplog, damage)
     assert len(result.lost_lines) >= 4
-    assert any("met by runner" in r.getMessage() for r in caplog.records if r.name == "spool.damage")
+    assert any("met by runner" in r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly")
 
 
 async def test_random_bit_flips(tmp_path: Path, template: Template, template_map: LogMap,
@@ -303,7 +303,7 @@ async def test_missing_segment(tmp_path: Path, template: Template, template_map:
         return Damage(ranges=[(make_pos(seg, 0), make_pos(seg + 1, 0))], notes=[_qname(seg, 0, "missing-segment")])
 
     await run_case(tmp_path, template, template_map, caplog, damage)
-    lines = [r.getMessage() for r in caplog.records if r.name == "spool.damage"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
     assert any(f"segment {seg}" in ln and "missing" in ln for ln in lines)
 
 
@@ -431,7 +431,7 @@ async def test_damage_met_by_admin_reads_while_running(tmp_path: Path, template:
         victim = hit[0].queue_id
         shown = await trio.to_thread.run_sync(ask_relay, path, {"op": "show", "id": victim, "body": True})
         assert shown is not None and "body" not in shown and "damaged" in shown["body_error"]
-        lines = [r.getMessage() for r in caplog.records if r.name == "spool.damage"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
         assert any("met by an admin read" in ln for ln in lines), lines
         for m in hit:
             assert any(f"queue id {m.queue_id} " in ln and "its data lies in the damaged range" in ln
@@ -476,7 +476,7 @@ async def test_damage_met_when_a_deferral_copies_the_body(tmp_path: Path, templa
         await watch.wait_for(Status.DELIVERED, len(template.messages))  # the others, and the bounce's DSN
         nursery.cancel_scope.cancel()
     assert bounce.recipient == victim.rcpt and "damaged" in bounce.reply
-    lines = [r.getMessage() for r in caplog.records if r.name == "spool.damage"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
     assert any("met by a read of message data" in ln and f"at offset {pos_offset(body.pos)} " in ln for ln in lines)
     assert os.path.exists(os.path.join(spool, "quarantine", _qname(pos_segment(body.pos), pos_offset(body.pos),
                                                                    "damaged-record") + ".bin"))

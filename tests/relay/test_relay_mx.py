@@ -22,7 +22,7 @@ from dns_server import DnsServer
 from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
 
 from mta.process.relay import Relay
-from spool.record import Status
+from spool.format.record import Status
 
 DEAD = "127.0.0.2"
 

@@ -26,7 +26,7 @@ from process_support import MTA, mta, mta_json
 from relay_support import DeliveryWatch, NextHop, relay_config, start_relay, write_relay_config
 
 from mta.smtp.common import Reply
-from spool.record import Status
+from spool.format.record import Status
 
 MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
 

@@ -15,9 +15,9 @@ from mta.delivery.local import DiscardTransport
 from mta.delivery.scheduler import Scheduler
 from mta.delivery.transport import Destination, Job, OnOutcome, Transport, body_chunks
 from mta.observe.metrics import Metrics
-from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
-from spool.record import Outcome, Status, format_id
+from spool.aio.async_spool import AsyncSpool
+from spool.config.engine import SpoolConfig
+from spool.format.record import Outcome, Status, format_id
 
 
 class WorkerSteps(trio.abc.Instrument):

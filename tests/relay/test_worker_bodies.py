@@ -25,10 +25,10 @@ from mta.config import Config, parse_config
 from mta.delivery.transport import Destination, Job
 from mta.delivery.workers import INLINE_BODY, DeliveryWorkers
 from mta.observe.logline import LogEvent
-from spool.commit import AsyncSpool, StoredBody
-from spool.config import SpoolConfig
+from spool.aio.async_spool import AsyncSpool, StoredBody
+from spool.config.engine import SpoolConfig
 from spool.errors import DamagedBody
-from spool.record import Status
+from spool.format.record import Status
 
 
 def _config(tmp_path: Path, port: int) -> Config:

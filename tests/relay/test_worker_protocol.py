@@ -23,7 +23,7 @@ from mta.delivery.worker_protocol import (
     job_from,
     job_header,
 )
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 MESSAGES = st.lists(st.tuples(st.sampled_from(["batch", "chunk", "outcome", "log"]),
                               st.binary(max_size=3000), st.integers(0, 2**40), st.text(max_size=50)), max_size=8)

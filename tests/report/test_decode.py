@@ -26,7 +26,7 @@ import s3_server
 from mta.report.decode import decode_records
 from mta.report.job import read_records
 from mta.report.spark_source import group_tasks
-from spool.rows import arrow_schema, plan
+from spool.export.rows import arrow_schema, plan
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -148,6 +148,6 @@ def test_a_task_whose_worker_dies_while_writing_runs_again_and_its_file_stays_ou
 
 
 def _rows(task: Any) -> list[dict[str, Any]]:
-    from spool.rows import relay_name_for, segment_batches
+    from spool.export.rows import relay_name_for, segment_batches
 
     return [r for b in segment_batches(task, relay_name_for(task.path)) for r in b.to_pylist()]

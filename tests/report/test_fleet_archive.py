@@ -22,7 +22,7 @@ from spark_fixture import run_relay
 from mta.archive.upload import CHECKSUM_KEY, Sent, archived, upload_directory
 from mta.cli import main
 from mta.report.text import render_text
-from spool.rows import ERROR_TYPE, plan, relay_name_for, segment_rows
+from spool.export.rows import ERROR_TYPE, plan, relay_name_for, segment_rows
 
 pytestmark = pytest.mark.timeout(1800)  # the Spark tests may be the first to start the shared session
 

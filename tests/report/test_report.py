@@ -18,8 +18,8 @@ from mta.report.errors import ReportError
 from mta.report.figures import Figures
 from mta.report.session import JAVA_MISSING, make_session
 from mta.report.text import render_text
-from spool.record import pos_offset
-from spool.rows import segment_rows
+from spool.export.rows import segment_rows
+from spool.format.record import pos_offset
 
 # The first test here pays for the session-scoped SparkSession and the report job
 # (327 s of set-up on the 2-core machine at load 5, 2026-11-22): more than the

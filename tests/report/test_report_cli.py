@@ -14,8 +14,8 @@ from click.testing import CliRunner, Result
 
 from mta.cli import main
 from mta.report.session import JAVA_MISSING
-from spool.config import SpoolConfig
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
 
 
 @pytest.fixture(name="spool_dir")

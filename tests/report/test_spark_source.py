@@ -13,8 +13,8 @@ from report_reference import plain_records
 
 from mta.report.job import read_records
 from mta.report.spark_source import MAX_FILES_PER_PARTITION, TASKS_PER_CORE
-from spool.record import HEADER_SIZE, Delivery, Envelope, Finish, Start, pos_offset
-from spool.rows import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
+from spool.export.rows import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
+from spool.format.record import HEADER_SIZE, Delivery, Envelope, Finish, Start, pos_offset
 
 # Run alone, the first test here pays for the shared SparkSession's start (see test_report.py).
 pytestmark = pytest.mark.timeout(1800)
@@ -145,7 +145,7 @@ def test_a_torn_tail_is_reported_as_torn(spark: Any, fleet: dict[str, str], tmp_
 def test_a_damaged_segment_header_gives_one_error_row_and_its_records_are_read(spark: Any, fleet: dict[str, str],
                                                                             tmp_path: Any) -> None:
     """Every frame carries its own length and a checksum salted with the segment id (the file name's):
-    a damaged header hides nothing behind it (spool.reader resynchronises at the first frame)."""
+    a damaged header hides nothing behind it (spool.read.reader resynchronises at the first frame)."""
     segs = _copy_spool(fleet["mx2"], str(tmp_path / "mx2"))
     with open(segs[0], "r+b") as f:
         f.write(b"NOTASPOOL")
@@ -228,8 +228,8 @@ def test_payloads_that_pass_the_checksum_but_do_not_decode_are_error_rows(tmp_pa
     import cbor2
 
     from spool.errors import CorruptRecord
-    from spool.record import RecordType, decode_fields, encode_frame
-    from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header
+    from spool.format.record import RecordType, decode_fields, encode_frame
+    from spool.format.segment import SEGMENT_HEADER_SIZE, encode_segment_header
 
     env = Envelope(7, "a@x.test", ("b@y.test",), (1,), 10, 1_700_000_000_000)
     good = [(RecordType.ENVELOPE, env.to_payload()), (RecordType.START, Start(7, 5).to_payload()),

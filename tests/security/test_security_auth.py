@@ -25,9 +25,9 @@ from mta.auth.users import add_user
 from mta.inbound.server import Port
 from mta.process.relay import Relay
 from mta.smtp.common import Reply
-from spool import admin
-from spool.admin import SpoolView
-from spool.record import Status
+from spool.format.record import Status
+from spool.read import listing as admin
+from spool.read.listing import SpoolView
 
 PASSWORD = "correct horse battery staple"
 

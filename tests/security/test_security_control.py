@@ -25,7 +25,7 @@ from relay_support import NextHop, start_relay, write_relay_config
 from mta.admin.control import ERROR_CODES, MAX_REQUEST
 from mta.config import parse_config
 from mta.process.relay import Relay
-from spool import admin
+from spool.read import listing as admin
 
 
 def write_config(tmp_path: Path, hop_port: int) -> Path:

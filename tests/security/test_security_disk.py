@@ -43,12 +43,12 @@ from mta.inbound.disk import free_bytes
 from mta.inbound.server import SmtpServer
 from mta.process.relay import Relay
 from mta.smtp.common import Reply
-from spool import checkpoint as ckpt
-from spool.core import LOG_DIR
+from spool.engine.core import LOG_DIR
 from spool.fileio import OsFileIO
-from spool.reader import LogReader
-from spool.record import Status, pos_offset
-from spool.segment import list_segments
+from spool.format import checkpoint as ckpt
+from spool.format.record import Status, pos_offset
+from spool.format.segment import list_segments
+from spool.read.reader import LogReader
 
 FS_SIZE = 8 << 20
 MINFREE = 4 << 20

@@ -30,7 +30,7 @@ from relay_support import DeliveryWatch, RawClient, relay_config, start_relay
 
 from mta.config import Config, parse_config
 from mta.process.relay import Relay
-from spool.record import Status
+from spool.format.record import Status
 
 LOCAL = {"localhost": "maildir:maildir", "*": "discard"}
 OUTSIDERS = '[relay]\nmynetworks = ["10.0.0.0/8"]\n'  # 127.0.0.0/8 is not trusted: every test client is an outsider

@@ -17,7 +17,7 @@ from process_support import MTA, run_mta
 from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
 
 from mta.process.security import UnsafeSpool, check_spool_dir
-from spool.record import Status
+from spool.format.record import Status
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from mta.delivery.transport import Destination, Job, OnOutcome, Transport
 from mta.process.relay import Relay
 from mta.smtp.common import Reply
 from spool.errors import SpoolError, SyncFailed
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 
 def hostile(cfg: Config, raising: dict[str, Callable[[str], BaseException]]) -> Config:
@@ -338,7 +338,7 @@ async def test_a_dsn_that_cannot_be_built_defers_the_bounce_instead_of_losing_it
 
 
 def test_is_fatal_tells_spool_failures_from_everything_else(tmp_path: Path) -> None:
-    from spool.spool import Spool
+    from spool.engine.spool import Spool
 
     assert is_fatal(SyncFailed("x"))
     try:

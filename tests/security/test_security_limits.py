@@ -19,7 +19,7 @@ import trio
 from process_support import MTA
 from relay_support import DeliveryWatch, RawClient, relay_config, start_relay
 
-from spool.record import Status
+from spool.format.record import Status
 
 LOCAL = {"localhost": "maildir:maildir", "*": "discard"}
 

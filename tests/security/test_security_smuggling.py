@@ -14,7 +14,7 @@ import smtplib
 import trio
 from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start_relay
 
-from spool.record import Status
+from spool.format.record import Status
 
 ENDS = [b"\n.\n", b"\r.\r", b"\r\n.\n", b"\n.\r\n", b"\r.\r\n"]
 

@@ -14,7 +14,7 @@ import trio
 import trustme
 from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start_relay
 
-from spool.record import Status
+from spool.format.record import Status
 
 
 def tls_extra(tmp_path: Path, ca: trustme.CA) -> str:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from spool import admin
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
 from spool.errors import SpoolError
-from spool.record import Outcome, Status, pos_segment
-from spool.spool import Spool
+from spool.format.record import Outcome, Status, pos_segment
+from spool.read import listing as admin
 
 RECEIVED = b"Received: from client by relay.test with ESMTP id X\r\n"
 SIGNATURE = b"DKIM-Signature: v=1; a=ed25519-sha256; d=example.com; s=s1; b=AAAA\r\n"

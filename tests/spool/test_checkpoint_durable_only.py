@@ -16,7 +16,7 @@ from pathlib import Path
 
 from spool_support import spool_config
 
-from spool.spool import Spool
+from spool.engine.spool import Spool
 
 CLOCK = 1_700_000_000.0
 

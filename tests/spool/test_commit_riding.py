@@ -15,10 +15,10 @@ import trio
 import trio.testing
 from spool_support import running_spool, spool_config
 
-from spool.commit import AsyncSpool
+from spool.aio.async_spool import AsyncSpool
+from spool.engine.spool import Attempt
 from spool.fileio import OsFileIO
-from spool.record import Outcome, Status
-from spool.spool import Attempt
+from spool.format.record import Outcome, Status
 
 LONG = 30.0
 

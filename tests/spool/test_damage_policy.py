@@ -20,14 +20,14 @@ import pytest
 from damage_support import NoSync, Template, build_template
 
 from fault_injection.corrupt import Mutation, claimed_or_damaged, named_lost
-from spool import admin
-from spool.config import SpoolConfig
-from spool.inspection import LogFiles
-from spool.record import Outcome, Status, format_id, make_pos, pos_offset, pos_segment
-from spool.segment import segment_path
-from spool.spool import Spool
-from spool.start_plan import plan
-from spool.verify import verify
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status, format_id, make_pos, pos_offset, pos_segment
+from spool.format.segment import segment_path
+from spool.read import listing as admin
+from spool.tools.inspection import LogFiles
+from spool.tools.start_plan import plan
+from spool.tools.verify import verify
 
 FAR = 4e9
 
@@ -121,7 +121,7 @@ def test_an_in_flight_envelope_in_a_deleted_first_segment_is_named(tmp_path: Pat
         assert mid not in {m.message_id for m in admin.iter_live(sp)}
     finally:
         sp.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "spool.damage"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
     assert any("segment 1 is missing" in ln for ln in lines)
     (lost,) = [ln for ln in lines if ln.startswith("lost message:")]
     assert "<b@example.net>" in lost and "in flight at the crash" in lost
@@ -138,7 +138,7 @@ def test_deleting_the_oldest_segments_up_to_a_live_envelope_is_loud(template: Te
         os.unlink(template.seg_file(spool, seg))
     sp = _open(spool)
     sp.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "spool.damage"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
     for seg in gone:
         assert any(f"segment {seg} is missing; the checkpoint needs every segment from 1 on" in ln for ln in lines)
     assert sorted(n for n in os.listdir(os.path.join(spool, "quarantine")) if n.endswith(".json")) == [
@@ -190,7 +190,7 @@ def test_damage_met_again_after_a_restart_is_not_kept_or_named_twice(template: T
     spool = template.copy(str(tmp_path / "spool"))
     os.unlink(template.seg_file(spool, 3))
     _open(spool).close()
-    first = [r.getMessage() for r in caplog.records if r.name == "spool.damage"]
+    first = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
     caplog.clear()
     sp = _open(spool)
     try:
@@ -198,7 +198,7 @@ def test_damage_met_again_after_a_restart_is_not_kept_or_named_twice(template: T
         assert sp.damage.quarantine.totals()[2] == len([ln for ln in first if ln.startswith("lost message:")])
     finally:
         sp.close()
-    again = [r.getMessage() for r in caplog.records if r.name == "spool.damage"]
+    again = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
     assert len(again) == 1 and "quarantined before" in again[0]
 
 

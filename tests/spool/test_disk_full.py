@@ -22,16 +22,16 @@ from disk_support import NEEDS_ROOT, fill_disk, small_filesystem
 from spool_support import spool_config
 
 from fault_injection.workloads import FakeClock as Clock
-from spool import admin
-from spool import checkpoint as ckpt
-from spool.commit import AsyncSpool
-from spool.config import MIN_SEGMENT_SIZE, SpoolConfig, fit_to_filesystem
+from spool.aio.async_spool import AsyncSpool
+from spool.config.engine import MIN_SEGMENT_SIZE, SpoolConfig, fit_to_filesystem
+from spool.engine.spool import Spool
 from spool.errors import CheckpointFailed, DiskFull, SpoolError
 from spool.fileio import OsFileIO
-from spool.record import Outcome, Status
-from spool.reserve import NAME as RESERVE
-from spool.segment import list_segments, segment_path
-from spool.spool import Spool
+from spool.format import checkpoint as ckpt
+from spool.format.record import Outcome, Status
+from spool.format.segment import list_segments, segment_path
+from spool.read import listing as admin
+from spool.write.reserve import NAME as RESERVE
 
 
 class FullDisk(OsFileIO):

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from fault_injection.workloads import FakeClock as Clock
-from spool.config import SpoolConfig
-from spool.fairness import BURST, DEFAULT_SHARE, QUIET, TRICKLE, DeferredBudget
-from spool.record import Outcome, Status
-from spool.spool import Attempt, Spool
+from spool.config.engine import SpoolConfig
+from spool.config.fairness import BURST, DEFAULT_SHARE, QUIET, TRICKLE, DeferredBudget
+from spool.engine.spool import Attempt, Spool
+from spool.format.record import Outcome, Status
 
 RCPT = "r@dest.example"
 BACKLOG = 400

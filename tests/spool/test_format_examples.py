@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
-from spool.checkpoint import Checkpoint
 from spool.errors import CorruptRecord
 from spool.fileio import OsFileIO
-from spool.reader import LogReader
-from spool.record import (
+from spool.format.checkpoint import Checkpoint
+from spool.format.record import (
     FLAGS_OFFSET,
     HEADER_SIZE,
     Delivery,
@@ -39,7 +38,8 @@ from spool.record import (
     payload_bytes,
     payload_type,
 )
-from spool.segment import decode_segment_header, encode_segment_header, segment_name
+from spool.format.segment import decode_segment_header, encode_segment_header, segment_name
+from spool.read.reader import LogReader
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
 SEG = 1

@@ -1,4 +1,4 @@
-"""A claim takes a new envelope from memory (spool.fresh), and gets exactly what decoding the log gives."""
+"""A claim takes a new envelope from memory (spool.write.fresh), and gets exactly what decoding the log gives."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import trio
 from spool_support import running_spool, spool_config
 
 from fault_injection.workloads import FakeClock as Clock
-from spool.fresh import FreshEnvelopes
-from spool.record import Envelope, Outcome, RecordType, Status, decode_payload
-from spool.spool import Spool
+from spool.engine.spool import Spool
+from spool.format.record import Envelope, Outcome, RecordType, Status, decode_payload
+from spool.write.fresh import FreshEnvelopes
 
 EXTRAS: list[dict[str, Any] | None] = [
     None,

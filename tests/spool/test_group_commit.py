@@ -23,10 +23,10 @@ from spool_support import running_spool, spool_config
 from mta.config import parse_config
 from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
-from spool.commit import AsyncSpool
+from spool.aio.async_spool import AsyncSpool
+from spool.aio.inline_commit import INLINE_SYNC_SAMPLES
 from spool.fileio import OsFileIO
-from spool.inline_commit import INLINE_SYNC_SAMPLES
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 
 def cpu(seconds: float) -> None:
@@ -334,7 +334,7 @@ class TimedSync(OsFileIO):
 
     def fdatasync(self, fd: int) -> None:
         if self._wrote.pop(fd, False):
-            # The zeroed room's own sync (spool.room), made between commits: not a commit's, not counted.
+            # The zeroed room's own sync (spool.write.room), made between commits: not a commit's, not counted.
             if not self.fast:
                 super().fdatasync(fd)
             return
@@ -498,7 +498,7 @@ async def test_a_checkpoint_holding_the_files_sends_a_lone_commit_to_the_thread(
     async with inline_spool(tmp_path, io) as aspool:
         await lone_enqueues(aspool, INLINE_SYNC_SAMPLES, "warm-up")
         w = aspool.core.writer
-        # No zeroed room from here on (spool.room): the committer would otherwise be making room in its
+        # No zeroed room from here on (spool.write.room): the committer would otherwise be making room in its
         # thread, behind the lock taken below, and try the lone commit only once the lock is free again.
         # The commit of one more message lets any room being made finish first.
         w.room.enabled = False

@@ -1,4 +1,4 @@
-"""``spool.idle.wait_idle``: the group commit's "no task can run" without trio.testing (and pytest) in the relay."""
+"""``spool.aio.idle.wait_idle``: the group commit's "no task can run" without trio.testing (and pytest) in the relay."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import trio
 import trio.testing
 
-from spool.idle import wait_idle
+from spool.aio.idle import wait_idle
 
 
 async def steps(n: int, done: list[int], i: int) -> None:

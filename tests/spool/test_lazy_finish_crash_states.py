@@ -22,8 +22,8 @@ from spool_support import running_spool, spool_config
 
 from fault_injection import crashstates
 from fault_injection.recording import RecordingFileIO
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status
 
 EPOCH = 1_000_000.0
 

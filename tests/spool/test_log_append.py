@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spool.fileio import OsFileIO
-from spool.log import OWN_BUFFER, LogWriter
-from spool.record import HEADER_SIZE, RecordType, encode_frame, make_pos
-from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, segment_path
+from spool.format.record import HEADER_SIZE, RecordType, encode_frame, make_pos
+from spool.format.segment import SEGMENT_HEADER_SIZE, encode_segment_header, segment_path
+from spool.write.log import OWN_BUFFER, LogWriter
 
 SEGMENT = 600
 T0 = 1_800_000_000

@@ -23,16 +23,16 @@ from mta.config import parse_config
 from mta.inbound import wire
 from mta.inbound.server import SmtpServer
 from mta.observe.metrics import Metrics
-from spool import admin
+from spool.aio.inline_commit import INLINE_SYNC_SAMPLES
 from spool.fileio import OsFileIO
-from spool.inline_commit import INLINE_SYNC_SAMPLES
+from spool.read import listing as admin
 
 
 class LoopIO(OsFileIO):
     """Real files; says which thread made each write and each commit's fdatasync; ``full``: ENOSPC.
 
     Its fdatasyncs skip the disk (``fast``), so that the machine's shared disk cannot decide which path a
-    commit takes. The zeroed room's own syncs (spool.room: only zeros written since) are not a commit's.
+    commit takes. The zeroed room's own syncs (spool.write.room: only zeros written since) are not a commit's.
     """
 
     def __init__(self) -> None:

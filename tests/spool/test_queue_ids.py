@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from spool import admin
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
 from spool.errors import SpoolError
-from spool.spool import Spool
+from spool.read import listing as admin
 
 
 def _config() -> SpoolConfig:

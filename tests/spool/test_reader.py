@@ -1,4 +1,4 @@
-"""The log reader (spool/reader.py) and its one classification of anomalies (spool/damage.py)."""
+"""The log reader (spool/read/reader.py) and its one classification of anomalies (spool/read/anomaly.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
-from spool.damage import Anomaly, Kind
 from spool.errors import CorruptSegment, FormatVersionError
 from spool.fileio import OsFileIO
-from spool.reader import HeaderWalk, LogReader, anomalies
-from spool.record import HEADER_SIZE, Envelope, Frame, RecordType, encode_frame, make_pos, pos_offset
-from spool.segment import SEGMENT_HEADER, SEGMENT_HEADER_SIZE, encode_segment_header, segment_name
+from spool.format.record import HEADER_SIZE, Envelope, Frame, RecordType, encode_frame, make_pos, pos_offset
+from spool.format.segment import SEGMENT_HEADER, SEGMENT_HEADER_SIZE, encode_segment_header, segment_name
+from spool.read.anomaly import Anomaly, Kind
+from spool.read.reader import HeaderWalk, LogReader, anomalies
 
 T = 1_700_000_000
 

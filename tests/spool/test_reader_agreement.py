@@ -5,7 +5,7 @@ each (a zeroed 4 KiB range in a middle segment, flipped bits, a truncated
 middle segment, a missing middle segment, a torn tail, a damaged segment
 header). For each, the log reader itself, ``spoolctl verify``, the admin reads
 (``admin.page``/``count``/``find`` on a read-only ``SpoolView``), the Spark
-source's error rows (its pure-Python walk, ``spool.rows``) and, where it meets
+source's error rows (its pure-Python walk, ``spool.export.rows``) and, where it meets
 the damage, a queue runner must agree. Before the one reader, ``verify``
 blamed an undamaged segment ("bad magic") where recovery blamed its neighbour.
 """
@@ -22,18 +22,18 @@ import attrs
 import pytest
 from spool_support import NoSync
 
-from spool import admin
-from spool.config import SpoolConfig
-from spool.damage import Anomaly, Kind
+from spool.config.engine import SpoolConfig
+from spool.engine.runner import Runner
+from spool.engine.spool import Spool
 from spool.errors import CorruptSegment
-from spool.inspection import LogFiles, checkpoint_or_none
-from spool.reader import anomalies
-from spool.record import Frame, RecordType, make_pos, pos_offset, pos_segment
-from spool.rows import ERROR_TYPE, plan, segment_rows
-from spool.runner import Runner
-from spool.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
-from spool.spool import Spool
-from spool.verify import Problem, verify
+from spool.export.rows import ERROR_TYPE, plan, segment_rows
+from spool.format.record import Frame, RecordType, make_pos, pos_offset, pos_segment
+from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
+from spool.read import listing as admin
+from spool.read.anomaly import Anomaly, Kind
+from spool.read.reader import anomalies
+from spool.tools.inspection import LogFiles, checkpoint_or_none
+from spool.tools.verify import Problem, verify
 
 T0 = 1_700_000_000
 SEGMENT_SIZE = 16 * 1024

@@ -1,4 +1,4 @@
-"""Property tests of the record codec (spool/record.py) and of reading frames back from files."""
+"""Property tests of the record codec (spool/format/record.py) and of reading frames back from files."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from record_strategies import deliveries, envelopes, finishes, frame_args, offse
 
 from spool.errors import CorruptRecord, CorruptSegment
 from spool.fileio import OsFileIO
-from spool.reader import LogReader
-from spool.record import (
+from spool.format.record import (
     FLAGS_OFFSET,
     HEADER_SIZE,
     Delivery,
@@ -42,7 +41,8 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, segment_name
+from spool.format.segment import SEGMENT_HEADER_SIZE, encode_segment_header, segment_name
+from spool.read.reader import LogReader
 
 FAST = settings(max_examples=30, deadline=None)
 
@@ -354,7 +354,7 @@ def test_decode_payload_of_an_unknown_type_is_corrupt_record(rtype: int) -> None
 
 def _envelope_payload_before_issue_18(env: Envelope) -> bytes:
     """Envelope.to_payload as it was before envelope_payload (fae3ac8): the reference the new encoder must match."""
-    from spool.record import _SHORT, _cbor_head, _cbor_text, _cbor_uint
+    from spool.format.record import _SHORT, _cbor_head, _cbor_text, _cbor_uint
 
     def uints(vs: tuple[int, ...]) -> bytes:
         return _cbor_head(4, len(vs)) + b"".join(map(_cbor_uint, vs))

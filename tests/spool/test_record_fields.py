@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from record_strategies import deliveries, envelopes, finishes, starts
 
 from spool.errors import CorruptRecord
-from spool.record import (
+from spool.format.record import (
     Delivery,
     Outcome,
     Payload,

@@ -15,9 +15,9 @@ from spool_support import spool_config
 
 from fault_injection.recording import ROOT_INO, Op, RecordingFileIO, Rename, Sync, SyncDir, Write
 from fault_injection.workloads import FakeClock as Clock
-from spool.checkpoint import NAME as CHECKPOINT
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.engine.spool import Spool
+from spool.format.checkpoint import NAME as CHECKPOINT
+from spool.format.record import Outcome, Status
 
 RCPT = "r@dest.example"
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from fault_injection import powercut
 from fault_injection.recording import Link, Op, RecordingFileIO, Sync, Write
-from spool.config import SpoolConfig
-from spool.record import RecordType
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
+from spool.format.record import RecordType
 
 SEGMENT = 4096
 

@@ -59,16 +59,16 @@ from salvage_support import (
 )
 
 from fault_injection import scratch_dir
-from spool import admin
-from spool.cli import cli
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
 from spool.errors import SpoolLocked
-from spool.inspection import LogFiles
-from spool.record import HEADER_SIZE, Outcome, Status, format_id, parse_id, pos_segment
-from spool.salvage import TargetNotUsable, salvage
-from spool.segment import SEGMENT_HEADER_SIZE
-from spool.spool import Spool
-from spool.verify import verify
+from spool.format.record import HEADER_SIZE, Outcome, Status, format_id, parse_id, pos_segment
+from spool.format.segment import SEGMENT_HEADER_SIZE
+from spool.read import listing as admin
+from spool.tools.cli import cli
+from spool.tools.inspection import LogFiles
+from spool.tools.salvage import TargetNotUsable, salvage
+from spool.tools.verify import verify
 
 T0 = 1_700_000_000.0
 

@@ -1,5 +1,5 @@
-"""Segment files on disk: the header checks of spool/segment.py, and the torn-tail rules recovery applies
-through the log reader (spool/reader.py, spool/damage.py)."""
+"""Segment files on disk: the header checks of spool/format/segment.py, and the torn-tail rules recovery applies
+through the log reader (spool/read/reader.py, spool/read/anomaly.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ from crc32c import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spool.damage import Anomaly, Kind
 from spool.errors import CorruptSegment, FormatVersionError
 from spool.fileio import OsFileIO
-from spool.reader import LogReader
-from spool.record import FLAGS_OFFSET, HEADER_SIZE, Envelope, Finish, RecordType, Start, encode_frame, make_pos
-from spool.segment import (
+from spool.format.record import FLAGS_OFFSET, HEADER_SIZE, Envelope, Finish, RecordType, Start, encode_frame, make_pos
+from spool.format.segment import (
     FORMAT_VERSION,
     SECTOR,
     SEGMENT_HEADER_SIZE,
@@ -29,6 +27,8 @@ from spool.segment import (
     read_whole,
     segment_name,
 )
+from spool.read.anomaly import Anomaly, Kind
+from spool.read.reader import LogReader
 
 IO = OsFileIO()
 SEG = 3
@@ -303,7 +303,7 @@ def test_header_size_must_be_32(tmp_path: Path) -> None:
 
 def test_prev_size_records_the_sealed_length_of_the_previous_segment(tmp_path: Path) -> None:
     """Version 2: a sealed segment cut at a record boundary no longer looks whole."""
-    from spool.segment import segment_header_fields
+    from spool.format.segment import segment_header_fields
 
     assert segment_header_fields(encode_segment_header(SEG, 99, 4096), "f", SEG) == (SEG, 99, 4096)
     (tmp_path / segment_name(SEG + 1)).write_bytes(encode_segment_header(SEG + 1, 99, 4096))

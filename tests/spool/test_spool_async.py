@@ -10,10 +10,10 @@ import trio.testing
 from spool_support import running_spool, spool_config
 
 from fault_injection.workloads import FakeClock as Clock
-from spool import admin
+from spool.engine.spool import Spool
 from spool.errors import MessageBusy, NotFound
-from spool.record import HELD_CLASS, Outcome, Status
-from spool.spool import Spool
+from spool.format.record import HELD_CLASS, Outcome, Status
+from spool.read import listing as admin
 
 
 def reopen(path: Path, clock: Clock) -> Spool:

@@ -13,10 +13,10 @@ import trio
 import trio.testing
 from spool_support import running_spool, spool_config
 
-from spool.commit import INLINE_READ, AsyncSpool, StoredBody
-from spool.core import Attempt
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.aio.async_spool import INLINE_READ, AsyncSpool, StoredBody
+from spool.engine.core import Attempt
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status
 
 EPOCH = 1_000_000.0
 

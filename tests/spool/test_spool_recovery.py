@@ -15,12 +15,12 @@ import pytest
 from spool_support import spool_config
 
 from fault_injection.workloads import FakeClock as Clock
-from spool import admin
-from spool.damage import Anomaly, Kind
+from spool.engine.spool import Spool
 from spool.errors import CorruptSegment
-from spool.record import HELD_CLASS, Outcome, Status, format_id, pos_offset, pos_segment
-from spool.segment import list_segments, segment_path
-from spool.spool import Spool
+from spool.format.record import HELD_CLASS, Outcome, Status, format_id, pos_offset, pos_segment
+from spool.format.segment import list_segments, segment_path
+from spool.read import listing as admin
+from spool.read.anomaly import Anomaly, Kind
 
 RCPT = "r@dest.example"
 
@@ -236,7 +236,7 @@ def test_attempt_without_delivery_record_is_in_doubt_and_held_until_released(
     sp.close()
 
     qid = format_id(mid)
-    with caplog.at_level(logging.INFO, logger="spool.recovery"):
+    with caplog.at_level(logging.INFO, logger="spool.engine.recovery"):
         sp = Spool.open(str(tmp_path), config(clock))
     try:
         assert sp.recovery_stats.in_flight == 1

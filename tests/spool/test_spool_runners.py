@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from fault_injection.workloads import FakeClock as Clock
-from spool import admin
-from spool.config import SpoolConfig
-from spool.fairness import QUIET
-from spool.record import HELD_CLASS, Outcome, Status
-from spool.segment import list_segments, segment_path
-from spool.spool import Attempt, Spool
+from spool.config.engine import SpoolConfig
+from spool.config.fairness import QUIET
+from spool.engine.spool import Attempt, Spool
+from spool.format.record import HELD_CLASS, Outcome, Status
+from spool.format.segment import list_segments, segment_path
+from spool.read import listing as admin
 
 RCPT = "r@dest.example"
 

@@ -28,13 +28,13 @@ from hypothesis.stateful import (
 )
 from spool_model import SpoolModel
 
-from spool import admin
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.config.fairness import QUIET
+from spool.engine.spool import Attempt, Spool
 from spool.errors import MessageBusy, NotFound
-from spool.fairness import QUIET
-from spool.record import HELD_CLASS, Outcome, Status
-from spool.segment import list_segments
-from spool.spool import Attempt, Spool
+from spool.format.record import HELD_CLASS, Outcome, Status
+from spool.format.segment import list_segments
+from spool.read import listing as admin
 
 INTERVALS = (10.0, 20.0, 40.0)
 # The machine checks what a crash (close without commit) keeps and loses, which does not depend on

@@ -21,12 +21,10 @@ from click.testing import CliRunner, Result
 from spool_support import NoSync
 
 from fault_injection.workloads import FakeClock as Clock
-from spool import admin
-from spool.cli import cli, main
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import BODY_SLACK, Attempt, Spool
 from spool.fileio import OsFileIO
-from spool.inspection import LogFiles
-from spool.record import (
+from spool.format.record import (
     FLAGS_OFFSET,
     HEADER_SIZE,
     Outcome,
@@ -39,9 +37,11 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
-from spool.spool import BODY_SLACK, Attempt, Spool
-from spool.verify import verify
+from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
+from spool.read import listing as admin
+from spool.tools.cli import cli, main
+from spool.tools.inspection import LogFiles
+from spool.tools.verify import verify
 
 T0 = 1_700_000_000
 
@@ -643,7 +643,7 @@ def test_verify_reports_a_live_body_in_a_reclaimed_segment(tmp_path: Path) -> No
 
 
 def test_recover_reports_the_removed_half_created_segment_as_tail_cut(tmp_path: Path) -> None:
-    """Engine bug (spool/recovery.py, then Spool._drop_empty_last_segment): the half-created last
+    """Engine bug (spool/engine/recovery.py, then Spool._drop_empty_last_segment): the half-created last
     segment it removes is a torn tail, but recovery_stats.tail_cut_bytes stayed 0, so
     `spoolctl recover` told the operator nothing was cut."""
     m = build(tmp_path)

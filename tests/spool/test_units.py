@@ -1,4 +1,5 @@
-"""spool.units: one grammar of durations and sizes, written back exactly; spool.settings: the engine checks its own."""
+"""spool.config.units: one grammar of durations and sizes, written back exactly;
+spool.config.settings: the engine checks its own."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.config.units import MAX_DURATION, format_age, format_duration, format_size, parse_duration, parse_size
 from spool.errors import ConfigError
-from spool.units import MAX_DURATION, format_age, format_duration, format_size, parse_duration, parse_size
 
 
 @given(st.one_of(st.floats(0, MAX_DURATION), st.integers(0, int(MAX_DURATION)).map(float),

@@ -1,4 +1,4 @@
-"""Zeroed room ahead of the log's write position (spool/room.py, format version 3): how the writer makes it,
+"""Zeroed room ahead of the log's write position (spool/write/room.py, format version 3): how the writer makes it,
 seals it away, and how every reader and recovery read a zero tail (the clean end) against damage."""
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from spool_support import spool_config
 from fault_injection import powercut
 from fault_injection.recording import RecordingFileIO, Sync, Write
 from fault_injection.workloads import FakeClock as Clock
-from spool import admin
-from spool.cli import cli as spoolctl
-from spool.commit import AsyncSpool
-from spool.damage import Anomaly, Kind
+from spool.aio.async_spool import AsyncSpool
+from spool.engine.spool import Spool
+from spool.export.rows import ERROR_TYPE, segment_rows
 from spool.fileio import OsFileIO
-from spool.reader import LogReader, anomalies
-from spool.record import HEADER, HEADER_SIZE, RecordType, encode_frame, make_pos, pos_offset, pos_segment
-from spool.room import ROOM_MIN
-from spool.rows import ERROR_TYPE, segment_rows
-from spool.segment import SEGMENT_HEADER, SEGMENT_HEADER_SIZE, list_segments, segment_path
-from spool.spool import Spool
+from spool.format.record import HEADER, HEADER_SIZE, RecordType, encode_frame, make_pos, pos_offset, pos_segment
+from spool.format.segment import SEGMENT_HEADER, SEGMENT_HEADER_SIZE, list_segments, segment_path
+from spool.read import listing as admin
+from spool.read.anomaly import Anomaly, Kind
+from spool.read.reader import LogReader, anomalies
+from spool.tools.cli import cli as spoolctl
+from spool.write.room import ROOM_MIN
 
 IO = OsFileIO()
 RCPT = "r@dest.example"
@@ -294,7 +294,7 @@ def test_the_committer_makes_room_with_syncs_of_its_own_never_in_a_commit(tmp_pa
 
 def test_spoolctl_verify_and_the_report_source_read_a_zero_tail_as_the_end(tmp_path: Path) -> None:
     """The readers outside the engine: ``spoolctl verify`` says clean, and the Spark data source's rows
-    (spool/rows.py) are the records, with no error row, while the last segment ends in zeroed room."""
+    (spool/export/rows.py) are the records, with no error row, while the last segment ends in zeroed room."""
     sp = Spool.open(str(tmp_path), spool_config(Clock()))
     try:
         for i in range(3):

@@ -20,10 +20,10 @@ import time
 import attrs
 
 from fault_injection.corrupt import Mutation
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
 from spool.fileio import OsFileIO
-from spool.reader import LogReader
-from spool.record import (
+from spool.format.record import (
     Envelope,
     Frame,
     Outcome,
@@ -35,8 +35,8 @@ from spool.record import (
     pos_offset,
     pos_segment,
 )
-from spool.segment import list_segments, segment_path
-from spool.spool import Spool
+from spool.format.segment import list_segments, segment_path
+from spool.read.reader import LogReader
 
 SEGMENT_SIZE = 16 * 1024
 

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from spool.record import GARBAGE, Delivery, Envelope, Finish, Outcome, Payload, Start, StartKind, Status, make_pos
+from spool.format.record import (
+    GARBAGE,
+    Delivery,
+    Envelope,
+    Finish,
+    Outcome,
+    Payload,
+    Start,
+    StartKind,
+    Status,
+    make_pos,
+)
 
 segment_ids = st.integers(0, 2**64 - 1)
 offsets = st.integers(0, 2**32 - 1)

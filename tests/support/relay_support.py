@@ -37,7 +37,7 @@ from mta.smtp.server import (
     ServerConnection,
     StartTls,
 )
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 MESSAGE_ID = re.compile(rb"^Message-ID: <([^>]+)>", re.MULTILINE | re.IGNORECASE)
 

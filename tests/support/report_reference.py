@@ -30,9 +30,9 @@ from mta.report.figures import (
     QueueShapeRow,
 )
 from spool.fileio import OsFileIO
-from spool.reader import LogReader
-from spool.record import Delivery, Envelope, Finish, RecordType, Start, StartKind, decode_payload, make_pos
-from spool.segment import SEGMENT_HEADER_SIZE, parse_segment_name
+from spool.format.record import Delivery, Envelope, Finish, RecordType, Start, StartKind, decode_payload, make_pos
+from spool.format.segment import SEGMENT_HEADER_SIZE, parse_segment_name
+from spool.read.reader import LogReader
 
 
 @attrs.frozen

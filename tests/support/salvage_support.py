@@ -18,13 +18,13 @@ from typing import Any
 
 import attrs
 
-from spool import admin
-from spool.admin import SpoolView
-from spool.config import SpoolConfig
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
 from spool.fileio import OsFileIO
-from spool.record import FLAGS_OFFSET, HEADER, HEADER_SIZE, Outcome, Status, format_id, pos_offset, pos_segment
-from spool.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
-from spool.spool import Spool
+from spool.format.record import FLAGS_OFFSET, HEADER, HEADER_SIZE, Outcome, Status, format_id, pos_offset, pos_segment
+from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
+from spool.read import listing as admin
+from spool.read.listing import SpoolView
 
 SEGMENT_SIZE = 16 * 1024
 BODY_CHUNK = 1024

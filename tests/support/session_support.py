@@ -1,5 +1,5 @@
 """Pieces the group-commit tests share: a relay config for real sessions, SMTP steps on a trio stream, a spool
-with the inline commit path on (spool/inline_commit.py), and lone enqueues to warm its timings up."""
+with the inline commit path on (spool/aio/inline_commit.py), and lone enqueues to warm its timings up."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import trio
 from spool_support import running_spool, spool_config
 
-from spool.commit import AsyncSpool
+from spool.aio.async_spool import AsyncSpool
+from spool.aio.inline_commit import INLINE_SYNC_FAST
 from spool.fileio import FileIO
-from spool.inline_commit import INLINE_SYNC_FAST
 
 SERVER_TOML = """
 [server]

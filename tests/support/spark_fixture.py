@@ -1,6 +1,6 @@
 """Spools with history for the Spark data source and report tests.
 
-``run_relay`` really runs the spool engine (``spool.spool.Spool``) for a few
+``run_relay`` really runs the spool engine (``spool.engine.spool.Spool``) for a few
 hours of simulated time (its clock is injected): mail arrives, runners take
 due envelopes, the tests' own next hop answers per recipient domain
 (delivered, greylisted, slow, unknown user, down), ``finish`` writes
@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import random
 
-from spool.config import SpoolConfig
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status
 
 RETRY_INTERVALS = (60.0, 300.0, 900.0)
 LIFETIME_S = 2400.0

@@ -19,7 +19,7 @@ import copy
 
 import attrs
 
-from spool.record import HELD_CLASS, Status
+from spool.format.record import HELD_CLASS, Status
 
 
 @attrs.define

@@ -14,8 +14,8 @@ from typing import Any
 
 import trio
 
-from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
+from spool.aio.async_spool import AsyncSpool
+from spool.config.engine import SpoolConfig
 from spool.fileio import FileIO, OsFileIO
 
 

@@ -6,7 +6,7 @@ its CBOR decoding and field checks (``_SegmentWalk.take``), turning a chunk
 into an Arrow record batch (``_to_batch``), and freeing the chunk's Python
 objects. This times each with ``time.process_time`` on the same segments,
 with the cyclic collector paused as ``segment_batches`` pauses it. It imports
-``spool.rows`` from ``sys.path``, so an older tree can be timed by putting it
+``spool.export.rows`` from ``sys.path``, so an older tree can be timed by putting it
 first on ``PYTHONPATH``. ``--dump`` writes every batch to an Arrow IPC file,
 ``--compare`` checks two such files for equal contents (two trees' output).
 
@@ -24,7 +24,7 @@ from typing import Any
 
 
 def _segments(roots: list[str], count: int) -> list[Any]:
-    from spool.rows import plan
+    from spool.export.rows import plan
 
     tasks = [t for t in plan(roots) if t.missing is None]
     return tasks[:count] if count else tasks
@@ -38,7 +38,7 @@ def _schema(rows: Any) -> Any:
 def _one_pass(tasks: list[Any], batch_rows: int, dump: Any) -> tuple[int, float, float, float]:
     import pyarrow as pa
 
-    from spool import rows
+    from spool.export import rows
 
     schema = _schema(rows)
     records = 0
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     pa.array((0,), pa.int64())  # a process's first pa.array imports pandas (0.2 s): not the build's cost
     gc.disable()
     if args.dump:
-        from spool import rows
+        from spool.export import rows
 
         with pa.ipc.new_file(args.dump, _schema(rows)) as sink:
             _one_pass(tasks, args.batch_rows, sink)

@@ -29,7 +29,7 @@ Issue 7, second half. Two measurements (benchmarks, never timed tests: docs/benc
    ``finish`` (the deferred ones go back to class 1). The same workload on an
    empty spool is the reference; rounds alternate A (empty) B (backlog) so
    that load from elsewhere hits both alike. B runs with the spool's deferred
-   budget (``spool.fairness``, ``--deferred-share``, default the engine's);
+   budget (``spool.config.fairness``, ``--deferred-share``, default the engine's);
    with ``--compare-off`` (the default) each round also runs B0, the backlog
    with the budget off (share 1.0: the engine before the budget), so A B0 B
    interleave and before/after come from the same minutes. Reported: accepted
@@ -60,12 +60,12 @@ import spool_bench
 import trio
 from common import fmt, median, say
 
-from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
-from spool.fairness import DEFAULT_SHARE
+from spool.aio.async_spool import AsyncSpool
+from spool.config.engine import SpoolConfig
+from spool.config.fairness import DEFAULT_SHARE
+from spool.engine.spool import Attempt, Spool
 from spool.fileio import OsFileIO
-from spool.record import Outcome, Status
-from spool.spool import Attempt, Spool
+from spool.format.record import Outcome, Status
 
 SENDER = spool_bench.SENDER
 RCPTS = spool_bench.RCPTS

@@ -37,8 +37,10 @@ import cbor2
 import common
 from common import fmt, median, say
 
-from spool.config import SpoolConfig
-from spool.record import (
+from spool.config.engine import SpoolConfig
+from spool.engine.runner import Runner
+from spool.engine.spool import Attempt, Spool
+from spool.format.record import (
     Delivery,
     Envelope,
     Finish,
@@ -49,9 +51,7 @@ from spool.record import (
     encode_frame,
     make_pos,
 )
-from spool.runner import Runner
-from spool.segment import SEGMENT_HEADER_SIZE
-from spool.spool import Attempt, Spool
+from spool.format.segment import SEGMENT_HEADER_SIZE
 
 SENDER = "alice@example.org"
 RCPTS = ("bob@example.net",)

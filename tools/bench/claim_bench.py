@@ -23,9 +23,9 @@ import statistics
 import tempfile
 import time
 
-from spool.config import SpoolConfig
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status
 
 BODY = b"x" * 4000 + b"\r\n"
 

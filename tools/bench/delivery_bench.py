@@ -30,10 +30,10 @@ from mta.config import parse_config
 from mta.delivery.local import DiscardTransport
 from mta.delivery.scheduler import Scheduler
 from mta.observe.metrics import Metrics
-from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
+from spool.aio.async_spool import AsyncSpool
+from spool.config.engine import SpoolConfig
 from spool.fileio import OsFileIO
-from spool.record import Outcome, Status
+from spool.format.record import Outcome, Status
 
 BODY = (b"Subject: bench\r\n\r\n" + b"x" * 76 + b"\r\n") * 52  # about 4 KiB
 

@@ -6,7 +6,7 @@ Why: the report is for operators of many relays, so its benchmark needs the
 archive such a fleet leaves, with the engine's own records (envelopes, bodies,
 starts, deliveries, finishes, replacement envelopes of the next retry class,
 DSNs for bounces) in the proportions real traffic gives, not a synthetic
-record stream. Each relay ``DIR/mxNN`` is a real spool (``spool.spool.Spool``,
+record stream. Each relay ``DIR/mxNN`` is a real spool (``spool.engine.spool.Spool``,
 its clock injected) with ``archive_dir`` set, so finished segments move to
 ``DIR/mxNN/archive/`` at checkpoints, as on a relay that keeps its archive for
 the report; ``mta report --input DIR/mx01 ... --input DIR/mx10`` (or
@@ -44,9 +44,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spool.config import SpoolConfig
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC
 STEP_S = 60.0

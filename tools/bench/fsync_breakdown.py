@@ -76,9 +76,9 @@ def records(log_dir: str) -> dict[str, list[tuple[int, int, str]]]:
     """Per segment file: (offset, end, kind) of every record, kind from its type (envelopes by class)."""
     sys.path.insert(0, ROOT)
     from spool.fileio import OsFileIO
-    from spool.reader import LogReader
-    from spool.record import Frame, RecordType, pos_offset, pos_segment
-    from spool.segment import segment_path
+    from spool.format.record import Frame, RecordType, pos_offset, pos_segment
+    from spool.format.segment import segment_path
+    from spool.read.reader import LogReader
 
     out: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)
     reader = LogReader(OsFileIO(), log_dir)
@@ -97,7 +97,7 @@ def classify(calls: list[dict[str, Any]], recs: dict[str, list[tuple[int, int, s
              spool_dir: str) -> list[dict[str, Any]]:
     """One entry per sync call: its kind, thread, time and what it covered."""
     written: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)  # since the file's last sync
-    # A write that does not end where a record ends is zeros written ahead of the log (spool.room, make_room):
+    # A write that does not end where a record ends is zeros written ahead of the log (spool.write.room, make_room):
     # it covers offsets records are written into later, so it must not count them.
     ends = {path: {end for _off, end, _kind in rs} for path, rs in recs.items()}
     syncs: list[dict[str, Any]] = []
@@ -128,7 +128,7 @@ def classify(calls: list[dict[str, Any]], recs: dict[str, list[tuple[int, int, s
             elif kinds["DELIVERY"]:
                 entry["kind"] = "segment: deliveries, no new message"
             elif room:
-                entry["kind"] = "segment: zeroed room made ahead (spool.room)"
+                entry["kind"] = "segment: zeroed room made ahead (spool.write.room)"
             elif kinds:
                 entry["kind"] = "segment: claims/finish/replacements only"
             elif marks:

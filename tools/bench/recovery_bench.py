@@ -33,9 +33,9 @@ from typing import Any
 
 import common
 
-from spool.config import SpoolConfig
-from spool.record import Outcome, Status
-from spool.spool import Spool
+from spool.config.engine import SpoolConfig
+from spool.engine.spool import Spool
+from spool.format.record import Outcome, Status
 
 SEGMENT_SIZE = 4 << 20
 RCPTS = ("b@example.net", "c@example.net")

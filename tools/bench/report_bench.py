@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from spark_bench import plain_read, timed
 
-from spool.rows import expand_paths
+from spool.export.rows import expand_paths
 
 
 def fleet_inputs(directory: str) -> list[str]:

@@ -41,8 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spool.fileio import OsFileIO
-from spool.reader import LogReader
-from spool.record import (
+from spool.format.record import (
     Delivery,
     Envelope,
     Finish,
@@ -54,7 +53,8 @@ from spool.record import (
     encode_frame,
     make_pos,
 )
-from spool.segment import SEGMENT_HEADER_SIZE, encode_segment_header, parse_segment_name, segment_path
+from spool.format.segment import SEGMENT_HEADER_SIZE, encode_segment_header, parse_segment_name, segment_path
+from spool.read.reader import LogReader
 
 DOMAINS = ["ok.example", "grey.example", "bad.example", "far.example"]
 
@@ -125,7 +125,7 @@ def plain_read(paths: list[str]) -> int:
 
 def inproc_reader(directory: str) -> int:
     """The data source's own read path (``segment_batches``) in this process, without Spark."""
-    from spool.rows import segment_batches
+    from spool.export.rows import segment_batches
 
     return sum(b.num_rows for path in sorted(glob.glob(os.path.join(directory, "log", "*.seg")))
                for b in segment_batches(path, "bench"))

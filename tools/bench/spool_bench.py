@@ -42,10 +42,12 @@ import trio
 from common import fmt, median, say
 from crc32c import crc32c
 
-from spool.commit import AsyncSpool
-from spool.config import SpoolConfig
+from spool.aio.async_spool import AsyncSpool
+from spool.config.engine import SpoolConfig
+from spool.engine.runner import Runner
+from spool.engine.spool import Attempt, Spool
 from spool.fileio import OsFileIO
-from spool.record import (
+from spool.format.record import (
     HEADER,
     Delivery,
     Envelope,
@@ -58,9 +60,7 @@ from spool.record import (
     envelope_payload,
     make_pos,
 )
-from spool.runner import Runner
-from spool.segment import SEGMENT_HEADER_SIZE
-from spool.spool import Attempt, Spool
+from spool.format.segment import SEGMENT_HEADER_SIZE
 
 SENDER = "alice@example.org"
 RCPTS = ("bob@example.net",)
@@ -441,9 +441,9 @@ def child_build_synthetic(path: str, n: int) -> dict[str, Any]:
     them; the references inside their payloads are not meaningful (``spoolctl verify``
     would say so).
     """
-    from spool import checkpoint as ckpt
-    from spool.record import GARBAGE
-    from spool.segment import encode_segment_header, segment_path
+    from spool.format import checkpoint as ckpt
+    from spool.format.record import GARBAGE
+    from spool.format.segment import encode_segment_header, segment_path
 
     seg_size = SpoolConfig().segment_size
     sp = Spool.open(path, SpoolConfig(checkpoint_interval=math.inf))

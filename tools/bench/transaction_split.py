@@ -63,8 +63,8 @@ sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 from mta.config.loader import parse_config  # noqa: E402  (after the code tree to measure is first)
 from mta.inbound import server as inbound  # noqa: E402
 from mta.process.relay import Relay  # noqa: E402
-from spool import group_commit  # noqa: E402
-from spool.log import Batch, LogWriter  # noqa: E402
+from spool.aio import group_commit  # noqa: E402
+from spool.write.log import Batch, LogWriter  # noqa: E402
 
 PHASES = ("to DATA", "body", "envelope", "group-commit wait", "write + fsync", "wake-up", "reply", "QUIT")
 MARKS = ("accept", "data", "eod", "commit", "write", "synced", "enqueued", "replied", "closed")

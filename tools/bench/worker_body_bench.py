@@ -10,7 +10,7 @@ thread and the worker's in another, each timed on its own thread's CPU clock
   as a fresh message's are) into the batch frame; the worker decodes it.
 - ``position``: the batch frame carries the DATA records' positions; the
   worker decodes it and reads each record from the segment file (pread of the
-  header and payload, checksum verified: ``spool.segment.read_frame_at``),
+  header and payload, checksum verified: ``spool.format.segment.read_frame_at``),
   with the segment's descriptor kept open.
 
 Prints µs of CPU per message on each side, the median of the runs
@@ -34,10 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from mta.delivery.worker_protocol import FrameReader, encode  # noqa: E402
+from spool.engine.spool import Spool  # noqa: E402
 from spool.fileio import OsFileIO  # noqa: E402
-from spool.record import pos_offset, pos_segment  # noqa: E402
-from spool.segment import read_frame_at, segment_path  # noqa: E402
-from spool.spool import Spool  # noqa: E402
+from spool.format.record import pos_offset, pos_segment  # noqa: E402
+from spool.format.segment import read_frame_at, segment_path  # noqa: E402
 
 HEADER = ["100000020", "sender@example.org", ["rcpt@example.net"], 0, {}]
 

@@ -1,0 +1,1 @@
+"""The engine's settings: their definitions, the units they are written in, the engine config, fairness."""

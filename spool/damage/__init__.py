@@ -1,0 +1,1 @@
+"""What the engine does with damage the reader found: the policy and the quarantine."""

@@ -1,0 +1,1 @@
+"""The log as rows for the report, read from local or remote storage."""

@@ -1,0 +1,1 @@
+"""The on-disk format: positions, framed records and their payloads, the segment header, the checkpoint file."""

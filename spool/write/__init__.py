@@ -1,0 +1,1 @@
+"""Writing the log: the log writer, the room ahead of it, message bodies, the disk reserve, fresh envelopes."""
