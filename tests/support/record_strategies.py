@@ -1,6 +1,6 @@
 """Hypothesis strategies for the spool's records: positions, each record type, frames' header fields.
 
-The codec tests (``tests/spool/test_record.py``) and the bulk decoder's tests
+The codec tests (``tests/spool/format/test_record.py``) and the bulk decoder's tests
 (``test_record_fields.py``) draw from the same strategies.
 """
 

@@ -41,7 +41,7 @@ from spool.format.record import (
 from spool.format.segment import decode_segment_header, encode_segment_header, segment_name
 from spool.read.reader import LogReader
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "format.md"
 SEG = 1
 T = 1700000000
 BODY = b"Subject: hi\r\n\r\nhello\r\n"

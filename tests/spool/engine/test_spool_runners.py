@@ -108,7 +108,7 @@ def test_deferred_backlog_does_not_starve_new_mail(tmp_path: Path) -> None:
             deliver(sp, batch)
         # Once the limit is lifted the rest of the new mail comes at once; the backlog follows in
         # full as soon as no new mail has been claimed for QUIET (until then the deferred budget
-        # rations it: tests/spool/test_fairness.py).
+        # rations it: tests/spool/config/test_fairness.py).
         rest = sp.poll_due()
         assert sum(1 for a in rest if a.message_id in new) == 50
         clock.now += QUIET
