@@ -47,13 +47,18 @@ report: $(REPORT_STAMP)
 # System packages the tests use as real peers: swaks and curl (clients), Postfix's
 # smtp-source/smtp-sink, strace, a Java runtime for Spark, unbound with ldnsutils (a validating
 # resolver over a zone signed by ldns-signzone, for the DANE tests), and Chromium (the HTML report in a browser).
+# A policy-rc.d that says no keeps the packages from starting their own services on install: each test
+# starts its own instance.
 sysdeps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 		echo "installing system packages:$$missing"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		echo "postfix postfix/main_mailer_type select No configuration" | $$SUDO debconf-set-selections; \
+		made=""; if [ ! -e /usr/sbin/policy-rc.d ]; then made=1; \
+			printf '#!/bin/sh\nexit 101\n' | $$SUDO tee /usr/sbin/policy-rc.d >/dev/null; $$SUDO chmod 755 /usr/sbin/policy-rc.d; fi; \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+		status=$$?; [ -z "$$made" ] || $$SUDO rm -f /usr/sbin/policy-rc.d; exit $$status; \
 	fi
 
 lint: $(DEV_STAMP)
