@@ -22,7 +22,6 @@ from spool.engine.runner import Candidate
 from spool.errors import CorruptRecord, SpoolError
 from spool.format.record import (
     GARBAGE,
-    HEADER_SIZE,
     HELD_CLASS,
     Delivery,
     Envelope,
@@ -31,11 +30,10 @@ from spool.format.record import (
     Start,
     StartKind,
     decode_payload,
-    pos_offset,
     pos_segment,
 )
 from spool.format.segment import segment_path
-from spool.read.anomaly import Anomaly, Kind
+from spool.read.reader import bad_payload
 
 
 class Claims(SpoolCore):
@@ -117,10 +115,8 @@ class Claims(SpoolCore):
             except CorruptRecord as exc:
                 # A frame whose checksum passes but whose payload does not decode (written by a bug or a
                 # newer version): quarantined and named like any damage; the runner has moved past it.
-                seg, off = pos_segment(cand.pos), pos_offset(cand.pos)
-                self.damage.report(Anomaly(Kind.DAMAGED_RECORD, seg, segment_path(self.log_dir, seg), off,
-                                           HEADER_SIZE + len(cand.payload), f"envelope payload: {exc.reason}"),
-                                   f"runner {klass}")
+                path = segment_path(self.log_dir, pos_segment(cand.pos))
+                self.damage.report(bad_payload(cand, path, exc), f"runner {klass}")
 
     def _gone(self, pos: int) -> bool:
         """Was the envelope claimed since the runner read it into its window?

@@ -116,7 +116,7 @@ from spool.format.record import (
 from spool.format.segment import SEGMENT_HEADER_SIZE, encode_segment_header, list_segments, segment_path
 from spool.read import lost
 from spool.read.anomaly import Anomaly, Kind
-from spool.read.reader import LogReader, Reporter
+from spool.read.reader import LogReader, Reporter, bad_payload
 from spool.write.log import LogWriter
 
 log = logging.getLogger("spool.engine.recovery")
@@ -500,7 +500,11 @@ class Recovery:
             if pos_segment(frame.pos) != seg:
                 seg = pos_segment(frame.pos)
                 path = reader.path(seg)  # named in a payload's error; once per segment, not per record
-            payload = decode_payload(frame.rtype, frame.payload, path=path, offset=pos_offset(frame.pos))
+            try:
+                payload = decode_payload(frame.rtype, frame.payload, path=path, offset=pos_offset(frame.pos))
+            except CorruptRecord as exc:
+                self.report(bad_payload(frame, path, exc))  # damage of this record alone: the scan goes on
+                continue
             _account(result, frame.pos, frame.rtype, payload)
         self.stats.records_read += reader.records - records
         self.stats.bytes_read += reader.bytes_read - read

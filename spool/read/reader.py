@@ -50,7 +50,7 @@ import struct
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Final, Generic, TypeVar
 
-from spool.errors import CorruptRecord, CorruptSegment, FormatVersionError
+from spool.errors import CorruptRecord, CorruptSegment, FormatVersionError, UnknownRecordType
 from spool.fileio import FileIO, read_exact
 from spool.format.record import (
     GARBAGE,
@@ -64,7 +64,13 @@ from spool.format.record import (
     pos_offset,
     pos_segment,
 )
-from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, segment_header_fields, segment_path
+from spool.format.segment import (
+    SEGMENT_HEADER_SIZE,
+    list_segments,
+    read_frame_at,
+    segment_header_fields,
+    segment_path,
+)
 from spool.read.anomaly import (
     WINDOW,
     Anomaly,
@@ -74,6 +80,7 @@ from spool.read.anomaly import (
     Source,
     all_zero,
     classify,
+    whole_record,
 )
 
 Reporter = Callable[[Anomaly], None]
@@ -305,8 +312,25 @@ class LogReader:
         for a in found:
             if a.offset <= off < a.offset + max(a.length, 1):
                 return a
-        # Nothing covers it (the file changed under us): name the place where the damage was noticed.
+        # No frame fails there: a record that passes its checksum and whose payload a consumer could not
+        # decode (damage of that record alone), or the file changed under us (name the place noticed).
+        frame = self._whole_frame(seg, off)
+        if frame is not None:
+            return whole_record(Kind.BAD_PAYLOAD, seg, self.path(seg), off, frame.size, frame.size + off + 1, reason)
         return Anomaly(Kind.DAMAGED_RECORD, seg, self.path(seg), off, end - off, reason)
+
+    def _whole_frame(self, seg: int, off: int) -> Frame | None:
+        """The frame at ``seg:off`` if it passes its checks, else None."""
+        try:
+            fd = self.io.open_read(self.path(seg))
+        except OSError:
+            return None
+        try:
+            return read_frame_at(self.io, fd, self.path(seg), seg, off)
+        except (CorruptRecord, OSError):
+            return None
+        finally:
+            self.io.close(fd)
 
 
 class SegmentWalk(Generic[R]):
@@ -460,6 +484,13 @@ class FrameWalk(Generic[R]):
                         nbuf, rel = len(buf), off - base
                     try:
                         rtype, flags, klass, t, _e = check_frame(seg, buf, rel)
+                    except UnknownRecordType as exc:
+                        # Written whole (its checksum passes): damage of this record only, read on after it.
+                        records += 1
+                        yield whole_record(Kind.UNKNOWN_TYPE, seg, self.path, off, size, end, exc.reason)
+                        off += size
+                        self.valid_end = off
+                        continue
                     except CorruptRecord:
                         pass
                     else:
@@ -482,6 +513,14 @@ class FrameWalk(Generic[R]):
                 off = anomaly.resume
         finally:
             self.records += records
+
+
+def bad_payload(frame: Frame, path: str, exc: CorruptRecord) -> Anomaly:
+    """The anomaly of a frame that passed its checksum but whose payload does not decode (``exc``, from
+    ``decode_payload``): every consumer that decodes a payload names it so, and treats it as damage of
+    that record alone."""
+    seg, off = pos_segment(frame.pos), pos_offset(frame.pos)
+    return whole_record(Kind.BAD_PAYLOAD, seg, path, off, frame.size, off + frame.size + 1, exc.reason)
 
 
 def check_buffer(seg: int, data: bytes | memoryview, start: int, path: str, *, last: bool) -> list[Anomaly]:

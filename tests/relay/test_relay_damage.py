@@ -46,8 +46,10 @@ from mta.process.relay import Relay
 from mta.process.startup import unwrapped
 from mta.smtp.common import Reply
 from spool.damage.policy import DamageRefused
-from spool.format.record import HEADER_SIZE, Status, make_pos, pos_offset, pos_segment
+from spool.format.record import HEADER_SIZE, RecordType, Status, encode_frame, make_pos, pos_offset, pos_segment
 from spool.read import listing as admin
+from spool.tools.inspection import LogFiles
+from spool.tools.verify import verify
 
 SPOOL_EXTRA = 'segment_size = "16KiB"'
 
@@ -174,7 +176,9 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
         if template_map.unnameable(mid, named.damaged):
             continue
         assert qid in named.ids, f"{qid} lost and not named in the quarantine notes"
-        assert any(f"queue id {qid} " in ln and f"<{by_qid[qid].rcpt}>" in ln for ln in lost_lines), qid
+        # A new message's recipients are in its envelope alone: named from its body, it is named without them.
+        rcpt = "" if by_qid[qid].new else f"<{by_qid[qid].rcpt}>"
+        assert any(f"queue id {qid}" in ln and rcpt in ln for ln in lost_lines), qid
     assert len(lost_lines) == lost_metric
     # The bytes are in the quarantine, as they were.
     qdir = os.path.join(spool, "quarantine")
@@ -505,3 +509,67 @@ async def test_a_damaged_body_is_held_when_the_operator_says_so(tmp_path: Path, 
     assert held.recipient == victim.rcpt and "held for the administrator" in held.reply
     assert watch.count(Status.BOUNCED) == 0
     assert shown is not None and shown["state"] == "held" and "damaged" in shown["last_error"]
+
+
+# -- records that pass their checksum but cannot be used: damage of that record alone ---------------------------
+
+
+def _rewrite_frame(spool: str, template: Template, pos: int, rtype: int | None = None,
+                   payload: bytes | None = None) -> bytes:
+    """Rewrite the record at ``pos`` in place with another type or payload (same length) and a checksum that
+    passes, as a newer writer or a bug would have written it; return the new frame's bytes."""
+    seg, off = pos_segment(pos), pos_offset(pos)
+    frame = template.frame_at(seg, off)
+    new = encode_frame(seg, frame.rtype if rtype is None else rtype,
+                       frame.payload if payload is None else payload, klass=frame.klass, time=frame.time,
+                       flags=frame.flags)
+    assert len(new) == frame.size
+    with open(os.path.join(spool, template.seg_rel(seg)), "r+b") as f:
+        f.seek(off)
+        f.write(new)
+    return new
+
+
+def _predicted(spool: str) -> list[tuple[str, str, int, int]]:
+    """What ``spoolctl verify`` says the relay will do: (when, what, segment, offset) per damage."""
+    report = verify(LogFiles.open(spool))
+    return [(a.when, a.what, a.anomaly.segment, a.anomaly.offset) for a in report.plan if a.anomaly is not None]
+
+
+async def test_a_whole_envelope_whose_payload_does_not_decode(tmp_path: Path, template: Template,
+                                                             template_map: LogMap,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Its checksum passes, its CBOR does not decode, in the working suffix that recovery scans: the relay
+    starts (it used to exit with "bad ENVELOPE payload"), quarantines that record alone and delivers the rest,
+    as verify predicted."""
+    victim = [m for m in template.messages if m.new][1]
+    seg, off = pos_segment(victim.envelope[0]), pos_offset(victim.envelope[0])
+    size = victim.envelope[1] - victim.envelope[0]
+
+    def damage(spool: str) -> Damage:
+        new = _rewrite_frame(spool, template, victim.envelope[0], payload=b"\xff" * (size - HEADER_SIZE))
+        assert _predicted(spool) == [("start", "quarantine", seg, off)]
+        return Damage(ranges=[victim.envelope], kept={_qname(seg, off, "bad-payload"): new})
+
+    await run_case(tmp_path, template, template_map, caplog, damage)
+
+
+async def test_a_whole_record_of_an_unknown_type_after_the_checkpoint(tmp_path: Path, template: Template,
+                                                                      template_map: LogMap,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A record of a type this version does not know, in the last segment past every position recovery can
+    prove durable: its checksum proves it was written whole, so it is not an unacknowledged tail. Recovery
+    used to cut it and every valid record after it; now that record alone is quarantined and every message
+    after it delivered, as verify predicted."""
+    victim = [m for m in template.messages if m.new][1]
+    seg, off = pos_segment(victim.envelope[0]), pos_offset(victim.envelope[0])
+    assert seg == template.segments[-1]
+
+    def damage(spool: str) -> Damage:
+        new = _rewrite_frame(spool, template, victim.envelope[0], rtype=max(RecordType) + 3)
+        assert _predicted(spool) == [("start", "quarantine", seg, off)]
+        return Damage(ranges=[victim.envelope], kept={_qname(seg, off, "unknown-type"): new})
+
+    result = await run_case(tmp_path, template, template_map, caplog, damage)
+    assert not any(r.getMessage().startswith("cut ") for r in caplog.records)
+    assert len(result.hop) == len(template.messages) - 1
