@@ -58,8 +58,10 @@ from spool.format.record import (
     HEADER_SIZE,
     MAX_PAYLOAD,
     Frame,
+    Payload,
     RecordType,
     check_frame,
+    decode_payload,
     make_pos,
     pos_offset,
     pos_segment,
@@ -214,6 +216,20 @@ class LogReader:
                 reporter(item)
             else:
                 yield item
+
+    def decoded(self, start: int | None = None, end: int | None = None, *,
+                types: Container[int] | None = None) -> Iterator[tuple[Frame, Payload] | Anomaly]:
+        """``read`` with each frame's payload decoded: a frame whose payload does not decode is yielded as a
+        BAD_PAYLOAD anomaly in its place (``bad_payload``), so a consumer that decodes meets it as damage of
+        that record, named like every other anomaly."""
+        for item in self.read(start, end, types=types):
+            if isinstance(item, Anomaly):
+                yield item
+                continue
+            try:
+                yield item, decode_payload(item.rtype, item.payload)
+            except CorruptRecord as exc:
+                yield bad_payload(item, self.path(pos_segment(item.pos)), exc)
 
     def segment(self, seg: int, start: int | None = None, end: int | None = None, *,
                 payloads: bool = True, types: Container[int] | None = None) -> SegmentWalk[Frame]:
