@@ -133,6 +133,7 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
     root = tmp_path / "damaged"
     spool = template.copy(str(root / "spool"))
     done = damage(spool)
+    predicted = verify(LogFiles.open(spool)).plan
     taken = [r for r in done.ranges] + ([done.cut] if done.cut else [])
     envelopes: set[str] = set()
     bodies: set[str] = set()
@@ -187,6 +188,14 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
             assert f.read() == data, name
     for name in done.notes:
         assert os.path.exists(os.path.join(qdir, name + ".json")), (name, sorted(os.listdir(qdir)))
+    # What spoolctl verify predicted before the start is what the relay did at its start: a note for each
+    # damage it said the start would cut or quarantine, at the same segment and offset (damage it said a
+    # runner or a read would meet later is met only if one gets there).
+    notes = sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []
+    for action in predicted:
+        if action.when == "start" and action.anomaly is not None and action.what in ("quarantine", "cut"):
+            a = action.anomaly
+            assert any(n.startswith(f"{a.segment:016x}-{a.offset:010d}-") for n in notes), (action.text, notes)
     return Result(msgs, watch, lost_lines, lost_metric, took, normal)
 
 
