@@ -587,10 +587,26 @@ class HeaderWalk:
             self.close()
             self._fd = self.io.open_read(self.reader.path(seg))
             self._fd_seg = seg
+            self._check_header(seg)
         size = min(max(need, self.reader.window), end - off)
         self._buf = read_exact(self.io, self._fd, size, off)
         self._buf_start = off
         self.bytes_read += len(self._buf)
+
+    def _check_header(self, seg: int) -> None:
+        """Report the header of ``seg``, just opened, if it fails its checks (one 32-byte read per segment):
+        a runner passes every record of the segment, so it meets a damaged header as the verifying walk
+        does. The records after it are read all the same."""
+        path = self.reader.path(seg)
+        head = read_exact(self.io, self._fd, SEGMENT_HEADER_SIZE, 0)
+        self.bytes_read += len(head)
+        try:
+            segment_header_fields(head, path, seg)
+        except FormatVersionError as exc:
+            self.reporter(Anomaly(Kind.NEWER_FORMAT, seg, path, 0, self.io.size(self._fd),
+                                  str(exc).removeprefix(f"{path}: ")))
+        except CorruptSegment as exc:
+            self.reporter(Anomaly(Kind.BAD_HEADER, seg, path, 0, len(head), exc.reason))
 
     def _report(self, seg: int, off: int, end: int, reason: str) -> int:
         """Classify and report the damage noticed at ``off``; returns where to go on."""

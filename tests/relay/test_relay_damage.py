@@ -582,3 +582,21 @@ async def test_a_whole_record_of_an_unknown_type_after_the_checkpoint(tmp_path: 
     result = await run_case(tmp_path, template, template_map, caplog, damage)
     assert not any(r.getMessage().startswith("cut ") for r in caplog.records)
     assert len(result.hop) == len(template.messages) - 1
+
+
+async def test_damaged_segment_header(tmp_path: Path, template: Template, template_map: LogMap,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A middle segment's magic overwritten: the header is quarantined, every record after it is read and
+    delivered, no message is lost."""
+    seg = template.segments[len(template.segments) // 2]
+
+    def damage(spool: str) -> Damage:
+        Mutation(template.seg_rel(seg), "zero", 0, 8).apply(spool)
+        (action,) = [a for a in verify(LogFiles.open(spool)).plan if a.anomaly is not None]
+        assert action.what == "quarantine" and action.anomaly is not None
+        assert (action.anomaly.kind.name, action.anomaly.segment, action.anomaly.offset) == ("BAD_HEADER", seg, 0)
+        return Damage(notes=[_qname(seg, 0, "bad-header")])
+
+    result = await run_case(tmp_path, template, template_map, caplog, damage)
+    assert result.lost_lines == []
+    assert len(result.hop) == len(template.messages)
