@@ -600,3 +600,25 @@ async def test_damaged_segment_header(tmp_path: Path, template: Template, templa
     result = await run_case(tmp_path, template, template_map, caplog, damage)
     assert result.lost_lines == []
     assert len(result.hop) == len(template.messages)
+
+
+async def test_a_whole_envelope_that_does_not_decode_met_by_a_runner(tmp_path: Path, template: Template,
+                                                                    template_map: LogMap,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Behind the checkpoint, a deferred message's live envelope passes its checksum and does not decode:
+    the start does not meet it, the runner that claims it quarantines that record alone and names the
+    message, as verify predicted ("later"); everything else is delivered."""
+    seg = template.segments[len(template.segments) // 2]
+    victim = next(m for m in template.messages if not m.new and pos_segment(m.envelope[0]) == seg)
+    off = pos_offset(victim.envelope[0])
+    size = victim.envelope[1] - victim.envelope[0]
+
+    def damage(spool: str) -> Damage:
+        new = _rewrite_frame(spool, template, victim.envelope[0], payload=b"\xff" * (size - HEADER_SIZE))
+        assert _predicted(spool) == [("later", "quarantine", seg, off)]
+        assert [m.queue_id for a in verify(LogFiles.open(spool)).plan for m in a.lost] == [victim.qid]
+        return Damage(ranges=[victim.envelope], kept={_qname(seg, off, "bad-payload"): new})
+
+    result = await run_case(tmp_path, template, template_map, caplog, damage)
+    assert any(f"queue id {victim.qid}" in ln and f"<{victim.rcpt}>" in ln for ln in result.lost_lines)
+    assert any("met by runner" in r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly")
