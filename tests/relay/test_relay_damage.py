@@ -36,6 +36,7 @@ import attrs
 import pytest
 import trio
 from damage_support import Template, build_template, flip_bits, random_flips
+from process_support import RelayProcess
 from relay_support import DeliveryWatch, NextHop, RawClient, Received, relay_config
 
 from fault_injection.corrupt import LogMap, Mutation, named_lost
@@ -622,3 +623,26 @@ async def test_a_whole_envelope_that_does_not_decode_met_by_a_runner(tmp_path: P
     result = await run_case(tmp_path, template, template_map, caplog, damage)
     assert any(f"queue id {victim.qid}" in ln and f"<{victim.rcpt}>" in ln for ln in result.lost_lines)
     assert any("met by runner" in r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly")
+
+
+async def test_mta_serve_starts_on_a_whole_envelope_that_does_not_decode(tmp_path: Path, template: Template) -> None:
+    """The command a new user runs: ``mta serve`` on a spool whose working suffix holds an envelope that
+    passes its checksum and does not decode answers 220 (it used to exit 1, "bad ENVELOPE payload"), and
+    says in its log that it quarantined the record, as ``spoolctl verify`` said it would."""
+    spool = template.copy(str(tmp_path / "spool"))
+    victim = [m for m in template.messages if m.new][1]
+    size = victim.envelope[1] - victim.envelope[0]
+    _rewrite_frame(spool, template, victim.envelope[0], payload=b"\xff" * (size - HEADER_SIZE))
+    seg, off = pos_segment(victim.envelope[0]), pos_offset(victim.envelope[0])
+    assert _predicted(spool) == [("start", "quarantine", seg, off)]
+    conf = tmp_path / "relay.toml"
+    conf.write_text('[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\n[spool]\ndir = "spool"\n'
+                    f'{SPOOL_EXTRA}\n[routes]\n"*" = "discard"\n')
+    async with trio.open_nursery() as nursery:
+        relay = RelayProcess(conf)
+        await relay.start(nursery)
+        await _greeted(relay.port)
+        assert any("bad ENVELOPE payload" in ln and "quarantined" in ln for ln in relay.lines), relay.lines
+        await relay.kill()
+        nursery.cancel_scope.cancel()
+    assert os.path.exists(os.path.join(spool, "quarantine", _qname(seg, off, "bad-payload") + ".bin"))
