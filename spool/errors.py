@@ -55,6 +55,15 @@ class CorruptRecord(SpoolError, ValueError):
         super().__init__(where + message)
 
 
+class UnknownRecordType(CorruptRecord):
+    """A frame passes its checksum but has a record type this version does not know.
+
+    Apart from CorruptRecord because the checksum proves the frame was written
+    whole: it is damage of that one record (a newer writer, or a bug), never a
+    torn write, and the records after it are read.
+    """
+
+
 class CorruptSegment(CorruptRecord):
     """A segment header is wrong, or a bad record sits before the tail of the log."""
 

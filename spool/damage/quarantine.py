@@ -45,7 +45,8 @@ COPY_WINDOW = 1 << 20
 # How each kind of note is named (the file name's last part).
 SLUGS = {Kind.TORN_TAIL: "torn-tail", Kind.DAMAGED_RECORD: "damaged-record", Kind.BAD_HEADER: "bad-header",
          Kind.NEWER_FORMAT: "newer-format", Kind.MISSING_SEGMENT: "missing-segment",
-         Kind.SIZE_MISMATCH: "size-mismatch", Kind.ENDS_EARLY: "ends-early"}
+         Kind.SIZE_MISMATCH: "size-mismatch", Kind.ENDS_EARLY: "ends-early", Kind.BAD_PAYLOAD: "bad-payload",
+         Kind.UNKNOWN_TYPE: "unknown-type"}
 CUT = "cut"  # the slug of an unacknowledged tail cut by recovery (docs/design.md, "Recovery")
 
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
+
 from spool.engine.core import Attempt, SpoolCore
 from spool.engine.runner import Candidate
 from spool.errors import CorruptRecord, SpoolError
 from spool.format.record import (
     GARBAGE,
-    HEADER_SIZE,
     HELD_CLASS,
     Delivery,
     Envelope,
@@ -31,11 +32,12 @@ from spool.format.record import (
     Start,
     StartKind,
     decode_payload,
-    pos_offset,
     pos_segment,
 )
 from spool.format.segment import segment_path
-from spool.read.anomaly import Anomaly, Kind
+from spool.read.anomaly import Anomaly
+from spool.read.lost import find_lost
+from spool.read.reader import bad_payload
 
 
 class Claims(SpoolCore):
@@ -117,10 +119,16 @@ class Claims(SpoolCore):
             except CorruptRecord as exc:
                 # A frame whose checksum passes but whose payload does not decode (written by a bug or a
                 # newer version): quarantined and named like any damage; the runner has moved past it.
-                seg, off = pos_segment(cand.pos), pos_offset(cand.pos)
-                self.damage.report(Anomaly(Kind.DAMAGED_RECORD, seg, segment_path(self.log_dir, seg), off,
-                                           HEADER_SIZE + len(cand.payload), f"envelope payload: {exc.reason}"),
-                                   f"runner {klass}")
+                anomaly = bad_payload(cand, segment_path(self.log_dir, pos_segment(cand.pos)), exc)
+                self.damage.report(anomaly, f"runner {klass}")
+                self._name_candidate(anomaly, cand.pos)
+
+    def _name_candidate(self, anomaly: Anomaly, pos: int) -> None:
+        """Name the message of a live envelope a runner chose and could not decode. The runner has moved past
+        it, so the finder, which takes what lies behind every runner as claimed, is told it was live."""
+        ctx = self.damage_context()
+        if ctx is not None:
+            self.damage.name_more(anomaly, find_lost(attrs.evolve(ctx, live_from=min(ctx.live_from, pos)), anomaly))
 
     def _gone(self, pos: int) -> bool:
         """Was the envelope claimed since the runner read it into its window?

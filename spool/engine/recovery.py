@@ -24,7 +24,10 @@ docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
    (truncated and fsynced), its bytes kept in the quarantine. Damage at or
    past the last position recovery can prove durable (the checkpoint's head,
    a garbage-marked record: docs/design.md, "Recovery") is an unacknowledged
-   tail: cut likewise. Damage before it is reported. A half-created last
+   tail: cut likewise. Not a record that passes its checksum (one whose
+   payload does not decode, or of a type this version does not know): it was
+   written whole, so it is damage of that record alone, reported, and the
+   records after it are kept. Damage before it is reported. A half-created last
    segment, a torn tail at offset 0 (its header never written, so nothing in
    it was ever promised), is removed and the segment before it is walked as
    the last. A log that ends before the checkpoint's head (durable records
@@ -495,12 +498,11 @@ class Recovery:
     def scan_suffix(self, reader: LogReader, start: int, end: int) -> SuffixScan:
         result = SuffixScan()
         records, read = reader.records, reader.bytes_read
-        seg, path = -1, ""
-        for frame in reader.frames(start, end, self.report, types=SCANNED):
-            if pos_segment(frame.pos) != seg:
-                seg = pos_segment(frame.pos)
-                path = reader.path(seg)  # named in a payload's error; once per segment, not per record
-            payload = decode_payload(frame.rtype, frame.payload, path=path, offset=pos_offset(frame.pos))
+        for item in reader.decoded(start, end, types=SCANNED):
+            if isinstance(item, Anomaly):
+                self.report(item)  # a record whose payload does not decode is damage of that record alone
+                continue
+            frame, payload = item
             _account(result, frame.pos, frame.rtype, payload)
         self.stats.records_read += reader.records - records
         self.stats.bytes_read += reader.bytes_read - read

@@ -38,7 +38,7 @@ import attrs
 import cbor2
 from crc32c import crc32c
 
-from spool.errors import CorruptRecord
+from spool.errors import CorruptRecord, UnknownRecordType
 
 HEADER = struct.Struct("<IIBBBBI")
 HEADER_SIZE: Final = HEADER.size  # 16
@@ -198,7 +198,7 @@ def check_frame(segment_id: int, buf: bytes | memoryview, offset: int) -> tuple[
     if reserved or flags & ~GARBAGE:
         raise CorruptRecord("reserved bits set", offset=offset)
     if rtype not in _TYPES:
-        raise CorruptRecord(f"unknown record type {rtype}", offset=offset)
+        raise UnknownRecordType(f"unknown record type {rtype}", offset=offset)
     return rtype, flags, klass, time, end
 
 

@@ -48,6 +48,9 @@ class Kind(enum.Enum):
 
     TORN_TAIL = "torn tail"  # the end of the last segment, cut by a crash during a write: not damage
     DAMAGED_RECORD = "damaged record"  # bad checksum, impossible length or type, reserved bits set
+    # The checksum passes, so the record was written whole: damage of that record alone, never a torn write.
+    BAD_PAYLOAD = "record whose payload does not decode"  # bad CBOR, or fields its type does not allow
+    UNKNOWN_TYPE = "record of an unknown type"  # a type this version does not know
     BAD_HEADER = "damaged segment header"  # the 32-byte header fails its checks; the records may be fine
     NEWER_FORMAT = "unknown segment format"  # a valid header of a format version this code does not read
     MISSING_SEGMENT = "missing segment"  # a gap in the ids, or fewer segments than the checkpoint needs
@@ -90,6 +93,11 @@ class Anomaly:
     @property
     def torn(self) -> bool:
         return self.kind is Kind.TORN_TAIL
+
+    @property
+    def whole(self) -> bool:
+        """Did the damaged record pass its checksum (written whole, so never a torn or unsynced write)?"""
+        return self.kind in (Kind.BAD_PAYLOAD, Kind.UNKNOWN_TYPE)
 
     def message(self) -> str:
         """The reason, with where reading resumes when it does."""
@@ -170,6 +178,12 @@ class FileSource:
 
 
 # -- the classification ----------------------------------------------------------------
+
+
+def whole_record(kind: Kind, seg: int, path: str, off: int, size: int, end: int, reason: str) -> Anomaly:
+    """The anomaly of a frame at ``off`` of ``size`` bytes that passes its checksum but cannot be used
+    (``kind``: BAD_PAYLOAD or UNKNOWN_TYPE). Reading resumes right after it (``end``: where the data ends)."""
+    return Anomaly(kind, seg, path, off, size, reason, off + size if off + size < end else None)
 
 
 def failure_reason(seg: int, src: Source, off: int, end: int) -> str:

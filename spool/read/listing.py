@@ -64,7 +64,7 @@ from spool.format.record import (
     pos_segment,
 )
 from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, read_frame_at, segment_path
-from spool.read.reader import LogReader, Reporter, raise_anomaly
+from spool.read.reader import LogReader, Reporter, bad_payload, raise_anomaly
 
 
 class LogSource(Protocol):
@@ -163,7 +163,12 @@ def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = N
             continue
         if frame.garbage and frame.pos not in active:
             continue
-        msg = _message(frame, active, segment_path(src.log_dir, pos_segment(frame.pos)))
+        path = segment_path(src.log_dir, pos_segment(frame.pos))
+        try:
+            msg = _message(frame, active, path)
+        except CorruptRecord as exc:  # whole, but its payload does not decode: damage of that record alone
+            reporter(bad_payload(frame, path, exc))
+            continue
         if flt.match(msg, now):
             yield msg
 

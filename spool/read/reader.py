@@ -50,7 +50,7 @@ import struct
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Final, Generic, TypeVar
 
-from spool.errors import CorruptRecord, CorruptSegment, FormatVersionError
+from spool.errors import CorruptRecord, CorruptSegment, FormatVersionError, UnknownRecordType
 from spool.fileio import FileIO, read_exact
 from spool.format.record import (
     GARBAGE,
@@ -58,13 +58,21 @@ from spool.format.record import (
     HEADER_SIZE,
     MAX_PAYLOAD,
     Frame,
+    Payload,
     RecordType,
     check_frame,
+    decode_payload,
     make_pos,
     pos_offset,
     pos_segment,
 )
-from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, segment_header_fields, segment_path
+from spool.format.segment import (
+    SEGMENT_HEADER_SIZE,
+    list_segments,
+    read_frame_at,
+    segment_header_fields,
+    segment_path,
+)
 from spool.read.anomaly import (
     WINDOW,
     Anomaly,
@@ -74,6 +82,7 @@ from spool.read.anomaly import (
     Source,
     all_zero,
     classify,
+    whole_record,
 )
 
 Reporter = Callable[[Anomaly], None]
@@ -208,6 +217,20 @@ class LogReader:
             else:
                 yield item
 
+    def decoded(self, start: int | None = None, end: int | None = None, *,
+                types: Container[int] | None = None) -> Iterator[tuple[Frame, Payload] | Anomaly]:
+        """``read`` with each frame's payload decoded: a frame whose payload does not decode is yielded as a
+        BAD_PAYLOAD anomaly in its place (``bad_payload``), so a consumer that decodes meets it as damage of
+        that record, named like every other anomaly."""
+        for item in self.read(start, end, types=types):
+            if isinstance(item, Anomaly):
+                yield item
+                continue
+            try:
+                yield item, decode_payload(item.rtype, item.payload)
+            except CorruptRecord as exc:
+                yield bad_payload(item, self.path(pos_segment(item.pos)), exc)
+
     def segment(self, seg: int, start: int | None = None, end: int | None = None, *,
                 payloads: bool = True, types: Container[int] | None = None) -> SegmentWalk[Frame]:
         """One segment from offset ``start`` (default: its header) to ``end`` (default: the end of the
@@ -305,8 +328,25 @@ class LogReader:
         for a in found:
             if a.offset <= off < a.offset + max(a.length, 1):
                 return a
-        # Nothing covers it (the file changed under us): name the place where the damage was noticed.
+        # No frame fails there: a record that passes its checksum and whose payload a consumer could not
+        # decode (damage of that record alone), or the file changed under us (name the place noticed).
+        frame = self._whole_frame(seg, off)
+        if frame is not None:
+            return whole_record(Kind.BAD_PAYLOAD, seg, self.path(seg), off, frame.size, frame.size + off + 1, reason)
         return Anomaly(Kind.DAMAGED_RECORD, seg, self.path(seg), off, end - off, reason)
+
+    def _whole_frame(self, seg: int, off: int) -> Frame | None:
+        """The frame at ``seg:off`` if it passes its checks, else None."""
+        try:
+            fd = self.io.open_read(self.path(seg))
+        except OSError:
+            return None
+        try:
+            return read_frame_at(self.io, fd, self.path(seg), seg, off)
+        except (CorruptRecord, OSError):
+            return None
+        finally:
+            self.io.close(fd)
 
 
 class SegmentWalk(Generic[R]):
@@ -460,6 +500,13 @@ class FrameWalk(Generic[R]):
                         nbuf, rel = len(buf), off - base
                     try:
                         rtype, flags, klass, t, _e = check_frame(seg, buf, rel)
+                    except UnknownRecordType as exc:
+                        # Written whole (its checksum passes): damage of this record only, read on after it.
+                        records += 1
+                        yield whole_record(Kind.UNKNOWN_TYPE, seg, self.path, off, size, end, exc.reason)
+                        off += size
+                        self.valid_end = off
+                        continue
                     except CorruptRecord:
                         pass
                     else:
@@ -482,6 +529,14 @@ class FrameWalk(Generic[R]):
                 off = anomaly.resume
         finally:
             self.records += records
+
+
+def bad_payload(frame: Frame, path: str, exc: CorruptRecord) -> Anomaly:
+    """The anomaly of a frame that passed its checksum but whose payload does not decode (``exc``, from
+    ``decode_payload``): every consumer that decodes a payload names it so, and treats it as damage of
+    that record alone."""
+    seg, off = pos_segment(frame.pos), pos_offset(frame.pos)
+    return whole_record(Kind.BAD_PAYLOAD, seg, path, off, frame.size, off + frame.size + 1, exc.reason)
 
 
 def check_buffer(seg: int, data: bytes | memoryview, start: int, path: str, *, last: bool) -> list[Anomaly]:
@@ -532,10 +587,26 @@ class HeaderWalk:
             self.close()
             self._fd = self.io.open_read(self.reader.path(seg))
             self._fd_seg = seg
+            self._check_header(seg)
         size = min(max(need, self.reader.window), end - off)
         self._buf = read_exact(self.io, self._fd, size, off)
         self._buf_start = off
         self.bytes_read += len(self._buf)
+
+    def _check_header(self, seg: int) -> None:
+        """Report the header of ``seg``, just opened, if it fails its checks (one 32-byte read per segment):
+        a runner passes every record of the segment, so it meets a damaged header as the verifying walk
+        does. The records after it are read all the same."""
+        path = self.reader.path(seg)
+        head = read_exact(self.io, self._fd, SEGMENT_HEADER_SIZE, 0)
+        self.bytes_read += len(head)
+        try:
+            segment_header_fields(head, path, seg)
+        except FormatVersionError as exc:
+            self.reporter(Anomaly(Kind.NEWER_FORMAT, seg, path, 0, self.io.size(self._fd),
+                                  str(exc).removeprefix(f"{path}: ")))
+        except CorruptSegment as exc:
+            self.reporter(Anomaly(Kind.BAD_HEADER, seg, path, 0, len(head), exc.reason))
 
     def _report(self, seg: int, off: int, end: int, reason: str) -> int:
         """Classify and report the damage noticed at ``off``; returns where to go on."""

@@ -87,7 +87,7 @@ from spool.format.record import (
 )
 from spool.format.segment import SEGMENT_HEADER_SIZE
 from spool.read.anomaly import Anomaly, Kind
-from spool.read.reader import LogReader
+from spool.read.reader import LogReader, bad_payload
 from spool.tools.inspection import BadArgument, LogFiles
 
 SURVEYED: Final = frozenset({RecordType.ENVELOPE, RecordType.START, RecordType.DELIVERY, RecordType.FINISH})
@@ -234,10 +234,7 @@ class _Survey:
             try:
                 payload = decode_payload(item.rtype, item.payload)
             except CorruptRecord as exc:
-                seg = pos_segment(item.pos)
-                self.damage.append(Anomaly(Kind.DAMAGED_RECORD, seg, self.reader.path(seg), pos_offset(item.pos),
-                                           item.size, f"the record passes its checksum but its payload does not "
-                                                      f"decode ({exc.reason})"))
+                self.damage.append(bad_payload(item, self.reader.path(pos_segment(item.pos)), exc))
                 continue
             if isinstance(payload, Envelope):
                 self.envelope(item, payload)

@@ -28,9 +28,6 @@ instead; the plan says so.
 from __future__ import annotations
 
 import os
-from typing import Any
-
-import attrs
 
 from spool.damage.quarantine import CUT, DIRNAME, SLUGS, entry_name
 from spool.engine.core import BODY_SLACK
@@ -40,34 +37,7 @@ from spool.read.anomaly import Anomaly, Kind
 from spool.read.lost import LogContext, LostMessage, find_lost, outcomes_of
 from spool.read.lost import in_flight as in_flight_lost
 from spool.tools.inspection import LogFiles, active_envelopes
-from spool.tools.verify import VerifyReport
-
-NAMES_SHOWN = 20  # lost messages named per action in the text (all of them in --json)
-
-
-@attrs.frozen
-class Action:
-    """One thing the relay will do: ``when`` ("start" or "later"), ``what`` (cut, quarantine, known,
-    checkpoint, scan, new segment, refuse), in words, with the damage and the messages it lost."""
-
-    when: str
-    what: str
-    text: str
-    anomaly: Anomaly | None = None
-    lost: tuple[LostMessage, ...] = ()
-
-    def describe(self) -> str:
-        head = "at start:" if self.when == "start" else "later:   "
-        lines = [f"{head} {self.text}"]
-        lines += [f"            lost: {m.describe()}" for m in self.lost[:NAMES_SHOWN]]
-        if len(self.lost) > NAMES_SHOWN:
-            lines.append(f"            ... and {len(self.lost) - NAMES_SHOWN} more (spoolctl verify --json)")
-        return "\n".join(lines)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"when": self.when, "what": self.what, "text": self.text,
-                "damage": None if self.anomaly is None else self.anomaly.as_dict(),
-                "lost": [m.as_dict() for m in self.lost]}
+from spool.tools.verify_report import Action, VerifyReport
 
 
 def plan(files: LogFiles, report: VerifyReport) -> list[Action]:

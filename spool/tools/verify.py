@@ -20,11 +20,8 @@ counted).
 from __future__ import annotations
 
 import os
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
-
-import attrs
 
 from spool.errors import CorruptRecord, FormatVersionError
 from spool.format import checkpoint as ckpt
@@ -43,74 +40,10 @@ from spool.format.record import (
 )
 from spool.format.segment import SEGMENT_HEADER_SIZE
 from spool.read.anomaly import Anomaly, Kind
+from spool.read.reader import bad_payload
 from spool.tools.inspection import LogFiles, active_envelopes, decode, live_start, type_name
-
-
-@attrs.frozen
-class Problem:
-    kind: str  # "damage", "payload", "reference", "segment", "checkpoint"
-    message: str
-    pos: int | None = None
-    path: str = ""
-    offset: int | None = None
-    anomaly: Kind | None = None  # the reader's classification, for problems that are anomalies of the log
-
-    @classmethod
-    def of(cls, a: Anomaly) -> Problem:
-        kind = "segment" if a.kind is Kind.MISSING_SEGMENT else "damage"
-        if a.kind is Kind.MISSING_SEGMENT:
-            message = a.reason
-        elif a.kind is Kind.DAMAGED_RECORD:
-            message = a.reason + (f"; valid records resume at offset {a.resume}" if a.resume is not None
-                                  else "; nothing valid follows in this segment")
-        else:
-            message = f"{a.kind.value}: {a.reason}"
-        return cls(kind, message, a.pos, a.path, a.offset, a.kind)
-
-    def describe(self) -> str:
-        where = f"{self.path} at offset {self.offset}: " if self.path and self.offset is not None else (
-            f"{self.path}: " if self.path else "")
-        at = f"{format_pos(self.pos)} " if self.pos is not None else ""
-        return f"{self.kind:<10} {at}{where}{self.message}"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "position": None if self.pos is None else format_pos(self.pos),
-                "file": self.path or None, "offset": self.offset, "message": self.message,
-                "anomaly": None if self.anomaly is None else self.anomaly.name.lower()}
-
-
-@attrs.define
-class VerifyReport:
-    segments: int = 0
-    records: int = 0
-    by_type: Counter[str] = attrs.field(factory=Counter)
-    references: int = 0
-    reclaimed_references: int = 0
-    problems: list[Problem] = attrs.field(factory=list)
-    problems_total: int = 0
-    torn_tail: Anomaly | None = None
-    log_end: int = 0
-    # For what the relay will do at start (``spool.tools.start_plan``): the checkpoint (None: missing or damaged,
-    # ``checkpoint_error`` says which), the reader's anomalies (capped like the problems), and how far each
-    # segment holds a garbage-marked envelope (a mark proves the log durable up to it).
-    checkpoint: ckpt.Checkpoint | None = None
-    checkpoint_error: str | None = None
-    anomalies: list[Anomaly] = attrs.field(factory=list)
-    marked_end: dict[int, int] = attrs.field(factory=dict)
-    plan: list[Any] = attrs.field(factory=list)  # spool.tools.start_plan.Action
-
-    @property
-    def clean(self) -> bool:
-        return self.problems_total == 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"clean": self.clean, "segments": self.segments, "records": self.records,
-                "by_type": {t.name: self.by_type.get(t.name, 0) for t in RecordType},
-                "references": self.references, "reclaimed_references": self.reclaimed_references,
-                "log_end": format_pos(self.log_end),
-                "torn_tail": None if self.torn_tail is None else self.torn_tail.as_dict(),
-                "problems_total": self.problems_total, "problems": [p.as_dict() for p in self.problems],
-                "relay_will": [a.as_dict() for a in self.plan]}
+from spool.tools.start_plan import plan
+from spool.tools.verify_report import Problem, VerifyReport
 
 
 # Which references each payload makes: (target, expected type, field name).
@@ -241,7 +174,7 @@ class _Verifier:
             try:
                 payload = decode(item, self.files)
             except CorruptRecord as exc:
-                self.problem(Problem("payload", exc.reason, item.pos, exc.path, exc.offset))
+                self._anomaly(bad_payload(item, self.files.seg_path(seg), exc), before)
                 self.remember(item.pos, item.rtype)
                 continue
             live = isinstance(payload, Envelope) and item.pos >= self.live_from and (
@@ -286,8 +219,6 @@ def verify(files: LogFiles, *, recent: int = 1 << 16, max_problems: int = 1000) 
     ``report.plan`` says what the relay will do with the damage at its next
     start, and later (``spool.tools.start_plan``).
     """
-    from spool.tools.start_plan import plan  # here: start_plan reads a VerifyReport
-
     report = _Verifier(files, recent, max_problems).run()
     report.plan = plan(files, report)
     return report

@@ -36,6 +36,7 @@ import attrs
 import pytest
 import trio
 from damage_support import Template, build_template, flip_bits, random_flips
+from process_support import RelayProcess
 from relay_support import DeliveryWatch, NextHop, RawClient, Received, relay_config
 
 from fault_injection.corrupt import LogMap, Mutation, named_lost
@@ -46,8 +47,10 @@ from mta.process.relay import Relay
 from mta.process.startup import unwrapped
 from mta.smtp.common import Reply
 from spool.damage.policy import DamageRefused
-from spool.format.record import HEADER_SIZE, Status, make_pos, pos_offset, pos_segment
+from spool.format.record import HEADER_SIZE, RecordType, Status, encode_frame, make_pos, pos_offset, pos_segment
 from spool.read import listing as admin
+from spool.tools.inspection import LogFiles
+from spool.tools.verify import verify
 
 SPOOL_EXTRA = 'segment_size = "16KiB"'
 
@@ -131,6 +134,7 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
     root = tmp_path / "damaged"
     spool = template.copy(str(root / "spool"))
     done = damage(spool)
+    predicted = verify(LogFiles.open(spool)).plan
     taken = [r for r in done.ranges] + ([done.cut] if done.cut else [])
     envelopes: set[str] = set()
     bodies: set[str] = set()
@@ -174,7 +178,9 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
         if template_map.unnameable(mid, named.damaged):
             continue
         assert qid in named.ids, f"{qid} lost and not named in the quarantine notes"
-        assert any(f"queue id {qid} " in ln and f"<{by_qid[qid].rcpt}>" in ln for ln in lost_lines), qid
+        # A new message's recipients are in its envelope alone: named from its body, it is named without them.
+        rcpt = "" if by_qid[qid].new else f"<{by_qid[qid].rcpt}>"
+        assert any(f"queue id {qid}" in ln and rcpt in ln for ln in lost_lines), qid
     assert len(lost_lines) == lost_metric
     # The bytes are in the quarantine, as they were.
     qdir = os.path.join(spool, "quarantine")
@@ -183,6 +189,14 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
             assert f.read() == data, name
     for name in done.notes:
         assert os.path.exists(os.path.join(qdir, name + ".json")), (name, sorted(os.listdir(qdir)))
+    # What spoolctl verify predicted before the start is what the relay did at its start: a note for each
+    # damage it said the start would cut or quarantine, at the same segment and offset (damage it said a
+    # runner or a read would meet later is met only if one gets there).
+    notes = sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []
+    for action in predicted:
+        if action.when == "start" and action.anomaly is not None and action.what in ("quarantine", "cut"):
+            a = action.anomaly
+            assert any(n.startswith(f"{a.segment:016x}-{a.offset:010d}-") for n in notes), (action.text, notes)
     return Result(msgs, watch, lost_lines, lost_metric, took, normal)
 
 
@@ -505,3 +519,130 @@ async def test_a_damaged_body_is_held_when_the_operator_says_so(tmp_path: Path, 
     assert held.recipient == victim.rcpt and "held for the administrator" in held.reply
     assert watch.count(Status.BOUNCED) == 0
     assert shown is not None and shown["state"] == "held" and "damaged" in shown["last_error"]
+
+
+# -- records that pass their checksum but cannot be used: damage of that record alone ---------------------------
+
+
+def _rewrite_frame(spool: str, template: Template, pos: int, rtype: int | None = None,
+                   payload: bytes | None = None) -> bytes:
+    """Rewrite the record at ``pos`` in place with another type or payload (same length) and a checksum that
+    passes, as a newer writer or a bug would have written it; return the new frame's bytes."""
+    seg, off = pos_segment(pos), pos_offset(pos)
+    frame = template.frame_at(seg, off)
+    new = encode_frame(seg, frame.rtype if rtype is None else rtype,
+                       frame.payload if payload is None else payload, klass=frame.klass, time=frame.time,
+                       flags=frame.flags)
+    assert len(new) == frame.size
+    with open(os.path.join(spool, template.seg_rel(seg)), "r+b") as f:
+        f.seek(off)
+        f.write(new)
+    return new
+
+
+def _predicted(spool: str) -> list[tuple[str, str, int, int]]:
+    """What ``spoolctl verify`` says the relay will do: (when, what, segment, offset) per damage."""
+    report = verify(LogFiles.open(spool))
+    return [(a.when, a.what, a.anomaly.segment, a.anomaly.offset) for a in report.plan if a.anomaly is not None]
+
+
+async def test_a_whole_envelope_whose_payload_does_not_decode(tmp_path: Path, template: Template,
+                                                             template_map: LogMap,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Its checksum passes, its CBOR does not decode, in the working suffix that recovery scans: the relay
+    starts (it used to exit with "bad ENVELOPE payload"), quarantines that record alone and delivers the rest,
+    as verify predicted."""
+    victim = [m for m in template.messages if m.new][1]
+    seg, off = pos_segment(victim.envelope[0]), pos_offset(victim.envelope[0])
+    size = victim.envelope[1] - victim.envelope[0]
+
+    def damage(spool: str) -> Damage:
+        new = _rewrite_frame(spool, template, victim.envelope[0], payload=b"\xff" * (size - HEADER_SIZE))
+        assert _predicted(spool) == [("start", "quarantine", seg, off)]
+        return Damage(ranges=[victim.envelope], kept={_qname(seg, off, "bad-payload"): new})
+
+    await run_case(tmp_path, template, template_map, caplog, damage)
+
+
+async def test_a_whole_record_of_an_unknown_type_after_the_checkpoint(tmp_path: Path, template: Template,
+                                                                      template_map: LogMap,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A record of a type this version does not know, in the last segment past every position recovery can
+    prove durable: its checksum proves it was written whole, so it is not an unacknowledged tail. Recovery
+    used to cut it and every valid record after it; now that record alone is quarantined and every message
+    after it delivered, as verify predicted."""
+    victim = [m for m in template.messages if m.new][1]
+    seg, off = pos_segment(victim.envelope[0]), pos_offset(victim.envelope[0])
+    assert seg == template.segments[-1]
+
+    def damage(spool: str) -> Damage:
+        new = _rewrite_frame(spool, template, victim.envelope[0], rtype=max(RecordType) + 3)
+        assert _predicted(spool) == [("start", "quarantine", seg, off)]
+        return Damage(ranges=[victim.envelope], kept={_qname(seg, off, "unknown-type"): new})
+
+    result = await run_case(tmp_path, template, template_map, caplog, damage)
+    assert not any(r.getMessage().startswith("cut ") for r in caplog.records)
+    assert len(result.hop) == len(template.messages) - 1
+
+
+async def test_damaged_segment_header(tmp_path: Path, template: Template, template_map: LogMap,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A middle segment's magic overwritten: the header is quarantined, every record after it is read and
+    delivered, no message is lost."""
+    seg = template.segments[len(template.segments) // 2]
+
+    def damage(spool: str) -> Damage:
+        Mutation(template.seg_rel(seg), "zero", 0, 8).apply(spool)
+        (action,) = [a for a in verify(LogFiles.open(spool)).plan if a.anomaly is not None]
+        assert action.what == "quarantine" and action.anomaly is not None
+        assert (action.anomaly.kind.name, action.anomaly.segment, action.anomaly.offset) == ("BAD_HEADER", seg, 0)
+        return Damage(notes=[_qname(seg, 0, "bad-header")])
+
+    result = await run_case(tmp_path, template, template_map, caplog, damage)
+    assert result.lost_lines == []
+    assert len(result.hop) == len(template.messages)
+
+
+async def test_a_whole_envelope_that_does_not_decode_met_by_a_runner(tmp_path: Path, template: Template,
+                                                                    template_map: LogMap,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Behind the checkpoint, a deferred message's live envelope passes its checksum and does not decode:
+    the start does not meet it, the runner that claims it quarantines that record alone and names the
+    message, as verify predicted ("later"); everything else is delivered."""
+    seg = template.segments[len(template.segments) // 2]
+    victim = next(m for m in template.messages if not m.new and pos_segment(m.envelope[0]) == seg)
+    off = pos_offset(victim.envelope[0])
+    size = victim.envelope[1] - victim.envelope[0]
+
+    def damage(spool: str) -> Damage:
+        new = _rewrite_frame(spool, template, victim.envelope[0], payload=b"\xff" * (size - HEADER_SIZE))
+        assert _predicted(spool) == [("later", "quarantine", seg, off)]
+        assert [m.queue_id for a in verify(LogFiles.open(spool)).plan for m in a.lost] == [victim.qid]
+        return Damage(ranges=[victim.envelope], kept={_qname(seg, off, "bad-payload"): new})
+
+    result = await run_case(tmp_path, template, template_map, caplog, damage)
+    assert any(f"queue id {victim.qid}" in ln and f"<{victim.rcpt}>" in ln for ln in result.lost_lines)
+    assert any("met by runner" in r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly")
+
+
+async def test_mta_serve_starts_on_a_whole_envelope_that_does_not_decode(tmp_path: Path, template: Template) -> None:
+    """The command a new user runs: ``mta serve`` on a spool whose working suffix holds an envelope that
+    passes its checksum and does not decode answers 220 (it used to exit 1, "bad ENVELOPE payload"), and
+    says in its log that it quarantined the record, as ``spoolctl verify`` said it would."""
+    spool = template.copy(str(tmp_path / "spool"))
+    victim = [m for m in template.messages if m.new][1]
+    size = victim.envelope[1] - victim.envelope[0]
+    _rewrite_frame(spool, template, victim.envelope[0], payload=b"\xff" * (size - HEADER_SIZE))
+    seg, off = pos_segment(victim.envelope[0]), pos_offset(victim.envelope[0])
+    assert _predicted(spool) == [("start", "quarantine", seg, off)]
+    conf = tmp_path / "relay.toml"
+    conf.write_text('[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\n[spool]\ndir = "spool"\n'
+                    f'{SPOOL_EXTRA}\n[routes]\n"*" = "discard"\n')
+    async with trio.open_nursery() as nursery:
+        relay = RelayProcess(conf)
+        await relay.start(nursery)
+        await _greeted(relay.port)
+        assert any("bad ENVELOPE payload" in ln and "quarantined" in ln for ln in relay.lines), relay.lines
+        await relay.kill()
+        nursery.cancel_scope.cancel()
+    assert os.path.exists(os.path.join(spool, "quarantine", _qname(seg, off, "bad-payload") + ".bin"))

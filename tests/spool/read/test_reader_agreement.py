@@ -3,7 +3,8 @@
 One spool is built by the engine, then copies of it are damaged in one way
 each (a zeroed 4 KiB range in a middle segment, flipped bits, a truncated
 middle segment, a missing middle segment, a torn tail, a damaged segment
-header). For each, the log reader itself, ``spoolctl verify``, the admin reads
+header, a record whose checksum passes but whose payload does not decode or
+whose type is unknown). For each, the log reader itself, ``spoolctl verify``, the admin reads
 (``admin.page``/``count``/``find`` on a read-only ``SpoolView``), the Spark
 source's error rows (its pure-Python walk, ``spool.export.rows``) and, where it meets
 the damage, a queue runner must agree. Before the one reader, ``verify``
@@ -27,13 +28,14 @@ from spool.engine.runner import Runner
 from spool.engine.spool import Spool
 from spool.errors import CorruptSegment
 from spool.export.rows import ERROR_TYPE, plan, segment_rows
-from spool.format.record import Frame, RecordType, make_pos, pos_offset, pos_segment
+from spool.format.record import Frame, RecordType, encode_frame, make_pos, pos_offset, pos_segment
 from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, segment_path
 from spool.read import listing as admin
 from spool.read.anomaly import Anomaly, Kind
 from spool.read.reader import anomalies
 from spool.tools.inspection import LogFiles, checkpoint_or_none
-from spool.tools.verify import Problem, verify
+from spool.tools.verify import verify
+from spool.tools.verify_report import Problem
 
 T0 = 1_700_000_000
 SEGMENT_SIZE = 16 * 1024
@@ -129,6 +131,30 @@ def damage_header(t: Template, spool: str) -> list[tuple[Kind, int, int]]:
     return [(Kind.BAD_HEADER, seg, 0)]
 
 
+def _rewrite(t: Template, spool: str, frame: Frame, rtype: int, payload: bytes) -> None:
+    """Write ``frame`` again in place with another type or payload of its length, its checksum passing."""
+    seg = pos_segment(frame.pos)
+    with open(_seg_path(spool, seg), "r+b") as f:
+        f.seek(pos_offset(frame.pos))
+        f.write(encode_frame(seg, rtype, payload, klass=frame.klass, time=frame.time, flags=frame.flags))
+
+
+def bad_payload(t: Template, spool: str) -> list[tuple[Kind, int, int]]:
+    """An envelope whose checksum passes and whose CBOR does not decode (a bug's or a newer writer's)."""
+    seg = _middle(t)
+    env = [fr for fr in t.frames[seg] if fr.rtype == RecordType.ENVELOPE][2]
+    _rewrite(t, spool, env, env.rtype, b"\xff" * len(env.payload))
+    return [(Kind.BAD_PAYLOAD, seg, pos_offset(env.pos))]
+
+
+def unknown_type(t: Template, spool: str) -> list[tuple[Kind, int, int]]:
+    """An envelope rewritten as a record type this version does not know, its checksum passing."""
+    seg = _middle(t)
+    env = [fr for fr in t.frames[seg] if fr.rtype == RecordType.ENVELOPE][2]
+    _rewrite(t, spool, env, max(RecordType) + 3, env.payload)
+    return [(Kind.UNKNOWN_TYPE, seg, pos_offset(env.pos))]
+
+
 DAMAGE: dict[str, Callable[[Template, str], list[tuple[Kind, int, int]]]] = {
     "zeroed 4 KiB range in a middle segment": zero_4k,
     "flipped bits": flip_bits,
@@ -136,6 +162,8 @@ DAMAGE: dict[str, Callable[[Template, str], list[tuple[Kind, int, int]]]] = {
     "missing middle segment": remove_middle,
     "torn tail": tear_tail,
     "damaged segment header": damage_header,
+    "a whole record whose payload does not decode": bad_payload,
+    "a whole record of an unknown type": unknown_type,
 }
 
 
@@ -157,7 +185,7 @@ def test_every_reader_names_the_same_damage(template: Template, tmp_path: Path, 
     files = LogFiles.open(spool)
 
     # The reader itself, told what the checkpoint knows.
-    found = anomalies(files.reader(checkpoint_or_none(files)).read())
+    found = anomalies(files.reader(checkpoint_or_none(files)).decoded())
     assert [_where(a) for a in found] == expected
     by_place = {(a.segment, a.offset): a for a in found}
 
@@ -195,7 +223,7 @@ def test_every_reader_names_the_same_damage(template: Template, tmp_path: Path, 
         assert (info.value.path, info.value.offset) == (first.path, first.offset)
 
     # A queue runner passing the damage (records are read through its header-only walk) names it too.
-    if first.kind is Kind.DAMAGED_RECORD:
+    if first.kind in (Kind.DAMAGED_RECORD, Kind.UNKNOWN_TYPE):
         _runner_names(spool, first, found)
 
 
