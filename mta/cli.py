@@ -40,7 +40,7 @@ from mta.config import ConfigError, load_config, parse_listen_address
 from mta.dkim.cli import dkim as dkim_command
 from mta.observe.logline import install as install_logging
 from mta.process.config_cli import config as config_command
-from spool.errors import SpoolError, SpoolLocked
+from spool import SpoolError, SpoolLocked
 
 _ARGV = "mta.argv"
 

@@ -18,8 +18,7 @@ every boundary asks it and re-raises what it calls fatal.
 from __future__ import annotations
 
 from mta.smtp.common import printable
-from spool.engine.spool import Spool
-from spool.errors import SyncFailed
+from spool import Spool, SyncFailed
 
 
 def is_fatal(exc: BaseException, spool: Spool | None = None) -> bool:

@@ -38,7 +38,7 @@ import re
 import attrs
 
 from mta.config import Config, ConfigError
-from spool.config.engine import SpoolConfig
+from spool import SpoolConfig
 
 SHARDS_DIR = "shards"
 _SHARD_NAME = re.compile(r"[1-9][0-9]{0,5}")

@@ -27,7 +27,7 @@ import click
 from mta.admin.shards_merge import check_ids, request
 from mta.cli_common import EXIT_FAILURE, config_option, json_option
 from mta.config import load_config
-from spool.config.units import format_age
+from spool import format_age
 
 DEFAULT_LIMIT = 100
 EMPTY = "Mail queue is empty"

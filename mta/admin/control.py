@@ -37,9 +37,8 @@ import trio
 from mta.admin.queue_ops import CHANGES, Request, RequestError, change_op, parse_request, read_op, shown
 from mta.config import Config
 from mta.observe.logline import event
-from spool.aio.async_spool import AsyncSpool
-from spool.errors import NotFound, SpoolError
-from spool.read import listing as admin
+from spool import AsyncSpool, NotFound, SpoolError
+from spool import listing as admin
 
 log = logging.getLogger("mta.control")
 MAX_REQUEST = 64 * 1024

@@ -26,9 +26,8 @@ from mta.admin.errors import (
 )
 from mta.admin.queue_ops import CHANGES, Request, RequestError, change_op, parse_request, read_op
 from mta.config import Config, ConfigError
-from spool.engine.spool import Spool
-from spool.errors import NotFound, SpoolError, SpoolLocked
-from spool.read import listing as admin
+from spool import NotFound, Spool, SpoolError, SpoolLocked
+from spool import listing as admin
 
 
 def answer_offline(config: Config, shard: int, raw: dict[str, Any]) -> dict[str, Any]:

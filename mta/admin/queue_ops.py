@@ -31,11 +31,9 @@ from typing import Any
 import attrs
 
 from mta.shards import Cursor, format_cursor, format_queue_id, parse_cursor, parse_queue_id
-from spool.config.engine import SpoolConfig
+from spool import DamagedBody, NotFound, SpoolConfig, SpoolError, Status
+from spool import listing as admin
 from spool.engine.core import SpoolCore
-from spool.errors import DamagedBody, NotFound, SpoolError
-from spool.format.record import Status
-from spool.read import listing as admin
 
 MAX_LIMIT = 10_000
 MAX_POSITION = (1 << 64) - 1  # a log position: segment id << 32 | offset (``spool.format.record.make_pos``)

@@ -23,8 +23,8 @@ from mta.admin.errors import BadRequest, NoSuchMessage, SpoolNotFound, SpoolUnav
 from mta.admin.offline import answer_offline
 from mta.config import DEFAULTS_SOURCE, Config
 from mta.shards import Cursor, all_shards, format_cursor, parse_cursor, parse_queue_id
-from spool.engine.core import LOG_DIR
-from spool.read import listing as admin
+from spool import LOG_DIR
+from spool import listing as admin
 
 SHAPE_TOP_PER_SHARD = 1000  # each shard's table before the merge: exact unless a shard sees more domains
 Shards = list[tuple[int, Config]]

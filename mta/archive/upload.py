@@ -37,8 +37,7 @@ from typing import Any, Final
 import attrs
 
 from mta.archive.errors import ArchiveError, UploadFailed
-from spool.export import remote
-from spool.format.segment import parse_segment_name
+from spool import parse_segment_name, remote
 
 CHECKSUM_KEY: Final = "logspool-sha256"
 """The user-metadata key of an uploaded segment's SHA-256 (hex) on S3."""

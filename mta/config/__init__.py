@@ -56,8 +56,7 @@ from mta.config.sections import (
     SubmissionConfig,
 )
 from mta.config.values import IPAddress, IPNetwork, ListenAddress, parse_listen_address
-from spool.config.units import parse_duration, parse_size
-from spool.errors import ConfigError
+from spool import ConfigError, parse_duration, parse_size
 
 __all__ = [
     "DEFAULTS_SOURCE",

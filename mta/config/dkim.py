@@ -22,7 +22,7 @@ import attrs
 
 from mta.config.routes import check_domain
 from mta.config.values import text_of
-from spool.config.settings import Boolean, ConfigError, Kind, ListOf, Path, expect, setting, settings_of, type_name
+from spool import Boolean, ConfigError, Kind, ListOf, Path, expect, setting, settings_of, type_name
 
 __all__ = ["DEFAULT_HEADERS", "MAX_KEYS_PER_DOMAIN", "DkimKey", "DkimSection", "parse_dkim_keys"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from mta.config.sections import SECTIONS, file_settings
 from mta.config.show import toml_value
-from spool.config.settings import Setting
+from spool import Setting
 
 __all__ = ["DOC", "render_table", "update"]
 

@@ -46,7 +46,7 @@ from mta.config.model import DEFAULTS_SOURCE, Config
 from mta.config.routes import DEFAULT_ROUTES, NoRoute, Route, TlsPolicy, check_domain, parse_route
 from mta.config.sections import SECTIONS, file_settings
 from mta.config.values import text_of
-from spool.config.settings import ConfigError, Setting, type_name
+from spool import ConfigError, Setting, type_name
 
 __all__ = [
     "DEFAULT_FILE",

@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 
 from mta.config.values import parse_listen_address, text_of
-from spool.config.settings import ConfigError, Kind, resolve_path
+from spool import ConfigError, Kind, resolve_path
 
 __all__ = [
     "DEFAULT_ROUTES",

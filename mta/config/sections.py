@@ -35,8 +35,7 @@ from mta.config.values import (
     default_hostname,
 )
 from mta.smtp.common import DEFAULT_MAX_ERRORS, DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_MAX_RECIPIENTS
-from spool.config.engine import SpoolConfig
-from spool.config.settings import (
+from spool import (
     Boolean,
     Derived,
     Duration,
@@ -48,6 +47,7 @@ from spool.config.settings import (
     Resolver,
     Setting,
     Size,
+    SpoolConfig,
     Text,
     TomlValue,
     resolve_path,

@@ -19,7 +19,7 @@ from mta.config.loader import key_name
 from mta.config.model import Config
 from mta.config.routes import DEFAULT_ROUTES, format_route, parse_route
 from mta.config.sections import SECTIONS, file_settings
-from spool.config.settings import TomlValue, settings_of
+from spool import TomlValue, settings_of
 
 __all__ = ["show_config", "toml_value"]
 

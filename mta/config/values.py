@@ -16,7 +16,7 @@ import socket
 import attrs
 
 from mta.smtp.addresses import parse_mailbox
-from spool.config.settings import ConfigError, Integer, Kind, TomlValue, expect, resolve_path
+from spool import ConfigError, Integer, Kind, TomlValue, expect, resolve_path
 
 __all__ = [
     "Address",

@@ -8,8 +8,7 @@ import trio
 
 from mta.delivery import maildir
 from mta.delivery.transport import Destination, Job, OnOutcome
-from spool.fileio import FileIO
-from spool.format.record import Outcome, Status
+from spool import FileIO, Outcome, Status
 
 
 class MaildirTransport:

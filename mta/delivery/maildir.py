@@ -51,7 +51,7 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
-from spool.fileio import FileIO, OsFileIO, write_all
+from spool import FileIO, OsFileIO, write_all
 
 __all__ = ["InvalidMailbox", "MaildirDelivery", "MaildirError", "MaildirWriter", "mailbox_name"]
 

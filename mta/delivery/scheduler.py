@@ -80,11 +80,18 @@ from mta.delivery import dsn as dsnmod
 from mta.delivery.transport import Destination, Job, Transport, TransportLost
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
-from spool.aio.async_spool import AsyncSpool, StoredBody
-from spool.engine.core import DAMAGED_BODY
-from spool.engine.spool import Attempt
-from spool.errors import DamagedBody, DiskFull
-from spool.format.record import HELD_CLASS, Envelope, Outcome, Status
+from spool import (
+    DAMAGED_BODY,
+    HELD_CLASS,
+    AsyncSpool,
+    Attempt,
+    DamagedBody,
+    DiskFull,
+    Envelope,
+    Outcome,
+    Status,
+    StoredBody,
+)
 
 log = logging.getLogger("mta.delivery")
 

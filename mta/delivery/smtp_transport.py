@@ -72,7 +72,7 @@ from mta.smtp.client import (
 from mta.smtp.client import ConnectionClosed as ServerClosed
 from mta.smtp.client import Event as ClientEvent
 from mta.smtp.common import LocalProtocolError, RemoteProtocolError, Reply
-from spool.format.record import Outcome, Status
+from spool import Outcome, Status
 
 log = logging.getLogger("mta.smtp")
 # Body bytes gathered before a send_all: one write per this much, instead of one per stored chunk.

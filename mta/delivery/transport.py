@@ -20,7 +20,7 @@ from typing import Protocol
 
 import attrs
 
-from spool.format.record import Outcome, Status
+from spool import Outcome, Status
 
 
 @attrs.frozen

@@ -42,10 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 import trio
 
 from mta.observe.logline import event
-from spool.errors import CorruptRecord
-from spool.fileio import OsFileIO
-from spool.format.record import RecordType, pos_offset, pos_segment
-from spool.format.segment import read_frame_at, segment_path
+from spool import CorruptRecord, OsFileIO, RecordType, pos_offset, pos_segment, read_frame_at, segment_path
 
 log = logging.getLogger("mta.worker")
 # Bodies up to this size are read in the worker's loop (from the page cache); bigger ones in a thread.

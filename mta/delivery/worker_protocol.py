@@ -35,7 +35,7 @@ import cbor2
 import trio
 
 from mta.delivery.transport import Destination, Job
-from spool.format.record import Outcome, Status
+from spool import Outcome, Status
 
 __all__ = ["MAX_FRAME", "RECEIVE_SIZE", "FrameReader", "FrameTooLong", "ProtocolError", "SocketReceiver",
            "decode_destination", "decode_outcomes", "destination_item", "encode", "encode_outcomes", "job_from",

@@ -81,8 +81,7 @@ from mta.delivery.worker_protocol import (
     job_header,
 )
 from mta.observe.logline import LogEvent, event
-from spool.aio.async_spool import StoredBody
-from spool.format.record import Outcome
+from spool import Outcome, StoredBody
 
 log = logging.getLogger("mta.workers")
 

@@ -28,8 +28,7 @@ import trio
 
 from mta.dkim.signer import Signature, Signer, Unsigned
 from mta.observe.logline import event
-from spool.aio.async_spool import AsyncSpool
-from spool.engine.spool import BodyWriter
+from spool import AsyncSpool, BodyWriter
 
 __all__ = ["SIGNING_THREADS", "AcceptSigner"]
 

@@ -17,7 +17,7 @@ from mta.config import ConfigError, load_config
 from mta.config.dkim import MailDomain, Selector
 from mta.dkim.keygen import KEY_TYPES, RSA_BITS, write_key_pair
 from mta.dkim.keys import dns_record, load_keys
-from spool.config.settings import Kind
+from spool import Kind
 
 __all__ = ["dkim"]
 

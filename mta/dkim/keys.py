@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from mta.config.dkim import DkimKey
-from spool.errors import ConfigError
+from spool import ConfigError
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric import ed25519, rsa

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from mta.smtp.common import Reply
-from spool.aio.async_spool import AsyncSpool
+from spool import AsyncSpool
 
 R_DISK_FULL = Reply(452, "4.3.1", "Insufficient system storage, try again later")
 R_TOO_BIG_FOR_DISK = Reply(552, "5.3.4", "Message too big for this system's disk")

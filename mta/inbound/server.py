@@ -79,9 +79,7 @@ from mta.smtp.server import (
     ServerConnection,
     StartTls,
 )
-from spool.aio.async_spool import AsyncSpool
-from spool.engine.spool import BodyWriter
-from spool.errors import DiskFull
+from spool import AsyncSpool, BodyWriter, DiskFull
 
 log = logging.getLogger("mta.smtpd")
 

@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from mta.config import ListenAddress
 from mta.observe.metrics_http import MetricsServer
-from spool.format.record import Status
+from spool import Status
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400, float("inf"))
 

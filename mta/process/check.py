@@ -39,7 +39,7 @@ from mta.errors import StartError
 from mta.process.security import UnsafeFile, check_spool_dir
 from mta.process.startup import check_control_socket, check_dkim_keys, check_tls, check_users_file
 from mta.shards import shard_config, shard_count
-from spool.errors import ConfigError
+from spool import ConfigError
 
 __all__ = ["Finding", "check_host"]
 

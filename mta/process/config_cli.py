@@ -15,7 +15,7 @@ from mta.config.loader import base_dir_of, load_config, problems_of
 from mta.config.model import Config
 from mta.config.show import show_config
 from mta.process.check import check_host
-from spool.errors import ConfigError
+from spool import ConfigError
 
 __all__ = ["config"]
 

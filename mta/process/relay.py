@@ -37,9 +37,7 @@ from mta.process.security import check_spool_dir
 from mta.process.startup import check_start, unwrapped
 from mta.process.supervisor import follow_parent, watch_parent
 from mta.shards import shard_config, spool_config
-from spool.aio.async_spool import AsyncSpool
-from spool.aio.inline_commit import INLINE_SYNC_FAST
-from spool.fileio import FileIO
+from spool import INLINE_SYNC_FAST, AsyncSpool, FileIO
 
 log = logging.getLogger("mta")
 
