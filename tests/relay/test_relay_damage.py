@@ -131,7 +131,7 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
     root = tmp_path / "damaged"
     spool = template.copy(str(root / "spool"))
     done = damage(spool)
-    taken = [r for r in done.ranges] + ([done.cut] if done.cut else [])
+    taken = list(done.ranges) + ([done.cut] if done.cut else [])
     envelopes: set[str] = set()
     bodies: set[str] = set()
     for lo, hi in taken:
