@@ -2,7 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PIP := $(BIN)/pip install -q --disable-pip-version-check
+# constraints.txt: the tested versions of every dependency (its header says why and how to refresh it).
+PIP := $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 REPORT_STAMP := $(VENV)/.installed-report
 DEV_STAMP := $(VENV)/.installed-dev
@@ -13,18 +14,18 @@ SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless unbound ldnsut
 
 # The relay alone (trio, attrs, cbor2, click, crc32c, dnspython, prometheus-client, rich): no Spark,
 # whose pyspark alone is ~490 MB; `make report` adds it, `make test` adds it and the test tools.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "make run: installing the relay into $(VENV) (the report's Spark is 'make report')"
 	@$(PIP) -e .
 	@touch $@
 
-$(REPORT_STAMP): pyproject.toml
+$(REPORT_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) -e '.[spark]'
 	touch $@ $(STAMP)
 
-$(DEV_STAMP): pyproject.toml
+$(DEV_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) -e '.[dev]'
 	touch $@ $(STAMP) $(REPORT_STAMP)

@@ -322,7 +322,8 @@ def run_batch(port: int, sessions: list[Session], ch: Chooser, stats: Stats, tim
     conns: list[_Conn] = []
     try:
         for s in sessions:
-            conns.append(_Conn(s, socket.create_connection(("127.0.0.1", port), timeout=timeout)))
+            # One at a time (no extend): those opened before a failure are in conns, for the finally to close.
+            conns.append(_Conn(s, socket.create_connection(("127.0.0.1", port), timeout=timeout)))  # noqa: PERF401
     except OSError as exc:
         stats.problems.append(f"the relay does not take connections: {type(exc).__name__}: {exc}")
         for c in conns:

@@ -77,7 +77,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "count": _FILTER_FIELDS,
     "show": ("id", "body"),
     "shape": ("top",),
-    **{op: ("ids",) for op in CHANGES},
+    **dict.fromkeys(CHANGES, ("ids",)),
 }
 
 

@@ -160,8 +160,8 @@ def _one_key(entry: Mapping[str, Any], base_dir: str | None, where: str,
                 problems.append(e.at(f"{where}.{s.name}"))
         elif s.name in REQUIRED:
             problems.append(ConfigError("is required").at(f"{where}.{s.name}"))
-    for name in sorted(set(entry) - {s.name for s in known}):
-        problems.append(ConfigError("unknown key").at(f"{where}.{name}"))
+    problems.extend(ConfigError("unknown key").at(f"{where}.{name}")
+                    for name in sorted(set(entry) - {s.name for s in known}))
     if len(problems) > before:
         return None
     return DkimKey(**values)

@@ -171,8 +171,7 @@ def parse_route(value: str, base_dir: str | None = None) -> Route:
 def _parse_smtp_route(value: str) -> SmtpRoute:
     rest = value.removeprefix("smtp://")
     netloc, _, query = rest.partition("?")
-    if netloc.endswith("/"):
-        netloc = netloc[:-1]
+    netloc = netloc.removesuffix("/")
     if not netloc or "/" in netloc or "@" in netloc or "#" in netloc:
         raise ConfigError(f"expected 'smtp://HOST[:PORT][?tls=MODE]', got {value!r}")
     address = parse_listen_address(netloc, default_port=25)

@@ -115,7 +115,7 @@ def extract_headers(chunks: Iterable[bytes], limit: int = HEADER_LIMIT) -> bytes
 
 def _blank_line(buffer: bytearray, start: int) -> int:
     """Offset just past the last header line's newline, or -1 if the header block has not ended yet."""
-    if buffer.startswith(b"\r\n") or buffer.startswith(b"\n"):
+    if buffer.startswith((b"\r\n", b"\n")):
         return 0
     hits = [i + 1 for i in (buffer.find(b"\n\r\n", start), buffer.find(b"\n\n", start)) if i >= 0]
     return min(hits) if hits else -1

@@ -65,7 +65,7 @@ class Forked:
     async def wait(self) -> int:
         if self.returncode is None:
             await trio.lowlevel.wait_readable(self._pidfd)  # readable once the child has exited
-            _, status = os.waitpid(self.pid, 0)
+            _, status = os.waitpid(self.pid, 0)  # noqa: ASYNC222 -- it has exited: waitpid only reaps it
             self.returncode = os.waitstatus_to_exitcode(status)
             os.close(self._pidfd)
         return self.returncode

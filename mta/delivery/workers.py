@@ -290,7 +290,7 @@ class DeliveryWorkers:
 
     async def _spawn(self, worker: _Worker, theirs: socket.socket) -> trio.Process:
         """Worker ``worker`` on ``theirs``, as a new interpreter."""
-        code_dir = os.path.dirname(os.path.dirname(os.path.abspath(mta.__file__)))
+        code_dir = os.path.dirname(os.path.dirname(os.path.abspath(mta.__file__)))  # noqa: ASYNC240 -- no file access
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (code_dir, os.environ.get("PYTHONPATH")) if p))
         return await trio.lowlevel.open_process(
             [sys.executable, "-P", "-m", "mta.delivery.worker_main", str(theirs.fileno()), str(worker.index)],
@@ -438,7 +438,7 @@ class DeliveryWorkers:
             if isinstance(job.body, StoredBody):  # its DATA records' positions: the worker reads them (worker_body)
                 items.append([job_header(job), list(job.body.positions)])
                 if log_dir is None:  # absolute: a spool dir may be given relative to the relay's cwd
-                    log_dir = os.path.abspath(job.body.log_dir)
+                    log_dir = os.path.abspath(job.body.log_dir)  # noqa: ASYNC240 -- getcwd, no file access
             else:
                 items.append([job_header(job), await _inline(job)])
         worker = await self._pick()

@@ -100,12 +100,11 @@ class Signer:
         if not keys:
             return Unsigned("no_key", domain)
         include = self.include_headers(parsed.headers)
-        fields = []
         try:
-            for key in keys:
-                fields.append(parsed.sign(key.selector.encode(), key.domain.encode(), key.private,
-                                          signature_algorithm=key.algorithm, canonicalize=CANONICALIZE,
-                                          include_headers=list(include)))
+            fields = [parsed.sign(key.selector.encode(), key.domain.encode(), key.private,
+                                  signature_algorithm=key.algorithm, canonicalize=CANONICALIZE,
+                                  include_headers=list(include))
+                      for key in keys]
         except dkim.DKIMException as exc:
             return Unsigned("error", domain, str(exc))
         return Signature(b"".join(fields), tuple(f"{k.domain}/{k.selector}" for k in keys),

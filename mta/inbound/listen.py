@@ -56,8 +56,8 @@ async def open_listeners(addrs: Iterable[ListenAddress], *, reuse_port: bool = F
     try:
         for index, addr in enumerate(addrs):
             try:
-                out += await (_open_reusing(addr) if reuse_port else
-                              trio.open_tcp_listeners(addr.port, host=addr.host, backlog=BACKLOG))
+                out += (await _open_reusing(addr) if reuse_port else
+                        await trio.open_tcp_listeners(addr.port, host=addr.host, backlog=BACKLOG))
             except OSError as exc:
                 raise bind_error(addr, index if key == "server.listen" else f"{key}[{index}]", exc) from None
     except BaseException:

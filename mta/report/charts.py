@@ -233,4 +233,4 @@ def _crowded(g: int, sublabels: Mapping[int, str], group_pt: float) -> bool:
 
 def svg_elements(page: str) -> Iterator[str]:
     """The ``<svg>`` elements of a page, in order (charts hold no nested ``<svg>``)."""
-    yield from re.findall(r"<svg\b.*?</svg>", page, flags=re.S)
+    yield from re.findall(r"<svg\b.*?</svg>", page, flags=re.DOTALL)

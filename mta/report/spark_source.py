@@ -67,7 +67,7 @@ def group_tasks(tasks: Sequence[SegmentTask], cores: int | None) -> list[list[Se
 # -- the Spark data source ---------------------------------------------------
 
 
-class SegmentPartition(InputPartition):  # type: ignore[misc]
+class SegmentPartition(InputPartition):
     """Segment files (each with where it stands in its log) and the relay each belongs to."""
 
     def __init__(self, tasks: Sequence[SegmentTask], relays: Sequence[str]) -> None:
@@ -76,7 +76,7 @@ class SegmentPartition(InputPartition):  # type: ignore[misc]
         self.relays = tuple(relays)
 
 
-class LogspoolDataSource(DataSource):  # type: ignore[misc]
+class LogspoolDataSource(DataSource):
     """``spark.read.format("logspool").load(paths)``; register it first with
     ``spark.dataSource.register(LogspoolDataSource)``."""
 
@@ -91,7 +91,7 @@ class LogspoolDataSource(DataSource):  # type: ignore[misc]
         return LogspoolReader(dict(self.options))
 
 
-class LogspoolReader(DataSourceReader):  # type: ignore[misc]
+class LogspoolReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
         self.paths = paths_from_options(options)
         self.relay = options.get("relay") or ""

@@ -305,7 +305,7 @@ def _named_by_finish(ctx: LogContext, repl: int, start_pos: int, fin_pos: int) -
         env = _read(ctx.reader, start.envelope, RecordType.ENVELOPE)
     done, owed = _outcomes(ctx, start_pos, fin_pos)
     if isinstance(env, Envelope):
-        evidence += f" and the envelope at {format_pos(start.envelope)}"  # type: ignore[union-attr]
+        evidence += f" and the envelope at {format_pos(start.envelope)}"
         rcpts = tuple(r for r in env.recipients if r not in done)
         return LostMessage("envelope", ctx.queue_id(env.message_id), env.sender, rcpts, evidence, repl)
     if owed:

@@ -227,8 +227,7 @@ async def test_a_large_body_full_of_line_start_dots_reaches_the_next_hop_byte_fo
     """300 KB through the relay's fast body paths: more line-start dots than ``bodybytes`` loops over, dots
     alone and doubled, long lines, a line that is ``.`` followed by more text: it must arrive unchanged."""
     lines = [b"Subject: dots", b""]
-    for i in range(6000):
-        lines.append([b".", b"..", b".x %d" % i, b"plain line %d." % i, b"y" * 900, b". .\x7f"][i % 6])
+    lines.extend([b".", b"..", b".x %d" % i, b"plain line %d." % i, b"y" * 900, b". .\x7f"][i % 6] for i in range(6000))
     body = b"\r\n".join(lines) + b"\r\n"
     assert len(body) > 300_000
     async with trio.open_nursery() as nursery:

@@ -135,7 +135,7 @@ async def run_case(tmp_path: Path, template: Template, template_map: LogMap, cap
     spool = template.copy(str(root / "spool"))
     done = damage(spool)
     predicted = verify(LogFiles.open(spool)).plan
-    taken = [r for r in done.ranges] + ([done.cut] if done.cut else [])
+    taken = list(done.ranges) + ([done.cut] if done.cut else [])
     envelopes: set[str] = set()
     bodies: set[str] = set()
     for lo, hi in taken:

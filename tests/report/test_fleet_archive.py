@@ -93,7 +93,7 @@ def test_upload_puts_each_relay_under_its_name_and_a_second_run_sends_nothing(
         want.update({f"archive/{k}": v for k, v in local_archive(d, relay).items()})
     assert objects(bucket) == want
     s3 = s3_server.client()
-    some = sorted(want)[0]
+    some = min(want)
     assert s3.head_object(Bucket=bucket, Key=some)["Metadata"][CHECKSUM_KEY] == want[some][1]
     stamps = {k: s3.head_object(Bucket=bucket, Key=k)["LastModified"] for k in want}
 
@@ -169,7 +169,7 @@ def test_without_an_archive_dir_there_is_nothing_to_upload(relays: dict[str, str
 def test_a_store_that_refuses_is_one_line_exit_1(relays: dict[str, str], s3_endpoint: str, tmp_path: Any) -> None:
     result = upload(config_file(tmp_path, relays["mx1"]), "s3://no-such-bucket-here/archive", "--relay", "mx1")
     assert result.exit_code == 1
-    first = sorted(archived(os.path.join(relays["mx1"], "archive")))[0][1]
+    first = min(archived(os.path.join(relays["mx1"], "archive")))[1]
     assert result.output.startswith(f"mta: {first} -> s3://no-such-bucket-here/archive/mx1/"), result.output
     assert result.output.rstrip().endswith("(0 segments uploaded before it; the next run goes on from there)")
     assert len(result.output.splitlines()) == 1

@@ -82,7 +82,7 @@ def test_cli_with_since_until_and_a_torn_segment(spark: Any, fleet: dict[str, st
     report it prints and writes is the plain computation's, rendered."""
     spool = str(tmp_path / "mx1")
     shutil.copytree(fleet["mx1"], spool)
-    last = sorted(glob.glob(os.path.join(spool, "log", "*.seg")))[-1]
+    last = max(glob.glob(os.path.join(spool, "log", "*.seg")))
     tail = pos_offset(list(segment_rows(last))[-1]["pos"])
     os.truncate(last, tail + 7)  # a write interrupted inside the last frame's header
     with open(last, "rb") as f:

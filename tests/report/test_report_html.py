@@ -66,6 +66,6 @@ def test_the_pages_charts_are_the_chart_modules_inline_svg_and_fetch_nothing(fig
     assert page.count("<link") == 1 and NO_FAVICON in page
     assert not re.search(r"<(?:image|script|iframe|object|embed|foreignObject)\b|@import|\bsrc=",
                          page.replace(NO_FAVICON, ""))
-    urls = set(re.findall(r"[a-z][a-z0-9+.-]*://[^\s\"'<>)]*", page, flags=re.I))
+    urls = set(re.findall(r"[a-z][a-z0-9+.-]*://[^\s\"'<>)]*", page, flags=re.IGNORECASE))
     assert urls == {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
     assert all(f'xmlns="{u}"' in page or f'xmlns:xlink="{u}"' in page for u in urls)  # names, not fetched

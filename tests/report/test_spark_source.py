@@ -87,7 +87,7 @@ def test_the_job_tells_the_data_source_its_parallelism(spark: Any, fleet: dict[s
 
 
 def test_relay_name_from_directory_or_option(spark: Any, fleet: dict[str, str]) -> None:
-    seg = sorted(glob.glob(os.path.join(fleet["mx2"], "log", "*.seg")))[0]
+    seg = min(glob.glob(os.path.join(fleet["mx2"], "log", "*.seg")))
     assert relay_name_for(seg) == "mx2"
     rows = load(spark, seg, relay="edge-7")
     assert rows and {r.relay for r in rows} == {"edge-7"}

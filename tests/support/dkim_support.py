@@ -61,7 +61,7 @@ def dns_lookup(port: int) -> Callable[..., bytes | None]:
             answer = resolver.resolve(name.decode(), dns.rdatatype.TXT)
         except dns.resolver.NXDOMAIN:
             return None
-        return b"".join(next(iter(answer)).strings)  # type: ignore[attr-defined]
+        return b"".join(next(iter(answer)).strings)
 
     return txt
 

@@ -414,8 +414,7 @@ class SilentHop:
         self._release = trio.Event()
 
     async def start(self, nursery: trio.Nursery) -> int:
-        listeners = await nursery.start(lambda task_status: trio.serve_tcp(
-            self._handle, 0, host="127.0.0.1", task_status=task_status))
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, self._handle, 0, host="127.0.0.1"))
         self.port = int(listeners[0].socket.getsockname()[1])
         return self.port
 

@@ -51,16 +51,16 @@ def plain_records(spool_dirs: dict[str, str], ends: dict[str, int] | None = None
     for a segment a test has torn: the reader would rightly refuse its tail.
     """
     io = OsFileIO()
-    out = []
+    out: list[Rec] = []
     for relay, d in sorted(spool_dirs.items()):
         for path in sorted(p for sub in ("log", "archive") for p in glob.glob(os.path.join(d, sub, "*.seg"))):
             seg_id = parse_segment_name(os.path.basename(path))
             assert seg_id is not None
             end = (ends or {}).get(path, os.path.getsize(path))
             reader = LogReader(io, os.path.dirname(path), segments=(seg_id,))
-            for fr in reader.frames(make_pos(seg_id, SEGMENT_HEADER_SIZE), make_pos(seg_id, end)):
-                if fr.rtype != RecordType.DATA:
-                    out.append(Rec(relay, fr.pos, fr.rtype, fr.time, decode_payload(fr.rtype, fr.payload)))
+            out.extend(Rec(relay, fr.pos, fr.rtype, fr.time, decode_payload(fr.rtype, fr.payload))
+                       for fr in reader.frames(make_pos(seg_id, SEGMENT_HEADER_SIZE), make_pos(seg_id, end))
+                       if fr.rtype != RecordType.DATA)
     return out
 
 
@@ -98,11 +98,11 @@ def tables(recs: list[Rec], since_ms: int | None = None,
         e = env.get((r.relay, s.envelope)) if s else None
         if s is None or e is None:
             continue
-        for o in r.payload.outcomes:
-            attempts.append({"relay": r.relay, "message_id": e.message_id, "time_ms": r.payload.time_ms,
-                             "recipient": o.recipient, "domain": domain(o.recipient),
-                             "status": STATUS_NAMES[o.status], "code": o.code, "enhanced": o.enhanced,
-                             "reply": o.reply, "delay_ms": r.payload.time_ms - e.arrival_ms})
+        attempts.extend({"relay": r.relay, "message_id": e.message_id, "time_ms": r.payload.time_ms,
+                         "recipient": o.recipient, "domain": domain(o.recipient),
+                         "status": STATUS_NAMES[o.status], "code": o.code, "enhanced": o.enhanced,
+                         "reply": o.reply, "delay_ms": r.payload.time_ms - e.arrival_ms}
+                        for o in r.payload.outcomes)
     times = [max(r.time * 1000, getattr(r.payload, "time_ms", 0)) for r in recs]
     end_ms = until_ms if until_ms is not None else max(times)
     finished = set()

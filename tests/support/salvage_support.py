@@ -109,20 +109,20 @@ def build(path: str, clock: Clock, intervals: tuple[float, ...] = (60.0, 300.0),
         sp.commit()
         clock.advance(1)
         for n, a in enumerate(sp.poll_due(now=clock(), limit=messages * 2 // 3)):
-            outcomes = {r: Status.DEFERRED for r in a.envelope.recipients}
+            outcomes = dict.fromkeys(a.envelope.recipients, Status.DEFERRED)
             if n % 4 == 0:
-                outcomes = {r: Status.DELIVERED for r in outcomes}
+                outcomes = dict.fromkeys(outcomes, Status.DELIVERED)
             elif n % 4 == 3:
                 outcomes[a.envelope.recipients[0]] = Status.DELIVERED  # partly delivered
             _outcome(sp, a, outcomes)
         clock.advance(intervals[0] + 1)
         for n, a in enumerate(sp.poll_due(now=clock(), limit=messages)):
             if a.klass == 1 and n % 2 == 0:  # a second failure: class 2, two attempts
-                _outcome(sp, a, {r: Status.DEFERRED for r in a.remaining})
+                _outcome(sp, a, dict.fromkeys(a.remaining, Status.DEFERRED))
             elif a.klass == 1:
-                _outcome(sp, a, {r: Status.DELIVERED for r in a.remaining})
+                _outcome(sp, a, dict.fromkeys(a.remaining, Status.DELIVERED))
             else:  # the fresh messages the first round left: deferred once
-                _outcome(sp, a, {r: Status.DEFERRED for r in a.remaining})
+                _outcome(sp, a, dict.fromkeys(a.remaining, Status.DEFERRED))
         deferred = {m.klass: m.message_id for m in admin.iter_live(sp)}
         for i in range(6):  # fresh mail at the head of the log
             ids.append(sp.enqueue(f"late{i}@example.com", (f"late{i}@example.net",),

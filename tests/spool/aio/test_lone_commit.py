@@ -99,7 +99,7 @@ async def test_a_lone_sessions_commit_is_made_by_its_enqueue_and_the_250_follows
             raw.close()
             await smtp(client, b"QUIT\r\n", b"221")
             nursery.cancel_scope.cancel()
-    assert len([m for m in admin.iter_live(aspool.core)]) == INLINE_SYNC_SAMPLES + 3
+    assert len(list(admin.iter_live(aspool.core))) == INLINE_SYNC_SAMPLES + 3
 
 
 async def test_a_lone_sessions_own_commit_on_a_full_disk_gets_452_and_its_message_is_never_kept(

@@ -45,7 +45,7 @@ def deferred_spool(path: Path, clock: Clock, n: int = 50) -> None:
 
 def recorded_open(path: Path, clock: Clock, **kw: object) -> tuple[Spool, RecordingFileIO]:
     io = RecordingFileIO(str(path))
-    return Spool.open(str(path), config(clock, **kw), io), io  # type: ignore[arg-type]
+    return Spool.open(str(path), config(clock, **kw), io), io
 
 
 def syncs(ops: list[Op]) -> list[Op]:

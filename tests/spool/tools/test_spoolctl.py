@@ -231,7 +231,7 @@ def age_out(m: Made, rounds: int) -> None:
     for _ in range(rounds):
         m.clock.advance(400)
         for a in m.poll():
-            m.deliver(a, {r: Status.DEFERRED for r in a.remaining})
+            m.deliver(a, dict.fromkeys(a.remaining, Status.DEFERRED))
         m.sp.checkpoint()
 
 
@@ -246,7 +246,7 @@ def test_segments_deletable_after_a_crash_before_deletion(tmp_path: Path) -> Non
         io.lose = True
         m.clock.advance(400)
         for a in m.poll():
-            m.deliver(a, {r: Status.DEFERRED for r in a.remaining})
+            m.deliver(a, dict.fromkeys(a.remaining, Status.DEFERRED))
         expected = m.sp.checkpoint()
         assert expected, "the scenario must reach a checkpoint that reclaims segments"
         assert sorted(int(os.path.basename(p)[:16], 16) for p in io.lost) == expected
