@@ -227,3 +227,17 @@ def test_mta_version_prints_the_package_version(tmp_path: Path) -> None:
 
     done = run_mta("--version", cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == f"mta (logspool) {version('logspool')}"
+
+
+def test_the_systemd_unit_waits_for_readiness_reloads_by_sighup_and_outlasts_the_drain() -> None:
+    from mta.config import load_config
+    from spool.config.units import parse_duration
+
+    unit = Path(__file__).parents[2] / "contrib" / "systemd" / "logspool.service"
+    settings = dict(line.split("=", 1) for line in unit.read_text().splitlines()
+                    if "=" in line and not line.startswith("#"))
+    assert settings["Type"] == "notify"
+    assert settings["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert parse_duration(settings["TimeoutStopSec"] + "s") > load_config(None).server.drain_timeout
+    for option in ("NoNewPrivileges", "PrivateTmp", "ProtectSystem", "ReadWritePaths"):
+        assert option in settings
