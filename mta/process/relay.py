@@ -177,8 +177,8 @@ class Relay:
                      shard)
             if self.shard == 0:
                 log.info("%s", where_mail_goes(cfg))
-            if self.signals and self.supervisor is None:
-                notify(f"READY=1\nMAINPID={os.getpid()}")
+            if self.signals and (self.supervisor is None or self.shard == 0):  # shard 0 speaks for the relay
+                notify(f"READY=1\nMAINPID={self.supervisor or os.getpid()}")
             task_status.started(self)
 
     @property
