@@ -84,6 +84,7 @@ async def test_sigterm_drains_within_the_deadline_and_the_next_start_holds_nothi
 
             # The next start on the same spool: nothing held in doubt, every 250 delivered once.
             hop.new_life(accept_first=10**6)
+            relay.port = 0  # the next life's "listening" line, not the last one's
             await relay.start(nursery)
             assert relay.proc.pid != pid
             assert relay.in_doubt_logged() == set(), relay.lines
@@ -135,6 +136,36 @@ async def test_sigterm_lets_a_transaction_finish_and_refuses_the_next_with_421(t
             assert relay.proc.returncode == 0
             (end,) = lines_with(relay, "event=drain_end")
             assert "transactions_cut=0" in end, end
+            nursery.cancel_scope.cancel()
+
+
+async def test_at_the_drain_deadline_a_delivery_still_running_ends_as_a_crash_does(tmp_path: Path) -> None:
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            hop = GatedHop()  # takes nothing at once: holds each 250 until the gate opens
+            await hop.start(nursery)
+            config = write_relay_config(tmp_path, {"far.example": f"smtp://127.0.0.1:{hop.port}?tls=none"},
+                                        extra='drain_timeout = "2s"')
+            relay = RelayProcess(config)
+            await relay.start(nursery)
+            accepted: list[str] = []
+            await trio.to_thread.run_sync(send_until_refused, relay.port, 0, 1, accepted)
+            assert accepted == ["drain-0@test"]
+            await hop.wait_until(lambda: len(hop.held) == 1)  # its final dot is written; no outcome yet
+            assert relay.proc is not None
+            signalled = time.monotonic()
+            relay.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                await relay.proc.wait()
+            assert 2 <= time.monotonic() - signalled < 2 + 10
+            assert relay.proc.returncode == 0
+            (end,) = lines_with(relay, "event=drain_end")
+            assert "deliveries_cut=1" in end and "WARNING" in end, end
+            # As after a crash: the next start knows the attempt passed its final dot, and holds it in doubt.
+            hop.new_life(accept_first=10**6)
+            relay.port = 0  # the next life's "listening" line, not the last one's
+            await relay.start(nursery)
+            assert {rcpt for _qid, rcpt in relay.in_doubt_logged()} == {"r0@far.example"}, relay.lines
             nursery.cancel_scope.cancel()
 
 
