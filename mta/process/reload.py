@@ -122,6 +122,9 @@ def reload(relay: Relay) -> bool:
         server.auth = auth
         server.disk.minfree = new.spool.queue_minfree
     relay.scheduler.config = new
+    reread = [name for name, present in (
+        ("tls_cert", new.server.tls_cert is not None), ("dkim.key", bool(new.dkim_keys)),
+        ("submission.users_file", auth is not None and auth.users is not None)) if present]
     event(log, "reload", config=old.source, changed=",".join(live) or "nothing",
-          needs_restart=",".join(later) or "nothing")
+          needs_restart=",".join(later) or "nothing", files_read_again=",".join(reread) or "none")
     return True

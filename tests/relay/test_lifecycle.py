@@ -272,3 +272,40 @@ def test_the_systemd_unit_waits_for_readiness_reloads_by_sighup_and_outlasts_the
     assert parse_duration(settings["TimeoutStopSec"] + "s") > load_config(None).server.drain_timeout
     for option in ("NoNewPrivileges", "PrivateTmp", "ProtectSystem", "ReadWritePaths"):
         assert option in settings
+
+
+def tls_issuer(port: int, ca_pem: bytes) -> bool:
+    """Whether STARTTLS on the relay verifies against ``ca_pem`` (the certificate a new session is shown)."""
+    import ssl
+
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    context.check_hostname = False
+    try:
+        with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+            s.starttls(context=context)
+            return True
+    except ssl.SSLError:
+        return False
+
+
+async def test_sighup_loads_a_renewed_certificate_for_new_sessions(tmp_path: Path) -> None:
+    import trustme
+    from relay_support import tls_files
+
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    tls_files(tmp_path, old_ca)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            config = write_relay_config(tmp_path, {"far.example": "discard"},
+                                        extra='tls_cert = "cert.pem"\ntls_key = "key.pem"')
+            relay = RelayProcess(config)
+            await relay.start(nursery)
+            assert relay.proc is not None
+            assert await trio.to_thread.run_sync(tls_issuer, relay.port, old_ca.cert_pem.bytes())
+            tls_files(tmp_path, new_ca)  # the renewal, in place (as certbot's deploy hook leaves it)
+            relay.proc.send_signal(signal.SIGHUP)
+            await relay.wait_output(lambda: bool(lines_with(relay, "event=reload ")), 30, "the reload line")
+            assert "files_read_again=tls_cert" in lines_with(relay, "event=reload ")[0]
+            assert await trio.to_thread.run_sync(tls_issuer, relay.port, new_ca.cert_pem.bytes())
+            assert not await trio.to_thread.run_sync(tls_issuer, relay.port, old_ca.cert_pem.bytes())
+            nursery.cancel_scope.cancel()
