@@ -20,8 +20,6 @@ import trio
 from process_support import RelayProcess, mta, run_mta
 from relay_support import GatedHop, write_relay_config
 
-pytestmark = pytest.mark.slow
-
 DRAIN_TIMEOUT = 20.0
 
 
@@ -45,6 +43,7 @@ def lines_with(relay: RelayProcess, text: str) -> list[str]:
     return [line for line in relay.lines if text in line]
 
 
+@pytest.mark.slow  # a real relay process, started and stopped
 async def test_sigterm_drains_within_the_deadline_and_the_next_start_holds_nothing(tmp_path: Path) -> None:
     clients, per_client = 4, 40
     with trio.fail_after(170):
@@ -97,6 +96,7 @@ async def test_sigterm_drains_within_the_deadline_and_the_next_start_holds_nothi
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow  # a real relay process, started and stopped
 async def test_sigterm_lets_a_transaction_finish_and_refuses_the_next_with_421(tmp_path: Path) -> None:
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
@@ -139,6 +139,7 @@ async def test_sigterm_lets_a_transaction_finish_and_refuses_the_next_with_421(t
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow  # a real relay process, started and stopped
 async def test_at_the_drain_deadline_a_delivery_still_running_ends_as_a_crash_does(tmp_path: Path) -> None:
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
@@ -182,6 +183,7 @@ def too_big(port: int, size: int) -> int:
     return 250
 
 
+@pytest.mark.slow  # a real relay process, started and stopped
 async def test_sighup_applies_a_new_size_limit_in_the_same_process(tmp_path: Path) -> None:
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
@@ -210,6 +212,7 @@ async def test_sighup_applies_a_new_size_limit_in_the_same_process(tmp_path: Pat
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow  # a real relay process, started and stopped
 async def test_sighup_with_an_invalid_config_keeps_serving_and_says_so_once(tmp_path: Path) -> None:
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
@@ -228,6 +231,7 @@ async def test_sighup_with_an_invalid_config_keeps_serving_and_says_so_once(tmp_
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow  # a real relay process, started and stopped
 async def test_systemd_is_told_ready_reloading_and_stopping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
     name = f"logspool-test-{os.getpid()}-{time.monotonic_ns()}"
@@ -288,6 +292,7 @@ def tls_issuer(port: int, ca_pem: bytes) -> bool:
         return False
 
 
+@pytest.mark.slow  # a real relay process, started and stopped
 async def test_sighup_loads_a_renewed_certificate_for_new_sessions(tmp_path: Path) -> None:
     import trustme
     from relay_support import tls_files
@@ -309,3 +314,20 @@ async def test_sighup_loads_a_renewed_certificate_for_new_sessions(tmp_path: Pat
             assert await trio.to_thread.run_sync(tls_issuer, relay.port, new_ca.cert_pem.bytes())
             assert not await trio.to_thread.run_sync(tls_issuer, relay.port, old_ca.cert_pem.bytes())
             nursery.cancel_scope.cancel()
+
+
+def test_a_reload_keeps_what_needs_a_restart_and_names_it(tmp_path: Path) -> None:
+    from relay_support import relay_config
+
+    from mta.process.reload import applicable, changes
+
+    old = relay_config(str(tmp_path), {"far.example": "discard"}, extra="max_recipients = 10")
+    new = relay_config(str(tmp_path), {"far.example": "smtp://127.0.0.1:2?tls=none"},
+                       extra='max_recipients = 5\nprocesses = 2\ndrain_timeout = "3s"')
+    live, later = changes(old, new)
+    assert live == ["server.max_recipients", "routes"]
+    assert later == ["server.processes", "server.drain_timeout"]
+    applied = applicable(old, new)
+    assert applied.server.max_recipients == 5 and dict(applied.routes) == dict(new.routes)
+    assert applied.server.processes == 1 and applied.server.drain_timeout == old.server.drain_timeout
+    assert applied.spool == old.spool
