@@ -131,8 +131,8 @@ class ServerConfig:
     processes: int = setting(
         Processes(), "relay processes, one spool shard each (see \"Several processes\")", 1)
     drain_timeout: float = setting(
-        Duration(), "on SIGTERM, how long transactions and deliveries in flight may take to finish before the "
-        "process ends as a crash does (see \"Restarting, reloading and upgrading\")", 10.0)
+        Duration(at_most=3600.0), "on SIGTERM, how long transactions and deliveries in flight may take to finish "
+        "before the process ends as a crash does (see \"Restarting, reloading and upgrading\")", 10.0)
 
 
 def _minfree(r: Resolver) -> int:

@@ -331,3 +331,15 @@ def test_a_reload_keeps_what_needs_a_restart_and_names_it(tmp_path: Path) -> Non
     assert applied.server.max_recipients == 5 and dict(applied.routes) == dict(new.routes)
     assert applied.server.processes == 1 and applied.server.drain_timeout == old.server.drain_timeout
     assert applied.spool == old.spool
+
+
+@pytest.mark.parametrize(("value", "problem"), [('"2h"', "at most 3600 s"), ('"-1s"', ""),
+                                                ('"soon"', "")])
+def test_drain_timeout_is_validated_like_every_duration(tmp_path: Path, value: str, problem: str) -> None:
+    from mta.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"server\.drain_timeout") as raised:
+        parse_config(f"[server]\ndrain_timeout = {value}\n", source=str(tmp_path / "x.toml"), base_dir=str(tmp_path))
+    assert problem in str(raised.value)
+    assert parse_config('[server]\ndrain_timeout = "45s"\n', source="x", base_dir=str(tmp_path)).server.drain_timeout \
+        == 45.0
