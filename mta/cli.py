@@ -156,6 +156,8 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     # shell's code for Ctrl-C); a shard child (which gets the same SIGINT from the terminal) dies by the signal
     # silently, so the line is printed once. See docs/operations.md.
     signal.signal(signal.SIGINT, signal.SIG_DFL if shard is not None else _interrupted)
+    # A SIGHUP (a reload) before the relay's handler is up (mta.process.lifecycle) must not end the process.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from mta.errors import StartError
     from mta.process.relay import serve as run
     from mta.process.relay import serve_shard
