@@ -343,3 +343,30 @@ def test_drain_timeout_is_validated_like_every_duration(tmp_path: Path, value: s
     assert problem in str(raised.value)
     assert parse_config('[server]\ndrain_timeout = "45s"\n', source="x", base_dir=str(tmp_path)).server.drain_timeout \
         == 45.0
+
+
+def rcpt_code(port: int) -> int:
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        s.ehlo("client.test")
+        s.mail("a@example.org")
+        return int(s.rcpt("b@far.example")[0])
+
+
+@pytest.mark.slow  # a real relay process, started and stopped
+async def test_sighup_applies_new_relay_domains_to_the_next_session(tmp_path: Path) -> None:
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            config = tmp_path / "relay.toml"
+            text = write_relay_config(tmp_path, {"far.example": "discard"}).read_text()
+            config.write_text(text.replace("[spool]", '[relay]\nmynetworks = ["10.9.9.0/24"]\n\n[spool]', 1))
+            relay = RelayProcess(config)
+            await relay.start(nursery)
+            assert relay.proc is not None
+            assert await trio.to_thread.run_sync(rcpt_code, relay.port) >= 500  # not ours to relay for
+            config.write_text(text.replace(
+                "[spool]", '[relay]\nmynetworks = ["10.9.9.0/24"]\nrelay_domains = ["far.example"]\n\n[spool]', 1))
+            relay.proc.send_signal(signal.SIGHUP)
+            await relay.wait_output(lambda: bool(lines_with(relay, "event=reload ")), 30, "the reload line")
+            assert "relay.relay_domains" in lines_with(relay, "event=reload ")[0]
+            assert await trio.to_thread.run_sync(rcpt_code, relay.port) == 250
+            nursery.cancel_scope.cancel()
