@@ -123,6 +123,7 @@ class Mta(click.Group):
 
 
 @click.group(cls=Mta)
+@click.version_option(package_name="logspool", prog_name="mta", message="%(prog)s (logspool) %(version)s")
 def main() -> None:
     """logspool: a log-structured mail relay."""
 
@@ -155,6 +156,8 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
     # shell's code for Ctrl-C); a shard child (which gets the same SIGINT from the terminal) dies by the signal
     # silently, so the line is printed once. See docs/operations.md.
     signal.signal(signal.SIGINT, signal.SIG_DFL if shard is not None else _interrupted)
+    # A SIGHUP (a reload) before the relay's handler is up (mta.process.lifecycle) must not end the process.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from mta.errors import StartError
     from mta.process.relay import serve as run
     from mta.process.relay import serve_shard
@@ -190,6 +193,28 @@ def serve(config_path: str | None, shard: int | None, shards: int | None, superv
         raise (exc if exc.file else ConfigError(exc.problem, config.source, exc.key)) from None
     except StartError as exc:
         raise exc.located(config.source) from None
+
+
+@main.command()
+@config_option
+def reload(config_path: str | None) -> None:
+    """Make the running relay read its config again (as SIGHUP does; each shard's process with several).
+
+    The relay logs one line: what changed, and what waits for a restart; an
+    invalid config changes nothing (that line says why).
+    """
+    from mta.admin.client import ask_relay
+    from mta.admin.control import socket_path
+    from mta.shards import shard_config, shards_on_disk
+
+    config = load_config(config_path)
+    count = max(1, shards_on_disk(config.spool.dir))  # the running relay's shards, whatever the file says now
+    for k in range(count):
+        path = socket_path(shard_config(config, k, count))
+        answer = ask_relay(path, {"op": "reload"})
+        if answer is None:
+            raise RelayNotAnswering(f"no relay answers on {path}: is it running?")
+        click.echo(f"reload signalled to the relay (pid {answer['pid']}); its log says what changed")
 
 
 main.add_command(queue)

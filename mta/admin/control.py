@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -212,6 +213,9 @@ class ControlServer:
         return answer
 
     async def dispatch(self, req: Request) -> dict[str, Any]:
+        if req.op == "reload":  # the signal's own path, so SIGHUP and ``mta reload`` are one thing
+            os.kill(os.getpid(), signal.SIGHUP)
+            return {"pid": os.getpid()}
         core = self.aspool.core
         await self.aspool.commit()  # what finished a moment ago is durable, so the walk sees it
         if req.op in CHANGES:

@@ -77,6 +77,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "count": _FILTER_FIELDS,
     "show": ("id", "body"),
     "shape": ("top",),
+    "reload": (),  # SIGHUP to the relay's own process (``mta reload``; mta.process.reload)
     **dict.fromkeys(CHANGES, ("ids",)),
 }
 

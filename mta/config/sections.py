@@ -130,6 +130,9 @@ class ServerConfig:
         Duration(positive=True), "per metrics request, to send its request and read the answer", 10.0)
     processes: int = setting(
         Processes(), "relay processes, one spool shard each (see \"Several processes\")", 1)
+    drain_timeout: float = setting(
+        Duration(at_most=3600.0), "on SIGTERM, how long transactions and deliveries in flight may take to finish "
+        "before the process ends as a crash does (see \"Restarting, reloading and upgrading\")", 10.0)
 
 
 def _minfree(r: Resolver) -> int:

@@ -171,6 +171,25 @@ class Scheduler:
         # log and metrics are two readers; tests wait on it instead of sleeping.
         self.observers: list[Callable[[str, Outcome], None]] = []
         self._riding = 0  # batches whose outcomes wait in _commit_outcomes to ride another commit
+        self.in_flight = 0  # messages claimed and not yet finished (their FINISH or replacement appended)
+        self.delivered = 0  # messages finished since the start (a drain's count at exit)
+        self.draining = False
+
+    def drain(self) -> None:
+        """A planned stop: claim nothing more; what is claimed is delivered (``in_flight`` falls to 0).
+
+        A claim already under way (``AsyncSpool.claiming``) is dispatched, then the feeder ends.
+        """
+        self.draining = True
+
+    def idle(self) -> bool:
+        """Nothing claimed that is not finished, and no claim under way."""
+        return self.in_flight == 0 and not self.aspool.claiming
+
+    def _finish(self, tracker: Tracker, extra: dict[str, str] | None = None, next_class: int | None = None) -> None:
+        self.aspool.finish(tracker.attempt, extra=extra, next_class=next_class)
+        self.in_flight -= 1
+        self.delivered += 1
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -183,7 +202,7 @@ class Scheduler:
     # -- feeding ------------------------------------------------------------
 
     async def _feeder(self) -> None:
-        while True:
+        while not self.draining:
             room = self.max_pending - self.pending
             if room <= 0:
                 await self._room.wait()
@@ -194,6 +213,7 @@ class Scheduler:
     def _dispatch(self, attempt: Attempt) -> None:
         assert self._nursery is not None
         tracker = Tracker(attempt)
+        self.in_flight += 1
         env = attempt.envelope
         if attempt.expired:
             self._nursery.start_soon(self._expire, tracker)
@@ -247,7 +267,7 @@ class Scheduler:
         event.set()
 
     async def _finish_only(self, tracker: Tracker) -> None:
-        self.aspool.finish(tracker.attempt)
+        self._finish(tracker)
 
     async def _expire(self, tracker: Tracker) -> None:
         env = tracker.attempt.envelope
@@ -496,7 +516,7 @@ class Scheduler:
         tracker.outstanding -= 1
         if tracker.outstanding <= 0:
             extra = {"last_error": tracker.last_error} if tracker.last_error else None
-            self.aspool.finish(attempt, extra=extra, next_class=HELD_CLASS if tracker.hold else None)
+            self._finish(tracker, extra=extra, next_class=HELD_CLASS if tracker.hold else None)
 
     def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome]) -> str:
         """Append the DSN for ``failed`` (no commit: the caller's covers it); returns the DSN's queue id."""

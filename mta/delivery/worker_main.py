@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import pickle
+import signal
 import socket
 import sys
 import traceback
@@ -252,7 +253,13 @@ def gone(index: int, fmt: str) -> None:
 
 
 def serve(sock: socket.socket, index: int) -> int:
-    """Worker ``index`` on ``sock`` until the relay's end closes: in a new interpreter or forked (worker_fork)."""
+    """Worker ``index`` on ``sock`` until the relay's end closes: in a new interpreter or forked (worker_fork).
+
+    SIGTERM and SIGHUP are the relay's: a worker lives as long as the relay's end of its socket, so a SIGTERM
+    to the whole process group (systemd's default ``KillMode``) does not cut the deliveries a drain waits for.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     trio.run(Worker(sock, index).run)
     return 0
 

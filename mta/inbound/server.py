@@ -91,6 +91,7 @@ R_SESSION_OVER = Reply(421, "4.4.2", "Session time limit reached, closing connec
 R_NO_TLS = Reply(454, "4.7.0", "TLS not available")
 R_TOO_BIG = Reply(552, "5.3.4", "Message size exceeds fixed limit")
 R_LOCAL_ERROR = Reply(421, "4.3.0", "Local error, closing connection; try again later")
+R_SHUTTING_DOWN = Reply(421, "4.3.2", "Service shutting down, try again later")
 READ_SIZE = 65536
 DEADLINE_SLACK = 0.1  # the most a client's deadline is enforced late (``_Session._arm``)
 # How long a last reply (421) may take to leave when the session is being ended anyway.
@@ -125,6 +126,21 @@ class SmtpServer:
         self.reuse_port = False  # set when several relay processes share the listening addresses
         self.auth = Authenticator(config, metrics)
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
+        self.sessions: set[_Session] = set()
+        self.draining = False  # a planned stop (``mta.process.lifecycle``): no new connection or transaction
+
+    def drain(self) -> None:
+        """Take no new connection or transaction; end every session that is between transactions (421 4.3.2).
+
+        A session inside a transaction finishes it and gets ``421 4.3.2`` at its next MAIL or command read.
+        """
+        self.draining = True
+        for session in self.sessions:
+            session.wake_idle()
+
+    def in_transaction(self) -> int:
+        """Sessions with a transaction in flight (MAIL accepted, its data not yet answered)."""
+        return sum(1 for session in self.sessions if session.in_transaction)
 
     async def serve(self, *, task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -172,11 +188,12 @@ class SmtpServer:
         """Serve one connection; ``peer``: its address as ``accept`` returned it, ``slot`` what ``_admit`` said.
         A slot is released here whatever happens."""
         client_ip = str(peer[0])
-        if isinstance(slot, Refusal):
+        if isinstance(slot, Refusal) or self.draining:
             await self._refuse(stream, client_ip, slot)
             return
         self.metrics.sessions.inc()
         session = _Session(self, stream, client_ip, port, trusted=slot.trusted)
+        self.sessions.add(session)
         try:
             await session.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, ConnectionError):
@@ -186,6 +203,7 @@ class SmtpServer:
                 raise
             await session.fail(exc)
         finally:
+            self.sessions.discard(session)
             session.abort_body()
             self.slots.release(slot)
             if isinstance(session.stream, trio.SocketStream):
@@ -195,14 +213,20 @@ class SmtpServer:
             else:
                 await trio.aclose_forcefully(session.stream)
 
-    async def _refuse(self, stream: trio.SocketStream, client_ip: str, why: Refusal) -> None:
-        """Over a session limit: ``421 4.7.0`` and close, before any greeting."""
-        self.metrics.sessions_refused.labels(why.value).inc()
-        event(log, "reject", level=logging.WARNING, client=client_ip, command="CONNECT",
-              reply=str(R_TOO_MANY_SESSIONS), reason="session_limit", limit=why.value)
+    async def _refuse(self, stream: trio.SocketStream, client_ip: str, why: Refusal | Slot) -> None:
+        """Over a session limit (``421 4.7.0``) or draining (``421 4.3.2``): that reply and close, before any
+        greeting. A slot taken while draining is released here."""
+        if isinstance(why, Refusal):
+            reply = R_TOO_MANY_SESSIONS
+            self.metrics.sessions_refused.labels(why.value).inc()
+            event(log, "reject", level=logging.WARNING, client=client_ip, command="CONNECT",
+                  reply=str(reply), reason="session_limit", limit=why.value)
+        else:
+            reply = R_SHUTTING_DOWN
+            self.slots.release(why)
         with trio.move_on_after(FAREWELL_TIMEOUT):
             try:
-                await stream.send_all(R_TOO_MANY_SESSIONS.to_bytes())
+                await stream.send_all(reply.to_bytes())
             except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
                 pass
         await trio.aclose_forcefully(stream)
@@ -240,6 +264,16 @@ class _Session:
         self._command_lines = 0  # the core's ``command_lines`` when the current command deadline was set
         self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
         self._pace = wire.Pace()  # a lone client's reads may skip their yield (``mta.inbound.wire``)
+        self._idle: trio.CancelScope | None = None  # around a read between transactions: a drain cancels it
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.mail_from is not None or self.body is not None
+
+    def wake_idle(self) -> None:
+        """A drain began: a session waiting for a command between transactions stops waiting (``_need_data``)."""
+        if self._idle is not None:
+            self._idle.cancel()
 
     def abort_body(self) -> None:
         if self.body is not None:
@@ -340,7 +374,20 @@ class _Session:
         await self._flush()
         pace = self._pace
         pace.lone = self.server.slots.total <= 1
-        data = await wire.receive(self.stream, READ_SIZE, pace)
+        if self.in_transaction:
+            data = await wire.receive(self.stream, READ_SIZE, pace)
+        else:
+            if self.server.draining:
+                await self._farewell(R_SHUTTING_DOWN)
+                return False
+            data = b""
+            with trio.CancelScope() as idle:
+                self._idle = idle
+                data = await wire.receive(self.stream, READ_SIZE, pace)
+            self._idle = None
+            if idle.cancelled_caught:
+                await self._farewell(R_SHUTTING_DOWN)
+                return False
         if self.deadlines.in_data:  # bytes buy time only inside DATA; elsewhere the deadline stays where it is
             self.deadlines.received(trio.current_time(), len(data))
             self._arm()
@@ -375,6 +422,8 @@ class _Session:
                 self._data_end()
                 await self._flush()
                 await self._end_of_data()
+                if self.server.draining:  # the reply leaves before the transaction stops holding the drain
+                    await self._flush()
                 self._transaction_over()
             elif isinstance(ev, DataAborted):  # its refusal (if it ended with one) went through _rejected
                 self._data_end()
@@ -444,6 +493,9 @@ class _Session:
 
     def _mail(self, ev: MailFrom) -> None:
         self._reset()
+        if self.server.draining:  # pipelined after the last transaction; the next read ends the session
+            self.conn.reject(R_SHUTTING_DOWN, "shutdown")
+            return
         if not self.server.disk.ok():
             self.conn.reject(R_DISK_FULL, "disk")
             return

@@ -33,6 +33,7 @@ from mta.dkim.accept import AcceptSigner
 from mta.inbound.listen import bind_error
 from mta.inbound.server import Port, SmtpServer
 from mta.observe.metrics import Metrics
+from mta.process.lifecycle import Lifecycle, notify
 from mta.process.security import check_spool_dir
 from mta.process.startup import check_start, unwrapped
 from mta.process.supervisor import follow_parent, watch_parent
@@ -92,13 +93,16 @@ class Relay:
     file layer under the spool and the Maildirs (a test's or a harness's
     recording; None: the real files); ``forked``: delivery workers forked
     before the loop started (``mta.delivery.worker_fork``; none: each is a
-    new interpreter).
+    new interpreter); ``shards``: how many the relay runs; ``signals``: this relay is the process's, and owns
+    SIGTERM (a drain) and SIGHUP (a reload), see ``mta.process.lifecycle``.
     """
 
     def __init__(self, config: Config, *, shard: int = 0, reuse_port: bool = False,
                  supervisor: int | None = None, poll_parent: bool = True, io: FileIO | None = None,
-                 forked: Sequence[Forked] = ()) -> None:
+                 forked: Sequence[Forked] = (), signals: bool = False, shards: int = 1) -> None:
         self.config = config
+        self.shards = shards
+        self.signals = signals  # own SIGTERM (drain) and SIGHUP (reload): the process's relay, not a test's
         self.forked = forked
         self.io = io
         self.shard = shard
@@ -165,10 +169,14 @@ class Relay:
                 if server.listeners[port]:
                     addrs += f"; {port.value} on " + ", ".join(
                         "{}:{}".format(*lst.socket.getsockname()[:2]) for lst in server.listeners[port])
+            if self.signals:
+                await nursery.start(Lifecycle(self, cfg.server.drain_timeout).run)
             log.info("logspool relay %s listening on %s, spool %s%s", cfg.server.hostname, addrs, cfg.spool.dir,
                      shard)
             if self.shard == 0:
                 log.info("%s", where_mail_goes(cfg))
+            if self.signals and (self.supervisor is None or self.shard == 0):  # shard 0 speaks for the relay
+                notify(f"READY=1\nMAINPID={self.supervisor or os.getpid()}")
             task_status.started(self)
 
     @property
@@ -190,7 +198,7 @@ def serve(config: Config) -> None:
     check_start(config)
     config, forked = _with_workers(config, 1)
     with unwrapped():
-        trio.run(Relay(config, forked=forked).run)
+        trio.run(Relay(config, forked=forked, signals=True).run)
 
 
 def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> None:
@@ -202,7 +210,7 @@ def serve_shard(config: Config, shard: int, shards: int, supervisor: int) -> Non
     config, forked = _with_workers(config, shards)
     with unwrapped():
         trio.run(Relay(shard_config(config, shard, shards), shard=shard, reuse_port=True, supervisor=supervisor,
-                       poll_parent=not armed, forked=forked).run)
+                       poll_parent=not armed, forked=forked, signals=True, shards=shards).run)
 
 
 def _with_workers(config: Config, relay_processes: int) -> tuple[Config, list[Forked]]:

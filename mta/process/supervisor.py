@@ -11,7 +11,12 @@ loop, no spool and no SMTP, so the one thing that can end it is a signal:
 a crash of a shard (a failed fsync ends a relay, crash-only) costs that
 shard's connections and nothing else, and all shards are alike.
 
-Crash-only both ways. There is no shutdown: SIGTERM, SIGINT (Ctrl-C) or
+Planned stops and reloads: SIGTERM and SIGHUP are passed on to every
+running child (each drains or reloads, ``mta.process.lifecycle``); after a
+SIGTERM no child is started again, and the parent exits 0 once all have
+exited (each by its own drain deadline).
+
+Crash-only both ways. Nothing depends on that: SIGINT (Ctrl-C) or
 kill -9 of the parent ends it where it stands (on SIGINT ``mta serve`` writes
 one line and exits 130 at once), and the children follow it at once: each child
 asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), checks
@@ -141,6 +146,20 @@ class Supervisor:
         self.children = [Child(k) for k in range(self.shards)]
         self.listen: list[ListenAddress] = []
         self._held: list[socket.socket] = []
+        self.stopping = False  # a SIGTERM came: no child is started again, the parent exits with the last
+
+    def _pass_on(self, signum: int, _frame: object) -> None:
+        """SIGTERM or SIGHUP to the supervisor: the same signal to each running child (a signal handler)."""
+        if signum == signal.SIGTERM:
+            if self.stopping:
+                return
+            self.stopping = True
+        for child in self.children:
+            if child.popen is not None:
+                try:
+                    os.kill(child.popen.pid, signum)
+                except ProcessLookupError:
+                    pass  # it died a moment ago: _reap will see it
 
     def command(self, shard: int) -> list[str]:
         # -P: the working directory may hold a directory named like one of our packages (a spool called "spool").
@@ -186,20 +205,29 @@ class Supervisor:
         child.backoff = min(child.backoff * 2, BACKOFF_MAX) if lived < YOUNG else BACKOFF_MIN
         child.restart_at = time.monotonic() + child.backoff
         how = f"signal {-status}" if status < 0 else f"status {status}"
-        log.warning("shard %d (pid %d) ended with %s after %.1fs; restarting in %.1fs",
-                    child.shard, child.popen.pid, how, lived, child.backoff)
+        if self.stopping:
+            child.restart_at = None
+            log.info("shard %d (pid %d) ended with %s (stopping)", child.shard, child.popen.pid, how)
+        else:
+            log.warning("shard %d (pid %d) ended with %s after %.1fs; restarting in %.1fs",
+                        child.shard, child.popen.pid, how, lived, child.backoff)
         child.popen = None
 
     def run(self) -> NoReturn:
         self.prepare()
         log.info("logspool supervisor (pid %d): %d processes, one per spool shard, listening on %s", os.getpid(),
                  self.shards, ", ".join(str(a) for a in self.listen))
+        signal.signal(signal.SIGTERM, self._pass_on)
+        signal.signal(signal.SIGHUP, self._pass_on)
         while True:
+            if self.stopping and all(c.popen is None for c in self.children):
+                log.info("logspool supervisor (pid %d): every shard has exited after SIGTERM; exiting", os.getpid())
+                sys.exit(0)
             now = time.monotonic()
             for child in self.children:
-                if child.restart_at is not None and child.restart_at <= now:
+                if child.restart_at is not None and child.restart_at <= now and not self.stopping:
                     self._start(child)
-            waits = [c.restart_at for c in self.children if c.restart_at is not None]
+            waits = [c.restart_at for c in self.children if c.restart_at is not None and not self.stopping]
             timeout = max(0.0, min(waits) - time.monotonic()) if waits else None
             running = {c.pidfd: c for c in self.children if c.popen is not None}
             ready, _, _ = select.select(list(running), [], [], timeout)

@@ -316,3 +316,26 @@ async def test_a_killed_shard_is_restarted_and_delivers_its_queue(tmp_path: Path
             await hop.wait_messages(len(ids), timeout=300)
             assert set(received_ids(hop)) == {f"m{i}@test" for i in ids.values()}
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+async def test_sigterm_and_sighup_to_the_supervisor_reach_every_shard(tmp_path: Path) -> None:
+    with trio.fail_after(300):
+        async with trio.open_nursery() as nursery:
+            hop = NextHop()
+            await hop.start(nursery)
+            config = write_config(tmp_path, hop.port, processes=2)
+            relay = Supervised(config)
+            pids = await relay.start(nursery, shards=2)
+            assert relay.proc is not None
+            relay.proc.send_signal(signal.SIGHUP)
+            await relay.wait_output(lambda: sum(" event=reload " in line for line in relay.lines) == 2, START_TIMEOUT,
+                                    "a reload line from each shard")
+            assert relay.proc.returncode is None and relay.shards_up() == pids
+            relay.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(START_TIMEOUT):
+                await relay.proc.wait()
+            assert relay.proc.returncode == 0, relay.lines
+            assert sum("event=drain_end" in line for line in relay.lines) == 2, relay.lines
+            assert not any("restarting in" in line for line in relay.lines), relay.lines
+            nursery.cancel_scope.cancel()
