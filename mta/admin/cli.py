@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
+from mta.admin.queue_ops import MAX_ERRORS_LISTED
 from mta.admin.shards_merge import check_ids, request
 from mta.cli_common import EXIT_FAILURE, config_option, json_option
 from mta.config import load_config
@@ -197,32 +199,97 @@ def print_show(m: dict[str, Any], now: float) -> None:
         click.echo(m["body"], nl=False)
 
 
+STDIN_BATCH = 500  # ids read from standard input sent per request (a request line stays under 64 KiB)
+
+
+def _stdin_ids() -> Iterator[list[str]]:
+    """Queue ids from standard input, one or more a line (blank lines and ``#`` comments skipped), in batches."""
+    batch: list[str] = []
+    for line in sys.stdin:
+        for word in line.partition("#")[0].split():
+            batch.append(word)
+            if len(batch) == STDIN_BATCH:
+                yield check_ids(tuple(batch))
+                batch = []
+    if batch:
+        yield check_ids(tuple(batch))
+
+
+def _selection_words(all_: bool, in_doubt: bool, domain: str | None, sender: str | None) -> dict[str, Any]:
+    return {key: value for key, value in (("all", all_), ("in_doubt", in_doubt), ("domain", domain),
+                                          ("sender", sender)) if value}
+
+
 def _change(op: str) -> Callable[..., None]:
     @config_option
-    @click.argument("queue_ids", nargs=-1, required=op != "flush")
+    @click.argument("queue_ids", nargs=-1)
+    @click.option("--all", "all_", is_flag=True, help="every queued message")
+    @click.option("--in-doubt", is_flag=True, help="messages with recipients possibly delivered before a crash")
+    @click.option("--domain", help="messages with a recipient at this domain")
+    @click.option("--sender", help="messages from this sender")
+    @click.option("--stdin", "from_stdin", is_flag=True, help="queue ids on standard input (as is the id -)")
+    @click.option("--yes", is_flag=True, help="confirm delete --all" if op == "delete" else "(needed by delete --all)")
     @json_option
     @click.pass_context
-    def command(ctx: click.Context, config_path: str | None, queue_ids: tuple[str, ...], as_json: bool) -> None:
-        ids = check_ids(queue_ids)
-        answer = request(load_config(config_path), {"op": op, "ids": ids})
+    def command(ctx: click.Context, config_path: str | None, queue_ids: tuple[str, ...], all_: bool, in_doubt: bool,
+                domain: str | None, sender: str | None, from_stdin: bool, yes: bool, as_json: bool) -> None:
+        from_stdin = from_stdin or "-" in queue_ids
+        named = tuple(i for i in queue_ids if i != "-")
+        select = _selection_words(all_, in_doubt, domain, sender)
+        if sum((bool(named), from_stdin, bool(select))) > 1:
+            raise click.UsageError("give queue ids, ids on standard input, or a selection "
+                             "(--all, --in-doubt, --domain, --sender), one of them")
+        if not (named or from_stdin or select) and op != "flush":
+            raise click.UsageError("which messages? give queue ids, - (ids on standard input), --all, "
+                             "--in-doubt, --domain or --sender")
+        if op == "delete" and all_ and not yes:
+            raise click.UsageError("delete --all deletes every queued message without a bounce: add --yes to do it")
+        config = load_config(config_path)
+        if from_stdin:
+            answer = _merge_counts(request(config, {"op": op, "ids": ids}) for ids in _stdin_ids())
+        elif named:
+            answer = request(config, {"op": op, "ids": check_ids(named)})
+        else:
+            answer = request(config, {"op": op, **select})
 
         def human() -> None:
             done = answer["done"]
             click.echo(f"{op}: {done if isinstance(done, int) else len(done)} done")
-            for i in answer["skipped"]:
-                click.echo(f"{i}: nothing to do")
+            skipped = answer["skipped"]
+            if isinstance(skipped, int):
+                if skipped and (select or from_stdin):  # a plain flush is of deferred mail: the rest is no news
+                    click.echo(f"{op}: {skipped} with nothing to do")
+            else:
+                for i in skipped:
+                    click.echo(f"{i}: nothing to do")
+            failed = answer.get("failed")
             for i, err in answer["errors"].items():
                 click.echo(f"{i}: {err}", err=True)
+            if failed and failed > len(answer["errors"]):
+                click.echo(f"{op}: {failed} failed ({len(answer['errors'])} shown)", err=True)
 
         _emit(as_json, answer, human)
-        if answer["errors"]:
+        if answer["errors"] or answer.get("failed"):
             ctx.exit(EXIT_FAILURE)  # the answer, printed above, names each id that failed and why
 
     command.__doc__ = {"hold": "Hold messages: no delivery until released.",
                        "release": "Release held messages (due at once).",
-                       "delete": "Delete messages without a bounce.",
+                       "delete": "Delete messages without a bounce (--all needs --yes).",
                        "flush": "Make deferred messages due now (all of them with no id)."}[op]
     return command
+
+
+def _merge_counts(answers: Iterator[dict[str, Any]]) -> dict[str, Any]:
+    """The answers to the batches of ids read from standard input, as counts (their ids are not kept)."""
+    merged: dict[str, Any] = {"ok": True, "done": 0, "skipped": 0, "failed": 0, "errors": {}}
+    for answer in answers:
+        merged["done"] += len(answer["done"])
+        merged["skipped"] += len(answer["skipped"])
+        merged["failed"] += len(answer["errors"])
+        for i, err in answer["errors"].items():
+            if len(merged["errors"]) < MAX_ERRORS_LISTED:
+                merged["errors"][i] = err
+    return merged
 
 
 for _op in ("hold", "release", "delete", "flush"):
