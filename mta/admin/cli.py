@@ -25,10 +25,10 @@ from typing import Any
 
 import click
 
-from mta.admin.queue_ops import MAX_ERRORS_LISTED
+from mta.admin.queue_ops import MAX_ERRORS_LISTED, MAX_LIMIT
 from mta.admin.shards_merge import check_ids, request
 from mta.cli_common import EXIT_FAILURE, config_option, json_option
-from mta.config import load_config
+from mta.config import Config, load_config
 from spool.config.units import format_age
 
 DEFAULT_LIMIT = 100
@@ -101,15 +101,22 @@ def queue() -> None:
 @click.option("--recipient")
 @click.option("--held", is_flag=True, help="only held messages")
 @click.option("--in-doubt", is_flag=True, help="only messages with recipients possibly delivered before a crash")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=DEFAULT_LIMIT, show_default=True)
+@click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=None,
+              help=f"messages per page  [default: {DEFAULT_LIMIT}; --json without --limit or --cursor: every message]")
 @click.option("--cursor", default=None, help="continue where the previous page ended")
 @json_option
 def queue_list(config_path: str | None, domain: str | None, sender: str | None, recipient: str | None,
-               held: bool, in_doubt: bool, limit: int, cursor: str | None, as_json: bool) -> None:
-    """List queued messages, oldest first, one page at a time."""
+               held: bool, in_doubt: bool, limit: int | None, cursor: str | None, as_json: bool) -> None:
+    """List queued messages, oldest first, one page at a time (--json alone: every message, one a line)."""
     req = {"op": "list", "domain": domain, "sender": sender, "recipient": recipient, "held": held,
-           "in_doubt": in_doubt, "limit": limit, "cursor": cursor}
-    answer = request(load_config(config_path), req)
+           "in_doubt": in_doubt, "limit": limit or DEFAULT_LIMIT, "cursor": cursor}
+    config = load_config(config_path)
+    if as_json and limit is None and cursor is None:
+        for message in stream_list(config, req):
+            click.echo(json.dumps(message, sort_keys=True))
+        return
+    limit = limit or DEFAULT_LIMIT
+    answer = request(config, req)
 
     def human() -> None:
         if not answer["total"]:
@@ -125,6 +132,20 @@ def queue_list(config_path: str | None, domain: str | None, sender: str | None, 
         print_list(answer, " ".join(again))
 
     _emit(as_json, answer, human)
+
+
+def stream_list(config: Config, req: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every message ``req`` selects, oldest first: the pages of ``MAX_LIMIT`` followed cursor to cursor.
+
+    Memory: one page, whatever the queue holds.
+    """
+    cursor = None
+    while True:
+        answer = request(config, {**req, "limit": MAX_LIMIT, "cursor": cursor})
+        yield from answer["messages"]
+        cursor = answer["next"]
+        if cursor is None:
+            return
 
 
 def print_list(answer: dict[str, Any], again: str = "mta queue list") -> None:
