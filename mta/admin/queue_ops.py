@@ -155,7 +155,7 @@ def parse_request(req: Any) -> Request:
             raise RequestError(f"{op} takes queue ids or a selection (all, in_doubt, domain, sender), not both")
         select = admin.Filter(sender=flt.sender, domain=flt.domain, in_doubt=flt.in_doubt)
     if not ids and select is None and op in CHANGES and op != "flush":
-        raise RequestError(f"{op} needs queue ids or a selection (all, in_doubt, domain, sender)")
+        raise RequestError(f"{op} needs at least one queue id, or a selection (all, in_doubt, domain, sender)")
     try:
         cursor = parse_cursor(get("cursor"))
     except ValueError:
