@@ -58,9 +58,11 @@ class QueueGauges:
     def seed(self, listable: admin.Listable) -> None:
         """Count every live message once (the relay's start, before it serves)."""
         for m in admin.iter_live(listable):
-            if m.state == "active":
-                continue
             env = m.envelope
+            if m.state == "active":  # counted by its attempt; still perhaps the oldest
+                if env.arrival_ms < self.oldest_ms:
+                    self.oldest_ms, self.oldest_id = env.arrival_ms, m.message_id
+                continue
             self.added(m.message_id, m.klass, m.held, bool(env.in_doubt), env.arrival_ms)
             self.in_doubt_recipients_seeded += len(env.in_doubt)
 
