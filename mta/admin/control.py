@@ -54,6 +54,7 @@ log = logging.getLogger("mta.control")
 MAX_REQUEST = 64 * 1024
 MAX_DISCARD = 16 * MAX_REQUEST  # what is read and dropped of an over-long request before its error is answered
 REQUEST_TIMEOUT = 30.0  # a client that has not sent its line and read its answer by then is dropped
+SELECTION_TIMEOUT = 3600.0  # a selection's change, batch by batch over the whole queue: its own, longer deadline
 # The ``code`` of an error answer: a malformed request, no such message, a spool error (busy, disk), a bug.
 SELECTION_BATCH = 200  # messages changed between two commits (and two turns of the loop) by a selection
 ERROR_CODES = ("bad_request", "not_found", "failed", "internal")
@@ -200,8 +201,8 @@ class ControlServer:
         with its traceback and answered with an error; the relay goes on.
         """
         try:
-            with trio.move_on_after(REQUEST_TIMEOUT):
-                await stream.send_all(encode(await self.serve_one(stream, peer_credentials(stream))))
+            with trio.move_on_after(REQUEST_TIMEOUT) as deadline:
+                await stream.send_all(encode(await self.serve_one(stream, peer_credentials(stream), deadline)))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client left before its answer
         except Exception as exc:
@@ -214,13 +215,16 @@ class ControlServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def serve_one(self, stream: trio.abc.ReceiveStream, peer: tuple[int, int] | None = None
-                        ) -> dict[str, Any]:
+    async def serve_one(self, stream: trio.abc.ReceiveStream, peer: tuple[int, int] | None = None,
+                        deadline: trio.CancelScope | None = None) -> dict[str, Any]:
         """The answer to the one request on ``stream`` (logged, with ``peer``'s uid and pid); the client's
-        mistakes are answers, not exceptions."""
+        mistakes are answers, not exceptions. A change of a selection (every message of a large queue,
+        perhaps) gets ``SELECTION_TIMEOUT`` rather than ``REQUEST_TIMEOUT`` on ``deadline``."""
         req: Request | None = None
         try:
             req = parse_request(decode(await read_line(stream)))
+            if deadline is not None and req.op in CHANGES and not req.ids:
+                deadline.deadline = max(deadline.deadline, trio.current_time() + SELECTION_TIMEOUT)
             answer = {"ok": True, **await self.dispatch(req)}
         except RequestError as exc:
             answer = error_answer(str(exc), "bad_request")
