@@ -135,3 +135,21 @@ async def send(port: int, rcpt: str) -> None:
             s.sendmail("sender@example.org", [rcpt], b"Subject: t\r\n\r\nbody\r\n")
 
     await trio.to_thread.run_sync(one)
+
+
+def test_release_in_doubt_lets_go_only_the_messages_a_crash_left_in_doubt(tmp_path: Path) -> None:
+    build(tmp_path, 2, 0)
+    sp = Spool.open(str(tmp_path / "spool"), SpoolConfig())
+    try:
+        sp.enqueue("s@example.org", ["doubt@far.example"], b"x\r\n")
+        sp.commit()
+        claimed = sp.poll_due()  # every message claimed, no outcome: a crash here leaves them in doubt
+        assert len(claimed) == 3
+        sp.commit()
+    finally:
+        sp.close()
+    assert ok(tmp_path, "queue", "hold", "--sender", "s0@example.org") == "hold: 0 done\nhold: 1 with nothing to do\n"
+    assert count(tmp_path, "--held") == 3  # held in doubt by recovery
+    ok(tmp_path, "queue", "release", "--sender", "s0@example.org")  # released, still naming its recipient in doubt
+    assert ok(tmp_path, "queue", "release", "--in-doubt") == "release: 2 done\nrelease: 1 with nothing to do\n"
+    assert count(tmp_path, "--held") == 0
