@@ -16,6 +16,7 @@ from pathlib import Path
 import trio
 from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
 
+from mta.shards import spool_config
 from mta.smtp.common import Reply
 from spool.config.engine import SpoolConfig
 from spool.engine.spool import Spool
@@ -153,3 +154,23 @@ def test_release_in_doubt_lets_go_only_the_messages_a_crash_left_in_doubt(tmp_pa
     ok(tmp_path, "queue", "release", "--sender", "s0@example.org")  # released, still naming its recipient in doubt
     assert ok(tmp_path, "queue", "release", "--in-doubt") == "release: 2 done\nrelease: 1 with nothing to do\n"
     assert count(tmp_path, "--held") == 0
+
+
+def test_a_selection_spans_every_shard_offline(tmp_path: Path) -> None:
+    from relay_support import write_relay_config
+
+    from mta.config import load_config
+    from mta.shards import all_shards
+
+    path = write_relay_config(tmp_path, {"*": "discard"}, extra="processes = 2")
+    for k, shard in all_shards(load_config(str(path))):
+        sp = Spool.open(shard.spool.dir, spool_config(shard, k))
+        try:
+            for i in range(k + 2):
+                sp.enqueue("s@example.org", [f"r{i}@far.example"], b"x\r\n")
+            sp.commit()
+        finally:
+            sp.close()
+    proc = subprocess.run([MTA, "queue", "hold", "--domain", "far.example", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False, cwd=str(tmp_path))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "hold: 5 done\n", "")
