@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     )
     from spool.config.units import format_age, parse_duration, parse_size
     from spool.engine.core import DAMAGED_BODY, LOG_DIR
+    from spool.engine.gauges import NEVER, QueueGauges, oldest_live
     from spool.engine.spool import Attempt, BodyWriter, Spool
     from spool.errors import (
         CheckpointFailed,
@@ -101,6 +102,9 @@ _HOMES: Final[dict[str, str]] = {
     "BodyWriter": "spool.engine.spool",
     "LOG_DIR": "spool.engine.core",
     "DAMAGED_BODY": "spool.engine.core",
+    "QueueGauges": "spool.engine.gauges",
+    "NEVER": "spool.engine.gauges",
+    "oldest_live": "spool.engine.gauges",
     "AsyncSpool": "spool.aio.async_spool",
     "StoredBody": "spool.aio.async_spool",
     "INLINE_SYNC_FAST": "spool.aio.inline_commit",
@@ -197,11 +201,13 @@ __all__ = [
     "Kind",
     "ListOf",
     "MessageBusy",
+    "NEVER",
     "NotFound",
     "OneOf",
     "Optional",
     "OsFileIO",
     "Outcome",
+    "QueueGauges",
     "Path",
     "RecordType",
     "Resolver",
@@ -224,6 +230,7 @@ __all__ = [
     "format_pos",
     "listing",
     "make_pos",
+    "oldest_live",
     "parse_duration",
     "parse_id",
     "parse_pos",

@@ -18,15 +18,17 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
+from mta.admin.queue_ops import MAX_ERRORS_LISTED, MAX_LIMIT
 from mta.admin.shards_merge import check_ids, request
 from mta.cli_common import EXIT_FAILURE, config_option, json_option
-from mta.config import load_config
+from mta.config import Config, load_config
 from spool import format_age
 
 DEFAULT_LIMIT = 100
@@ -99,15 +101,22 @@ def queue() -> None:
 @click.option("--recipient")
 @click.option("--held", is_flag=True, help="only held messages")
 @click.option("--in-doubt", is_flag=True, help="only messages with recipients possibly delivered before a crash")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=DEFAULT_LIMIT, show_default=True)
+@click.option("--limit", type=click.IntRange(1, MAX_LIMIT), default=None,
+              help=f"messages per page  [default: {DEFAULT_LIMIT}; --json without --limit or --cursor: every message]")
 @click.option("--cursor", default=None, help="continue where the previous page ended")
 @json_option
 def queue_list(config_path: str | None, domain: str | None, sender: str | None, recipient: str | None,
-               held: bool, in_doubt: bool, limit: int, cursor: str | None, as_json: bool) -> None:
-    """List queued messages, oldest first, one page at a time."""
+               held: bool, in_doubt: bool, limit: int | None, cursor: str | None, as_json: bool) -> None:
+    """List queued messages, oldest first, one page at a time (--json alone: every message, one a line)."""
     req = {"op": "list", "domain": domain, "sender": sender, "recipient": recipient, "held": held,
-           "in_doubt": in_doubt, "limit": limit, "cursor": cursor}
-    answer = request(load_config(config_path), req)
+           "in_doubt": in_doubt, "limit": limit or DEFAULT_LIMIT, "cursor": cursor}
+    config = load_config(config_path)
+    if as_json and limit is None and cursor is None:
+        for message in stream_list(config, req):
+            click.echo(json.dumps(message, sort_keys=True))
+        return
+    limit = limit or DEFAULT_LIMIT
+    answer = request(config, req)
 
     def human() -> None:
         if not answer["total"]:
@@ -123,6 +132,20 @@ def queue_list(config_path: str | None, domain: str | None, sender: str | None, 
         print_list(answer, " ".join(again))
 
     _emit(as_json, answer, human)
+
+
+def stream_list(config: Config, req: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every message ``req`` selects, oldest first: the pages of ``MAX_LIMIT`` followed cursor to cursor.
+
+    Memory: one page, whatever the queue holds.
+    """
+    cursor = None
+    while True:
+        answer = request(config, {**req, "limit": MAX_LIMIT, "cursor": cursor})
+        yield from answer["messages"]
+        cursor = answer["next"]
+        if cursor is None:
+            return
 
 
 def print_list(answer: dict[str, Any], again: str = "mta queue list") -> None:
@@ -197,32 +220,97 @@ def print_show(m: dict[str, Any], now: float) -> None:
         click.echo(m["body"], nl=False)
 
 
+STDIN_BATCH = 500  # ids read from standard input sent per request (a request line stays under 64 KiB)
+
+
+def _stdin_ids() -> Iterator[list[str]]:
+    """Queue ids from standard input, one or more a line (blank lines and ``#`` comments skipped), in batches."""
+    batch: list[str] = []
+    for line in sys.stdin:
+        for word in line.partition("#")[0].split():
+            batch.append(word)
+            if len(batch) == STDIN_BATCH:
+                yield check_ids(tuple(batch))
+                batch = []
+    if batch:
+        yield check_ids(tuple(batch))
+
+
+def _selection_words(all_: bool, in_doubt: bool, domain: str | None, sender: str | None) -> dict[str, Any]:
+    return {key: value for key, value in (("all", all_), ("in_doubt", in_doubt), ("domain", domain),
+                                          ("sender", sender)) if value}
+
+
 def _change(op: str) -> Callable[..., None]:
     @config_option
-    @click.argument("queue_ids", nargs=-1, required=op != "flush")
+    @click.argument("queue_ids", nargs=-1)
+    @click.option("--all", "all_", is_flag=True, help="every queued message")
+    @click.option("--in-doubt", is_flag=True, help="messages with recipients possibly delivered before a crash")
+    @click.option("--domain", help="messages with a recipient at this domain")
+    @click.option("--sender", help="messages from this sender")
+    @click.option("--stdin", "from_stdin", is_flag=True, help="queue ids on standard input (as is the id -)")
+    @click.option("--yes", is_flag=True, help="confirm delete --all" if op == "delete" else "(needed by delete --all)")
     @json_option
     @click.pass_context
-    def command(ctx: click.Context, config_path: str | None, queue_ids: tuple[str, ...], as_json: bool) -> None:
-        ids = check_ids(queue_ids)
-        answer = request(load_config(config_path), {"op": op, "ids": ids})
+    def command(ctx: click.Context, config_path: str | None, queue_ids: tuple[str, ...], all_: bool, in_doubt: bool,
+                domain: str | None, sender: str | None, from_stdin: bool, yes: bool, as_json: bool) -> None:
+        from_stdin = from_stdin or "-" in queue_ids
+        named = tuple(i for i in queue_ids if i != "-")
+        select = _selection_words(all_, in_doubt, domain, sender)
+        if sum((bool(named), from_stdin, bool(select))) > 1:
+            raise click.UsageError("give queue ids, ids on standard input, or a selection "
+                             "(--all, --in-doubt, --domain, --sender), one of them")
+        if not (named or from_stdin or select) and op != "flush":
+            raise click.UsageError("which messages? give queue ids, - (ids on standard input), --all, "
+                             "--in-doubt, --domain or --sender")
+        if op == "delete" and all_ and not yes:
+            raise click.UsageError("delete --all deletes every queued message without a bounce: add --yes to do it")
+        config = load_config(config_path)
+        if from_stdin:
+            answer = _merge_counts(request(config, {"op": op, "ids": ids}) for ids in _stdin_ids())
+        elif named:
+            answer = request(config, {"op": op, "ids": check_ids(named)})
+        else:
+            answer = request(config, {"op": op, **select})
 
         def human() -> None:
             done = answer["done"]
             click.echo(f"{op}: {done if isinstance(done, int) else len(done)} done")
-            for i in answer["skipped"]:
-                click.echo(f"{i}: nothing to do")
+            skipped = answer["skipped"]
+            if isinstance(skipped, int):
+                if skipped and (select or from_stdin):  # a plain flush is of deferred mail: the rest is no news
+                    click.echo(f"{op}: {skipped} with nothing to do")
+            else:
+                for i in skipped:
+                    click.echo(f"{i}: nothing to do")
+            failed = answer.get("failed")
             for i, err in answer["errors"].items():
                 click.echo(f"{i}: {err}", err=True)
+            if failed and failed > len(answer["errors"]):
+                click.echo(f"{op}: {failed} failed ({len(answer['errors'])} shown)", err=True)
 
         _emit(as_json, answer, human)
-        if answer["errors"]:
+        if answer["errors"] or answer.get("failed"):
             ctx.exit(EXIT_FAILURE)  # the answer, printed above, names each id that failed and why
 
     command.__doc__ = {"hold": "Hold messages: no delivery until released.",
                        "release": "Release held messages (due at once).",
-                       "delete": "Delete messages without a bounce.",
+                       "delete": "Delete messages without a bounce (--all needs --yes).",
                        "flush": "Make deferred messages due now (all of them with no id)."}[op]
     return command
+
+
+def _merge_counts(answers: Iterator[dict[str, Any]]) -> dict[str, Any]:
+    """The answers to the batches of ids read from standard input, as counts (their ids are not kept)."""
+    merged: dict[str, Any] = {"ok": True, "done": 0, "skipped": 0, "failed": 0, "errors": {}}
+    for answer in answers:
+        merged["done"] += len(answer["done"])
+        merged["skipped"] += len(answer["skipped"])
+        merged["failed"] += len(answer["errors"])
+        for i, err in answer["errors"].items():
+            if len(merged["errors"]) < MAX_ERRORS_LISTED:
+                merged["errors"][i] = err
+    return merged
 
 
 for _op in ("hold", "release", "delete", "flush"):

@@ -12,8 +12,10 @@ import socket
 from typing import Any
 
 from mta.admin.errors import AdminError, BadRequest, NoSuchMessage, RelayNotAnswering, RequestFailed
+from mta.admin.queue_ops import CHANGES
 
 ANSWER_TIMEOUT = 120.0  # a full flush or a count over a large queue takes a while; a hung relay does not get forever
+SELECTION_ANSWER_TIMEOUT = 3600.0  # a change of a selection (no ids): control.SELECTION_TIMEOUT on the relay's side
 _BY_CODE: dict[str, type[AdminError]] = {"bad_request": BadRequest, "not_found": NoSuchMessage}
 
 
@@ -26,7 +28,8 @@ def ask_relay(path: str, req: dict[str, Any]) -> dict[str, Any] | None:
     """
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(ANSWER_TIMEOUT)
+            selection = req.get("op") in CHANGES and not req.get("ids")
+            s.settimeout(SELECTION_ANSWER_TIMEOUT if selection else ANSWER_TIMEOUT)
             s.connect(path)
             s.sendall(json.dumps(req).encode() + b"\n")
             buf = bytearray()

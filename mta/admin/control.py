@@ -35,7 +35,16 @@ from typing import Any
 
 import trio
 
-from mta.admin.queue_ops import CHANGES, Request, RequestError, change_op, parse_request, read_op, shown
+from mta.admin.queue_ops import (
+    CHANGES,
+    Request,
+    RequestError,
+    change_op,
+    parse_request,
+    read_op,
+    selection_batches,
+    shown,
+)
 from mta.config import Config
 from mta.observe.logline import event
 from spool import AsyncSpool, NotFound, SpoolError
@@ -45,7 +54,9 @@ log = logging.getLogger("mta.control")
 MAX_REQUEST = 64 * 1024
 MAX_DISCARD = 16 * MAX_REQUEST  # what is read and dropped of an over-long request before its error is answered
 REQUEST_TIMEOUT = 30.0  # a client that has not sent its line and read its answer by then is dropped
+SELECTION_TIMEOUT = 3600.0  # a selection's change, batch by batch over the whole queue: its own, longer deadline
 # The ``code`` of an error answer: a malformed request, no such message, a spool error (busy, disk), a bug.
+SELECTION_BATCH = 200  # messages changed between two commits (and two turns of the loop) by a selection
 ERROR_CODES = ("bad_request", "not_found", "failed", "internal")
 
 
@@ -140,14 +151,23 @@ def log_request(req: Request | None, answer: dict[str, Any], peer: tuple[int, in
     ok = bool(answer.get("ok"))
     ids = list(req.ids) if req is not None and req.ids else [req.id] if req is not None and req.id else []
     done = answer.get("done")
+    select = req.select if req is not None else None
+    everything = changes and not ids and (select is None or select == admin.Filter())
     event(log, "admin", ids[0] if len(ids) == 1 else None,
           level=logging.INFO if changes or not ok else logging.DEBUG,
-          command=req.op if req is not None else "-", ids=ids or None, all=(changes and not ids) or None,
+          command=req.op if req is not None else "-", ids=ids or None, all=everything or None,
+          domain=select.domain if select else None, sender=select.sender if select else None,
+          in_doubt=(select.in_doubt or None) if select else None,
           uid=peer[0] if peer else None, peer_pid=peer[1] if peer else None,
           result="ok" if ok else str(answer.get("code", "failed")),
           done=done if isinstance(done, int) else list(done) if isinstance(done, list) and done else None,
-          skipped=list(answer.get("skipped") or []) or None, failed=list(answer.get("errors") or {}) or None,
+          skipped=_ids_or_count(answer.get("skipped")), failed=answer.get("failed") or
+          list(answer.get("errors") or {}) or None,
           error=None if ok else str(answer.get("error", "")))
+
+
+def _ids_or_count(value: Any) -> Any:
+    return value or None if isinstance(value, int) else list(value or []) or None
 
 
 class ControlServer:
@@ -181,8 +201,8 @@ class ControlServer:
         with its traceback and answered with an error; the relay goes on.
         """
         try:
-            with trio.move_on_after(REQUEST_TIMEOUT):
-                await stream.send_all(encode(await self.serve_one(stream, peer_credentials(stream))))
+            with trio.move_on_after(REQUEST_TIMEOUT) as deadline:
+                await stream.send_all(encode(await self.serve_one(stream, peer_credentials(stream), deadline)))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client left before its answer
         except Exception as exc:
@@ -195,13 +215,16 @@ class ControlServer:
         finally:
             await trio.aclose_forcefully(stream)
 
-    async def serve_one(self, stream: trio.abc.ReceiveStream, peer: tuple[int, int] | None = None
-                        ) -> dict[str, Any]:
+    async def serve_one(self, stream: trio.abc.ReceiveStream, peer: tuple[int, int] | None = None,
+                        deadline: trio.CancelScope | None = None) -> dict[str, Any]:
         """The answer to the one request on ``stream`` (logged, with ``peer``'s uid and pid); the client's
-        mistakes are answers, not exceptions."""
+        mistakes are answers, not exceptions. A change of a selection (every message of a large queue,
+        perhaps) gets ``SELECTION_TIMEOUT`` rather than ``REQUEST_TIMEOUT`` on ``deadline``."""
         req: Request | None = None
         try:
             req = parse_request(decode(await read_line(stream)))
+            if deadline is not None and req.op in CHANGES and not req.ids:
+                deadline.deadline = max(deadline.deadline, trio.current_time() + SELECTION_TIMEOUT)
             answer = {"ok": True, **await self.dispatch(req)}
         except RequestError as exc:
             answer = error_answer(str(exc), "bad_request")
@@ -219,7 +242,7 @@ class ControlServer:
         core = self.aspool.core
         await self.aspool.commit()  # what finished a moment ago is durable, so the walk sees it
         if req.op in CHANGES:
-            return await change_op(req, self._apply, self._deferred_ids, self.shard)
+            return await change_op(req, self._apply, self._matching, self._apply_batch, self.shard)
         return await trio.to_thread.run_sync(lambda: read_op(core, req, core.read_body, self.shard))
 
     async def _apply(self, op: str, mid: int) -> bool:
@@ -230,13 +253,11 @@ class ControlServer:
         await getattr(self.aspool, op)(mid)
         return True
 
-    async def _deferred_ids(self) -> AsyncIterator[int]:
-        core = self.aspool.core
-        cursor: int | None = None
-        while True:
-            msgs, cursor = await trio.to_thread.run_sync(admin.page, core, None, cursor, 1000)
-            for m in msgs:
-                if m.state == "queued" and m.klass > 0:
-                    yield m.message_id
-            if cursor is None:
-                return
+    async def _apply_batch(self, op: str, msgs: list[admin.LiveMessage]) -> list[bool | str]:
+        return await self.aspool.change_batch(msgs, op)
+
+    async def _matching(self, flt: admin.Filter) -> AsyncIterator[list[admin.LiveMessage]]:
+        """The selection's batches, each page read in a worker thread (the loop goes on serving)."""
+        batches = selection_batches(self.aspool.core, flt, SELECTION_BATCH)
+        while (batch := await trio.to_thread.run_sync(next, batches, None)) is not None:
+            yield batch

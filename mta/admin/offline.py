@@ -24,7 +24,15 @@ from mta.admin.errors import (
     SpoolNotFound,
     SpoolUnavailable,
 )
-from mta.admin.queue_ops import CHANGES, Request, RequestError, change_op, parse_request, read_op
+from mta.admin.queue_ops import (
+    CHANGES,
+    Request,
+    RequestError,
+    change_op,
+    parse_request,
+    read_op,
+    selection_batches,
+)
 from mta.config import Config, ConfigError
 from spool import NotFound, Spool, SpoolError, SpoolLocked
 from spool import listing as admin
@@ -95,14 +103,11 @@ def _answer(sp: Spool, req: Request, shard: int) -> dict[str, Any]:
     async def apply(op: str, mid: int) -> bool:
         return sp.change(mid, op)
 
-    async def deferred() -> AsyncIterator[int]:
-        cursor: int | None = None
-        while True:
-            msgs, cursor = admin.page(sp, None, cursor, 1000)
-            for m in msgs:
-                if m.state == "queued" and m.klass > 0:
-                    yield m.message_id
-            if cursor is None:
-                return
+    async def matching(flt: admin.Filter) -> AsyncIterator[list[admin.LiveMessage]]:
+        for batch in selection_batches(sp, flt, 1000):
+            yield batch
 
-    return trio.run(change_op, req, apply, deferred, shard)
+    async def apply_batch(op: str, msgs: list[admin.LiveMessage]) -> list[bool | str]:
+        return sp.change_batch(msgs, op)
+
+    return trio.run(change_op, req, apply, matching, apply_batch, shard)

@@ -25,7 +25,7 @@ a request over the shards and merging the answers is ``mta.admin.shards_merge``'
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -56,7 +56,9 @@ class Request:
 
     ``filter``: for list and count; ``limit`` and ``cursor`` (the last listed
     message's place, None for the oldest): list; ``id`` and ``body``: show; ``top``: shape;
-    ``ids``: hold, release, delete and flush (empty: flush every deferred message).
+    ``ids``: hold, release, delete and flush (empty: flush every deferred message);
+    ``select``: instead of ids, the messages a filter matches (``--all``,
+    ``--in-doubt``, ``--domain``, ``--sender``), streamed from the log.
     """
 
     op: str
@@ -67,6 +69,7 @@ class Request:
     body: bool = False
     top: int = 20
     ids: tuple[str, ...] = ()
+    select: admin.Filter | None = None
 
 
 READS = ("list", "count", "show", "shape")
@@ -78,7 +81,7 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "show": ("id", "body"),
     "shape": ("top",),
     "reload": (),  # SIGHUP to the relay's own process (``mta reload``; mta.process.reload)
-    **dict.fromkeys(CHANGES, ("ids",)),
+    **dict.fromkeys(CHANGES, ("ids", "all", "in_doubt", "domain", "sender")),
 }
 
 
@@ -144,15 +147,21 @@ def parse_request(req: Any) -> Request:
         ids = []
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise RequestError("ids must be a list of queue ids (strings)")
-    if not ids and op in CHANGES and op != "flush":
-        raise RequestError(f"{op} needs at least one queue id")
+    select = None
+    if op in CHANGES and (_flag("all", get("all")) or flt.in_doubt or flt.domain is not None
+                          or flt.sender is not None):
+        if ids:
+            raise RequestError(f"{op} takes queue ids or a selection (all, in_doubt, domain, sender), not both")
+        select = admin.Filter(sender=flt.sender, domain=flt.domain, in_doubt=flt.in_doubt)
+    if not ids and select is None and op in CHANGES and op != "flush":
+        raise RequestError(f"{op} needs at least one queue id, or a selection (all, in_doubt, domain, sender)")
     try:
         cursor = parse_cursor(get("cursor"))
     except ValueError:
         raise RequestError(f"not a list cursor: {shown(get('cursor'))}") from None
     return Request(op=op, filter=flt, limit=_integer("limit", get("limit"), 100, 1, MAX_LIMIT), cursor=cursor,
                    id=qid if isinstance(qid, str) else "", body=_flag("body", get("body")),
-                   top=_integer("top", get("top"), 20, 1, MAX_LIMIT), ids=tuple(ids))
+                   top=_integer("top", get("top"), 20, 1, MAX_LIMIT), ids=tuple(ids), select=select)
 
 
 # A recipient's ``status`` in ``show``: a final outcome from the log, or where it stands in the queue.
@@ -277,24 +286,26 @@ def _id(value: str, shard: int) -> int:
     return mid
 
 
-async def change_op(req: Request, apply: Callable[[str, int], Awaitable[bool]],
-                    all_deferred: Callable[[], AsyncIterator[int]], shard: int = 0) -> dict[str, Any]:
-    """hold/release/delete/flush for each id (flush with no ids: every deferred message).
+MAX_ERRORS_LISTED = 100  # a selection's answer names at most this many failed ids (and counts them all)
+Batches = Callable[[admin.Filter], AsyncIterator[list[admin.LiveMessage]]]
+ApplyBatch = Callable[[str, list[admin.LiveMessage]], Awaitable[list[bool | str]]]
 
-    A flush of everything streams the ids page by page, so it runs in constant
-    memory; its answer counts rather than lists what it did.
+
+async def change_op(req: Request, apply: Callable[[str, int], Awaitable[bool]], matching: Batches,
+                    apply_batch: ApplyBatch, shard: int = 0) -> dict[str, Any]:
+    """hold/release/delete/flush for each id, or for every message a selection matches.
+
+    A selection (and a flush with no ids: every deferred message) streams the
+    matching messages from the log in batches (``matching``), each applied
+    with one commit (``apply_batch``), so it runs in constant memory; its
+    answer counts rather than lists what it did (``done``, ``skipped``,
+    ``failed``), and names at most ``MAX_ERRORS_LISTED`` of the failures.
     """
     op = req.op
     if op not in CHANGES:
         raise RequestError(f"{op} is not a change")
     if not req.ids:
-        flushed = 0
-        async for mid in all_deferred():
-            try:
-                flushed += await apply(op, mid)
-            except SpoolError:  # busy or gone since the page was read: it is being retried anyway
-                continue
-        return {"done": flushed, "skipped": [], "errors": {}}
+        return await _change_selected(op, req.select or admin.Filter(), matching, apply_batch, shard)
     targets = [_id(i, shard) for i in req.ids]
     done: list[str] = []
     skipped: list[str] = []
@@ -307,3 +318,37 @@ async def change_op(req: Request, apply: Callable[[str, int], Awaitable[bool]],
         except (SpoolError, OSError) as exc:  # MessageBusy, a disk error: reported per id
             errors[format_queue_id(mid, shard)] = str(exc)
     return {"done": done, "skipped": skipped, "errors": errors}
+
+
+async def _change_selected(op: str, flt: admin.Filter, matching: Batches, apply_batch: ApplyBatch,
+                           shard: int) -> dict[str, Any]:
+    done = skipped = failed = 0
+    errors: dict[str, str] = {}
+    async for batch in matching(flt):
+        for msg, result in zip(batch, await apply_batch(op, batch), strict=True):
+            if result is True:
+                done += 1
+            elif result is False or (op == "flush" and msg.state == "active"):  # active: being tried anyway
+                skipped += 1
+            else:
+                failed += 1
+                if len(errors) < MAX_ERRORS_LISTED:
+                    errors[format_queue_id(msg.message_id, shard)] = str(result)
+    return {"done": done, "skipped": skipped, "failed": failed, "errors": errors}
+
+
+def selection_batches(listable: admin.Listable, flt: admin.Filter, size: int) -> Iterator[list[admin.LiveMessage]]:
+    """The messages ``flt`` matches, in log order, ``size`` at a time: memory is one batch.
+
+    Only envelopes written before the walk began are taken: a change writes
+    the message's new envelope at the head, and the walk must not meet it again.
+    """
+    end = listable.source().durable_end
+    cursor: int | None = None
+    while True:
+        msgs, cursor = admin.page(listable, flt, cursor, size)
+        batch = [m for m in msgs if m.pos < end]
+        if batch:
+            yield batch
+        if cursor is None or cursor >= end:
+            return

@@ -87,8 +87,9 @@ def _empty_answer(req: dict[str, Any]) -> dict[str, Any]:
     if op == "show":
         raise NoSuchMessage(f"no queued message with id {req.get('id')}")
     ids = req.get("ids") or []
-    return {"done": [] if ids else 0, "skipped": [],
-            "errors": {i: f"no queued message with id {i}" for i in ids}}
+    if not ids:
+        return {"done": 0, "skipped": 0, "failed": 0, "errors": {}}
+    return {"done": [], "skipped": [], "errors": {i: f"no queued message with id {i}" for i in ids}}
 
 
 def check_ids(ids: tuple[str, ...]) -> list[str]:
@@ -175,14 +176,20 @@ def _shape(shards: Shards, req: dict[str, Any]) -> dict[str, Any]:
 
 def _change_all(shards: Shards, req: dict[str, Any]) -> dict[str, Any]:
     """hold/release/delete/flush: each id to its shard; a flush of everything to every shard."""
-    ids: list[str] = req["ids"]
-    if not ids:
-        answers = [ask_shard(c, k, req) for k, c in shards]
-        return {"ok": True, "done": sum(a["done"] for a in answers), "skipped": [], "errors": {}}
+    ids: list[str] = req.get("ids") or []
+    if not ids:  # a selection (or a flush of every deferred message): counts from every shard
+        merged: dict[str, Any] = {"ok": True, "done": 0, "skipped": 0, "failed": 0, "errors": {}}
+        for k, c in shards:
+            answer = ask_shard(c, k, req)
+            for key in ("done", "skipped", "failed"):
+                value = answer.get(key) or 0
+                merged[key] += value if isinstance(value, int) else len(value)
+            merged["errors"].update(answer["errors"])
+        return merged
     by_shard: dict[int, list[str]] = {}
     for i in ids:
         by_shard.setdefault(shard_of(i, len(shards)), []).append(i)
-    merged: dict[str, Any] = {"ok": True, "done": [], "skipped": [], "errors": {}}
+    merged = {"ok": True, "done": [], "skipped": [], "errors": {}}
     for k, some in sorted(by_shard.items()):
         answer = ask_shard(shards[k][1], k, {**req, "ids": some})
         merged["done"] += answer["done"]

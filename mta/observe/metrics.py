@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from mta.config import ListenAddress
 from mta.observe.metrics_http import MetricsServer
-from spool import Status
+from spool import NEVER, QueueGauges, Status
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400, float("inf"))
 
@@ -44,8 +44,12 @@ class _SpoolCollector:
         stats = core.recovery_stats
         yield GaugeMetricFamily("logspool_recovery_bytes_read", "bytes read by the last recovery",
                                 value=stats.bytes_read)
-        yield GaugeMetricFamily("logspool_recovery_in_doubt", "recipients in doubt after the last recovery",
-                                value=stats.in_doubt)
+        gauges = core.gauges
+        # In doubt after the last recovery: those it found, and those held by an earlier one and still queued.
+        yield GaugeMetricFamily("logspool_recovery_in_doubt", "recipients in doubt in the queue after the last "
+                                "recovery", value=gauges.in_doubt_recipients_seeded if gauges else stats.in_doubt)
+        if gauges is not None:
+            yield from _queue_gauges(gauges, len(core.by_envelope), core.config.clock())
         # Damage (spool.damage.policy; docs/operations.md, "When the disk lies").
         damage = core.damage
         found = GaugeMetricFamily("logspool_damage_found", "damage met since start, each piece once, by kind "
@@ -64,6 +68,20 @@ class _SpoolCollector:
         yield GaugeMetricFamily("logspool_quarantine_bytes", "bytes kept in the quarantine directory", value=kept)
         yield GaugeMetricFamily("logspool_quarantine_lost_messages", "messages the quarantine directory's notes name "
                                 "lost (every start's)", value=lost)
+
+
+def _queue_gauges(g: QueueGauges, active: int, now: float) -> Iterator[GaugeMetricFamily]:
+    """The queue as the spool keeps it (``spool.engine.gauges``): no walk of the log here."""
+    yield GaugeMetricFamily("logspool_queue_messages", "messages in the queue, every state (being delivered, due, "
+                            "deferred, held)", value=g.new + g.deferred + g.held + active)
+    yield GaugeMetricFamily("logspool_queue_deferred", "messages waiting for a retry", value=g.deferred)
+    yield GaugeMetricFamily("logspool_queue_held", "messages held (in doubt or by the administrator)",
+                            value=g.held)
+    yield GaugeMetricFamily("logspool_queue_in_doubt", "messages not being delivered with recipients perhaps "
+                            "delivered before a crash", value=g.in_doubt)
+    age = max(0.0, now - g.oldest_ms / 1000) if g.oldest_ms != NEVER else 0.0
+    yield GaugeMetricFamily("logspool_queue_oldest_age_seconds", "age of the oldest message in the queue (0: "
+                            "empty)", value=round(age, 3))
 
 
 class Metrics:

@@ -33,6 +33,7 @@ from mta.dkim.accept import AcceptSigner
 from mta.inbound.listen import bind_error
 from mta.inbound.server import Port, SmtpServer
 from mta.observe.metrics import Metrics
+from mta.observe.queue_gauges import keep_gauges, refresh_oldest
 from mta.process.lifecycle import Lifecycle, notify
 from mta.process.security import check_spool_dir
 from mta.process.startup import check_start, unwrapped
@@ -123,8 +124,10 @@ class Relay:
         os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
         check_spool_dir(cfg.spool.dir)
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard), self.io)
+        await keep_gauges(self.aspool)
         self.metrics.watch_spool(self.aspool)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(refresh_oldest, self.aspool)
             if self.supervisor is not None and self.poll_parent:
                 nursery.start_soon(watch_parent, self.supervisor)
             await nursery.start(self.aspool.run)

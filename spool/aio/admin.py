@@ -11,7 +11,7 @@ from __future__ import annotations
 import trio
 
 from spool.aio.group_commit import GroupCommit
-from spool.errors import DiskFull
+from spool.errors import DiskFull, SpoolError
 from spool.format.record import HELD_CLASS
 from spool.read import listing as admin
 
@@ -59,6 +59,26 @@ class AsyncAdmin(GroupCommit):
         attempt = self.core.claim_for_admin(msg.pos)
         self.core.admin_delete(attempt)
         await self._admin_commit()
+
+    async def change_batch(self, msgs: list[admin.LiveMessage], action: str) -> list[bool | str]:
+        """A change to each listed message (``AdminChanges.apply_change``, no lookup), one commit for the batch.
+
+        Each message's result: True (done), False (nothing to do) or the error
+        that stopped it (busy, changed since it was listed). DiskFull before
+        the batch begins, as for one change.
+        """
+        self._raise_if_full()
+        results: list[bool | str] = []
+        for msg in msgs:
+            try:
+                results.append(self.core.apply_change(msg, action))
+            except (SpoolError, OSError) as exc:
+                results.append(str(exc))
+        if any(r is True for r in results):
+            await self._admin_commit()
+            if action in ("release", "flush"):
+                self._signal_change()
+        return results
 
     async def flush(self, message_id: int) -> None:
         """Make a deferred message due now (the new-mail runner takes it)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from spool.engine.claims import Claims
 from spool.engine.core import Attempt
-from spool.errors import CorruptRecord, MessageBusy
+from spool.errors import CorruptRecord, MessageBusy, SpoolError
 from spool.format.record import HELD_CLASS, Outcome, RecordType, StartKind, Status
 from spool.read import listing as admin
 from spool.read.reader import Reporter
@@ -73,9 +73,18 @@ class AdminChanges(Claims):
 
         Returns False when there was nothing to do (already held, not deferred, ...).
         """
-        msg = admin.find(self, message_id)
-        if (action == "hold" and msg.held) or (action == "release" and not msg.held) \
-                or (action == "flush" and (msg.held or msg.klass == 0)):
+        done = self.apply_change(admin.find(self, message_id), action)
+        if done:
+            self.commit()
+        return done
+
+    def apply_change(self, msg: admin.LiveMessage, action: str) -> bool:
+        """Make ``action`` on the message a listing found (no second walk to find it); not yet committed.
+
+        Returns False when there was nothing to do. Raises MessageBusy while
+        it is being delivered or if it changed since it was listed.
+        """
+        if not wanted(msg, action):
             return False
         attempt = self.claim_for_admin(msg.pos)
         if action == "delete":
@@ -86,5 +95,23 @@ class AdminChanges(Claims):
             self.admin_replace(attempt, klass=0, held=False)
         else:
             raise ValueError(f"unknown action {action!r}")
-        self.commit()
         return True
+
+    def change_batch(self, msgs: list[admin.LiveMessage], action: str) -> list[bool | str]:
+        """``apply_change`` for each listed message, then one commit: each one's result or error."""
+        results: list[bool | str] = []
+        for msg in msgs:
+            try:
+                results.append(self.apply_change(msg, action))
+            except (SpoolError, OSError) as exc:  # busy, changed meanwhile, damaged: that message alone
+                results.append(str(exc))
+        if any(r is True for r in results):
+            self.commit()
+        return results
+
+
+def wanted(msg: admin.LiveMessage, action: str) -> bool:
+    """Whether ``action`` would change the message: not a hold of a held one, a release of a free one,
+    or a flush of one that is held or already due (new mail's class)."""
+    return not ((action == "hold" and msg.held) or (action == "release" and not msg.held)
+                or (action == "flush" and (msg.held or msg.klass == 0)))

@@ -148,6 +148,8 @@ class Claims(SpoolCore):
             env = decoded
         start = self._append(RecordType.START, Start(cand.pos, int(now * 1000), kind))
         self.writer.mark_after_sync(cand.pos)
+        if self.gauges is not None:
+            self.gauges.claimed(cand.klass, env.held, bool(env.in_doubt))
         expired = (kind is StartKind.DELIVERY
                    and now * 1000 - env.arrival_ms >= self.config.max_queue_lifetime * 1000)
         attempt = Attempt(start, cand.pos, env, cand.klass, kind, expired)

@@ -52,6 +52,7 @@ import attrs
 from spool.config.engine import SpoolConfig
 from spool.config.fairness import DeferredBudget
 from spool.damage.policy import DamagePolicy
+from spool.engine.gauges import QueueGauges
 from spool.engine.runner import Runner
 from spool.errors import CorruptRecord, DamagedBody, DiskFull
 from spool.fileio import FileIO
@@ -152,6 +153,7 @@ class SpoolCore:
         # runner work only if an envelope was appended since the last wake-up (AsyncClaims._signal_change).
         self.envelope_head = -1
         self.fresh = FreshEnvelopes()  # new envelopes until their claim (spool.write.fresh): no decode for the runner
+        self.gauges: QueueGauges | None = None  # kept once the relay seeds them (spool.engine.gauges)
 
     def _now(self) -> float:
         return self.config.clock()
@@ -174,6 +176,9 @@ class SpoolCore:
         pos = self.writer.append(rtype, data, klass=klass, now=self._now())
         if rtype == RecordType.ENVELOPE:
             self.envelope_head = pos
+            if self.gauges is not None and isinstance(payload, Envelope):
+                self.gauges.added(payload.message_id, klass, payload.held, bool(payload.in_doubt),
+                                  payload.arrival_ms)
         return pos
 
     def _maybe_flush(self) -> None:
@@ -233,6 +238,8 @@ class SpoolCore:
         payload = envelope_payload(mid, sender, rcpts, chunks, size, arrival, extra=extra)
         pos = self.writer.append(RecordType.ENVELOPE, payload, klass=0, now=now)
         self.envelope_head = pos
+        if self.gauges is not None:
+            self.gauges.added(mid, 0, False, False, arrival)
         self.fresh.add(pos, payload, mid, sender, rcpts, chunks, size, arrival, extra)
         self._note_span(pos, chunks)
         return Appended(mid, pos, chunks)
@@ -271,6 +278,9 @@ class SpoolCore:
         duplicate, never a loss.
         """
         self.writer.cancel(message.pos)
+        if self.gauges is not None:
+            self.gauges.claimed(0, False, False)
+            self.gauges.gone(message.message_id)
         if message.body:
             self.body_cache.drop(message.body[0])
 
@@ -413,6 +423,8 @@ class SpoolCore:
             self.body_cache.drop(attempt.envelope.body[0])
         del self.attempts[attempt.start_pos]
         del self.by_envelope[attempt.envelope_pos]
+        if replacement is None and self.gauges is not None:
+            self.gauges.gone(attempt.message_id)
 
     def _write_replacement(self, env: Envelope, env_pos: int, klass: int, recipients: list[str], *, attempts: int,
                            held: bool = False, in_doubt: tuple[str, ...] | None = None,

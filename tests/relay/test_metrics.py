@@ -265,6 +265,12 @@ CASES: dict[str, Callable[[Scrapes], bool]] = {
     "logspool_runner_position": grew('logspool_runner_position{class="0"}'),
     "logspool_recovery_bytes_read": lambda s: s.start("logspool_recovery_bytes_read") > 0,
     "logspool_recovery_in_doubt": lambda s: s.start("logspool_recovery_in_doubt") == 1,
+    # The queue gauges: here only present (in doubt is redelivered); they move in tests/relay/test_queue_gauges.py.
+    "logspool_queue_messages": lambda s: s.stalled("logspool_queue_messages") >= 1,
+    "logspool_queue_held": lambda s: s.end("logspool_queue_held") >= 0,
+    "logspool_queue_in_doubt": lambda s: s.end("logspool_queue_in_doubt") >= 0,
+    "logspool_queue_deferred": lambda s: s.end("logspool_queue_deferred") >= 0,
+    "logspool_queue_oldest_age_seconds": lambda s: s.end("logspool_queue_oldest_age_seconds") > 0,
     "logspool_damage_found": lambda s: s.start('logspool_damage_found{kind="damaged_record"}') >= 1,
     "logspool_damage_lost_messages": lambda s: s.start("logspool_damage_lost_messages") >= 1,
     "logspool_damaged_bodies": grew("logspool_damaged_bodies"),

@@ -123,7 +123,7 @@ def test_list_is_oldest_first_with_header_marks_and_totals_from_another_director
     assert re.fullmatch(pattern, body), body
     assert not (elsewhere / "var").exists()  # nothing created where the command ran
     # The log's order is deferred, new, held (the hold wrote its envelope last); the listing's is arrival's.
-    listed = json.loads(ok(elsewhere, "queue", "list", "--json", *config))
+    listed = json.loads(ok(elsewhere, "queue", "list", "--json", "--limit", "100", *config))
     assert [m["id"] for m in listed["messages"]] == [ids["held"], ids["deferred"], ids["new"]]
     assert (listed["total"], listed["total_bytes"], listed["next"]) == (3, sum(SIZES.values()), None)
     assert [m["state"] for m in listed["messages"]] == ["held", "queued", "queued"]
@@ -196,7 +196,8 @@ def test_an_empty_queue_says_so_as_postqueue_does(tmp_path: Path) -> None:
     config = ["--config", str(tmp_path / "relay.toml")]
     assert ok(tmp_path, "queue", "list", *config) == "Mail queue is empty\n"
     assert ok(tmp_path, "queue", "count", *config) == "0\n"
-    assert json.loads(ok(tmp_path, "queue", "list", "--json", *config)) == \
+    assert ok(tmp_path, "queue", "list", "--json", *config) == ""  # every message, one a line: none
+    assert json.loads(ok(tmp_path, "queue", "list", "--json", "--limit", "100", *config)) == \
         {"ok": True, "messages": [], "next": None, "total": 0, "total_bytes": 0}
 
 
