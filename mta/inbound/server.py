@@ -110,7 +110,7 @@ class Port(enum.Enum):
 class SmtpServer:
     def __init__(self, config: Config, aspool: AsyncSpool, metrics: Metrics,
                  ssl_context: ssl.SSLContext | None = None,
-                 free_space: Callable[[str], int] | None = None, dkim: AcceptSigner | None = None) -> None:
+                 free_space: Callable[[str], int | None] | None = None, dkim: AcceptSigner | None = None) -> None:
         """``free_space`` (tests inject one) is asked at every disk check (``mta.inbound.disk.DiskCheck``).
 
         ``dkim``: signs the mail of trusted clients as it is accepted (``mta.dkim.accept``); None: no keys.
