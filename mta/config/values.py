@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import logging
 import os
 import re
 import socket
@@ -113,21 +112,14 @@ class Listen(Kind[ListenAddress]):
         return str(value)
 
 
-log = logging.getLogger("mta.config")
-
-
 @functools.cache
 def default_hostname() -> str:
-    """``socket.getfqdn()``, or ``localhost`` (with a warning, once) if that is no fully qualified host name.
+    """``socket.getfqdn()``, or ``localhost`` if that is no fully qualified host name (the relay warns at start).
 
-    Cached: it may wait on DNS, and the warning is said once a process.
+    Cached: it may wait on DNS.
     """
     name = socket.getfqdn()
-    if name and HOSTNAME_RE.fullmatch(name) and "." in name.strip("."):
-        return name
-    log.warning("this host's name %r does not resolve to a fully qualified domain name: the relay calls itself "
-                "'localhost' (banner, EHLO, Received, DSN); set [server] hostname", name)
-    return "localhost"
+    return name if name and HOSTNAME_RE.fullmatch(name) and "." in name.strip(".") else "localhost"
 
 
 @attrs.frozen

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
 from pathlib import Path
 
@@ -751,34 +750,15 @@ def test_a_dane_route_needs_a_resolver_named_in_the_config() -> None:
     assert config.routes["*"] == MxRoute(TlsMode.OPPORTUNISTIC, (TlsPolicy.DANE,))
 
 
-@pytest.mark.parametrize("name", ["myhost", "", "bad name!"])
-def test_a_host_name_that_is_no_fqdn_gives_localhost_with_one_warning(
-        name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 25: the banner said ``localhost`` and nothing said why; now one warning naming the name."""
+
+@pytest.mark.parametrize("name", ["myhost", "", "bad name!", "mx1.example.net"])
+def test_the_default_host_name_is_an_fqdn_or_localhost(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from mta.config import values
 
     monkeypatch.setattr(values.socket, "getfqdn", lambda: name)
     values.default_hostname.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="mta.config"):
-            first = parse_config('[routes]\n"*" = "mx"\n', "x.toml", base_dir="/tmp")
-            second = parse_config('[routes]\n"*" = "mx"\n', "y.toml", base_dir="/tmp")
-        assert first.server.hostname == second.server.hostname == "localhost"
-        warned = [r.getMessage() for r in caplog.records if "fully qualified" in r.getMessage()]
-        assert len(warned) == 1 and repr(name) in warned[0] and "[server] hostname" in warned[0], warned
-    finally:
-        values.default_hostname.cache_clear()
-
-
-def test_a_fqdn_host_name_is_the_default_without_a_warning(monkeypatch: pytest.MonkeyPatch,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
-    from mta.config import values
-
-    monkeypatch.setattr(values.socket, "getfqdn", lambda: "mx1.example.net")
-    values.default_hostname.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="mta.config"):
-            config = parse_config('[routes]\n"*" = "mx"\n', "x.toml", base_dir="/tmp")
-        assert config.server.hostname == "mx1.example.net" and not caplog.records
+        config = parse_config('[routes]\n"*" = "mx"\n', "x.toml", base_dir="/tmp")
+        assert config.server.hostname == (name if "." in name else "localhost")
     finally:
         values.default_hostname.cache_clear()
