@@ -117,6 +117,13 @@ class DestState:
     last_error: str = ""
 
 
+def last_error(o: Outcome) -> str:
+    """A deferral as ``mta queue list`` and ``show`` give it: the reply with its codes, and the host that sent it."""
+    text = " ".join(part for part in (str(o.code) if o.code else "", o.enhanced, o.reply) if part)
+    relay = o.next_hop.partition(" tls=")[0]
+    return f"{text} (from {relay})" if relay and o.code else text
+
+
 def _lifetime(seconds: float) -> str:
     """``5 days``, ``6 hours``, ``90 s``: the queue lifetime as an expiry's reply names it."""
     for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
@@ -485,7 +492,7 @@ class Scheduler:
                     event(log, "observer_error", job.queue_id, level=logging.ERROR, exc_info=exc,
                           error=local_error(exc))
             if o.status is Status.DEFERRED:
-                tracker.last_error = o.reply
+                tracker.last_error = last_error(o)
         tracker.outstanding -= 1
         if tracker.outstanding <= 0:
             extra = {"last_error": tracker.last_error} if tracker.last_error else None
@@ -519,7 +526,9 @@ class Scheduler:
         """The delivery line, Postfix's ``to=<...>, relay=..., delay=..., dsn=..., status=...`` as key=value."""
         delay = max(0.0, now - env.arrival_ms / 1000)
         relay, _, tls = (o.next_hop or "none").partition(" tls=")
-        event(log, "delivery", qid, to=f"<{o.recipient}>", relay=relay, tls=tls or None, delay=delay,
+        message_id = env.extra.get("message_id")
+        event(log, "delivery", qid, message_id=message_id if isinstance(message_id, str) else None,
+              to=f"<{o.recipient}>", relay=relay, tls=tls or None, delay=delay,
               attempts=env.attempts + 1, dsn=o.enhanced or "-", status=STATUS_WORDS[o.status],
               reply=f"{o.code} {o.reply}" if o.code else o.reply)
         self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0)

@@ -755,7 +755,7 @@ def test_a_dane_route_needs_a_resolver_named_in_the_config() -> None:
 def test_the_default_host_name_is_an_fqdn_or_localhost(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from mta.config import values
 
-    monkeypatch.setattr(values.socket, "getfqdn", lambda: name)
+    monkeypatch.setattr("socket.getfqdn", lambda: name)
     values.default_hostname.cache_clear()
     try:
         config = parse_config('[routes]\n"*" = "mx"\n', "x.toml", base_dir="/tmp")

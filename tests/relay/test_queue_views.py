@@ -321,7 +321,9 @@ async def test_through_a_running_relay_in_flight_and_held_messages_are_marked(tm
         assert await run_mta(tmp_path, "queue", "hold", deferred, *args) == "hold: 1 done\n"
         out = await run_mta(tmp_path, "queue", "list", *args)
         pattern = (r"-Queue ID- +--Size-- ----Arrival Time----  -Sender/Recipient-------\n"
-                   rf"{deferred}! +\d+ {ISO}  sender@example\.org\n\(come back later\)\n +a@far\.example\n\n"
+                   rf"{deferred}! +\d+ {ISO}  sender@example\.org\n"
+                   rf"\(451 4\.3\.0 come back later \(from 127\.0\.0\.1\[127\.0\.0\.1\]:{hop_port}\)\)\n"
+                   r" +a@far\.example\n\n"
                    rf"{in_flight}\* +\d+ {ISO}  sender@example\.org\n +b@slow\.example\n\n"
                    r"-- 1 Kbytes in 2 Requests\.\n")
         assert re.fullmatch(pattern, out), out

@@ -253,7 +253,7 @@ async def test_a_host_name_that_is_no_fqdn_is_said_once_at_start(tmp_path: Path,
     """Issue 25: the banner fell back to ``localhost`` and nothing said why."""
     from mta.config import parse_config, values
 
-    monkeypatch.setattr(values.socket, "getfqdn", lambda: "myhost")
+    monkeypatch.setattr("socket.getfqdn", lambda: "myhost")
     values.default_hostname.cache_clear()
     try:
         config = parse_config(f'[server]\nlisten = ["127.0.0.1:0"]\n[spool]\ndir = "{tmp_path / "spool"}"\n'
