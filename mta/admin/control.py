@@ -251,6 +251,11 @@ class ControlServer:
                 (op == "flush" and (msg.held or msg.klass == 0)):
             return False
         await getattr(self.aspool, op)(mid)
+        if op == "delete":
+            qid = self.aspool.core.queue_id(mid)
+            for rcpt in msg.envelope.recipients:  # as a delivery line, so that a search by status finds it
+                event(log, "delivery", qid, to=f"<{rcpt}>", relay="none", status="deleted",
+                      reply="deleted by the operator (mta queue delete)")
         return True
 
     async def _apply_batch(self, op: str, msgs: list[admin.LiveMessage]) -> list[bool | str]:

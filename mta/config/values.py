@@ -114,9 +114,12 @@ class Listen(Kind[ListenAddress]):
 
 @functools.cache
 def default_hostname() -> str:
-    """``socket.getfqdn()``, or ``localhost`` if that is no host name. Cached: it may wait on DNS."""
+    """``socket.getfqdn()``, or ``localhost`` if that is no fully qualified host name (the relay warns at start).
+
+    Cached: it may wait on DNS.
+    """
     name = socket.getfqdn()
-    return name if name and HOSTNAME_RE.fullmatch(name) else "localhost"
+    return name if name and HOSTNAME_RE.fullmatch(name) and "." in name.strip(".") else "localhost"
 
 
 @attrs.frozen

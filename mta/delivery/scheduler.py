@@ -70,6 +70,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -113,6 +114,7 @@ class Tracker:
     appended_to: int = 0  # the log's head after its last DELIVERY (and DSN) was appended: durable before FINISH
     # DSNs appended and not yet logged: (the job whose outcomes they report, the DSN's queue id, recipients).
     dsns: list[tuple[Job, str, int]] = attrs.field(factory=list)
+    delay_warned: bool = False  # a delay notice was appended in this attempt (the replacement envelope says so)
 
 
 @attrs.define(eq=False)
@@ -122,6 +124,13 @@ class DestState:
     failures: int = 0
     backoff_until: float = 0.0
     last_error: str = ""
+
+
+def last_error(o: Outcome) -> str:
+    """A deferral as ``mta queue list`` and ``show`` give it: the reply with its codes, and the host that sent it."""
+    text = " ".join(part for part in (str(o.code) if o.code else "", o.enhanced, o.reply) if part)
+    relay = o.next_hop.partition(" tls=")[0]
+    return f"{text} (from {relay})" if relay and o.code else text
 
 
 def _lifetime(seconds: float) -> str:
@@ -186,7 +195,7 @@ class Scheduler:
         """Nothing claimed that is not finished, and no claim under way."""
         return self.in_flight == 0 and not self.aspool.claiming
 
-    def _finish(self, tracker: Tracker, extra: dict[str, str] | None = None, next_class: int | None = None) -> None:
+    def _finish(self, tracker: Tracker, extra: dict[str, Any] | None = None, next_class: int | None = None) -> None:
         self.aspool.finish(tracker.attempt, extra=extra, next_class=next_class)
         self.in_flight -= 1
         self.delivered += 1
@@ -488,9 +497,36 @@ class Scheduler:
                 reason = f"{local_error(exc)} (building the DSN)"
                 outcomes = [Outcome(o.recipient, Status.DEFERRED, 0, "4.3.0", f"{reason}; was: {o.reply}",
                                     o.next_hop) if o in failed else o for o in outcomes]
+        self._warn_of_delay(tracker, outcomes)
         self.aspool.append_delivery(attempt, outcomes, duration_ms)
         tracker.appended_to = self.aspool.core.writer.head
         return outcomes
+
+    def _warn_of_delay(self, tracker: Tracker, outcomes: list[Outcome]) -> None:
+        """Append a delay notice (RFC 3464, ``Action: delayed``) for the deferred recipients, once a message.
+
+        Sent when the message has been queued ``delivery.delay_warning`` or
+        longer, never to the null sender nor for a DSN; the replacement
+        envelope records it (``delay_warned``), so later attempts send none.
+        A crash before that replacement is written may send it once more.
+        """
+        warn_after = self.config.delivery.delay_warning
+        env = tracker.attempt.envelope
+        deferred = [o for o in outcomes if o.status is Status.DEFERRED]
+        if (warn_after is None or not deferred or tracker.delay_warned or env.extra.get("delay_warned")
+                or env.extra.get("dsn") or not dsnmod.should_bounce(env.sender)
+                or time.time() - env.arrival_ms / 1000 < warn_after):
+            return
+        qid = self.aspool.core.queue_id(env.message_id)
+        try:
+            notice = self._enqueue_dsn(tracker.attempt, deferred, "delayed")
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):
+                raise
+            event(log, "dsn_error", qid, level=logging.ERROR, exc_info=exc, error=local_error(exc), action="delayed")
+            return
+        tracker.delay_warned = True
+        event(log, "delay_notice", qid, to=f"<{env.sender}>", dsn=notice, nrcpt=len(deferred))
 
     def _after_durable(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float) -> None:
         """Log and report the (durable) outcomes; finish the message when all its jobs are in."""
@@ -512,22 +548,28 @@ class Scheduler:
                     event(log, "observer_error", job.queue_id, level=logging.ERROR, exc_info=exc,
                           error=local_error(exc))
             if o.status is Status.DEFERRED:
-                tracker.last_error = o.reply
+                tracker.last_error = last_error(o)
         tracker.outstanding -= 1
         if tracker.outstanding <= 0:
-            extra = {"last_error": tracker.last_error} if tracker.last_error else None
-            self._finish(tracker, extra=extra, next_class=HELD_CLASS if tracker.hold else None)
+            extra: dict[str, Any] = {"last_error": tracker.last_error} if tracker.last_error else {}
+            if tracker.delay_warned:
+                extra["delay_warned"] = True
+            self._finish(tracker, extra=extra or None, next_class=HELD_CLASS if tracker.hold else None)
 
-    def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome]) -> str:
-        """Append the DSN for ``failed`` (no commit: the caller's covers it); returns the DSN's queue id."""
+    def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome], action: dsnmod.Action = "failed") -> str:
+        """Append the DSN for ``failed`` (no commit: the caller's covers it); returns the DSN's queue id.
+
+        ``action`` ``delayed``: a delay notice (``delivery.delay_warning``) for deferred recipients.
+        """
         env = attempt.envelope
         try:
             headers = dsnmod.extract_headers(self.aspool.core.read_body(env))
         except DamagedBody:
             headers = b""  # the bounce of a damaged message says why, without its headers
         failures = [dsnmod.RecipientFailure(
-            recipient=o.recipient, status=o.enhanced or ("5.0.0" if o.status is Status.BOUNCED else "4.4.7"),
-            action="failed", diagnostic=f"smtp; {o.code} {o.enhanced} {o.reply}".replace("  ", " ") if o.code
+            recipient=o.recipient, status=o.enhanced or ("5.0.0" if o.status is Status.BOUNCED else
+                                                         "4.4.7" if o.status is Status.EXPIRED else "4.0.0"),
+            action=action, diagnostic=f"smtp; {o.code} {o.enhanced} {o.reply}".replace("  ", " ") if o.code
             else f"x-logspool; {o.reply}", remote_mta=dsnmod.remote_mta_name(o.next_hop) if o.code else "")
             for o in failed]
         params = env.extra.get("params")
@@ -539,14 +581,17 @@ class Scheduler:
             arrival_time=dt.datetime.fromtimestamp(env.arrival_ms / 1000, dt.UTC), failed=failures,
             original_headers=headers, from_address=self.config.delivery.bounce_sender, queue_id=qid)
         dsn_id = self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": qid})
-        self.metrics.bounced_dsn.inc()
+        if action == "failed":
+            self.metrics.bounced_dsn.inc()
         return self.aspool.core.queue_id(dsn_id)
 
     def _log(self, qid: str, env: Envelope, o: Outcome, now: float, duration: float) -> None:
         """The delivery line, Postfix's ``to=<...>, relay=..., delay=..., dsn=..., status=...`` as key=value."""
         delay = max(0.0, now - env.arrival_ms / 1000)
         relay, _, tls = (o.next_hop or "none").partition(" tls=")
-        event(log, "delivery", qid, to=f"<{o.recipient}>", relay=relay, tls=tls or None, delay=delay,
+        message_id = env.extra.get("message_id")
+        event(log, "delivery", qid, message_id=message_id if isinstance(message_id, str) else None,
+              to=f"<{o.recipient}>", relay=relay, tls=tls or None, delay=delay,
               attempts=env.attempts + 1, dsn=o.enhanced or "-", status=STATUS_WORDS[o.status],
               reply=f"{o.code} {o.reply}" if o.code else o.reply)
         self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0)

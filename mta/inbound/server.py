@@ -55,6 +55,7 @@ from mta.inbound.admission import Refusal, SessionSlots, Slot
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
+from mta.inbound.message_id import MessageIdPeek
 from mta.inbound.submission import Authenticator
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
@@ -109,7 +110,7 @@ class Port(enum.Enum):
 class SmtpServer:
     def __init__(self, config: Config, aspool: AsyncSpool, metrics: Metrics,
                  ssl_context: ssl.SSLContext | None = None,
-                 free_space: Callable[[str], int] | None = None, dkim: AcceptSigner | None = None) -> None:
+                 free_space: Callable[[str], int | None] | None = None, dkim: AcceptSigner | None = None) -> None:
         """``free_space`` (tests inject one) is asked at every disk check (``mta.inbound.disk.DiskCheck``).
 
         ``dkim``: signs the mail of trusted clients as it is accepted (``mta.dkim.accept``); None: no keys.
@@ -255,6 +256,7 @@ class _Session:
         self.sender = ""
         self.recipients: list[str] = []
         self.body: BodyWriter | None = None
+        self._message_id = MessageIdPeek()  # the message being received: its Message-ID, for the log lines
         self.mail_params: dict[str, Any] = {}
         # The client's deadline (``mta.inbound.deadlines``) enforced by one cancel scope around the whole session.
         self.deadlines = SessionDeadlines.for_session(s, trio.current_time())
@@ -417,6 +419,7 @@ class _Session:
             elif isinstance(ev, DataChunk):
                 assert self.body is not None
                 self.body.write(ev.data)
+                self._message_id.feed(ev.data)
                 await self._drain()
             elif isinstance(ev, EndOfData):
                 self._data_end()
@@ -545,6 +548,7 @@ class _Session:
 
         # The queue id is decided here, as the body begins, so that the Received: header can name it.
         self.body = self.server.aspool.begin_body(first=received)
+        self._message_id = MessageIdPeek()
         assert self.body.message_id is not None
         self.queue_id = core.queue_id(self.body.message_id)
 
@@ -556,6 +560,9 @@ class _Session:
             self._refuse_for_disk(body)
             return
         extra: dict[str, Any] = {"client": self.client_ip}
+        message_id = self._message_id.value()
+        if message_id is not None:
+            extra["message_id"] = message_id
         if self.conn.authenticated is not None:
             extra["auth"] = self.conn.authenticated
         if self.mail_params:
@@ -571,8 +578,8 @@ class _Session:
             return
         self.server.metrics.accepted.inc()
         queue_id = self.server.aspool.core.queue_id(mid)
-        event(log, "accepted", queue_id, from_=f"<{self.sender}>", size=body.size, nrcpt=len(self.recipients),
-              client=self.client_ip, helo=self.conn.helo_name, proto=self._protocol(),
+        event(log, "accepted", queue_id, message_id=message_id, from_=f"<{self.sender}>", size=body.size,
+              nrcpt=len(self.recipients), client=self.client_ip, helo=self.conn.helo_name, proto=self._protocol(),
               tls=self.tls.protocol if self.tls is not None else None, auth=self.conn.authenticated,
               dkim=",".join(signed.signed_by) if signed is not None else None)
         self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {queue_id}"))

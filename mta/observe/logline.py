@@ -20,7 +20,8 @@ formatter writes either shape ([log] format):
   is double-quoted with ``\\"`` and ``\\\\`` escaped.
 - ``json``: one JSON object per line, ``{"ts": ..., "level": ..., "logger":
   ..., "pid": ..., "event": ..., "qid": ..., <fields>}``; a plain message
-  is ``"msg"`` and a traceback ``"exc"``. Non-ASCII is written ``\\uXXXX``.
+  is ``"msg"`` (with ``event`` and ``qid`` when the record names them in
+  its ``extra``, as recovery's lines do) and a traceback ``"exc"``. Non-ASCII is written ``\\uXXXX``.
 
 Peer bytes never reach the log raw: in either shape every character that is
 not printable (C0, DEL, C1, line and paragraph separators, bidi controls,
@@ -179,6 +180,12 @@ class JsonFormatter(logging.Formatter):
         if isinstance(msg, LogEvent) and not record.args:
             out.update(msg.as_dict())
         else:
+            # A plain line may name its event and message (``extra={"event": ..., "qid": ...}``: the spool's
+            # recovery lines, which cannot make a LogEvent), so that a search by event or queue id finds it.
+            for key in ("event", "qid"):
+                value = getattr(record, key, None)
+                if isinstance(value, str):
+                    out[key] = value
             out["msg"] = record.getMessage()
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)

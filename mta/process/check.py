@@ -142,7 +142,7 @@ def _free_space(config: Config) -> Iterator[Finding]:
     where = _existing_parent(config.spool.dir)
     st = os.statvfs(where)
     free = st.f_bavail * st.f_frsize
-    if free < config.spool.queue_minfree:
+    if st.f_blocks and free < config.spool.queue_minfree:  # no size (total 0) is not a full disk
         yield Finding(StartError(
             f"{free / (1 << 20):.1f} MiB free on the filesystem of {where}, less than spool.queue_minfree "
             f"({config.spool.queue_minfree / (1 << 20):.1f} MiB): the relay would start but refuse all mail with 452",

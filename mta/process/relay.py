@@ -165,6 +165,10 @@ class Relay:
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
                 log.warning("open relay: mynetworks covers every address and allow_open_relay = true; anyone "
                             "can send mail anywhere through this relay")
+            if self.shard == 0 and "." not in cfg.server.hostname.strip("."):
+                log.warning("the relay calls itself %r (banner, EHLO, Received, DSN), which is no fully qualified "
+                            "domain name (this host's name does not resolve to one): set [server] hostname",
+                            cfg.server.hostname)
             addrs = ", ".join(f"{lst.socket.getsockname()[0]}:{lst.socket.getsockname()[1]}"
                               for lst in self.listeners)
             shard = f", shard {self.shard} (pid {os.getpid()})" if self.supervisor is not None else ""

@@ -14,7 +14,7 @@ import click
 from mta.report.errors import ReportError
 from mta.report.session import JAVA_MISSING, java_available, missing_libraries
 from spool.export import remote
-from spool.export.rows import expand_paths
+from spool.export.rows import expand_paths, same_named_relays
 
 
 def parse_time(text: str) -> int:
@@ -59,12 +59,15 @@ def _conf_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str
     return conf
 
 
-def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, until_ms: int | None) -> None:
+def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, until_ms: int | None,
+                    relay: str | None = None) -> None:
     """Everything about the arguments that can be checked without Spark, so a
     mistake costs a second rather than a JVM start.
 
     Every ``--input`` must name segments: a typo among several inputs would
-    otherwise leave a relay out of the report without a word.
+    otherwise leave a relay out of the report without a word. Two relays
+    whose spool directories have the same name are refused (unless
+    ``--relay`` names them all): their queue ids would be taken for one relay's.
 
     Raises ReportError (one line: also when Java or a library of the ``spark``
     extra is missing) or OSError
@@ -85,6 +88,7 @@ def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, unt
         if not there:
             raise ReportError(f"--input {pattern}: no such file or directory")
         raise ReportError(f"no segment files (*.seg) under: {pattern}")
+    _refuse_same_names(inputs, relay)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ReportError(f"--out {out}: exists and is not a directory")
     missing = missing_libraries()
@@ -93,6 +97,17 @@ def check_arguments(inputs: tuple[str, ...], out: str, since_ms: int | None, unt
     if not java_available():  # make_session says so too; here it comes before --out is made
         raise ReportError(JAVA_MISSING)
     os.makedirs(out, exist_ok=True)
+
+
+def _refuse_same_names(inputs: tuple[str, ...], relay: str | None) -> None:
+    """One line when two relay directories among ``inputs`` give the same relay name (``--relay`` names them
+    all on purpose: not asked)."""
+    if relay is not None:
+        return
+    for name, dirs in same_named_relays(expand_paths(inputs)).items():
+        raise ReportError(f"--input: {' and '.join(dirs)} are two relays both named {name!r} (the spool "
+                          "directory's name): their queue ids would be merged; report them separately or give "
+                          "the directories distinct names")
 
 
 _STARTED = [time.monotonic()]
@@ -128,7 +143,7 @@ def report(inputs: tuple[str, ...], out: str, master: str, since_ms: int | None,
     """
     _STARTED[0] = time.monotonic()
     try:
-        check_arguments(inputs, out, since_ms, until_ms)
+        check_arguments(inputs, out, since_ms, until_ms, relay)
         from mta.report.job import run_report
         from mta.report.session import make_session
 

@@ -163,6 +163,14 @@ class Claims(SpoolCore):
                                                    attempt.remaining,
                                                    attempts=attempt.envelope.attempts, held=True))
 
+    def _backoff_of(self, attempt: Attempt) -> int:
+        """The class a failed attempt goes on from: its own, or for a message back in new mail's class after
+        earlier attempts (flushed or released), the class those attempts had earned. A flush retries now; it
+        does not reset the backoff, so a flushed message that fails again waits as long as before."""
+        if attempt.klass == 0 and attempt.envelope.attempts > 0:
+            return min(attempt.envelope.attempts, self.config.classes - 1)
+        return attempt.klass
+
     def next_wake(self) -> float | None:
         """Earliest time a runner may find something new (None: only new appends wake them).
 
@@ -210,7 +218,7 @@ class Claims(SpoolCore):
         remaining = attempt.remaining
         replacement = None
         if remaining:
-            klass = self.config.next_class(attempt.klass) if next_class is None else next_class
+            klass = self.config.next_class(self._backoff_of(attempt)) if next_class is None else next_class
             merged = {**attempt.envelope.extra, **(extra or {})}
             replacement = self._write_replacement(attempt.envelope, attempt.envelope_pos, klass, remaining,
                                                   attempts=attempt.envelope.attempts + 1, extra=merged)

@@ -236,7 +236,7 @@ class Recovery:
         log.info("recovered %s: %s; read %d records, %d bytes; %d in flight, %d in doubt%s", sp.path, describe(cp),
                  stats.records_read, stats.bytes_read, stats.in_flight, stats.in_doubt,
                  f" ({stats.held} message{'s' if stats.held > 1 else ''} held: mta queue list --in-doubt)"
-                 if stats.held else "")
+                 if stats.held else "", extra={"event": "recovered"})
         self.first_checkpoint()
         return stats
 
@@ -675,7 +675,8 @@ def report_in_doubt(queue_id: str, recipients: list[str], *, held: bool) -> None
     fate = (f"the message is held: `mta queue release {queue_id}` delivers it again, `mta queue delete "
             f"{queue_id}` drops it" if held else "it will be delivered again")
     log.warning("in doubt: queue id %s recipient%s %s: an attempt was in flight at the crash with no outcome "
-                "recorded; %s", queue_id, "s" if len(recipients) > 1 else "", ",".join(recipients), fate)
+                "recorded; %s", queue_id, "s" if len(recipients) > 1 else "", ",".join(recipients), fate,
+                extra={"event": "in_doubt", "qid": queue_id})  # fields of the JSON line (mta.observe.logline)
 
 
 def describe(cp: ckpt.Checkpoint | None) -> str:

@@ -149,6 +149,17 @@ def relay_name_for(file: str) -> str:
     return f"{name}-{shard}" if shard else name
 
 
+def same_named_relays(files: Iterable[str]) -> dict[str, list[str]]:
+    """Names that ``relay_name_for`` gives to more than one relay directory among ``files``, with those
+    directories (sorted): two relays whose spools have the same directory name, whose queue ids the report
+    would take for one relay's."""
+    where: dict[str, set[str]] = {}
+    for file in files:
+        parent, _shard = _where(file)
+        where.setdefault(relay_name_for(file), set()).add(parent)
+    return {name: sorted(dirs) for name, dirs in sorted(where.items()) if len(dirs) > 1}
+
+
 def _entries(directory: str, listing: remote.Listing) -> list[tuple[str, bool]]:
     """``(path, is a directory)`` in a local directory or at a URL."""
     if remote.is_remote(directory):

@@ -268,8 +268,10 @@ class Tried:
 def outcomes(spool: Listable, msg: LiveMessage) -> dict[str, Tried]:
     """The last outcome of each recipient of ``msg`` that the log still holds (delivered ones included).
 
-    One walk from the message's first envelope (its id is that position) or
-    from the oldest segment left, following the message from envelope to
+    One walk from the message's id (its first envelope's position, or for
+    mail received over SMTP its first DATA record's, the first envelope with
+    that id coming after it) or from the oldest segment left, following the
+    message from envelope to
     START, to its DELIVERY records, and through each FINISH to the envelope
     that replaced it. Memory: the message's own attempts and recipients.
     The history is what is still on disk: segments reclaimed behind the
@@ -282,15 +284,23 @@ def outcomes(spool: Listable, msg: LiveMessage) -> dict[str, Tried]:
         return {}
     start = max(msg.message_id, make_pos(reader.segments[0], SEGMENT_HEADER_SIZE))
     envelopes = {msg.message_id, msg.pos}
+    first_found = False  # mail received over SMTP: the id is its first DATA record, the envelope comes after it
     starts: set[int] = set()
     last: dict[str, Tried] = {}
-    wanted = (RecordType.START, RecordType.DELIVERY, RecordType.FINISH)
+    wanted = (RecordType.ENVELOPE, RecordType.START, RecordType.DELIVERY, RecordType.FINISH)
     for frame in reader.frames(start, src.durable_end, _pass_over, types=wanted):
+        if frame.rtype == RecordType.ENVELOPE and (first_found or frame.pos in envelopes):
+            first_found = True  # later envelopes of the message are found through its FINISH records
+            continue
         try:
             record = decode_payload(frame.rtype, frame.payload)
         except CorruptRecord:
             continue
-        if isinstance(record, Start) and record.envelope in envelopes:
+        if isinstance(record, Envelope):
+            if record.message_id == msg.message_id:
+                envelopes.add(frame.pos)
+                first_found = True
+        elif isinstance(record, Start) and record.envelope in envelopes:
             starts.add(frame.pos)
         elif isinstance(record, Delivery) and record.start in starts:
             for o in record.outcomes:

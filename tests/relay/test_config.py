@@ -748,3 +748,17 @@ def test_a_dane_route_needs_a_resolver_named_in_the_config() -> None:
     config = parse_config('[delivery]\nresolver = "127.0.0.1:5353"\n[routes]\n"*" = "mx?tls=dane"\n'
                           '"localhost" = "maildir:md"\n')
     assert config.routes["*"] == MxRoute(TlsMode.OPPORTUNISTIC, (TlsPolicy.DANE,))
+
+
+
+@pytest.mark.parametrize("name", ["myhost", "", "bad name!", "mx1.example.net"])
+def test_the_default_host_name_is_an_fqdn_or_localhost(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mta.config import values
+
+    monkeypatch.setattr("socket.getfqdn", lambda: name)
+    values.default_hostname.cache_clear()
+    try:
+        config = parse_config('[routes]\n"*" = "mx"\n', "x.toml", base_dir="/tmp")
+        assert config.server.hostname == (name if "." in name else "localhost")
+    finally:
+        values.default_hostname.cache_clear()

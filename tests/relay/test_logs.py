@@ -436,3 +436,68 @@ async def test_each_admin_action_is_one_line_with_the_command_the_messages_and_t
     assert "needs at least one queue id" in refused["error"]
     levels = [r.levelno for r in records if r.getMessage().startswith("event=admin")]
     assert levels == [logging.INFO, logging.DEBUG, logging.INFO]  # reads are debug; changes and refusals info
+
+
+# ---------------------------------------------------------------- issue 25: what a search of the log finds
+
+
+async def test_message_id_last_error_and_deletion_are_in_the_log_and_the_queue(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The Message-ID in the accepted and delivery lines; a deferral's last error with its codes and the host
+    that sent it; ``mta queue delete`` a ``status=deleted`` line per recipient (issue 25)."""
+    caplog.set_level(logging.INFO)
+    async with trio.open_nursery() as nursery:
+        hop = NextHop(lambda stage, value: Reply(451, "4.3.0", "try later") if stage == "rcpt" else None)
+        port = await hop.start(nursery)
+        cfg = relay_config(str(tmp_path), {"far.example": f"smtp://127.0.0.1:{port}"}, retry='["1h"]')
+        relay = await start_relay(nursery, cfg)
+        watch = DeliveryWatch(relay)
+
+        def send() -> str:
+            with smtplib.SMTP("127.0.0.1", relay.ports[0], timeout=30) as s:
+                s.ehlo("client.test")
+                s.mail("s@localhost")
+                s.rcpt("w@far.example")
+                code, text = s.data(b"Subject: out\r\nMessage-ID:\r\n <abc.123@client.test>\r\n\r\nbody\r\n")
+                assert code == 250
+                return text.decode().rsplit(" ", 1)[1]
+
+        qid = await trio.to_thread.run_sync(send)
+        await watch.wait_for(Status.DEFERRED, 1)
+        path = socket_path(cfg)
+        listed = await trio.to_thread.run_sync(_ask, path, {"op": "list"})
+        deleted = await trio.to_thread.run_sync(_ask, path, {"op": "delete", "ids": [qid]})
+        nursery.cancel_scope.cancel()
+    (accepted,) = events(_messages(caplog, "mta.smtpd"), "accepted")
+    assert (accepted["qid"], accepted["message_id"]) == (qid, "<abc.123@client.test>")
+    (deferred,) = [d for d in events(_messages(caplog, "mta.delivery"), "delivery") if d["status"] == "deferred"]
+    assert deferred["message_id"] == "<abc.123@client.test>"
+    messages = listed["messages"]
+    assert isinstance(messages, list)
+    assert messages[0]["last_error"] == f"451 4.3.0 try later (from 127.0.0.1[127.0.0.1]:{port})", messages
+    assert deleted["ok"], deleted
+    (gone,) = [d for d in events(_messages(caplog, "mta.control"), "delivery")]
+    assert (gone["qid"], gone["to"], gone["status"]) == (qid, "<w@far.example>", "deleted")
+
+
+def test_recovery_lines_name_their_event_and_queue_id_in_json(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """``jq 'select(.qid == ...)'`` finds the in-doubt line, and ``select(.event == "recovered")`` the summary."""
+    import time
+
+    from spool.config.engine import SpoolConfig
+    from spool.engine.spool import Spool
+
+    sp = Spool.open(str(tmp_path / "spool"), SpoolConfig())
+    mid = sp.enqueue("a@example.org", ["b@far.example"], b"Subject: x\r\n\r\ny\r\n")
+    sp.commit()
+    sp.poll_due(time.time())
+    sp.commit()
+    sp.close()  # no outcome, no FINISH: as after kill -9 in the middle of the delivery
+    with caplog.at_level(logging.INFO, logger="spool"):
+        Spool.open(str(tmp_path / "spool"), SpoolConfig()).close()
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "spool.engine.recovery"]
+    (doubt,) = [line for line in lines if line.get("event") == "in_doubt"]
+    assert doubt["qid"] == f"{mid:X}" and doubt["msg"].startswith(f"in doubt: queue id {mid:X} "), doubt
+    (summary,) = [line for line in lines if line.get("event") == "recovered"]
+    assert "1 in doubt" in summary["msg"] and "qid" not in summary, summary

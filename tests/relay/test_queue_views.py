@@ -322,7 +322,9 @@ async def test_through_a_running_relay_in_flight_and_held_messages_are_marked(tm
         assert await run_mta(tmp_path, "queue", "hold", deferred, *args) == "hold: 1 done\n"
         out = await run_mta(tmp_path, "queue", "list", *args)
         pattern = (r"-Queue ID- +--Size-- ----Arrival Time----  -Sender/Recipient-------\n"
-                   rf"{deferred}! +\d+ {ISO}  sender@example\.org\n\(come back later\)\n +a@far\.example\n\n"
+                   rf"{deferred}! +\d+ {ISO}  sender@example\.org\n"
+                   rf"\(451 4\.3\.0 come back later \(from 127\.0\.0\.1\[127\.0\.0\.1\]:{hop_port}\)\)\n"
+                   r" +a@far\.example\n\n"
                    rf"{in_flight}\* +\d+ {ISO}  sender@example\.org\n +b@slow\.example\n\n"
                    r"-- 1 Kbytes in 2 Requests\.\n")
         assert re.fullmatch(pattern, out), out
@@ -368,3 +370,25 @@ def test_the_documented_queue_commands_print_what_the_real_ones_print(tmp_path: 
         assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
         assert normalise(result.output, tmp_path) == normalise(documented, tmp_path), command
 
+
+
+async def test_show_gives_the_history_of_mail_received_over_smtp(tmp_path: Path) -> None:
+    """Over SMTP the queue id is the first DATA record's position, the envelope comes after it: the START names
+    the envelope, and ``show`` found no outcome (``last_attempt`` null) although the log held it (issue 25)."""
+    async with trio.open_nursery() as nursery:
+        hop = NextHop(lambda stage, value: Reply(451, "4.3.0", "come back later") if stage == "rcpt" else None)
+        hop_port = await hop.start(nursery)
+        config = relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{hop_port}"}, retry='["1h"]')
+        relay = await start_relay(nursery, config)
+        watch = DeliveryWatch(relay)
+        qid = await send(relay.ports[0], "a@far.example")
+        await watch.wait_for(Status.DEFERRED, 1)
+        (tmp_path / "relay.toml").write_text('[spool]\ndir = "spool"\n[routes]\n"*" = "discard"\n')  # the same spool
+        args = ["--config", str(tmp_path / "relay.toml")]
+        shown = json.loads(await run_mta(tmp_path, "queue", "show", qid, "--json", *args))
+        assert shown["last_attempt"] is not None, shown
+        assert [(r["recipient"], r["status"], r["code"]) for r in shown["recipient_status"]] == \
+            [("a@far.example", "deferred", 451)], shown
+        text = await run_mta(tmp_path, "queue", "show", qid, *args)
+        assert "  a@far.example: deferred: 451 4.3.0 come back later\n" in text, text
+        nursery.cancel_scope.cancel()

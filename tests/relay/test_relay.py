@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email
+import logging
 import os
 import smtplib
 import subprocess
@@ -244,3 +245,29 @@ async def test_a_large_body_full_of_line_start_dots_reaches_the_next_hop_byte_fo
 def _send_bytes(port: int, body: bytes) -> None:
     with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:  # smtplib dot-stuffs the body itself
         assert s.sendmail("a@example.org", ["r@far.example"], body) == {}
+
+
+async def test_a_host_name_that_is_no_fqdn_is_said_once_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 25: the banner fell back to ``localhost`` and nothing said why."""
+    from mta.config import parse_config, values
+
+    monkeypatch.setattr("socket.getfqdn", lambda: "myhost")
+    values.default_hostname.cache_clear()
+    try:
+        config = parse_config(f'[server]\nlisten = ["127.0.0.1:0"]\n[spool]\ndir = "{tmp_path / "spool"}"\n'
+                              '[routes]\n"*" = "discard"\n', str(tmp_path / "relay.toml"), base_dir=str(tmp_path))
+    finally:
+        values.default_hostname.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="mta"):
+        async with trio.open_nursery() as nursery:
+            relay = await start_relay(nursery, config)
+
+            def banner() -> bytes:
+                with smtplib.SMTP("127.0.0.1", relay.ports[0], timeout=30) as s:
+                    return s.ehlo()[1]
+
+            assert (await trio.to_thread.run_sync(banner)).startswith(b"localhost")
+            nursery.cancel_scope.cancel()
+    warned = [r.getMessage() for r in caplog.records if "no fully qualified" in r.getMessage()]
+    assert len(warned) == 1 and "'localhost'" in warned[0] and "[server] hostname" in warned[0], warned

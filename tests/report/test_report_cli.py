@@ -174,3 +174,22 @@ def test_conf_not_a_spark_setting(spool_dir: str, tmp_path: Any) -> None:
     assert error_line(result) == ("mta report: Invalid value for '--conf': 'executor.memory' "
                                   "(want spark.KEY=VALUE)" + USAGE_HINT)
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_two_relays_whose_spools_have_the_same_name_are_refused(spool_dir: str, tmp_path: Any) -> None:
+    """Issue 25: ``a/spool`` and ``b/spool`` were one relay ``spool`` in the report, their queue ids merged."""
+    spools = []
+    for host in ("a", "b"):
+        d = str(tmp_path / host / "spool")
+        sp = Spool.open(d, SpoolConfig())
+        try:
+            sp.enqueue("a@shop.example", ["b@ok.example"], b"hello")
+            sp.commit()
+        finally:
+            sp.close()
+        spools.append(d)
+    result = run("--input", spools[0], "--input", spools[1], "--input", spool_dir, "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2
+    assert error_line(result) == (f"mta report: --input: {spools[0]} and {spools[1]} are two relays both named "
+                                  "'spool' (the spool directory's name): their queue ids would be merged; report "
+                                  "them separately or give the directories distinct names")

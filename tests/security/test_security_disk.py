@@ -39,7 +39,7 @@ from relay_support import (
     write_relay_config,
 )
 
-from mta.inbound.disk import free_bytes
+from mta.inbound.disk import free_bytes, measured_free
 from mta.inbound.server import SmtpServer
 from mta.process.relay import Relay
 from mta.smtp.common import Reply
@@ -480,3 +480,30 @@ async def test_a_message_larger_than_the_disk_could_ever_hold_gets_552(tmp_path:
             await watch.wait_for(Status.DELIVERED, 1)
             assert subjects(await hop.wait_messages(1)) == ["small"]
             nursery.cancel_scope.cancel()
+
+
+def no_size_statvfs(path: str) -> os.statvfs_result:
+    """statfs as some FUSE and network filesystems answer it: total 0, free 0 (the real one for the rest)."""
+    real = os.statvfs(path)
+    return os.statvfs_result((real.f_bsize, real.f_frsize, 0, 0, 0, 0, 0, 0, real.f_flag, real.f_namemax))
+
+
+async def test_a_filesystem_that_reports_no_size_is_not_a_full_disk(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 25: total 0, free 0 made every message a ``452 4.3.1``, even with ``queue_minfree = 0``; now a
+    warning at start, and mail is taken (ENOSPC is still handled where a write meets it)."""
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        hop_port = await hop.start(nursery)
+        cfg = relay_config(str(tmp_path), {"*": f"smtp://127.0.0.1:{hop_port}"}, spool_extra="queue_minfree = 0\n")
+        relay = await start_relay(nursery, cfg)
+        with caplog.at_level(logging.WARNING, logger="mta.smtpd"):
+            server = SmtpServer(relay.config, relay.aspool, relay.metrics,
+                                free_space=lambda p: measured_free(p, no_size_statvfs))
+        warned = [r.getMessage() for r in caplog.records if "reports no size" in r.getMessage()]
+        assert len(warned) == 1, warned
+        listeners = await nursery.start(server.serve)
+        port = int(listeners[0].socket.getsockname()[1])
+        assert await trio.to_thread.run_sync(mail, port, "b@far.example", "no size") == 250
+        await hop.wait_messages(1)
+        nursery.cancel_scope.cancel()

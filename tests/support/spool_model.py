@@ -30,6 +30,7 @@ class Msg:
     held: bool
     arrival: float
     in_doubt: frozenset[str] = frozenset()
+    attempts: int = 0  # delivery attempts finished (a flush or release keeps the backoff they earned)
 
 
 @attrs.define
@@ -37,6 +38,7 @@ class Flight:
     mid: int
     recipients: tuple[str, ...]
     klass: int
+    attempts: int = 0
     outcomes: dict[str, Status] = attrs.field(factory=dict)
 
     @property
@@ -89,7 +91,7 @@ class SpoolModel:
     def start(self, start_pos: int, mid: int) -> None:
         m = self.msgs[mid]
         assert start_pos not in self.flights
-        self.flights[start_pos] = Flight(mid, m.recipients, m.klass)
+        self.flights[start_pos] = Flight(mid, m.recipients, m.klass, m.attempts)
 
     def record(self, start_pos: int, outcomes: dict[str, Status]) -> None:
         self.flights[start_pos].outcomes.update(outcomes)
@@ -100,7 +102,9 @@ class SpoolModel:
         if remaining:
             m = self.msgs[f.mid]
             m.recipients = remaining
-            m.klass = min(f.klass + 1, self.classes - 1)
+            base = min(f.attempts, self.classes - 1) if f.klass == 0 and f.attempts else f.klass
+            m.klass = min(base + 1, self.classes - 1)
+            m.attempts = f.attempts + 1
             m.in_doubt = m.in_doubt & set(remaining)
         else:
             self._done(f.mid)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -390,5 +391,30 @@ def test_admin_change_is_respected_by_a_runner_that_already_read_the_envelope(tm
             assert started == [second], "flushed mail must be started once, not twice"
         else:
             assert started == []
+    finally:
+        sp.close()
+
+
+def test_a_flushed_message_that_fails_again_keeps_its_backoff(tmp_path: Path) -> None:
+    """Issue 25, decided: ``flush`` retries now and does not reset the backoff (as Postfix's ``postqueue -f``):
+    failing again, the message goes on from the class its attempts earned, not from the first retry interval.
+    A whole-queue flush towards a dead destination must not put every message back on the shortest interval."""
+    sp = Spool.open(str(tmp_path / "spool"), SpoolConfig(retry_intervals=(60.0, 600.0, 3600.0)))
+    try:
+        mid = sp.enqueue("a@example.org", ["b@far.example"], b"Subject: x\r\n\r\ny\r\n")
+        sp.commit()
+
+        def fail_once() -> int:
+            (attempt,) = [a for a in sp.poll_due(time.time() + 1) if a.message_id == mid]
+            sp.record_delivery(attempt, [Outcome("b@far.example", Status.DEFERRED, 451, "4.3.0", "later", "mx")])
+            sp.finish(attempt)
+            sp.commit()
+            return admin.find(sp, mid).klass
+
+        assert fail_once() == 1
+        assert sp.change(mid, "flush") and admin.find(sp, mid).klass == 0
+        assert fail_once() == 2  # not 1: the flush did not reset it
+        assert sp.change(mid, "flush")
+        assert fail_once() == 3
     finally:
         sp.close()
