@@ -1,6 +1,6 @@
 """A delivery worker's bodies: read by position from the spool's segment files, the relay's reads as the fallback.
 
-Why (issue 18). A body sent inline in the batch frame was held by both
+Why. A body sent inline in the batch frame was held by both
 processes while its batch was delivered: read (or taken from the spool's
 cache) and encoded by the relay, decoded and kept by the worker; at 100 KB
 and 100 sessions the relay tree's memory nearly doubled (176-217 MB PSS

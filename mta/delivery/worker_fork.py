@@ -17,7 +17,7 @@ A worker started again after a death is a new interpreter, as before: the
 relay is threaded by then. A forker process kept for those restarts (forked
 early, forking on request) was measured: it held 8 MB of its own, the pages
 both the relay and the worker had written since, for an event that a
-healthy relay never sees (docs/benchmarks.md, "Branch i18-auto").
+healthy relay never sees (docs/benchmarks.md, "Delivery workers").
 
 A forked worker is the relay's child: the relay reaps it through a pidfd
 (its return code as ``subprocess`` gives it, ``-9`` for SIGKILL) and kills it

@@ -69,7 +69,7 @@ class SocketReceiver:
 
     Why not trio's ``receive_some``: it reads until EAGAIN, and the frames of
     a wake-up (an outcome and its ``done``; a batch) come in one write, so it
-    made two ``recv`` calls a wake-up where one does (issue 18). A read that
+    made two ``recv`` calls a wake-up where one does. A read that
     filled the buffer reads again at once, without waiting.
     """
 

@@ -145,7 +145,7 @@ class _Worker:
         no more use, and the worker's death path (WorkerLost for its batches) follows.
 
         Why not trio's ``SocketStream.send_all``: its checkpoint and wrapping cost the relay's loop a pass of
-        the scheduler a batch, on the path a lone client waits behind (issue 18).
+        the scheduler a batch, on the path a lone client waits behind.
         """
         sock = self.sock
         if sock is None:

@@ -5,7 +5,7 @@ after the accept (a pass of the scheduler) and, once the handler returns, an
 ``aclose_forcefully`` of a stream the session has already closed (a cancelled
 cancel scope and another checkpoint), ~30 us of the event loop's CPU a
 connection, which at 20 concurrent one-message sessions is ~5 % of the
-relay's CPU a message (issue 18). Here the loop waits until the listening
+relay's CPU a message. Here the loop waits until the listening
 socket is readable, then takes every connection already queued (a burst of
 clients costs one wake-up), and hands each handler the peer's address that
 ``accept`` returned (no ``getpeername`` a connection).

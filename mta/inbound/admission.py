@@ -91,7 +91,7 @@ class SessionSlots:
 
         Why: parsing the address, building its network and matching mynetworks
         took ~30 us a connection, as much as a lone client's whole reply to
-        MAIL (issue 18). The config does not change in a process's life; the
+        MAIL. The config does not change in a process's life; the
         memory is bounded (cleared at ``CLIENT_CACHE`` addresses).
         """
         known = self._clients.get(client_ip)

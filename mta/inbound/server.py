@@ -209,7 +209,7 @@ class SmtpServer:
             self.slots.release(slot)
             if isinstance(session.stream, trio.SocketStream):
                 # No TLS to shut down: closing the socket is all there is, and it cannot block. (The
-                # forceful close costs a cancelled scope, ~30 us a connection; issue 18.)
+                # forceful close costs a cancelled scope, ~30 us a connection.)
                 session.stream.socket.close()
             else:
                 await trio.aclose_forcefully(session.stream)
@@ -335,7 +335,7 @@ class _Session:
         one. So the scope is set to the deadline plus the slack, and left
         alone while that stays between the deadline and the deadline plus the
         slack: a lone client's commands re-arm it once a message or so, not
-        ten times (issue 18). A deadline is never enforced early, and at most
+        ten times. A deadline is never enforced early, and at most
         ``_slack`` late (a hundredth of the command timeout, at most 0.1 s).
         """
         deadline = self.deadlines.deadline

@@ -1,7 +1,7 @@
 """A plain TCP session's reads and writes, without trio's per-call wrapping where it costs the most.
 
 Why: at 20 concurrent sessions the relay's event loop thread is its
-bottleneck (issue 18), and a session reads and writes about seven times a
+bottleneck, and a session reads and writes about seven times a
 message. Trio's ``SocketStream.receive_some`` always ends with a checkpoint,
 a pass of the scheduler even when the bytes were already there, and wraps
 the call in two context managers; its ``send_all`` the same. Here:
@@ -21,7 +21,7 @@ the call in two context managers; its ``send_all`` the same. Here:
   of times in a row: with nobody else connected there is no session to be
   fair to, and the tasks that would have run in that pass (the previous
   message's delivery, above all) run instead while the session waits for
-  the client's next command, off its round trip (issue 18).
+  the client's next command, off its round trip.
 - ``send`` writes what fits in the socket buffer with one ``os.write`` (a
   reply nearly always does) and hands the rest to trio's ``send_all``, which
   waits under the caller's cancel scope.
@@ -49,7 +49,7 @@ class Pace:
 
     Why: that yield is a pass of the scheduler (an ``epoll_wait`` and the
     other runnable tasks' steps) between a lone client's command and its
-    reply, four or five times a message (issue 18). It is skipped only while
+    reply, four or five times a message. It is skipped only while
     the session says its client is the only one connected, and at most
     ``LONE_BURST`` times in a row: every read that waited, or that yielded,
     starts the count again.
@@ -96,7 +96,7 @@ async def send(stream: trio.abc.Stream, out: bytes) -> None:
     """All of ``out`` to ``stream``: at once if it fits in the socket buffer, else waiting under the caller's scope."""
     if type(stream) is trio.SocketStream:
         # Replies nearly always fit in the socket's buffer: written at once, without trio's send (a pass
-        # of the scheduler and its error translation, ~10 us of CPU a reply; issue 18).
+        # of the scheduler and its error translation, ~10 us of CPU a reply).
         try:
             sent = os.write(stream.socket.fileno(), out)
         except BlockingIOError:

@@ -67,7 +67,7 @@ def _kv_value(value: Any) -> str:
     kind = type(value)
     if kind is str:
         text = value
-        # What _BARE says, without a regex call for the common case (issue 18: a line is rendered per message).
+        # What _BARE says, without a regex call for the common case (a line is rendered per message).
         # Every whitespace character but the space is unprintable, so isprintable() and the four tests cover \s.
         if text and text.isprintable() and not (" " in text or '"' in text or "=" in text or "\\" in text):
             return text
@@ -135,7 +135,7 @@ def event(logger: logging.Logger, name: str, qid: str | None = None, fields: Map
     """
     if logger.isEnabledFor(level):
         # The record names the caller's file and line, not this function's. Made here rather than by
-        # logger.log(stacklevel=2), whose search of the stack for the caller costs a fifth of a line (issue 18).
+        # logger.log(stacklevel=2), whose search of the stack for the caller costs a fifth of a line.
         caller = sys._getframe(1)
         code = caller.f_code
         record = logger.makeRecord(logger.name, level, code.co_filename, caller.f_lineno,

@@ -149,7 +149,7 @@ class Relay:
                 smtp.observers.append(self.metrics.tls_policy_outcome)
                 self.workers = smtp
                 # The deliveries' CPU is in the workers: a lone client's fdatasync may run in the loop's thread
-                # (spool.aio.group_commit, "inline"; docs/benchmarks.md, "The night": +6 % for a lone client).
+                # (spool.aio.group_commit, "inline"; +6 % for a lone client: docs/benchmarks.md, "Inline commit ...").
                 self.aspool.inline_sync_max = INLINE_SYNC_FAST
                 await nursery.start(smtp.run)  # the worker processes, each ready
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)

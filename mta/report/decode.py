@@ -21,7 +21,7 @@ into rows (each of the 22 columns of each record read through Arrow's
 vectors, then copied once more) and encodes the rows to Parquet again: about
 1.5-2 µs of JVM CPU a record, more than a third of the whole read, for bytes
 that pyarrow's C++ writer encodes straight from the batches the task already
-holds in 0.3-0.5 µs (docs/benchmarks.md, "Branch i16-parquet"). The data
+holds in 0.3-0.5 µs (docs/benchmarks.md, "The report on a fleet"). The data
 source stays for whoever wants a DataFrame of the segments.
 
 Why the temporary names: Spark may run a task more than once (a retry after
@@ -69,7 +69,7 @@ PARQUET_OPTIONS: Final[dict[str, Any]] = {
 }
 """pyarrow's Parquet writer options for ``records/`` (snappy, as Spark's own default). Measured on 4
 segments of the benchmark fleet, writing alone, medians of 7: pyarrow's defaults 0.53 µs a record, these
-0.45; without compression 0.39, but files 2.8x as large (docs/benchmarks.md, "Branch i16-parquet")."""
+0.45; without compression 0.39, but files 2.8x as large (docs/benchmarks.md, "The report on a fleet")."""
 
 Item = tuple[int, Sequence[SegmentTask], Sequence[str]]  # (index of the run, its segment files, their relays)
 Written = tuple[int, str, int]  # (index of the run, the file this attempt wrote, rows)

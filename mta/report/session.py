@@ -59,7 +59,7 @@ data source's workers send into rows, reading each of the 22 columns of each
 row through Arrow's vectors; with the checks on, a quarter of that time went to
 checking indexes (``ArrowBuf.chk``, a JFR profile of a ``local[2]`` read) and
 the JVM's CPU per record was 1.8-2.0 µs, with them off 1.6-1.8
-(docs/benchmarks.md, "Branch i16-spark"). The batches come from pyarrow's own
+(docs/benchmarks.md, "The report on a fleet"). The batches come from pyarrow's own
 IPC writer in the project's workers, never from outside, so the checks guard
 against nothing that can happen here."""
 

@@ -51,7 +51,7 @@ def group_tasks(tasks: Sequence[SegmentTask], cores: int | None) -> list[list[Se
 
     Why: Spark pays about 10 ms of CPU per task of this data source (9 in the
     JVM, 2 in the Python worker: measured with a source that reads nothing,
-    docs/benchmarks.md "Branch i16-spark"), 0.4 µs per record on 16 MiB
+    docs/benchmarks.md "The report on a fleet"), 0.4 µs per record on 16 MiB
     segments, a tenth of what decoding them costs. With ``cores`` given, a
     partition takes ``len(tasks) // (cores * TASKS_PER_CORE)`` files, at least
     one and at most ``MAX_FILES_PER_PARTITION``: about four partitions a core,
@@ -136,7 +136,7 @@ def freeze_worker_heap() -> None:
 
     # The first ``pa.array`` of a process imports pandas when numpy is there (pyarrow asks pandas whether
     # its input is array-like): some 400 modules and 30,000 tracked objects, which after the freeze every
-    # collection between tasks would scan again (3-5 ms each, docs/benchmarks.md "Branch i16-arrow").
+    # collection between tasks would scan again (3-5 ms each, docs/benchmarks.md "The report on a fleet").
     pyarrow.array((0,), pyarrow.int64())
     del pyarrow
     gc.collect()

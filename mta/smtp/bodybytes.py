@@ -6,7 +6,7 @@ CPython a search for a byte (``find``, ``in``) runs at memory speed, one for
 two or more bytes (``count``, ``replace``, ``find`` of ``b"\\r\\n."``) at about
 a byte a cycle, and per-line Python at a line a fifth of a microsecond; so
 each function here makes as few multi-byte passes as it can and leaves the
-rest to single-byte searches (issue 18: 100 KB messages).
+rest to single-byte searches (100 KB messages).
 
 Dots at the start of a line are rare in mail, so each is found by a search
 and cut out in a loop; a body made of them would make that loop slow, so

@@ -463,7 +463,7 @@ def _clean(s: str, limit: int = 255) -> str:
     return _UNSAFE_RE.sub("?", s)[:limit]
 
 
-# The Received: date of the last second one was written in (a header per message; issue 18).
+# The Received: date of the last second one was written in (a header per message).
 _received_second: tuple[int, str] = (-1, "")
 
 

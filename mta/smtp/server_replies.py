@@ -107,7 +107,7 @@ def hello_syntax(verb: str) -> Reply:
 
 # The bytes of the replies a session sends again and again (the constants above, the default accepts, the
 # greetings and EHLO replies of the configuration): ``Reply.to_bytes`` once each, not at every command
-# (issue 18: a lone client's seven replies a message). Bounded: replies built per message are not kept.
+# (a lone client's seven replies a message). Bounded: replies built per message are not kept.
 _WIRE: dict[Reply, bytes] = {}
 _WIRE_MAX = 512
 

@@ -71,8 +71,9 @@ CHECKPOINT_RETRY_MAX = 30.0
 # between enqueue commits (a moving average), within RIDE_MIN..RIDE_MAX: the next enqueue commit then comes within
 # the bound unless the pace changed. At 20 sessions that interval is ~10 ms (~26 ms under strace, where the fsyncs
 # are counted; longer under load): a fixed 5 ms let a third of them run out and ask for a sync of their own, a fixed
-# 25 ms a few in a run under load (docs/benchmarks.md, "Branch i18-tail"). The cost of the wait: a crash in those
-# milliseconds leaves the recipients in doubt, as it would a moment earlier, before the next hop's answer was known.
+# 25 ms a few in a run under load (docs/benchmarks.md, "Outcomes ride the next enqueue commit"). The cost
+# of the wait: a crash in those milliseconds leaves the recipients in doubt, as it would a moment earlier, before
+# the next hop's answer was known.
 # With no commit to come (no client connected, nothing announced or appended, no other delivery out) outcomes are
 # committed at once.
 RIDE_MIN = 0.002
@@ -306,7 +307,7 @@ class GroupCommit(InlineCommit):
         Why: through the committer a lone client's commit costs two passes of
         the scheduler on its path (the committer woken, then the session
         woken by it), ~0.2 ms of a 1.2 ms transaction (docs/benchmarks.md,
-        issue 18). Done here under the conditions of the committer's own
+        "A lone client's transaction"). Done here under the conditions of the committer's own
         inline path (``_inline``) and those where its window cuts at once
         (``_lone_message``): sessions announce their commits and none is
         announced, at most one client connected, no other enqueue waiting,
@@ -373,7 +374,7 @@ class GroupCommit(InlineCommit):
             # between an accepted RCPT and its end of data): a lone client. Cut now; what the other tasks
             # append meanwhile (outcomes, claims) goes with the next commit. Waiting for an idle loop put
             # the client behind the deliveries' CPU work, before its fsync instead of beside it
-            # (docs/benchmarks.md, issue 18). Callers that never announce keep the idle-loop rule.
+            # (docs/benchmarks.md). Callers that never announce keep the idle-loop rule.
             return
         writer, limit = self.core.writer, self.core.config.flush_threshold
         with trio.move_on_after(delay) as window:
@@ -439,7 +440,7 @@ class GroupCommit(InlineCommit):
                 if self._syncing_to < ticket:
                     # Not while a sync batch that covers the ticket is being written: woken by a pass before it
                     # (a write-only one), the ticket asked again for a sync that came after, for nobody
-                    # (FINISH and START records only; docs/benchmarks.md, "Branch i18-tail").
+                    # (FINISH and START records only; docs/benchmarks.md, "Outcomes ride the next enqueue commit").
                     self._want_sync = True
                     self._kick.set()
                 await self._synced.wait()
@@ -457,7 +458,7 @@ class GroupCommit(InlineCommit):
         message's next step), not speed: nobody is waiting for a reply. With a
         delivery worker they come back after the enqueue commit they used to
         ride with, and a commit of their own was an fsync for a handful of
-        records (docs/benchmarks.md, issue 18, "Branch i18-tail"). So while a
+        records (docs/benchmarks.md, "Outcomes ride the next enqueue commit"). So while a
         commit somebody needs may come (a client is connected, a session has
         announced one, a message or a sync waits), they wait for it, at most
         ``within`` seconds (default ``ride_bound``: twice the recent interval

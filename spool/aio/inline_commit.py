@@ -22,8 +22,9 @@ from spool.write.log import Batch
 # of the last INLINE_SYNC_SAMPLES sync batches' write + fdatasync took less than ``inline_sync_max`` seconds, for
 # a batch of at most INLINE_MAX_BYTES that starts no segment, while at most one client is connected. Measured:
 # with the deliveries in the relay's own thread a lone client was 3-22 % slower with it (a thread's fsync
-# overlapped the deliveries' CPU work; "Branch i18-lone"); with the zeroed room and the deliveries in a worker it
-# is 6 % faster, and at 20 sessions it cost 5 % until it was kept to a lone client (docs/benchmarks.md, "The night").
+# overlapped the deliveries' CPU work); with the zeroed room and the deliveries in a worker it is 6 % faster,
+# and at 20 sessions it cost 5 % until it was kept to a lone client (docs/benchmarks.md, "Inline commit for a
+# lone client").
 # So the spool keeps it off (INLINE_SYNC_MAX) and a relay whose deliveries run in worker processes turns it on.
 INLINE_SYNC_FAST = 0.001
 INLINE_SYNC_MAX = 0.0
@@ -48,7 +49,7 @@ class InlineCommit:
 
         Why: handing a batch to a worker thread and waking the loop again when
         it is done costs a lone client ~0.13 ms a message, as much as a fast
-        disk's fdatasync (docs/benchmarks.md, issue 18). The loop does nothing
+        disk's fdatasync (docs/benchmarks.md). The loop does nothing
         else meanwhile, which costs nothing when nothing else waits to run:
         exactly one enqueue waits for durability (its sender waits for the
         250; deliveries' commits waiting beside it ride with its sync), no
@@ -71,7 +72,7 @@ class InlineCommit:
         if not batch.sync:
             # Written, not synced (a delivery's claim, FINISH records): a write into the page cache, a few
             # microseconds, where the thread's hand-off cost the loop ~50 us of CPU a batch (futexes, the
-            # wake-up, trio's thread machinery) while a lone client waits on that loop (issue 18).
+            # wake-up, trio's thread machinery) while a lone client waits on that loop.
             return self._fast_disk() and all(off for _, off, _ in batch.chunks)
         if not messages or self._expected or not self._one_message_waiter():
             return False
@@ -86,7 +87,7 @@ class InlineCommit:
     def _one_message_waiter(self) -> bool:
         """Does exactly one enqueue wait for records not yet durable? (Those woken by the last sync may not have
         run yet: they no longer wait.) The deliveries' commits waiting beside it (an outcome, with at most one
-        client connected) keep no client waiting: they ride with its sync (issue 18: with them counted, a lone
+        client connected) keep no client waiting: they ride with its sync (with them counted, a lone
         client's commit went to the thread for 6 messages in 10)."""
         durable, waiting = self.core.writer.durable_end, 0
         for ticket in self._message_tickets:

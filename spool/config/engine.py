@@ -109,7 +109,7 @@ class SpoolConfig:
     # accepting it reads nothing back; a body larger than a quarter of this is never kept. 16 MiB: with
     # 4 MiB, 20 sessions of 100 KB messages kept more bodies between their 250 and their delivery than
     # fit, and each miss was read back in worker threads (CPU per message 1.32 -> 1.16 ms with 16 MiB,
-    # docs/benchmarks.md, issue 18, branch i18-body).
+    # docs/benchmarks.md, "Body passes").
     body_cache: int = setting(Size(), "bodies of fresh messages kept in memory for their first delivery", 16 * MIB,
                               in_file=False)
     # While new mail is being claimed, deferred retries get at most this share of the claims (or

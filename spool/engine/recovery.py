@@ -164,7 +164,7 @@ class SuffixScan:
 
 def refuse(anomaly: Anomaly) -> None:
     """A policy that stops the open at the first damage, naming the file, the offset and the reason (the
-    engine's behaviour before issue 14; ``on_damage = "refuse"`` is ``spool.damage.policy``'s, which also
+    engine's behaviour before damage was quarantined; ``on_damage = "refuse"`` is ``spool.damage.policy``'s, which also
     says what to run)."""
     raise anomaly.error()
 

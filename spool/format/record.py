@@ -413,7 +413,7 @@ def envelope_payload(message_id: int, sender: str, recipients: tuple[str, ...], 
     Why a function of the fields: a new message's envelope is encoded once and
     never read back, so its append (``SpoolCore.append_message``) need not
     build the frozen attrs record first (about 1 us of the 3 us a batched
-    append took; issue 18). The bytes are cbor2's of ``Envelope.to_map()``
+    append took). The bytes are cbor2's of ``Envelope.to_map()``
     (tests compare them over generated envelopes and every length boundary).
     """
     if replaces is None and not held and not in_doubt and not extra:

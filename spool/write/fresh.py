@@ -2,7 +2,7 @@
 
 Why: at one message a connection the runner claims each envelope moments after
 its commit, and decoding the CBOR it was encoded from a moment earlier was the
-largest single part of a claim (~6 us of the loop's time a message; issue 18).
+largest single part of a claim (~6 us of the loop's time a message).
 
 What stays as it was: the runner still finds every envelope by reading the log
 (a crash loses this memory and recovery reads everything from disk as

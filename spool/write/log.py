@@ -159,7 +159,7 @@ class LogWriter:
 
         Runs once per record, so it does the framing itself (``encode_header``'s
         checksum and pack, inlined) and keeps the buffer of the current segment
-        at hand (``_buf``): 0.7 -> 0.5 us a record (issue 18, batched appends).
+        at hand (``_buf``): 0.7 -> 0.5 us a record (batched appends).
         """
         if self.poisoned is not None:
             raise SpoolError("the log is unusable after an I/O failure; restart to recover") from self.poisoned

@@ -5,7 +5,7 @@ also commit the new size and the new extent in the journal: a second device
 write and flush. An fdatasync after a write into blocks that are allocated,
 written and whose size is already durable writes the data pages alone.
 Measured on the project's VM (``tools/bench/prezero_probe.py``,
-docs/benchmarks.md, "Branch i18-prezero"): a 4 KiB write + fdatasync took
+docs/benchmarks.md, "Zeroed room"): a 4 KiB write + fdatasync took
 0.16 ms into a growing file, 0.105 ms into zeroed, synced room, and 0.16 ms
 into fallocated room (unwritten extents: the first write to each converts it,
 which is a metadata change too, so fallocate buys nothing). A lone client

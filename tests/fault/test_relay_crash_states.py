@@ -1,11 +1,11 @@
-"""Power cuts under the running relay (issue 14, part 1): the crash-state kinds, and a bounded harness run.
+"""Power cuts under the running relay: the crash-state kinds, and a bounded harness run.
 
 The harness (``fault_injection.relaycrash``) records the real relay accepting
 over SMTP, delivering into Maildirs and to a next hop, rotating 16 KiB
 segments, checkpointing and deleting segments; then it recovers a few hundred
 crash states and checks that nothing answered 250 was lost. The last test
 shows that it would see a Maildir whose new directories are not fsynced into
-their parents (issue 14 §5).
+their parents.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_relay_crash_states_lose_nothing() -> None:
 
 def test_harness_sees_a_maildir_without_the_parent_directory_fsync(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
-    """The question of issue 14 §5, decided: without fsyncing a new mailbox into its parent, mail is lost."""
+    """Decided by this test: without fsyncing a new mailbox into its parent, mail is lost."""
 
     def ensure_without_parent_fsync(self: MaildirWriter, maildir: str) -> None:
         for path in (os.path.dirname(maildir), maildir, *(os.path.join(maildir, s) for s in ("cur", "new", "tmp"))):

@@ -109,7 +109,7 @@ MISSING = {"list": ["list"], "count": ["count", "--held"], "show": ["show", "1A"
 @pytest.mark.parametrize("command", list(MISSING.values()), ids=list(MISSING))
 def test_a_queue_command_on_a_missing_spool_names_it_and_its_config_and_creates_nothing(
         tmp_path: Path, command: list[str]) -> None:
-    """Run elsewhere, a relative spool.dir must not become a new, empty spool there (issue 15)."""
+    """Run elsewhere, a relative spool.dir must not become a new, empty spool there."""
     etc, elsewhere = tmp_path / "etc", tmp_path / "elsewhere"
     etc.mkdir()
     elsewhere.mkdir()

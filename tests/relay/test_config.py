@@ -530,7 +530,7 @@ def test_relative_paths_resolve_against_cwd_at_load(tmp_path: Path, monkeypatch:
 
 def test_relative_paths_in_a_file_resolve_against_its_directory(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same file names the same spool, maildir and TLS files whichever directory mta runs in (issue 15)."""
+    """The same file names the same spool, maildir and TLS files whichever directory mta runs in."""
     etc = tmp_path / "etc"
     etc.mkdir()
     path = etc / "relay.toml"

@@ -1,4 +1,4 @@
-"""kill -9 between a next hop's ``250`` and the DELIVERY record: the message is held in doubt (issue 15).
+"""kill -9 between a next hop's ``250`` and the DELIVERY record: the message is held in doubt.
 
 The relay runs as ``mta serve`` (a child process); the next hop runs in the
 test. When the next hop has the message's data, it stops the relay

@@ -183,7 +183,7 @@ def synced_dirs_after(ops: list[Op], start: int) -> set[int]:
 
 
 def test_every_directory_made_is_fsynced_into_its_parent_before_deliver_returns(tmp_path: Path) -> None:
-    """Issue 14 part 5: a new mailbox's name must be durable before its delivery record can be."""
+    """A new mailbox's name must be durable before its delivery record can be."""
     md, rio = recorded(tmp_path)
     md.deliver(str(tmp_path / "var" / "maildir"), "u@h", "s@h", [MESSAGE])
     ops = rio.rec.ops

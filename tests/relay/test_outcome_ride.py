@@ -1,4 +1,4 @@
-"""Delivery outcomes that ride the next commit (issue 18, branch i18-tail).
+"""Delivery outcomes that ride the next commit (docs/benchmarks.md, "Outcomes ride the next enqueue commit").
 
 A delivery's DELIVERY record waits, bounded, for the next commit somebody
 needs (an enqueue's) instead of asking for an fsync of its own

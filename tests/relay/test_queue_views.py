@@ -1,4 +1,4 @@
-"""What ``mta queue list|count|show|shape`` print, as a Postfix operator reads them (issue 15).
+"""What ``mta queue list|count|show|shape`` print, as a Postfix operator reads them.
 
 ``list`` as ``postqueue -p``: a header, oldest first whatever hold and
 release did to the log's order, ``*`` for a message being delivered and

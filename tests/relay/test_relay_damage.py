@@ -1,6 +1,6 @@
 """The real relay on a damaged spool: it starts, keeps what the damage did not touch, and names what it lost.
 
-Issue 14, "Done means". One template spool is built by the engine (deferred
+One template spool is built by the engine (deferred
 messages over five 16 KiB segments, checkpointed, a few new messages after
 the checkpoint; ``damage_support``); each case copies it twice, damages one
 copy (with ``fault_injection.corrupt.Mutation``, as the corrupt harness

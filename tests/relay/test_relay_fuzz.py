@@ -1,4 +1,4 @@
-"""Server-level fuzzing: hostile SMTP sessions against a relay running in this process (issue 12).
+"""Server-level fuzzing: hostile SMTP sessions against a relay running in this process.
 
 ``tests/smtp/test_smtp_fuzz.py`` fuzzes the sans-IO core; these drive the whole
 relay over TCP on 127.0.0.1 with the generator of ``fault_injection.smtpfuzz``

@@ -134,7 +134,7 @@ def test_clients_are_counted_by_address_and_by_24_or_64(address: str, client: st
 
 
 def test_remembered_clients_are_counted_as_the_first_time_and_the_memory_is_bounded() -> None:
-    """Keys and trust are worked out once per address (issue 18); a flood of addresses does not grow it."""
+    """Keys and trust are worked out once per address; a flood of addresses does not grow it."""
     slots = _config("max_sessions_per_client = 1\nmax_sessions_per_network = 2")
     first = slots.admit("198.51.100.1")
     assert isinstance(first, Slot) and not first.trusted

@@ -6,7 +6,7 @@ falls back to the injectable free-space function over a real ``statvfs``
 shifted to look like the same small filesystem, and says so in its output.
 The second test drives the injectable function directly.
 
-The tests after them are issue 12 §3, a disk that really fills up, each on a
+The tests after them are a disk that really fills up, each on a
 real tmpfs (they need the mount, and fail, never skip, without it; CI runs as
 root): another process fills the disk while the relay runs (a checkpoint, and
 a delivery's outcome, find no room), several DATA streams near the floor, a
@@ -143,7 +143,7 @@ async def test_disk_check_at_mail_and_at_end_of_data_with_injected_free_space(tm
         nursery.cancel_scope.cancel()
 
 
-# -- issue 12 §3: a disk that really fills up ----------------------------------------------------------------
+# -- a disk that really fills up --------------------------------------------------------------------------------
 
 
 def greet_and_mail(port: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Hostile input never takes the relay down (issue 12, sections 1 and 6), end to end on 127.0.0.1.
+"""Hostile input never takes the relay down, end to end on 127.0.0.1.
 
 Every test drives the real relay (``relay_support``) with raw sockets and then
 proves that it still serves: a fresh client gets ``220`` and a well-formed
@@ -101,7 +101,7 @@ HOSTILE_LINES: list[tuple[str, bytes, bytes]] = [
 
 async def test_control_and_8bit_bytes_in_every_argument_get_a_clear_refusal_and_the_relay_serves_on(
         tmp_path: Path) -> None:
-    """Issue 12 §1: a NUL in MAIL FROM used to raise while the reply echoed it, and end the relay."""
+    """A NUL in MAIL FROM once raised while the reply echoed it, and end the relay."""
     async with trio.open_nursery() as nursery:
         hop = NextHop()
         port = await hop.start(nursery)

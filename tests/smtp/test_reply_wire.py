@@ -1,4 +1,4 @@
-"""The server core sends the wire form of its recurring replies from memory (issue 18): the same bytes."""
+"""The server core sends the wire form of its recurring replies from memory: the same bytes."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ ARG_TEMPLATES = [
                 max_size=20))
 def test_any_byte_in_any_argument_is_answered_and_never_echoed_raw(
         edits: list[tuple[tuple[bytes, bytes], int, int, bytes]]) -> None:
-    """Issue 12: a NUL in MAIL FROM made the core raise while it echoed the address. (CR and LF: line tests.)"""
+    """A NUL in MAIL FROM once made the core raise while it echoed the address. (CR and LF: line tests.)"""
     wire = b"EHLO c.example\r\n"
     for (prefix, arg), value, at, extra in edits:
         k = at % (len(arg) + 1)

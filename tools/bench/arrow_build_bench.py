@@ -31,7 +31,7 @@ def _segments(roots: list[str], count: int) -> list[Any]:
 
 
 def _schema(rows: Any) -> Any:
-    """The batches' Arrow schema (``arrow_schema``; ``_arrow_schema`` in trees before i16-parquet)."""
+    """The batches' Arrow schema (``arrow_schema``; ``_arrow_schema`` in older trees)."""
     return (getattr(rows, "arrow_schema", None) or rows._arrow_schema)()
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python tools/bench/backlog_bench.py [--sizes 10000,100000,1000000] [--backlog N] [--json FILE]
     .venv/bin/python tools/bench/backlog_bench.py --quick      # 2k/10k queues, 10k backlog, short rounds
 
-Issue 7, second half. Two measurements (benchmarks, never timed tests: docs/benchmarks.md):
+Two measurements (benchmarks, never timed tests: docs/benchmarks.md):
 
 1. Recovery vs. queue size. For each size a spool holding that many deferred
    messages is built in a child process (``--build engine``: the engine's own

@@ -1,4 +1,4 @@
-"""Where a streamed body's memory goes in the relay (issue 18, branch i18-mem).
+"""Where a streamed body's memory goes in the relay (docs/benchmarks.md, "A 50 MB body in bounded memory").
 
     .venv/bin/python tools/bench/body_memory_probe.py [--mb 50] [--runs 1] [--smaps] [--env K=V ...]
 

@@ -5,7 +5,7 @@
                                                                   # from a cwd outside the worktree
 
 Why: at one message a connection the relay's loop claims each message alone,
-moments after its commit (issue 18), and the claim's cost (the runners' scan,
+moments after its commit, and the claim's cost (the runners' scan,
 the fairness budget, decoding the envelope, the START) is a few tens of
 microseconds: too small to see in an end-to-end run, easy to see here. Each
 message: append (4 KB body, an ``extra`` like the relay's), commit, then

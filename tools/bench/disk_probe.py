@@ -3,7 +3,7 @@
     .venv/bin/python tools/bench/disk_probe.py [--seconds 2] [--dir DIR]
 
 Why: the relay's single-session rate, and how much group commit buys, depend
-on the fsync rate more than on anything in the code (issue 18: 4,500/s on one
+on the fsync rate more than on anything in the code (4,500/s on one
 2-vCPU VM, 6,400/s on another). A figure in docs/benchmarks.md is only
 comparable with another taken on a machine of the same fsync rate and CPU, so
 every benchmark that quotes MTAs or spools side by side prints both

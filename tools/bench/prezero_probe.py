@@ -1,4 +1,4 @@
-"""What a 4 KiB append + fdatasync costs by the kind of space it lands in (issue 18, branch i18-prezero).
+"""What a 4 KiB append + fdatasync costs by the kind of space it lands in (docs/benchmarks.md, "Zeroed room").
 
     .venv/bin/python tools/bench/prezero_probe.py [--count 2000] [--rounds 3] [--dir DIR]
 

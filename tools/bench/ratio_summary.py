@@ -1,4 +1,4 @@
-"""Issue 18's ratios, each the median over several recorded runs: a Markdown table and a chart.
+"""The ratios against Postfix and the bare loop, each the median over recorded runs: a Markdown table and a chart.
 
     .venv/bin/python tools/bench/ratio_summary.py --relay run1.json run2.json run3.json \\
         --spool spool1.json spool2.json spool3.json [--svg docs/bench_ratios.svg]

@@ -77,7 +77,7 @@ def bare_append(path: str, n: int) -> tuple[float, float, float]:
 
     The records are the engine's, byte for byte in size and shape: the ids are
     positions (segment 1, so 9-byte CBOR integers, as the engine's are), not file
-    offsets (which made each record 8 bytes shorter until issue 18 noticed). One id
+    offsets (which made each record 8 bytes shorter than the engine's). One id
     per batch, computed once: that costs the bare loop nothing per record.
 
     Returns (records/s, seconds spent in commit: pwrite + fdatasync, as the engine's is

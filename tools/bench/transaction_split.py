@@ -3,7 +3,7 @@
     .venv/bin/python tools/bench/transaction_split.py [--messages 300] [--runs 3] [--size 4096]
 
 Why: a lone client waits for every step of its transaction in turn, so the
-single-session rate is the sum of those steps (issue 18). This runs the relay
+single-session rate is the sum of those steps. This runs the relay
 in this process (``mta.process.relay.Relay``, the benchmark's config: route
 ``*`` to a local ``smtp-sink``), drives it with ``smtp-source -s 1`` (no
 ``-d``: one connection per message, as in relay_vs_postfix.py), and times
@@ -244,7 +244,7 @@ def instrument(line: Timeline) -> Callable[[], None]:
     wrap(inbound._Session, "_flush", flush)
     wrap(group_commit.GroupCommit, "enqueue", enqueue)
     wrap(group_commit.GroupCommit, "commit", commit)
-    # The batch's work itself, in whichever thread runs it (a lone commit writes in the event loop's, issue 18);
+    # The batch's work itself, in whichever thread runs it (a lone commit writes in the event loop's);
     # an older tree has only write_batch.
     wrap(LogWriter, "_write_locked" if hasattr(LogWriter, "_write_locked") else "write_batch", write_batch)
 

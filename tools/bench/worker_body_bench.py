@@ -14,7 +14,7 @@ thread and the worker's in another, each timed on its own thread's CPU clock
   with the segment's descriptor kept open.
 
 Prints µs of CPU per message on each side, the median of the runs
-(docs/benchmarks.md, "Branch i18-workers").
+(docs/benchmarks.md, "Delivery workers").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench/worker_syscalls.py [name=DIR ...] [--sessions 1] [--messages 500]
 
-Why (issue 18): with ``[delivery] processes = "auto"`` a message crosses the
+Why: with ``[delivery] processes = "auto"`` a message crosses the
 relay's socketpair to its worker and back, and each process's loop wakes for
 it; ``strace -f -c`` over the whole tree (relay_vs_postfix.py) mixes the two.
 This starts each variant's ``mta serve`` (the default config of

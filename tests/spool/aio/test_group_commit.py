@@ -108,7 +108,7 @@ async def test_a_lone_announced_session_is_committed_without_waiting_for_an_idle
         tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
     """Where sessions announce their commits, a message with none announced beside it is cut at once.
 
-    A spinning task keeps the loop from going idle: before issue 18 the commit waited for an idle loop
+    A spinning task keeps the loop from going idle: a commit once waited for an idle loop
     (or the bound, which the mock clock never reaches), so a lone client's fsync came after every other
     task's CPU work: here, after the spinner's million turns.
     """
@@ -407,7 +407,7 @@ async def test_a_slow_disk_keeps_every_commit_in_the_thread(tmp_path: Path) -> N
 
 async def test_the_deliveries_commits_keep_the_thread(tmp_path: Path) -> None:
     """Claims and outcomes wait alone too, but no client waits on them: inline they held the loop while a
-    lone client's next command waited (docs/benchmarks.md, issue 18)."""
+    lone client's next command waited (docs/benchmarks.md)."""
     io = TimedSync()
     io.fast = True
     async with inline_spool(tmp_path, io) as aspool:

@@ -1,5 +1,5 @@
 """A lone client's commit without hand-offs: its enqueue writes and syncs its own batch, write-only batches
-stay in the loop's thread, and a lone client's reads skip the yield a bounded number of times (issue 18).
+stay in the loop's thread, and a lone client's reads skip the yield a bounded number of times.
 
 Real sessions on 127.0.0.1 against the real server and spool (``LoopIO``'s files are real; its
 fdatasync is left out so that the machine's shared disk cannot decide which path a commit takes).

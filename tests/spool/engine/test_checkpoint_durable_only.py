@@ -1,7 +1,7 @@
 """A checkpoint of what is durable (``checkpoint_plan(durable_only=True)``) never names a runner past a message
 whose claim is not durable.
 
-Found while measuring fsyncs (issue 18, branch i18-fsync): such a plan took
+Found while measuring fsyncs (docs/benchmarks.md, "Outcomes ride the next enqueue commit"): such a plan took
 the runners' positions as they stood, and a runner has passed every envelope
 it claimed, while the START of a fresh claim may still be only in memory (the
 disk is full: the write of the claims waits for room). A crash then lost the

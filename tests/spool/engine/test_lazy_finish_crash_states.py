@@ -1,4 +1,4 @@
-"""Power cuts around a FINISH that is written but not synced (issue 18, branch i18-fsync).
+"""Power cuts around a FINISH that is written but not synced (docs/design.md, "The log").
 
 A delivered message's FINISH gets no fsync of its own: the lazy committer only
 writes it, and the next commit somebody needs syncs it. Every crash state the

@@ -349,7 +349,7 @@ def test_decode_payload_of_an_unknown_type_is_corrupt_record(rtype: int) -> None
         decode_payload(rtype, b"\xa0", path="x.seg", offset=48)
 
 
-# -- envelope_payload: the envelope encoded from its fields (issue 18) ------------------------
+# -- envelope_payload: the envelope encoded from its fields ------------------------
 
 
 def _envelope_payload_before_issue_18(env: Envelope) -> bytes:

@@ -1,4 +1,4 @@
-"""LogWriter.append frames records itself (issue 18: the framing of encode_header inlined, the current
+"""LogWriter.append frames records itself (the framing of encode_header inlined, the current
 segment's buffer kept at hand): its bytes must be encode_frame's, across rotations, batches taken in the
 middle, and batches put back after a write that found no room."""
 
