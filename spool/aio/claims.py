@@ -186,6 +186,21 @@ class AsyncClaims(GroupCommit):
         self.core.record_delivery(attempt, outcomes, duration_ms)
         self._kick.set()
 
+    async def pass_point_of_no_return(self, attempt: Attempt, recipients: Iterable[str]) -> None:
+        """Make the attempt's point of no return for ``recipients`` durable; the caller then writes the final dot.
+
+        A DELIVERY naming them in ``sending`` (``Claims.record_sending``),
+        through the group commit: a plain ``commit``, not a riding one, since
+        the next hop is waiting for the dot. After a crash, recovery holds in
+        doubt exactly the recipients so named that have no outcome; a claim
+        alone is due again (docs/design.md, "The point of no return").
+        Raises DiskFull when the record cannot be made durable: the dot must
+        not be sent (the batch is deferred; the record, written later, is
+        followed by the deferral's outcomes).
+        """
+        self.core.record_sending(attempt, recipients)
+        await self.commit()
+
     async def record_deliveries(self, results: Iterable[tuple[Attempt, Iterable[Outcome], int]]) -> None:
         """``record_delivery`` for several attempts (attempt, outcomes, duration in ms), under one commit.
 

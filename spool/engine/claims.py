@@ -189,6 +189,19 @@ class Claims(SpoolCore):
             attempt.outcomes[o.recipient] = o
         return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), outs, duration_ms))
 
+    def record_sending(self, attempt: Attempt, recipients: Iterable[str]) -> int:
+        """Append the attempt's point of no return for ``recipients``: a DELIVERY with ``sending`` and no outcomes.
+
+        The caller commits it (durable) before it writes the final dot for
+        them; recovery then holds in doubt exactly these recipients, if they
+        have no outcome (docs/design.md, "The point of no return").
+        """
+        rcpts = tuple(recipients)
+        for r in rcpts:
+            if r not in attempt.envelope.recipients:
+                raise ValueError(f"{r!r} is not a recipient of this attempt")
+        return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), (), 0, rcpts))
+
     def finish(self, attempt: Attempt, *, next_class: int | None = None,
                extra: dict[str, Any] | None = None) -> int | None:
         """End an attempt: recipients without a final outcome go on in a replacement envelope.
