@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import trio
 
 from mta.delivery import maildir
-from mta.delivery.transport import Destination, Job, OnOutcome
+from mta.delivery.transport import BeforeDot, Destination, Job, OnOutcome
 from spool.fileio import FileIO
 from spool.format.record import Outcome, Status
 
@@ -18,14 +18,18 @@ class MaildirTransport:
     ``io``: the file layer under the Maildirs (the spool's, so that one recording sees both).
     """
 
+    PASSES_DOT = True  # the point of no return of a job: before its first write into a Maildir
+
     def __init__(self, hostname: str, io: FileIO | None = None) -> None:
         self.hostname = hostname
         self.writer = maildir.MaildirWriter(io)
 
-    async def deliver(self, destination: Destination, jobs: Sequence[Job],
-                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
+    async def deliver(self, destination: Destination, jobs: Sequence[Job], on_outcome: OnOutcome | None = None,
+                      *, before_dot: BeforeDot | None = None) -> list[list[Outcome]]:
         results = []
         for i, job in enumerate(jobs):
+            if before_dot is not None:
+                await before_dot(i)
             outcomes = await trio.to_thread.run_sync(self._deliver_job, destination.target, job)
             if on_outcome is not None:
                 on_outcome(i, outcomes)
@@ -48,8 +52,10 @@ class MaildirTransport:
 
 
 class DiscardTransport:
-    async def deliver(self, destination: Destination, jobs: Sequence[Job],
-                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
-        """All at once, with no I/O: nothing for ``on_outcome`` to shorten."""
+    PASSES_DOT = True  # nothing leaves: no point of no return, nothing ever in doubt
+
+    async def deliver(self, destination: Destination, jobs: Sequence[Job], on_outcome: OnOutcome | None = None,
+                      *, before_dot: BeforeDot | None = None) -> list[list[Outcome]]:
+        """All at once, with no I/O: nothing for ``on_outcome`` to shorten, and no ``before_dot`` to await."""
         return [[Outcome(r, Status.DELIVERED, 250, "2.0.0", "discarded", "discard") for r in job.recipients]
                 for job in jobs]

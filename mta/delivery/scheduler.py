@@ -77,7 +77,7 @@ import trio
 from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
-from mta.delivery.transport import Destination, Job, Transport, TransportLost
+from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from spool.aio.async_spool import AsyncSpool, StoredBody
@@ -104,6 +104,9 @@ class Tracker:
     last_error: str = ""
     hold: bool = False  # its data is damaged and on_damaged_body = "hold": it goes to the held class
     appended_to: int = 0  # the log's head after its last DELIVERY (and DSN) was appended: durable before FINISH
+    # Recipients past the point of no return whose outcome was lost with the process sending them (a delivery
+    # worker killed): in doubt, held with in_doubt = "hold", as recovery does after the relay's own crash.
+    in_doubt: tuple[str, ...] = ()
     # DSNs appended and not yet logged: (the job whose outcomes they report, the DSN's queue id, recipients).
     dsns: list[tuple[Job, str, int]] = attrs.field(factory=list)
 
@@ -332,12 +335,26 @@ class Scheduler:
             early[i] = self._append(tracker, job, outcomes, int((now - last) * 1000))
             last = now
 
+        passed: set[int] = set()  # jobs past their point of no return (their sending durable)
+
+        async def before_dot(i: int) -> None:
+            """Job ``i``'s point of no return, durable before the transport writes its final dot."""
+            job, tracker = batch[i]
+            await self.aspool.pass_point_of_no_return(tracker.attempt, job.recipients)
+            passed.add(i)
+
         local_failure = False
         requeue: list[int] = []  # jobs of the batch sent back to the queue untried (a damaged body stopped it)
+        transport = self.transports[dest.kind]
         try:  # the batch's boundary: reading, the transport, its callbacks
             for job, tracker in batch:
                 job.body = await self.aspool.read_body(tracker.attempt)
-            results = await self.transports[dest.kind].deliver(dest, jobs, on_outcome)
+            if passes_dot(transport):
+                results = await transport.deliver(dest, jobs, on_outcome, before_dot=before_dot)
+            else:  # it cannot say when: every job passes its point of no return now (a claim is doubt)
+                for i in range(len(jobs)):
+                    await before_dot(i)
+                results = await transport.deliver(dest, jobs, on_outcome)
             if len(results) != len(jobs):
                 raise RuntimeError(f"transport {dest.kind} returned {len(results)} results for {len(jobs)} messages")
         except Exception as exc:
@@ -358,6 +375,8 @@ class Scheduler:
                       qids=[job.queue_id for job in jobs], relay=str(dest), error=local_error(exc), status="deferred")
                 results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
                             for r in job.recipients] for job in jobs]
+                if isinstance(exc, TransportLost):
+                    self._lost_in_doubt(batch, [i for i in passed if i not in early])
         results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
         duration = time.monotonic() - started
         for i in reversed(requeue):
@@ -489,7 +508,21 @@ class Scheduler:
         tracker.outstanding -= 1
         if tracker.outstanding <= 0:
             extra = {"last_error": tracker.last_error} if tracker.last_error else None
-            self.aspool.finish(attempt, extra=extra, next_class=HELD_CLASS if tracker.hold else None)
+            self.aspool.finish(attempt, extra=extra, next_class=HELD_CLASS if tracker.hold else None,
+                               in_doubt=tracker.in_doubt)
+
+    def _lost_in_doubt(self, batch: list[tuple[Job, Tracker]], lost: list[int]) -> None:
+        """The process sending ``batch`` died (a delivery worker killed): its jobs ``lost`` were past their point
+        of no return with no outcome heard, so they are in doubt, exactly as after the relay's own crash
+        (``spool.engine.recovery``): one line each, and held with ``in_doubt = "hold"`` when their message
+        finishes. The batch's other jobs never sent their final dot: deferred, due again."""
+        hold = self.aspool.core.config.in_doubt == "hold"
+        for i in sorted(lost):
+            job, tracker = batch[i]
+            tracker.in_doubt = tuple(dict.fromkeys(tracker.in_doubt + job.recipients))
+            event(log, "in_doubt", job.queue_id, level=logging.WARNING, to=",".join(job.recipients),
+                  reason="the delivery worker died after the final dot was written, before the reply",
+                  action="held: mta queue release" if hold else "delivered again")
 
     def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome]) -> str:
         """Append the DSN for ``failed`` (no commit: the caller's covers it); returns the DSN's queue id."""

@@ -212,7 +212,7 @@ class AsyncClaims(GroupCommit):
         await self.commit()
 
     def finish(self, attempt: Attempt, *, next_class: int | None = None,
-               extra: dict[str, Any] | None = None) -> int | None:
+               extra: dict[str, Any] | None = None, in_doubt: tuple[str, ...] = ()) -> int | None:
         """End the attempt. No fsync of its own: recovery rebuilds a lost FINISH or replacement.
 
         The records ride with the next commit. If none comes within
@@ -220,7 +220,7 @@ class AsyncClaims(GroupCommit):
         runner reads only the durable log); a FINISH alone is only written.
         """
         was_full = not self.core.has_room
-        result = self.core.finish(attempt, next_class=next_class, extra=extra)
+        result = self.core.finish(attempt, next_class=next_class, extra=extra, in_doubt=in_doubt)
         if result is not None:
             self.lazy_needs_sync()  # a replacement envelope: durable soon, so that its runner sees it
         else:

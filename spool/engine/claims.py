@@ -203,10 +203,15 @@ class Claims(SpoolCore):
         return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), (), 0, rcpts))
 
     def finish(self, attempt: Attempt, *, next_class: int | None = None,
-               extra: dict[str, Any] | None = None) -> int | None:
+               extra: dict[str, Any] | None = None, in_doubt: tuple[str, ...] = ()) -> int | None:
         """End an attempt: recipients without a final outcome go on in a replacement envelope.
 
-        Returns the replacement's position, or None when the message is done.
+        ``in_doubt``: recipients whose delivery may have happened (past the
+        point of no return, and the process that sent them died before their
+        outcome): kept in the replacement's ``in_doubt``, and with
+        ``in_doubt = "hold"`` the replacement is held (class and flag), as
+        recovery does after a crash. Returns the replacement's position, or
+        None when the message is done.
         """
         if attempt.start_pos not in self.attempts:
             raise SpoolError("attempt already finished")
@@ -215,7 +220,11 @@ class Claims(SpoolCore):
         if remaining:
             klass = self.config.next_class(attempt.klass) if next_class is None else next_class
             merged = {**attempt.envelope.extra, **(extra or {})}
-            replacement = self._write_replacement(attempt.envelope, attempt.envelope_pos, klass, remaining,
-                                                  attempts=attempt.envelope.attempts + 1, extra=merged)
+            doubt = [r for r in in_doubt if r in remaining]
+            hold = bool(doubt) and self.config.in_doubt == "hold"
+            replacement = self._write_replacement(
+                attempt.envelope, attempt.envelope_pos, HELD_CLASS if hold else klass, remaining,
+                attempts=attempt.envelope.attempts + 1, extra=merged, held=hold,
+                in_doubt=tuple(dict.fromkeys(attempt.envelope.in_doubt + tuple(doubt))) if doubt else None)
         self._end(attempt, replacement)
         return replacement
