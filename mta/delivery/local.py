@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -18,7 +19,7 @@ class MaildirTransport:
     ``io``: the file layer under the Maildirs (the spool's, so that one recording sees both).
     """
 
-    PASSES_DOT = True  # the point of no return of a job: before its first write into a Maildir
+    PASSES_DOT = True  # the point of no return of a job: before its first rename into a Maildir's new/
 
     def __init__(self, hostname: str, io: FileIO | None = None) -> None:
         self.hostname = hostname
@@ -28,20 +29,20 @@ class MaildirTransport:
                       *, before_dot: BeforeDot | None = None) -> list[list[Outcome]]:
         results = []
         for i, job in enumerate(jobs):
-            if before_dot is not None:
-                await before_dot(i)
-            outcomes = await trio.to_thread.run_sync(self._deliver_job, destination.target, job)
+            point = None if before_dot is None else _Point(before_dot, i)
+            outcomes = await trio.to_thread.run_sync(self._deliver_job, destination.target, job, point)
             if on_outcome is not None:
                 on_outcome(i, outcomes)
             results.append(outcomes)
         return results
 
-    def _deliver_job(self, root: str, job: Job) -> list[Outcome]:
+    def _deliver_job(self, root: str, job: Job, point: Callable[[str], None] | None = None) -> list[Outcome]:
         outs: list[Outcome] = []
         hop = f"maildir:{root}"
         for rcpt in job.recipients:
             try:
-                self.writer.deliver(root, rcpt, job.sender, job.body, hostname=self.hostname)
+                self.writer.deliver(root, rcpt, job.sender, job.body, hostname=self.hostname,
+                                    before_rename=None if point is None else functools.partial(point, rcpt))
             except maildir.InvalidMailbox as exc:
                 outs.append(Outcome(rcpt, Status.BOUNCED, exc.code, exc.status, str(exc), hop))
             except OSError as exc:
@@ -49,6 +50,18 @@ class MaildirTransport:
             else:
                 outs.append(Outcome(rcpt, Status.DELIVERED, 250, "2.0.0", "delivered to maildir", hop))
         return outs
+
+
+class _Point:
+    """``before_dot(i, (recipient,))`` from the worker thread a job is written in, before each recipient's
+    rename into ``new/``: a recipient whose file was not renamed yet is not in doubt."""
+
+    def __init__(self, before_dot: BeforeDot, index: int) -> None:
+        self.before_dot = before_dot
+        self.index = index
+
+    def __call__(self, recipient: str) -> None:
+        trio.from_thread.run(self.before_dot, self.index, (recipient,))
 
 
 class DiscardTransport:

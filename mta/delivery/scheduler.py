@@ -69,7 +69,7 @@ import datetime as dt
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
 import trio
@@ -335,13 +335,15 @@ class Scheduler:
             early[i] = self._append(tracker, job, outcomes, int((now - last) * 1000))
             last = now
 
-        passed: set[int] = set()  # jobs past their point of no return (their sending durable)
+        passed: dict[int, tuple[str, ...]] = {}  # job -> its recipients past their point of no return (durable)
 
-        async def before_dot(i: int) -> None:
-            """Job ``i``'s point of no return, durable before the transport writes its final dot."""
+        async def before_dot(i: int, recipients: Sequence[str]) -> None:
+            """The point of no return of job ``i``'s ``recipients``, durable before the transport sends them."""
             job, tracker = batch[i]
-            await self.aspool.pass_point_of_no_return(tracker.attempt, job.recipients)
-            passed.add(i)
+            if not set(recipients) <= set(job.recipients):
+                raise ValueError(f"before_dot for recipients not in job {i}: {sorted(set(recipients))}")
+            await self.aspool.pass_point_of_no_return(tracker.attempt, recipients)
+            passed[i] = tuple(dict.fromkeys(passed.get(i, ()) + tuple(recipients)))
 
         local_failure = False
         requeue: list[int] = []  # jobs of the batch sent back to the queue untried (a damaged body stopped it)
@@ -352,8 +354,8 @@ class Scheduler:
             if passes_dot(transport):
                 results = await transport.deliver(dest, jobs, on_outcome, before_dot=before_dot)
             else:  # it cannot say when: every job passes its point of no return now (a claim is doubt)
-                for i in range(len(jobs)):
-                    await before_dot(i)
+                for i, job in enumerate(jobs):
+                    await before_dot(i, job.recipients)
                 results = await transport.deliver(dest, jobs, on_outcome)
             if len(results) != len(jobs):
                 raise RuntimeError(f"transport {dest.kind} returned {len(results)} results for {len(jobs)} messages")
@@ -376,7 +378,7 @@ class Scheduler:
                 results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
                             for r in job.recipients] for job in jobs]
                 if isinstance(exc, TransportLost):
-                    self._lost_in_doubt(batch, [i for i in passed if i not in early])
+                    self._lost_in_doubt(batch, {i: r for i, r in passed.items() if i not in early})
         results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
         duration = time.monotonic() - started
         for i in reversed(requeue):
@@ -511,16 +513,16 @@ class Scheduler:
             self.aspool.finish(attempt, extra=extra, next_class=HELD_CLASS if tracker.hold else None,
                                in_doubt=tracker.in_doubt)
 
-    def _lost_in_doubt(self, batch: list[tuple[Job, Tracker]], lost: list[int]) -> None:
+    def _lost_in_doubt(self, batch: list[tuple[Job, Tracker]], lost: dict[int, tuple[str, ...]]) -> None:
         """The process sending ``batch`` died (a delivery worker killed): its jobs ``lost`` were past their point
         of no return with no outcome heard, so they are in doubt, exactly as after the relay's own crash
         (``spool.engine.recovery``): one line each, and held with ``in_doubt = "hold"`` when their message
         finishes. The batch's other jobs never sent their final dot: deferred, due again."""
         hold = self.aspool.core.config.in_doubt == "hold"
-        for i in sorted(lost):
+        for i, rcpts in sorted(lost.items()):
             job, tracker = batch[i]
-            tracker.in_doubt = tuple(dict.fromkeys(tracker.in_doubt + job.recipients))
-            event(log, "in_doubt", job.queue_id, level=logging.WARNING, to=",".join(job.recipients),
+            tracker.in_doubt = tuple(dict.fromkeys(tracker.in_doubt + rcpts))
+            event(log, "in_doubt", job.queue_id, level=logging.WARNING, to=",".join(rcpts),
                   reason="the delivery worker died after the final dot was written, before the reply",
                   action="held: mta queue release" if hold else "delivered again")
 

@@ -506,7 +506,7 @@ class SmtpTransport:
         """Send the jobs ``todo`` over ``session`` in turn, each one's outcomes recorded as it is answered."""
         hop = f"{label} tls={session.tls}"
         for i in todo:
-            dot = None if before_dot is None else functools.partial(before_dot, i)
+            dot = None if before_dot is None else functools.partial(before_dot, i, jobs[i].recipients)
             outcomes = results[i] = await session.send(jobs[i], hop, dot)
             session.sent += 1
             if on_outcome is not None:

@@ -50,14 +50,15 @@ class Job:
 OnOutcome = Callable[[int, list[Outcome]], None]
 """``on_outcome(i, outcomes)``: job ``i``'s outcomes are final (its next hop answered)."""
 
-BeforeDot = Callable[[int], Awaitable[None]]
-"""``await before_dot(i)``: job ``i`` reaches its point of no return (docs/design.md, "The point of no return").
+BeforeDot = Callable[[int, Sequence[str]], Awaitable[None]]
+"""``await before_dot(i, recipients)``: these recipients of job ``i`` reach their point of no return
+(docs/design.md, "The point of no return").
 
 A transport awaits it right before it writes what lets the next hop take
-job ``i`` (SMTP's final dot; a maildir's write), and writes that only once it
-returned: it returns when a record of it is durable in the spool, so that
-recovery holds job ``i``'s recipients in doubt after a crash from then on,
-and only then. It raises (a full disk, say) when that record could not be
+them (SMTP's final dot; a Maildir's rename into ``new/``), and writes that
+only once it returned: it returns when a record of it is durable in the
+spool, so that recovery holds those recipients in doubt after a crash from
+then on, and only then. It raises (a full disk, say) when that record could not be
 made durable: the job must then not be sent, and the exception ends the
 batch as any local error does."""
 

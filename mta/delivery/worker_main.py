@@ -36,7 +36,7 @@ import pickle
 import socket
 import sys
 import traceback
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -166,13 +166,14 @@ class Worker:
             raise BodyUnavailable(error)
         return data
 
-    async def before_dot(self, batch: int, index: int) -> None:
-        """Ask the relay to make job ``index``'s point of no return durable, and wait until it says it is.
+    async def before_dot(self, batch: int, index: int, recipients: Sequence[str]) -> None:
+        """Ask the relay to make the point of no return of job ``index``'s ``recipients`` durable, and wait
+        until it says it is.
 
         Raises PointNotRecorded when it could not (the final dot must not go)."""
         key = (batch, index)
         self._dots[key] = done = trio.Event()
-        self.send(["dot", batch, index])
+        self.send(["dot", batch, index, list(recipients)])
         try:
             await done.wait()
         finally:

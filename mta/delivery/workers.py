@@ -332,7 +332,8 @@ class DeliveryWorkers:
             self._nursery.start_soon(self._serve_read, worker, int(message[1]), int(message[2]),
                                      int(message[3]))
         elif kind == "dot":
-            self._nursery.start_soon(self._serve_dot, worker, int(message[1]), int(message[2]))
+            self._nursery.start_soon(self._serve_dot, worker, int(message[1]), int(message[2]),
+                                     tuple(str(r) for r in message[3]))
         else:
             self._batch_message(worker, kind, message)
 
@@ -394,7 +395,7 @@ class DeliveryWorkers:
         except WorkerLost:
             pass  # its death fails the batch
 
-    async def _serve_dot(self, worker: _Worker, bid: int, index: int) -> None:
+    async def _serve_dot(self, worker: _Worker, bid: int, index: int, recipients: tuple[str, ...]) -> None:
         """Job ``index``'s point of no return made durable (the scheduler's ``before_dot``), then ``dot_ok``:
         the worker writes the final dot only after that answer."""
         batch = worker.batches.get(bid)
@@ -403,7 +404,7 @@ class DeliveryWorkers:
             error = "no such job"
         elif batch.before_dot is not None:
             try:
-                await batch.before_dot(index)
+                await batch.before_dot(index, recipients)
             except Exception as exc:  # DiskFull: the dot is not sent, and the batch is deferred
                 batch.error = batch.error or exc
                 error = f"{type(exc).__name__}: {exc}"
