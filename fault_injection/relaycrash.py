@@ -45,8 +45,9 @@ before the crash point:
    them but those recovery held because a recipient was in doubt;
 5. counted (``held but never sent``): recipients held in doubt whose final
    dot the next hop had not seen before the crash point (its ``dot`` event)
-   and that no Maildir holds. A claim alone is not doubt, so only the instant
-   between a durable point of no return and the dot's write can leave one.
+   and that no Maildir holds. A claim alone is not doubt, so only a crash
+   inside a transaction that had begun (its point of no return written, its
+   dot not yet) can leave one.
 
 A failing state prints its recipe; the recording is saved beside it, and
 ``--recording FILE --replay RECIPE`` recovers and checks that one state again.
@@ -97,8 +98,8 @@ class Outcome:
     quarantined: bool = False  # recovery cut damage (bytes that cannot have been acknowledged) into quarantine
     held: int = 0  # queued messages held in doubt (a delivery was under way at the crash)
     # Recipients held in doubt that were never sent: the next hop had not seen their final dot before the crash
-    # point, and no Maildir has them. Only the instant between the point of no return (durable) and the dot's
-    # write can leave one (docs/design.md, "The point of no return"); a claim alone never does.
+    # point, and no Maildir has them. Only a crash inside a begun transaction (its point of no return written,
+    # its dot not yet) can leave one (docs/design.md, "The point of no return"); a claim alone never does.
     held_unsent: int = 0
 
 
