@@ -42,7 +42,12 @@ before the crash point:
    the window between the delivery and its record);
 4. every queued message reads back whole (checksums, and the bytes the client
    sent), has only its own recipients, and the runners claim every one of
-   them but those recovery held because a recipient was in doubt.
+   them but those recovery held because a recipient was in doubt;
+5. counted (``held but never sent``): recipients held in doubt whose final
+   dot the next hop had not seen before the crash point (its ``dot`` event)
+   and that no Maildir holds. A claim alone is not doubt, so only a crash
+   inside a transaction that had begun (its point of no return written, its
+   dot not yet) can leave one.
 
 A failing state prints its recipe; the recording is saved beside it, and
 ``--recording FILE --replay RECIPE`` recovers and checks that one state again.
@@ -92,6 +97,10 @@ class Outcome:
     relay_started: bool = False
     quarantined: bool = False  # recovery cut damage (bytes that cannot have been acknowledged) into quarantine
     held: int = 0  # queued messages held in doubt (a delivery was under way at the crash)
+    # Recipients held in doubt that were never sent: the next hop had not seen their final dot before the crash
+    # point, and no Maildir has them. Only a crash inside a begun transaction (its point of no return written,
+    # its dot not yet) can leave one (docs/design.md, "The point of no return"); a claim alone never does.
+    held_unsent: int = 0
 
 
 @attrs.define
@@ -105,6 +114,7 @@ class Report:
     relay_starts: int = 0
     quarantined: int = 0
     held: int = 0
+    held_unsent: int = 0
     recordings: int = 0
     ops: int = 0
     segments_deleted: int = 0  # by the recorded runs' checkpoints, all runs together
@@ -120,7 +130,8 @@ class Report:
                 f"ops, {self.segments_deleted} segments deleted); {self.relay_starts} recovered by a whole relay "
                 f"start, the rest by Spool.open; acknowledged recipients checked {self.checked}; lost {self.lost}; "
                 f"refusals to start {self.refusals}; duplicates {self.duplicates}; messages held in doubt "
-                f"{self.held}; states where recovery quarantined damage {self.quarantined}; failed states "
+                f"{self.held}; recipients held but never sent {self.held_unsent}; states where recovery quarantined "
+                f"damage {self.quarantined}; failed states "
                 f"{len(self.failures)}")
 
 
@@ -163,20 +174,24 @@ class Promised:
     acked: dict[int, tuple[str, tuple[str, ...]]]  # message number -> (queue id, recipients)
     remote: frozenset[tuple[int, str]]  # (message number, recipient) the next hop had recorded
     recorded: frozenset[tuple[str, str]]  # (queue id, recipient) whose final DELIVERY record was durable
+    dots: frozenset[tuple[int, str]] = frozenset()  # (message number, recipient) whose final dot the hop had seen
 
     @classmethod
     def of(cls, run: Run, events: int) -> Promised:
         acked: dict[int, tuple[str, tuple[str, ...]]] = {}
         remote: set[tuple[int, str]] = set()
         recorded: set[tuple[str, str]] = set()
+        dots: set[tuple[int, str]] = set()
         for ev in run.recording.events(None)[:events]:
-            if ev.kind == "ack":
+            if ev.kind == "dot":
+                dots.add((ev.data[0], ev.data[1]))
+            elif ev.kind == "ack":
                 acked[ev.data[0]] = (ev.data[1], tuple(ev.data[2]))
             elif ev.kind == "remote":
                 remote.add((ev.data[0], ev.data[1]))
             elif ev.kind == "recorded" and Status(ev.data[2]).final:
                 recorded.add((ev.data[0], ev.data[1]))
-        return cls(acked, frozenset(remote), frozenset(recorded))
+        return cls(acked, frozenset(remote), frozenset(recorded), frozenset(dots))
 
 
 def dsn_pairs(data: bytes) -> set[tuple[int, str]]:
@@ -214,7 +229,8 @@ def maildir_files(root: str, plan: Plan, bounced: set[tuple[int, str]]) -> tuple
     return found, problems
 
 
-def _queued(sp: Spool, plan: Plan, out: Outcome, bounced: set[tuple[int, str]]) -> dict[str, set[str]]:
+def _queued(sp: Spool, plan: Plan, out: Outcome, bounced: set[tuple[int, str]],
+            in_doubt: set[tuple[int, str]] | None = None) -> dict[str, set[str]]:
     """Queue id -> live recipients; checks bodies and recipients, and that the runners claim every message.
 
     A queued DSN adds what it reports to ``bounced``. A message recovery held because a recipient was
@@ -248,6 +264,8 @@ def _queued(sp: Spool, plan: Plan, out: Outcome, bounced: set[tuple[int, str]]) 
             out.violations.append(f"queued message {qid} does not read back as sent ({len(body)} bytes)")
         elif not set(env.recipients) <= set(plan.recipients[n]):
             out.violations.append(f"queued message {qid} has recipients it was not sent to")
+        elif msg.held and in_doubt is not None:
+            in_doubt.update((n, r) for r in env.in_doubt)
     claimed: set[str] = set()
     for _ in range(10_000):
         batch = sp.poll_due(now=FAR_FUTURE, limit=1000)
@@ -316,12 +334,14 @@ def _check(run: Run, root: str, promised: Promised, out: Outcome) -> None:
         out.violations.append(f"the second open refused: {type(exc).__name__}: {exc}")
         return
     bounced: set[tuple[int, str]] = set()
+    held: set[tuple[int, str]] = set()
     try:
-        live = _queued(sp, plan, out, bounced)
+        live = _queued(sp, plan, out, bounced, held)
     finally:
         sp.close()
     local, problems = maildir_files(root, plan, bounced)
     out.violations += problems
+    out.held_unsent = len(held - promised.dots - local)
     for n, (qid, rcpts) in sorted(promised.acked.items()):
         for r in rcpts:
             out.checked += 1
@@ -381,6 +401,7 @@ def explore(run: Run, budget: int, seed: int, report: Report, *, relay_every: in
                 report.refusals += res.refused
                 report.quarantined += res.quarantined
                 report.held += res.held
+                report.held_unsent += res.held_unsent
                 report.lost += sum(1 for v in res.violations if v.startswith("LOST"))
                 if res.violations:
                     where = saved or save_recording(run, save_dir)

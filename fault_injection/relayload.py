@@ -220,6 +220,8 @@ class NextHop:
         transaction is taken or deferred whole, as a next hop that is busy does.
         """
         n = message_number(data)
+        for r in rcpts:  # the final dot reached the next hop: the recipients a crash may rightly leave in doubt
+            self.log("dot", n, r)
         tries = []
         for r in rcpts:
             key = (str(n), r)
@@ -240,6 +242,16 @@ class WatchedFileIO(RecordingFileIO):
         super().__init__(root)
         self.segments_deleted = 0
         self.on_segment_deleted: Callable[[], None] = lambda: None
+
+    def rename(self, src: str, dst: str) -> None:
+        """A Maildir delivery's rename into ``new/`` (what delivers it) is logged as its ``dot``, just before."""
+        if f"{os.sep}tmp{os.sep}" in src and f"{os.sep}new{os.sep}" in dst:
+            with open(src, "rb") as fh:
+                data = fh.read()
+            lines = data.split(b"\r\n", 2)
+            if len(lines) > 2:
+                self.event("dot", message_number(data), lines[1].removeprefix(b"Delivered-To: ").decode())
+        super().rename(src, dst)
 
     def unlink(self, path: str) -> None:
         super().unlink(path)

@@ -47,7 +47,7 @@ import os
 import socket
 import time
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 
@@ -119,13 +119,15 @@ class MaildirWriter:
         self._durable: set[str] = set()  # Maildirs whose names, up to PATH's parent, this process has fsynced
 
     def deliver(self, root: str, recipient: str, return_path: str, chunks: Iterable[bytes], *,
-                hostname: str | None = None) -> MaildirDelivery:
+                hostname: str | None = None, before_rename: Callable[[], None] | None = None) -> MaildirDelivery:
         """Deliver one message to ``root/<localpart>/new/`` and return only once it is durable.
 
         ``chunks`` is the message as stored (header, blank line, body), consumed
         once, never joined. The added header lines use the message's own line
         ending (CRLF unless its first line ends in a bare LF). ``return_path`` is
         the envelope sender; ``""`` (a bounce) is written as ``<>``.
+        ``before_rename``: called once the file is durable in ``tmp/`` and
+        before the rename that delivers it (the point of no return).
 
         Raises:
             InvalidMailbox: the local part is unsafe (permanent failure).
@@ -147,6 +149,8 @@ class MaildirWriter:
             finally:
                 io.close(fd)
             new_path = os.path.join(maildir, "new", f"{unique},S={size}")
+            if before_rename is not None:
+                before_rename()
             io.rename(tmp_path, new_path)
         except BaseException:
             try:

@@ -69,7 +69,7 @@ import datetime as dt
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -78,7 +78,7 @@ import trio
 from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
-from mta.delivery.transport import Destination, Job, Transport, TransportLost
+from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from spool import (
@@ -112,6 +112,9 @@ class Tracker:
     last_error: str = ""
     hold: bool = False  # its data is damaged and on_damaged_body = "hold": it goes to the held class
     appended_to: int = 0  # the log's head after its last DELIVERY (and DSN) was appended: durable before FINISH
+    # Recipients past the point of no return whose outcome was lost with the process sending them (a delivery
+    # worker killed): in doubt, held with in_doubt = "hold", as recovery does after the relay's own crash.
+    in_doubt: tuple[str, ...] = ()
     # DSNs appended and not yet logged: (the job whose outcomes they report, the DSN's queue id, recipients).
     dsns: list[tuple[Job, str, int]] = attrs.field(factory=list)
     delay_warned: bool = False  # a delay notice was appended in this attempt (the replacement envelope says so)
@@ -195,8 +198,9 @@ class Scheduler:
         """Nothing claimed that is not finished, and no claim under way."""
         return self.in_flight == 0 and not self.aspool.claiming
 
-    def _finish(self, tracker: Tracker, extra: dict[str, Any] | None = None, next_class: int | None = None) -> None:
-        self.aspool.finish(tracker.attempt, extra=extra, next_class=next_class)
+    def _finish(self, tracker: Tracker, extra: dict[str, Any] | None = None, next_class: int | None = None,
+                in_doubt: tuple[str, ...] = ()) -> None:
+        self.aspool.finish(tracker.attempt, extra=extra, next_class=next_class, in_doubt=in_doubt)
         self.in_flight -= 1
         self.delivered += 1
 
@@ -368,12 +372,28 @@ class Scheduler:
             early[i] = self._append(tracker, job, outcomes, int((now - last) * 1000))
             last = now
 
+        passed: dict[int, tuple[str, ...]] = {}  # job -> its recipients past their point of no return (durable)
+
+        async def before_dot(i: int, recipients: Sequence[str]) -> None:
+            """The point of no return of job ``i``'s ``recipients``, durable before the transport sends them."""
+            job, tracker = batch[i]
+            if not set(recipients) <= set(job.recipients):
+                raise ValueError(f"before_dot for recipients not in job {i}: {sorted(set(recipients))}")
+            await self.aspool.pass_point_of_no_return(tracker.attempt, recipients)
+            passed[i] = tuple(dict.fromkeys(passed.get(i, ()) + tuple(recipients)))
+
         local_failure = False
         requeue: list[int] = []  # jobs of the batch sent back to the queue untried (a damaged body stopped it)
+        transport = self.transports[dest.kind]
         try:  # the batch's boundary: reading, the transport, its callbacks
             for job, tracker in batch:
                 job.body = await self.aspool.read_body(tracker.attempt)
-            results = await self.transports[dest.kind].deliver(dest, jobs, on_outcome)
+            if passes_dot(transport):
+                results = await transport.deliver(dest, jobs, on_outcome, before_dot=before_dot)
+            else:  # it cannot say when: every job passes its point of no return now (a claim is doubt)
+                for i, job in enumerate(jobs):
+                    await before_dot(i, job.recipients)
+                results = await transport.deliver(dest, jobs, on_outcome)
             if len(results) != len(jobs):
                 raise RuntimeError(f"transport {dest.kind} returned {len(results)} results for {len(jobs)} messages")
         except Exception as exc:
@@ -394,6 +414,8 @@ class Scheduler:
                       qids=[job.queue_id for job in jobs], relay=str(dest), error=local_error(exc), status="deferred")
                 results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
                             for r in job.recipients] for job in jobs]
+                if isinstance(exc, TransportLost):
+                    self._lost_in_doubt(batch, {i: r for i, r in passed.items() if i not in early})
         results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
         duration = time.monotonic() - started
         for i in reversed(requeue):
@@ -554,7 +576,21 @@ class Scheduler:
             extra: dict[str, Any] = {"last_error": tracker.last_error} if tracker.last_error else {}
             if tracker.delay_warned:
                 extra["delay_warned"] = True
-            self._finish(tracker, extra=extra or None, next_class=HELD_CLASS if tracker.hold else None)
+            self._finish(tracker, extra=extra or None, next_class=HELD_CLASS if tracker.hold else None,
+                         in_doubt=tracker.in_doubt)
+
+    def _lost_in_doubt(self, batch: list[tuple[Job, Tracker]], lost: dict[int, tuple[str, ...]]) -> None:
+        """The process sending ``batch`` died (a delivery worker killed): its jobs ``lost`` were past their point
+        of no return with no outcome heard, so they are in doubt, exactly as after the relay's own crash
+        (``spool.engine.recovery``): one line each, and held with ``in_doubt = "hold"`` when their message
+        finishes. The batch's other jobs never sent their final dot: deferred, due again."""
+        hold = self.aspool.core.config.in_doubt == "hold"
+        for i, rcpts in sorted(lost.items()):
+            job, tracker = batch[i]
+            tracker.in_doubt = tuple(dict.fromkeys(tracker.in_doubt + rcpts))
+            event(log, "in_doubt", job.queue_id, level=logging.WARNING, to=",".join(rcpts),
+                  reason="the delivery worker died after the final dot was written, before the reply",
+                  action="held: mta queue release" if hold else "delivered again")
 
     def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome], action: dsnmod.Action = "failed") -> str:
         """Append the DSN for ``failed`` (no commit: the caller's covers it); returns the DSN's queue id.

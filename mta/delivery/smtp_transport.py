@@ -44,10 +44,11 @@ policy is counted for TLS-RPT.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import select
 import ssl
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
@@ -57,7 +58,7 @@ from mta.delivery import mx
 from mta.delivery.connection_cache import CacheKey, ConnectionCache
 from mta.delivery.tlspolicy import dane
 from mta.delivery.tlspolicy.plan import HopTls, Plan, Planner
-from mta.delivery.transport import Destination, Job, OnOutcome, body_chunks
+from mta.delivery.transport import BeforeDot, Destination, Job, OnOutcome, body_chunks
 from mta.observe.logline import event
 from mta.observe.tlsinfo import TlsInfo, tls_info
 from mta.smtp.client import (
@@ -208,6 +209,28 @@ def client_ssl_context(tls_mode: str, ca_file: str | None = None) -> ssl.SSLCont
     return ctx
 
 
+class _Point:
+    """A transaction's point of no return, made durable while the transaction runs; ``wait`` before the dot."""
+
+    def __init__(self, before_dot: Callable[[], Awaitable[None]]) -> None:
+        self.before_dot = before_dot
+        self.done = trio.Event()
+        self.error: Exception | None = None
+
+    async def run(self) -> None:
+        try:
+            await self.before_dot()
+        except Exception as exc:  # raised where the dot waits for it (a full disk: the dot is not sent)
+            self.error = exc
+        finally:
+            self.done.set()
+
+    async def wait(self) -> None:
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
 class _Session:
     """One client connection: greeting, EHLO, maybe STARTTLS, then transactions."""
 
@@ -331,12 +354,29 @@ class _Session:
         if not isinstance(ev, EhloReply) or not ev.reply.is_positive:
             raise HopFailed("refused HELO", getattr(ev, "reply", None), "rejected")
 
-    async def send(self, job: Job, hop: str) -> list[Outcome]:
+    async def send(self, job: Job, hop: str, before_dot: Callable[[], Awaitable[None]] | None = None) -> list[Outcome]:
         """One transaction: MAIL, RCPT, DATA (one write with PIPELINING), the body, its reply.
+
+        ``before_dot``: the point of no return (``transport.BeforeDot``). It is started as the transaction
+        begins, so that its commit overlaps MAIL, RCPT, DATA and the body, and the write that carries the final
+        dot waits until it returned (``_send_body``); a transaction that ends before its dot ignores it.
 
         Raises trio.TooSlowError when a deadline passes (module docstring), StaleConnection when a connection
         taken from the cache unproven fails before its first reply, HopFailed or a network error otherwise.
         """
+        if before_dot is None:
+            return await self._transaction(job, hop, None)
+        point = _Point(before_dot)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(point.run)  # never raises: its error waits for the dot (``_Point.wait``)
+                return await self._transaction(job, hop, point.wait)
+        except BaseExceptionGroup as group:  # the transaction's own exception, as the caller knows it
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
+    async def _transaction(self, job: Job, hop: str, before_dot: Callable[[], Awaitable[None]] | None) -> list[Outcome]:
         d = self.config.delivery
         caps = self.conn.capabilities
         params: dict[str, str | None] = {}
@@ -359,7 +399,7 @@ class _Session:
                 if isinstance(ev, DataReply) and ev.go_ahead:
                     self.stage = "sending the message body"
                     scope.deadline = trio.current_time() + d.data_timeout
-                    await self._send_body(job)
+                    await self._send_body(job, before_dot)
                     self.stage = "waiting for the reply to the end of data"
                     scope.deadline = trio.current_time() + d.data_timeout
                 elif isinstance(ev, MessageReply):
@@ -384,13 +424,18 @@ class _Session:
             raise StaleConnection(f"the cached connection was closed by the server while {self.stage}")
         return ev
 
-    async def _send_body(self, job: Job) -> None:
-        """The body, in writes of ``SEND_SIZE`` or more; the last write carries the final dot."""
+    async def _send_body(self, job: Job, before_dot: Callable[[], Awaitable[None]] | None = None) -> None:
+        """The body, in writes of ``SEND_SIZE`` or more; the last write carries the final dot, and goes out only
+        once ``before_dot`` returned (what is still buffered is no message to the next hop without its dot)."""
         conn = self.conn
         async for chunk in body_chunks(job.body):  # big stored bodies are read in a worker thread
             conn.send_body(chunk)
             if conn.buffered >= SEND_SIZE:
                 await self.stream.send_all(conn.data_to_send())
+        if before_dot is not None:
+            self.stage = "recording the point of no return"
+            await before_dot()
+            self.stage = "sending the message body"
         conn.end_data()
         await self.stream.send_all(conn.data_to_send())  # the rest and the final dot, together
 
@@ -405,6 +450,8 @@ class _Session:
 
 
 class SmtpTransport:
+    PASSES_DOT = True  # before_dot before each final dot (_Session._send_body)
+
     def __init__(self, config: Config) -> None:
         self.config = config
         r = config.delivery.resolver
@@ -490,11 +537,13 @@ class SmtpTransport:
 
     @staticmethod
     async def _send_all(session: _Session, jobs: Sequence[Job], todo: list[int],
-                        results: list[list[Outcome] | None], label: str, on_outcome: OnOutcome | None) -> None:
+                        results: list[list[Outcome] | None], label: str, on_outcome: OnOutcome | None,
+                        before_dot: BeforeDot | None = None) -> None:
         """Send the jobs ``todo`` over ``session`` in turn, each one's outcomes recorded as it is answered."""
         hop = f"{label} tls={session.tls}"
         for i in todo:
-            outcomes = results[i] = await session.send(jobs[i], hop)
+            dot = None if before_dot is None else functools.partial(before_dot, i, jobs[i].recipients)
+            outcomes = results[i] = await session.send(jobs[i], hop, dot)
             session.sent += 1
             if on_outcome is not None:
                 on_outcome(i, outcomes)  # final: a job answered at one hop is not tried at the next
@@ -505,8 +554,8 @@ class SmtpTransport:
             return [mx.Hop(host, host, int(port))]
         return await mx.lookup(self.resolver, dest.target, port=self.config.delivery.mx_port)
 
-    async def deliver(self, destination: Destination, jobs: Sequence[Job],
-                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
+    async def deliver(self, destination: Destination, jobs: Sequence[Job], on_outcome: OnOutcome | None = None,
+                      *, before_dot: BeforeDot | None = None) -> list[list[Outcome]]:
         results: list[list[Outcome] | None] = [None] * len(jobs)
         qids = [job.queue_id for job in jobs]
         plan = self._fixed_plans.get(destination)
@@ -539,7 +588,7 @@ class SmtpTransport:
                 while True:
                     session = await self._connect(destination, hop, hop_tls, key, [qids[i] for i in todo])
                     try:
-                        await self._send_all(session, jobs, todo, results, label, on_outcome)
+                        await self._send_all(session, jobs, todo, results, label, on_outcome, before_dot)
                         break
                     except StaleConnection as exc:
                         # Died before its first reply: nothing was sent on it. The next one comes from the

@@ -15,8 +15,8 @@ retry. Never join it: a body may be 50 MB.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Protocol, TypeGuard
 
 import attrs
 
@@ -50,6 +50,18 @@ class Job:
 OnOutcome = Callable[[int, list[Outcome]], None]
 """``on_outcome(i, outcomes)``: job ``i``'s outcomes are final (its next hop answered)."""
 
+BeforeDot = Callable[[int, Sequence[str]], Awaitable[None]]
+"""``await before_dot(i, recipients)``: these recipients of job ``i`` reach their point of no return
+(docs/design.md, "The point of no return").
+
+A transport awaits it right before it writes what lets the next hop take
+them (SMTP's final dot; a Maildir's rename into ``new/``), and writes that
+only once it returned: it returns when a record of it is durable in the
+spool, so that recovery holds those recipients in doubt after a crash from
+then on, and only then. It raises (a full disk, say) when that record could not be
+made durable: the job must then not be sent, and the exception ends the
+batch as any local error does."""
+
 
 class TransportLost(RuntimeError):
     """A transport's own process went away mid-batch (a delivery worker died). Its cause is logged where it
@@ -70,8 +82,28 @@ class Transport(Protocol):
         scheduler then records them at once, and a crash later in the batch
         does not deliver the messages the next hop already took a second
         time. The returned list still holds every job's outcomes.
+
+        A transport whose class sets ``PASSES_DOT = True`` also takes
+        ``before_dot`` (a keyword, ``BeforeDot``) and awaits it for each job
+        before that job's point of no return. For any other transport the
+        scheduler records the point of no return of every job before it calls
+        ``deliver`` (a claim is then doubt, as before the point existed).
         """
         ...
+
+
+class DotTransport(Transport, Protocol):
+    """A transport that awaits ``before_dot`` before each job's point of no return (``PASSES_DOT``)."""
+
+    PASSES_DOT: bool
+
+    async def deliver(self, destination: Destination, jobs: Sequence[Job], on_outcome: OnOutcome | None = None,
+                      *, before_dot: BeforeDot | None = None) -> list[list[Outcome]]: ...
+
+
+def passes_dot(transport: Transport) -> TypeGuard[DotTransport]:
+    """Does ``transport`` take ``before_dot`` and await it before each job's point of no return?"""
+    return bool(getattr(transport, "PASSES_DOT", False))
 
 
 async def body_chunks(body: Iterable[bytes]) -> AsyncIterator[bytes]:

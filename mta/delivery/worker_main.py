@@ -7,7 +7,10 @@ process's end of the socketpair.
 The first frame is the relay's config; then every ``batch`` frame is handed
 to one ``SmtpTransport`` (its connection cache, MX lookups, TLS policies and
 TLS-RPT journal are this process's), each outcome is sent back the moment
-the next hop answers, and the batch ends with ``done`` or ``failed``. A
+the next hop answers, and the batch ends with ``done`` or ``failed``. Before
+each final dot the worker asks the relay for the job's point of no return
+(``dot``) and sends the dot only once the relay answered that it is durable
+(``dot_ok``): the same rule as the relay's own transport. A
 stored body comes as its DATA records' positions and is read here from the
 spool's segment files as it is sent (``mta.delivery.worker_body``).
 
@@ -34,7 +37,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -57,6 +60,10 @@ log = logging.getLogger("mta.worker")
 
 class BodyUnavailable(Exception):
     """The relay could not read a body this worker asked for (damaged data, say): the batch fails."""
+
+
+class PointNotRecorded(Exception):
+    """The relay could not make a job's point of no return durable (a full disk, say): its dot is not sent."""
 
 
 class PulledBody:
@@ -113,6 +120,8 @@ class Worker:
         self._reader = FrameReader()
         self._pulls: dict[tuple[int, int, int], trio.Event] = {}
         self._chunks: dict[tuple[int, int, int], tuple[bytes | None, str | None]] = {}
+        self._dots: dict[tuple[int, int], trio.Event] = {}  # (batch, job) -> its point of no return answered
+        self._dot_errors: dict[tuple[int, int], str | None] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self.format = "text"  # the relay's [log] format, for the one line written here
 
@@ -158,6 +167,22 @@ class Worker:
             raise BodyUnavailable(error)
         return data
 
+    async def before_dot(self, batch: int, index: int, recipients: Sequence[str]) -> None:
+        """Ask the relay to make the point of no return of job ``index``'s ``recipients`` durable, and wait
+        until it says it is.
+
+        Raises PointNotRecorded when it could not (the final dot must not go)."""
+        key = (batch, index)
+        self._dots[key] = done = trio.Event()
+        self.send(["dot", batch, index, list(recipients)])
+        try:
+            await done.wait()
+        finally:
+            self._dots.pop(key, None)
+        error = self._dot_errors.pop(key, None)
+        if error is not None:
+            raise PointNotRecorded(error)
+
     async def run(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
@@ -186,6 +211,13 @@ class Worker:
             if done is not None:
                 self._chunks[key] = (data, error)
                 done.set()
+        elif kind == "dot_ok":
+            _, batch, index, error = message
+            dot_key = (int(batch), int(index))
+            waiting = self._dots.get(dot_key)
+            if waiting is not None:
+                self._dot_errors[dot_key] = None if error is None else str(error)
+                waiting.set()
         else:
             raise ProtocolError(f"a {kind!r} frame from the relay")
 
@@ -232,7 +264,8 @@ class Worker:
 
         before = self.transport.cache.reused
         try:
-            results = await self.transport.deliver(dest, jobs, on_outcome)
+            results = await self.transport.deliver(dest, jobs, on_outcome,
+                                                   before_dot=functools.partial(self.before_dot, batch))
         except Exception as exc:  # the relay defers the batch as a local error and logs it
             self.send(["failed", batch, f"{type(exc).__name__}: {exc}",
                        "".join(traceback.format_exception(exc))])

@@ -7,7 +7,11 @@ the spool's log directory; a job's body is the positions of its DATA records,
 which the worker reads itself, or for a body not from the spool its chunks
 inline or None) and ``chunk`` frames (a piece of a body the worker asked for
 with ``read``: one it was not given by position, or could not read there).
-The worker answers ``outcome`` as each job's next hop answers, then ``done``
+Before a job's final dot the worker sends ``dot`` (the batch, the job, its recipients) and
+waits for the relay's ``dot_ok`` (the same, and None or why the point of no
+return could not be made durable): the relay answers once the job's
+``sending`` DELIVERY record is durable (docs/design.md, "The point of no
+return"). The worker answers ``outcome`` as each job's next hop answers, then ``done``
 (every job's outcomes) or ``failed`` (the transport raised: the relay defers
 the batch as a local error); ``log`` and
 ``tls_policy`` frames carry what the transport logs and counts, so the

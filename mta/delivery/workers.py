@@ -39,8 +39,10 @@ Crash-only. A worker may die at any moment (kill -9, a bug): its socket
 reaches EOF, and every batch it had in flight ends with ``WorkerLost``,
 which the scheduler defers as a local error (no destination backoff), like
 any deferral retried at its next interval. Outcomes already sent back stand
-(they were recorded as they came); for the rest a duplicate delivery is
-possible, exactly as after a relay crash mid-delivery. The worker is started
+(they were recorded as they came); a job past its point of no return (its
+``dot`` answered) with no outcome is in doubt and held with ``in_doubt =
+"hold"``, exactly as after a relay crash mid-delivery; a job before it is
+simply due again. The worker is started
 again after a back-off (0.5 s, doubling to 30 s while it dies within 10 s of
 its start), with one log line per death and per start; the relay itself never
 stops because of a worker. A worker whose relay died sees EOF and exits.
@@ -69,7 +71,7 @@ import mta
 from mta.config import Config
 from mta.delivery import mx
 from mta.delivery.tlspolicy.plan import Planner
-from mta.delivery.transport import Destination, Job, OnOutcome, TransportLost, body_chunks
+from mta.delivery.transport import BeforeDot, Destination, Job, OnOutcome, TransportLost, body_chunks
 from mta.delivery.worker_fork import Forked
 from mta.delivery.worker_protocol import (
     FrameReader,
@@ -107,6 +109,7 @@ class WorkerFailed(RuntimeError):
 class _Batch:
     jobs: Sequence[Job]
     on_outcome: OnOutcome | None
+    before_dot: BeforeDot | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
     results: list[list[Outcome]] | None = None
     error: BaseException | None = None
@@ -327,6 +330,9 @@ class DeliveryWorkers:
         elif kind == "read":
             self._nursery.start_soon(self._serve_read, worker, int(message[1]), int(message[2]),
                                      int(message[3]))
+        elif kind == "dot":
+            self._nursery.start_soon(self._serve_dot, worker, int(message[1]), int(message[2]),
+                                     tuple(str(r) for r in message[3]))
         else:
             self._batch_message(worker, kind, message)
 
@@ -388,6 +394,24 @@ class DeliveryWorkers:
         except WorkerLost:
             pass  # its death fails the batch
 
+    async def _serve_dot(self, worker: _Worker, bid: int, index: int, recipients: tuple[str, ...]) -> None:
+        """Job ``index``'s point of no return made durable (the scheduler's ``before_dot``), then ``dot_ok``:
+        the worker writes the final dot only after that answer."""
+        batch = worker.batches.get(bid)
+        error: str | None = None
+        if batch is None or not 0 <= index < len(batch.jobs):
+            error = "no such job"
+        elif batch.before_dot is not None:
+            try:
+                await batch.before_dot(index, recipients)
+            except Exception as exc:  # DiskFull: the dot is not sent, and the batch is deferred
+                batch.error = batch.error or exc
+                error = f"{type(exc).__name__}: {exc}"
+        try:
+            await worker.send(encode(["dot_ok", bid, index, error]))
+        except WorkerLost:
+            pass  # its death fails the batch
+
     async def _chunk(self, batch: _Batch, index: int, k: int) -> bytes | None:
         """Chunk ``k``: the next one of this body's reader, or (a retry, or a worker that read the chunks before
         ``k`` itself and could not read ``k``) a new reader that reads and drops the chunks before it."""
@@ -424,8 +448,10 @@ class DeliveryWorkers:
             return worker
         raise WorkerLost(f"no delivery worker running after {WAIT_FOR_WORKER:g} s")
 
-    async def deliver(self, destination: Destination, jobs: Sequence[Job],
-                      on_outcome: OnOutcome | None = None) -> list[list[Outcome]]:
+    PASSES_DOT = True  # a worker asks for each job's point of no return before its final dot (``dot`` frames)
+
+    async def deliver(self, destination: Destination, jobs: Sequence[Job], on_outcome: OnOutcome | None = None,
+                      *, before_dot: BeforeDot | None = None) -> list[list[Outcome]]:
         """Hand the batch to a worker; its outcomes as the worker sends them (``Transport.deliver``).
 
         Raises WorkerLost (the worker died, or none runs) or WorkerFailed (the
@@ -444,7 +470,7 @@ class DeliveryWorkers:
         worker = await self._pick()
         self._next_batch += 1
         bid = self._next_batch
-        batch = _Batch(jobs, on_outcome)
+        batch = _Batch(jobs, on_outcome, before_dot)
         worker.batches[bid] = batch
         try:
             frame = encode(["batch", bid, destination_item(destination), items, log_dir])

@@ -186,6 +186,21 @@ class AsyncClaims(GroupCommit):
         self.core.record_delivery(attempt, outcomes, duration_ms)
         self._kick.set()
 
+    async def pass_point_of_no_return(self, attempt: Attempt, recipients: Iterable[str]) -> None:
+        """Make the attempt's point of no return for ``recipients`` durable; the caller then writes the final dot.
+
+        A DELIVERY naming them in ``sending`` (``Claims.record_sending``),
+        through the group commit: a plain ``commit``, not a riding one, since
+        the next hop is waiting for the dot. After a crash, recovery holds in
+        doubt exactly the recipients so named that have no outcome; a claim
+        alone is due again (docs/design.md, "The point of no return").
+        Raises DiskFull when the record cannot be made durable: the dot must
+        not be sent (the batch is deferred; the record, written later, is
+        followed by the deferral's outcomes).
+        """
+        self.core.record_sending(attempt, recipients)
+        await self.commit()
+
     async def record_deliveries(self, results: Iterable[tuple[Attempt, Iterable[Outcome], int]]) -> None:
         """``record_delivery`` for several attempts (attempt, outcomes, duration in ms), under one commit.
 
@@ -197,7 +212,7 @@ class AsyncClaims(GroupCommit):
         await self.commit()
 
     def finish(self, attempt: Attempt, *, next_class: int | None = None,
-               extra: dict[str, Any] | None = None) -> int | None:
+               extra: dict[str, Any] | None = None, in_doubt: tuple[str, ...] = ()) -> int | None:
         """End the attempt. No fsync of its own: recovery rebuilds a lost FINISH or replacement.
 
         The records ride with the next commit. If none comes within
@@ -205,7 +220,7 @@ class AsyncClaims(GroupCommit):
         runner reads only the durable log); a FINISH alone is only written.
         """
         was_full = not self.core.has_room
-        result = self.core.finish(attempt, next_class=next_class, extra=extra)
+        result = self.core.finish(attempt, next_class=next_class, extra=extra, in_doubt=in_doubt)
         if result is not None:
             self.lazy_needs_sync()  # a replacement envelope: durable soon, so that its runner sees it
         else:

@@ -207,11 +207,29 @@ class Claims(SpoolCore):
             attempt.outcomes[o.recipient] = o
         return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), outs, duration_ms))
 
+    def record_sending(self, attempt: Attempt, recipients: Iterable[str]) -> int:
+        """Append the attempt's point of no return for ``recipients``: a DELIVERY with ``sending`` and no outcomes.
+
+        The caller commits it (durable) before it writes the final dot for
+        them; recovery then holds in doubt exactly these recipients, if they
+        have no outcome (docs/design.md, "The point of no return").
+        """
+        rcpts = tuple(recipients)
+        for r in rcpts:
+            if r not in attempt.envelope.recipients:
+                raise ValueError(f"{r!r} is not a recipient of this attempt")
+        return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), (), 0, rcpts))
+
     def finish(self, attempt: Attempt, *, next_class: int | None = None,
-               extra: dict[str, Any] | None = None) -> int | None:
+               extra: dict[str, Any] | None = None, in_doubt: tuple[str, ...] = ()) -> int | None:
         """End an attempt: recipients without a final outcome go on in a replacement envelope.
 
-        Returns the replacement's position, or None when the message is done.
+        ``in_doubt``: recipients whose delivery may have happened (past the
+        point of no return, and the process that sent them died before their
+        outcome): kept in the replacement's ``in_doubt``, and with
+        ``in_doubt = "hold"`` the replacement is held (class and flag), as
+        recovery does after a crash. Returns the replacement's position, or
+        None when the message is done.
         """
         if attempt.start_pos not in self.attempts:
             raise SpoolError("attempt already finished")
@@ -220,7 +238,11 @@ class Claims(SpoolCore):
         if remaining:
             klass = self.config.next_class(self._backoff_of(attempt)) if next_class is None else next_class
             merged = {**attempt.envelope.extra, **(extra or {})}
-            replacement = self._write_replacement(attempt.envelope, attempt.envelope_pos, klass, remaining,
-                                                  attempts=attempt.envelope.attempts + 1, extra=merged)
+            doubt = [r for r in in_doubt if r in remaining]
+            hold = bool(doubt) and self.config.in_doubt == "hold"
+            replacement = self._write_replacement(
+                attempt.envelope, attempt.envelope_pos, HELD_CLASS if hold else klass, remaining,
+                attempts=attempt.envelope.attempts + 1, extra=merged, held=hold,
+                in_doubt=tuple(dict.fromkeys(attempt.envelope.in_doubt + tuple(doubt))) if doubt else None)
         self._end(attempt, replacement)
         return replacement

@@ -49,8 +49,14 @@ docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
    written, only the FINISH was lost. Otherwise a replacement envelope carries
    the recipients without a final outcome (body shared or copied forward,
    class and attempt count kept) and a FINISH ends the attempt. A recipient
-   of a delivery attempt with no DELIVERY record at all is *in doubt*: the
-   remote may have taken it before the crash. It is logged (one line per
+   of a delivery attempt that a DELIVERY's ``sending`` names (the point of no
+   return: durable before the final dot was written to the next hop) and no
+   outcome covers is *in doubt*: the remote may have taken it before the
+   crash. A claim alone is not doubt: a recipient never named in a
+   ``sending`` is simply due again (docs/design.md, "The point of no
+   return"; an attempt whose START lies in a segment of format version 2 or
+   3, written before ``sending`` existed, keeps the old rule: every
+   recipient without an outcome is in doubt). It is logged (one line per
    message) and kept in the replacement's ``in_doubt`` list; with
    ``in_doubt = "hold"`` (the default) the replacement is held (the held
    class and flag, as ``mta queue hold`` writes it) until the operator
@@ -116,7 +122,14 @@ from spool.format.record import (
     pos_offset,
     pos_segment,
 )
-from spool.format.segment import SEGMENT_HEADER_SIZE, encode_segment_header, list_segments, segment_path
+from spool.format.segment import (
+    FORMAT_VERSION,
+    SEGMENT_HEADER_SIZE,
+    encode_segment_header,
+    header_version,
+    list_segments,
+    segment_path,
+)
 from spool.read import lost
 from spool.read.anomaly import Anomaly, Kind
 from spool.read.reader import LogReader, Reporter
@@ -125,6 +138,8 @@ from spool.write.log import LogWriter
 log = logging.getLogger("spool.engine.recovery")
 
 # The records the suffix scan decodes; DATA records are checked, not copied.
+# The first format version whose DELIVERY records carry ``sending`` (the point of no return).
+SENDING_VERSION = 4
 SCANNED = frozenset({RecordType.ENVELOPE, RecordType.START, RecordType.DELIVERY, RecordType.FINISH})
 
 
@@ -150,6 +165,8 @@ class OpenAttempt:
     start_pos: int
     start: Start
     outcomes: dict[str, int] = attrs.field(factory=dict)
+    sending: set[str] = attrs.field(factory=set)  # recipients past the point of no return (DELIVERY's sending)
+    legacy: bool = False  # its START lies in a segment written before ``sending`` existed (format 2 or 3)
 
 
 @attrs.define
@@ -229,7 +246,12 @@ class Recovery:
         self.mark_garbage(found.to_mark)
         self.start_runners(cp, first, end)
         self.check_sealed(reader, min(r.pos for r in sp.runners), last)
+        versions: dict[int, int | None] = {}
         for attempt in sorted(found.unfinished.values(), key=lambda a: a.start_pos):
+            seg = pos_segment(attempt.start_pos)
+            if seg not in versions:
+                versions[seg] = self.segment_version(seg)
+            attempt.legacy = (versions[seg] or FORMAT_VERSION) < SENDING_VERSION
             self.close_in_flight(attempt, found.replaced)
         self.commit()
         stats.seconds = sp._now() - t0
@@ -581,6 +603,17 @@ class Recovery:
         fin = sp._append(RecordType.FINISH, Finish(attempt.start_pos, sp._now_ms(), replacement))
         sp._settling.append((fin, attempt.start_pos, min((env_pos, *env.body))))
 
+    def segment_version(self, seg: int) -> int | None:
+        """The format version segment ``seg``'s header names (None: unreadable; the scan reported it)."""
+        try:
+            fd = self.io.open_read(segment_path(self.log_dir, seg))
+        except FileNotFoundError:
+            return None
+        try:
+            return header_version(self.io.read(fd, SEGMENT_HEADER_SIZE, 0))
+        finally:
+            self.io.close(fd)
+
     def read_envelope(self, pos: int) -> tuple[Frame, Envelope]:
         """Raises CorruptRecord, FileNotFoundError (its segment is missing)."""
         frame = self.sp.writer.read_frame(pos)
@@ -647,6 +680,7 @@ def _account(result: SuffixScan, pos: int, rtype: int, payload: object) -> None:
         if attempt is not None:
             for o in payload.outcomes:
                 attempt.outcomes[o.recipient] = int(o.status)
+            attempt.sending.update(payload.sending)
     elif rtype == RecordType.FINISH:
         assert isinstance(payload, Finish)
         result.unfinished.pop(payload.start, None)
@@ -660,9 +694,18 @@ def _account(result: SuffixScan, pos: int, rtype: int, payload: object) -> None:
 
 
 def in_doubt_recipients(envelope: Envelope, attempt: OpenAttempt) -> list[str]:
+    """The recipients the next hop may have taken: past the point of no return, with no outcome.
+
+    Why that is enough: the relay writes the final dot for a recipient only
+    after a DELIVERY naming it in ``sending`` is durable, and a next hop
+    takes nothing before the final dot. So a recipient never named there
+    cannot have been delivered by this attempt, and is due again.
+    """
     if attempt.start.kind is not StartKind.DELIVERY:
         return []
-    return [r for r in envelope.recipients if r not in attempt.outcomes]
+    if attempt.legacy:
+        return [r for r in envelope.recipients if r not in attempt.outcomes]
+    return [r for r in envelope.recipients if r in attempt.sending and r not in attempt.outcomes]
 
 
 def remaining_recipients(envelope: Envelope, attempt: OpenAttempt) -> list[str]:

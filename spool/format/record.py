@@ -380,7 +380,8 @@ def _outcome_fields(v: Any) -> tuple[Any, ...]:
 
 
 def _delivery_fields(d: dict[int, Any]) -> tuple[Any, ...]:
-    return _uint(d[0]), _uint(d[1]), tuple(map(_outcome_fields, _array(d[2]))), _uint(_opt(d, 3, 0))
+    return (_uint(d[0]), _uint(d[1]), tuple(map(_outcome_fields, _array(d[2]))), _uint(_opt(d, 3, 0)),
+            _texts(_opt(d, 4, [])))
 
 
 def _finish_fields(d: dict[int, Any]) -> tuple[Any, ...]:
@@ -563,31 +564,44 @@ class Outcome:
 
 @attrs.frozen
 class Delivery:
-    """A delta: outcomes for some recipients of the attempt begun by ``start``."""
+    """A delta: outcomes for some recipients of the attempt begun by ``start``.
+
+    ``sending``: recipients whose data's end (the final dot) is about to be
+    written to the next hop. A DELIVERY that names them (with no outcomes) is
+    the attempt's *point of no return*: it is durable before that write, so
+    recovery holds in doubt exactly the recipients it names that have no
+    outcome (docs/design.md, "The point of no return").
+    """
 
     start: int
     time_ms: int
     outcomes: tuple[Outcome, ...]
     duration_ms: int = 0
+    sending: tuple[str, ...] = ()
 
     def to_map(self) -> dict[int, Any]:
         d: dict[int, Any] = {0: self.start, 1: self.time_ms, 2: [o.to_list() for o in self.outcomes]}
         if self.duration_ms:
             d[3] = self.duration_ms
+        if self.sending:
+            d[4] = list(self.sending)
         return d
 
     def to_payload(self) -> bytes:
-        parts = [b"\xa4\x00" if self.duration_ms else b"\xa3\x00", _cbor_uint(self.start),
+        n = 3 + bool(self.duration_ms) + bool(self.sending)
+        parts = [_MAP_SHORT[n] + b"\x00", _cbor_uint(self.start),
                  b"\x01", _cbor_uint(self.time_ms), b"\x02", _cbor_head(4, len(self.outcomes))]
         parts += [o.to_cbor() for o in self.outcomes]
         if self.duration_ms:
             parts += (b"\x03", _cbor_uint(self.duration_ms))
+        if self.sending:
+            parts += (b"\x04", _cbor_head(4, len(self.sending)), *map(_cbor_text, self.sending))
         return b"".join(parts)
 
     @classmethod
     def from_map(cls, d: dict[int, Any]) -> Delivery:
-        start, time_ms, outcomes, duration_ms = _delivery_fields(d)
-        return cls(start, time_ms, tuple(map(Outcome._from_fields, outcomes)), duration_ms)
+        start, time_ms, outcomes, duration_ms, sending = _delivery_fields(d)
+        return cls(start, time_ms, tuple(map(Outcome._from_fields, outcomes)), duration_ms, sending)
 
 
 @attrs.frozen

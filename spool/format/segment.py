@@ -29,8 +29,8 @@ from spool.fileio import FileIO, read_exact
 from spool.format.record import HEADER, HEADER_SIZE, Frame, decode_frame
 
 MAGIC: Final = b"LSPOOLSG"
-FORMAT_VERSION: Final = 3  # what the writer writes: 3 may end in zeroed room past the last record (docs/format.md)
-READABLE_VERSIONS: Final = frozenset({2, 3})  # version 2 segments (no zeroed room) still open and read
+FORMAT_VERSION: Final = 4  # what the writer writes: 4 is 3 plus DELIVERY's `sending` (the point of no return)
+READABLE_VERSIONS: Final = frozenset({2, 3, 4})  # 2 (no zeroed room) and 3 (no `sending`) still open and read
 SEGMENT_HEADER = struct.Struct("<8sHHIQII")
 SEGMENT_HEADER_SIZE: Final = SEGMENT_HEADER.size  # 32
 SECTOR: Final = 512  # torn-write rules count sector boundaries from the start of the file

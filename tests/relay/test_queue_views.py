@@ -214,6 +214,7 @@ def test_a_recipient_in_doubt_after_a_crash_is_marked_in_list_and_show(tmp_path:
     mid = sp.enqueue("a@example.org", ["b@far.example", "c@far.example"], b"Subject: x\r\n\r\ny\r\n")
     sp.commit()
     (attempt,) = sp.poll_due(time.time())
+    sp.record_sending(attempt, attempt.remaining)  # the final dot went out
     sp.record_delivery(attempt, [Outcome("c@far.example", Status.DEFERRED, 451, "4.3.0", "later", "mx")])
     sp.commit()
     sp.close()  # no FINISH: as after kill -9 in the middle of the delivery

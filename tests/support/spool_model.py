@@ -9,8 +9,10 @@ Crash semantics (docs/design.md, "The log", durability rules): everything append
 what was committed survives. ``commit()`` snapshots the state; ``crash()`` rolls
 back to the snapshot and then applies what recovery does to the attempts that
 were in flight: recipients with a committed final outcome are done, the rest go
-on in a replacement of the same class, and recipients with no outcome at all
-are *in doubt* (and their message held, with the engine's default ``in_doubt = "hold"``).
+on in a replacement of the same class, and recipients past the point of no
+return (a committed ``sending``) with no outcome at all are *in doubt* (and
+their message held, with the engine's default ``in_doubt = "hold"``); a claim
+alone is not doubt.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Flight:
     klass: int
     attempts: int = 0
     outcomes: dict[str, Status] = attrs.field(factory=dict)
+    sending: set[str] = attrs.field(factory=set)  # past the point of no return
 
     @property
     def remaining(self) -> tuple[str, ...]:
@@ -47,7 +50,7 @@ class Flight:
 
     @property
     def in_doubt(self) -> tuple[str, ...]:
-        return tuple(r for r in self.recipients if r not in self.outcomes)
+        return tuple(r for r in self.recipients if r in self.sending and r not in self.outcomes)
 
 
 @attrs.define
@@ -95,6 +98,9 @@ class SpoolModel:
 
     def record(self, start_pos: int, outcomes: dict[str, Status]) -> None:
         self.flights[start_pos].outcomes.update(outcomes)
+
+    def send(self, start_pos: int, recipients: tuple[str, ...]) -> None:
+        self.flights[start_pos].sending.update(recipients)
 
     def finish(self, start_pos: int) -> None:
         f = self.flights.pop(start_pos)

@@ -118,6 +118,7 @@ async def test_record_delivery_is_durable_when_it_returns(tmp_path: Path) -> Non
         done = await aspool.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"one")
         half = await aspool.enqueue("s@src.example", ["c@x.example", "d@y.example"], b"two")
         attempts = {a.message_id: a for a in await aspool.next_due()}
+        await aspool.pass_point_of_no_return(attempts[half], ["c@x.example", "d@y.example"])
         await aspool.record_delivery(attempts[done], [Outcome("a@x.example", Status.DELIVERED, 250),
                                                       Outcome("b@y.example", Status.BOUNCED, 550)])
         await aspool.record_delivery(attempts[half], [Outcome("c@x.example", Status.DELIVERED, 250)])

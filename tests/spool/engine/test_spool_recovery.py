@@ -223,7 +223,7 @@ def test_damage_before_the_checkpointed_head_is_not_a_torn_tail(tmp_path: Path) 
 # -- in doubt ----------------------------------------------------------------------
 
 
-def test_attempt_without_delivery_record_is_in_doubt_and_held_until_released(
+def test_attempt_past_its_point_of_no_return_without_outcome_is_in_doubt_and_held_until_released(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """``in_doubt = "hold"`` (the default): the message is held at recovery, says so in one line naming its
     queue id and recipients, stays held across another restart, and goes on once released."""
@@ -231,8 +231,9 @@ def test_attempt_without_delivery_record_is_in_doubt_and_held_until_released(
     sp = Spool.open(str(tmp_path), config(clock))
     mid = sp.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"body")
     sp.commit()
-    sp.poll_due()
-    sp.commit()  # the START is durable; no DELIVERY record exists when the crash comes
+    (attempt,) = sp.poll_due()
+    sp.record_sending(attempt, attempt.remaining)
+    sp.commit()  # START and sending durable (the final dot may be out); no outcome when the crash comes
     sp.close()
 
     qid = format_id(mid)
@@ -272,12 +273,13 @@ def test_attempt_without_delivery_record_is_in_doubt_and_held_until_released(
         sp.close()
 
 
-def test_attempt_without_delivery_record_is_redelivered_with_in_doubt_redeliver(tmp_path: Path) -> None:
+def test_attempt_past_its_point_of_no_return_is_redelivered_with_in_doubt_redeliver(tmp_path: Path) -> None:
     clock = Clock()
     sp = Spool.open(str(tmp_path), config(clock, in_doubt="redeliver"))
     mid = sp.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"body")
     sp.commit()
     (attempt,) = sp.poll_due()
+    sp.record_sending(attempt, attempt.remaining)
     sp.commit()
     sp.close()
 
@@ -302,6 +304,7 @@ def test_only_recipients_without_an_outcome_are_in_doubt(tmp_path: Path) -> None
     mid = sp.enqueue("s@src.example", ["a@x.example", "b@y.example", "c@z.example"], b"body")
     sp.commit()
     (attempt,) = sp.poll_due()
+    sp.record_sending(attempt, attempt.remaining)
     sp.record_delivery(attempt, [Outcome("a@x.example", Status.DELIVERED, 250),
                                  Outcome("b@y.example", Status.DEFERRED, 451)])
     sp.commit()
@@ -313,6 +316,51 @@ def test_only_recipients_without_an_outcome_are_in_doubt(tmp_path: Path) -> None
         msg = live(sp)[mid]
         assert msg.envelope.recipients == ("b@y.example", "c@z.example")
         assert msg.envelope.in_doubt == ("c@z.example",)
+    finally:
+        sp.close()
+
+
+def test_a_claim_alone_is_not_doubt_the_message_is_due_again(tmp_path: Path) -> None:
+    """A durable START with no ``sending``: the attempt never reached its final dot, so no next hop can have
+    the message. Recovery holds nothing and the message is due again at once, in its class."""
+    clock = Clock()
+    sp = Spool.open(str(tmp_path), config(clock))
+    mid = sp.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"body")
+    sp.commit()
+    (attempt,) = sp.poll_due()
+    sp.commit()  # the START is durable; the crash came before any final dot
+    sp.close()
+
+    sp = Spool.open(str(tmp_path), config(clock))
+    try:
+        assert sp.recovery_stats.in_flight == 1
+        assert (sp.recovery_stats.in_doubt, sp.recovery_stats.held) == (0, 0)
+        msg = live(sp)[mid]
+        assert not msg.held and msg.envelope.in_doubt == () and msg.klass == attempt.klass
+        (again,) = sp.poll_due()
+        assert again.message_id == mid and again.remaining == ["a@x.example", "b@y.example"]
+    finally:
+        sp.close()
+
+
+def test_only_the_recipients_sending_names_are_in_doubt(tmp_path: Path) -> None:
+    """Two transactions of one attempt (two next hops): the one whose final dot may be out is in doubt, the
+    other is simply due again; the message is held for the first."""
+    clock = Clock()
+    sp = Spool.open(str(tmp_path), config(clock, in_doubt="redeliver"))
+    mid = sp.enqueue("s@src.example", ["a@x.example", "b@y.example"], b"body")
+    sp.commit()
+    (attempt,) = sp.poll_due()
+    sp.record_sending(attempt, ["b@y.example"])
+    sp.commit()
+    sp.close()
+
+    sp = Spool.open(str(tmp_path), config(clock, in_doubt="redeliver"))
+    try:
+        assert sp.recovery_stats.in_doubt == 1
+        msg = live(sp)[mid]
+        assert msg.envelope.recipients == ("a@x.example", "b@y.example")
+        assert msg.envelope.in_doubt == ("b@y.example",)
     finally:
         sp.close()
 

@@ -190,6 +190,19 @@ class SpoolMachine(RuleBasedStateMachine):
         self.model.commit()
         assert tuple(attempt.remaining) == self.model.flights[attempt.start_pos].remaining
 
+    @rule(handle=attempts, data=st.data())
+    def pass_point_of_no_return(self, handle: tuple[int, int], data: st.DataObject) -> None:
+        """A transaction's final dot is about to go out: its recipients' ``sending``, committed."""
+        attempt = self._attempt(handle)
+        if attempt is None or not attempt.remaining:
+            return
+        chosen = tuple(data.draw(st.lists(st.sampled_from(list(attempt.remaining)), min_size=1, unique=True),
+                                 label="sending"))
+        self.spool.record_sending(attempt, chosen)
+        self.spool.commit()
+        self.model.send(attempt.start_pos, chosen)
+        self.model.commit()
+
     @rule(handle=consumes(attempts))
     def finish(self, handle: tuple[int, int]) -> None:
         attempt = self._attempt(handle)

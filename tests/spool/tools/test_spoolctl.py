@@ -438,7 +438,7 @@ def test_verify_torn_tail_then_recover_cuts_it(tmp_path: Path) -> None:
     rec = run_json("recover", m.path)
     assert rec["tail_cut_bytes"] == pos_offset(tail) - 7 - envelope_off
     assert rec["in_flight"] == 1  # the attempt left open by build()
-    assert rec["in_doubt"] == 2  # ... with no delivery record for either recipient
+    assert rec["in_doubt"] == 0  # ... a claim alone, never past its point of no return: due again, not in doubt
     after = run_json("verify", m.path)
     assert after["clean"] is True and after["torn_tail"] is None
 
@@ -662,8 +662,9 @@ def test_recover_holds_a_message_in_doubt_unless_told_to_redeliver(tmp_path: Pat
     sp = Spool.open(path, SpoolConfig())
     mid = sp.enqueue("s@src.example", ["a@x.example"], b"body")
     sp.commit()
-    sp.poll_due()
-    sp.commit()  # the START is durable, no outcome: in doubt
+    (attempt,) = sp.poll_due()
+    sp.record_sending(attempt, attempt.remaining)
+    sp.commit()  # past the point of no return, no outcome: in doubt
     sp.close()
     rec = run_json("recover", path, *(["--in-doubt", mode] if mode == "redeliver" else []))
     assert (rec["in_doubt"], rec["held"]) == (1, 1 if mode == "hold" else 0)

@@ -242,7 +242,7 @@ def test_a_version_2_segment_opens_is_appended_to_without_room_and_the_next_one_
             acked.add(sp.enqueue("s@src.example", [RCPT], b"z" * 600))
             commit_and_room(sp)
         assert sp.writer.room.enabled and os.path.getsize(seg_file(sp)) == 4096
-        assert Path(seg_file(sp)).read_bytes()[8:10] == b"\x03\x00"
+        assert Path(seg_file(sp)).read_bytes()[8:10] == b"\x04\x00"
         assert os.path.getsize(path) == sp.writer.closed_sizes[1]
     finally:
         sp.close()
