@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import ssl
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -36,24 +35,13 @@ from mta.observe.metrics import Metrics
 from mta.observe.queue_gauges import keep_gauges, refresh_oldest
 from mta.process.lifecycle import Lifecycle, notify
 from mta.process.security import check_spool_dir
+from mta.process.server_tls import ssl_context
 from mta.process.startup import check_start, unwrapped
 from mta.process.supervisor import follow_parent, watch_parent
 from mta.shards import shard_config, spool_config
 from spool import INLINE_SYNC_FAST, AsyncSpool, FileIO
 
 log = logging.getLogger("mta")
-
-
-def ssl_context(config: Config) -> ssl.SSLContext | None:
-    s = config.server
-    if not s.tls_cert or not s.tls_key:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    # Client-initiated renegotiation costs the server a handshake per request (a cheap DoS) and buys nothing.
-    ctx.options |= ssl.OP_NO_RENEGOTIATION
-    ctx.load_cert_chain(s.tls_cert, s.tls_key)
-    return ctx
 
 
 def transports(config: Config, io: FileIO | None = None, forked: Sequence[Forked] = ()) -> Mapping[str, Transport]:

@@ -22,6 +22,7 @@ import attrs
 from mta.config import Config, ConfigError, load_config
 from mta.errors import StartError
 from mta.observe.logline import event
+from mta.process.server_tls import ssl_context
 
 if TYPE_CHECKING:
     from mta.process.relay import Relay
@@ -94,7 +95,6 @@ def reload(relay: Relay) -> bool:
     from mta.dkim import signer_for
     from mta.dkim.accept import AcceptSigner
     from mta.inbound.submission import Authenticator
-    from mta.process.relay import ssl_context
     from mta.process.startup import check_dkim_keys, check_tls, check_users_file
 
     old = relay.config

@@ -476,7 +476,7 @@ async def test_message_id_last_error_and_deletion_are_in_the_log_and_the_queue(
     assert isinstance(messages, list)
     assert messages[0]["last_error"] == f"451 4.3.0 try later (from 127.0.0.1[127.0.0.1]:{port})", messages
     assert deleted["ok"], deleted
-    (gone,) = [d for d in events(_messages(caplog, "mta.control"), "delivery")]
+    (gone,) = list(events(_messages(caplog, "mta.control"), "delivery"))
     assert (gone["qid"], gone["to"], gone["status"]) == (qid, "<w@far.example>", "deleted")
 
 

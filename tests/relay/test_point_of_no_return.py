@@ -101,7 +101,7 @@ async def test_kill_9_holds_exactly_the_messages_whose_final_dot_reached_the_nex
 
             hop.new_life(accept_first=1 << 30)
             await relay.start(nursery)
-            mid_of = {r: mid for r, mid in sent.items()}
+            mid_of = dict(sent.items())
             doubt = await held_in_doubt(config)
             assert {mid_of[r] for r in doubt} == dotted, (doubt, dotted)  # none held that it never saw
             assert set(doubt.values()) == {"held"}
@@ -135,7 +135,7 @@ async def test_a_killed_delivery_worker_follows_the_same_rule(tmp_path: Path) ->
             # The relay lives on: the worker's jobs past their final dot are held in doubt, the others go again.
             others = set(sent.values()) - dotted
             await hop.wait_until(lambda: set(hop.ids(2)) >= others)
-            mid_of = {r: mid for r, mid in sent.items()}
+            mid_of = dict(sent.items())
             await relay.wait_output(lambda: sum("event=in_doubt" in x for x in relay.lines) >= PER_HOP, 60,
                                     "the in-doubt lines")
             doubt = await held_in_doubt(config)

@@ -57,7 +57,7 @@ async def test_queue_gauges_follow_deferrals_holds_and_deletes(tmp_path: Path) -
         assert 0 <= m["logspool_queue_oldest_age_seconds"] <= time.time() - sent + 1
         core = relay.aspool.core
         await relay.aspool.commit()  # the replacements written by the deferrals, readable by a listing
-        first, second = [msg for msg in (await trio.to_thread.run_sync(_live, core))][:2]
+        first, second = list(await trio.to_thread.run_sync(_live, core))[:2]
         await relay.aspool.hold(first)
         assert queue(await trio.to_thread.run_sync(scrape, mport)) == (3, 2, 1, 0)
         await relay.aspool.delete(second)
