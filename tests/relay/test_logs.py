@@ -438,7 +438,7 @@ async def test_each_admin_action_is_one_line_with_the_command_the_messages_and_t
     assert levels == [logging.INFO, logging.DEBUG, logging.INFO]  # reads are debug; changes and refusals info
 
 
-# ---------------------------------------------------------------- issue 25: what a search of the log finds
+# ---------------------------------------------------------------- what a search of the log finds
 
 
 async def test_message_id_last_error_and_deletion_are_in_the_log_and_the_queue(
