@@ -107,13 +107,12 @@ def queue() -> None:
 @json_option
 def queue_list(config_path: str | None, domain: str | None, sender: str | None, recipient: str | None,
                held: bool, in_doubt: bool, limit: int | None, cursor: str | None, as_json: bool) -> None:
-    """List queued messages, oldest first, one page at a time (--json alone: every message, one a line)."""
+    """List queued messages, oldest first, one page at a time (--json alone: every message, in one object)."""
     req = {"op": "list", "domain": domain, "sender": sender, "recipient": recipient, "held": held,
            "in_doubt": in_doubt, "limit": limit or DEFAULT_LIMIT, "cursor": cursor}
     config = load_config(config_path)
     if as_json and limit is None and cursor is None:
-        for message in stream_list(config, req):
-            click.echo(json.dumps(message, sort_keys=True))
+        emit_whole_list(stream_list(config, req))
         return
     limit = limit or DEFAULT_LIMIT
     answer = request(config, req)
@@ -132,6 +131,19 @@ def queue_list(config_path: str | None, domain: str | None, sender: str | None, 
         print_list(answer, " ".join(again))
 
     _emit(as_json, answer, human)
+
+
+def emit_whole_list(messages: Iterator[dict[str, Any]]) -> None:
+    """Every message as one JSON object of a page's shape (``messages``, ``next``: null, ``total``,
+    ``total_bytes``), written as it is read: a script reads the whole queue as it reads one page, and memory
+    stays one page."""
+    total = size = 0
+    click.echo('{"messages": [', nl=False)
+    for message in messages:
+        click.echo(("," if total else "") + "\n" + json.dumps(message, sort_keys=True), nl=False)
+        total += 1
+        size += message["size"]
+    click.echo(("\n" if total else "") + f'], "next": null, "ok": true, "total": {total}, "total_bytes": {size}}}')
 
 
 def stream_list(config: Config, req: dict[str, Any]) -> Iterator[dict[str, Any]]:

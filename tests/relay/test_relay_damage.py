@@ -124,6 +124,11 @@ class Result:
     normal: float
 
 
+
+def met_while_running(line: str) -> bool:
+    """Damage behind the checkpoint is met by a runner, or first by the queue gauges' count at start."""
+    return "met by runner" in line or "met by an admin read" in line
+
 async def run_case(tmp_path: Path, template: Template, template_map: LogMap, caplog: pytest.LogCaptureFixture,
                    damage: Callable[[str], Damage], delivery_processes: int = 0) -> Result:
     """Damage a copy, start the relay on it, wait until everything the damage left is delivered, and check
@@ -265,7 +270,7 @@ async def test_zeroed_4k_range_in_a_middle_segment(tmp_path: Path, template: Tem
 
     result = await run_case(tmp_path, template, template_map, caplog, damage)
     assert len(result.lost_lines) >= 4
-    assert any("met by runner" in r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly")
+    assert any(met_while_running(r.getMessage()) for r in caplog.records if r.name == "spool.read.anomaly")
 
 
 async def test_random_bit_flips(tmp_path: Path, template: Template, template_map: LogMap,
@@ -622,7 +627,7 @@ async def test_a_whole_envelope_that_does_not_decode_met_by_a_runner(tmp_path: P
 
     result = await run_case(tmp_path, template, template_map, caplog, damage)
     assert any(f"queue id {victim.qid}" in ln and f"<{victim.rcpt}>" in ln for ln in result.lost_lines)
-    assert any("met by runner" in r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly")
+    assert any(met_while_running(r.getMessage()) for r in caplog.records if r.name == "spool.read.anomaly")
 
 
 async def test_mta_serve_starts_on_a_whole_envelope_that_does_not_decode(tmp_path: Path, template: Template) -> None:

@@ -77,7 +77,7 @@ def send_mail(port: int, tag: str) -> None:
 def queue_list(config: Path) -> list[Any]:
     run = run_mta("queue", "list", "--json", "--config", str(config), cwd=config.parent)
     assert run.returncode == 0 and run.stderr == "", run.stderr
-    messages: list[Any] = [json.loads(line) for line in run.stdout.splitlines()]  # every message, one a line
+    messages: list[Any] = json.loads(run.stdout)["messages"]  # every message
     return messages
 
 
