@@ -121,7 +121,7 @@ class Supervised(ServeProcess):
         """Until each message's delivery log line with ``status`` is out (its outcome is durable)."""
         def missing() -> set[str]:
             return queue_ids - {m.group(1) for line in self.lines
-                                if (m := re.search(rf" event=delivery qid=(\S+) to=<.*status={status}", line))}
+                                if (m := re.search(rf" event=delivery qid=(\S+) .*to=<.*status={status}", line))}
 
         await self.wait_output(lambda: not missing(), START_TIMEOUT, lambda: f"a {status} line for {sorted(missing())}")
 
@@ -219,7 +219,7 @@ async def test_two_processes_share_the_port_and_deliver_each_message_once(tmp_pa
             assert received_ids(hop) == Counter({f"m{i}@test": 1 for i in range(total)})
             # Shard 1's process names its messages HEX-1 in its delivery log too.
             shard1 = {q for q in ids if q.endswith("-1")}
-            logged = {m.group(1) for line in relay.lines if (m := re.search(r" event=delivery qid=(\S+) to=<", line))}
+            logged = {m.group(1) for line in relay.lines if (m := re.search(r" event=delivery qid=(\S+) .*to=<", line))}
             assert shard1 <= logged
             nursery.cancel_scope.cancel()
 
