@@ -15,6 +15,7 @@ answer itself (docs/operations.md, "Queue administration").
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shlex
@@ -138,8 +139,9 @@ def emit_whole_list(messages: Iterator[dict[str, Any]]) -> None:
     ``total_bytes``), written as it is read: a script reads the whole queue as it reads one page, and memory
     stays one page."""
     total = size = 0
+    first = next(messages, None)  # the first page asked before any output: an error is the answer alone
     click.echo('{"messages": [', nl=False)
-    for message in messages:
+    for message in itertools.chain(() if first is None else (first,), messages):
         click.echo(("," if total else "") + "\n" + json.dumps(message, sort_keys=True), nl=False)
         total += 1
         size += message["size"]
