@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 REPORT_STAMP := $(VENV)/.installed-report
 DEV_STAMP := $(VENV)/.installed-dev
 SYS_STAMP := .sysdeps-installed
-SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless unbound ldnsutils chromium
+SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless unbound ldnsutils chromium \
+	rspamd redis-server opendkim opendkim-tools dovecot-core dovecot-lmtpd postgrey haproxy python3-milter
 
 .PHONY: run report test lint typecheck imports pytest spark-test sysdeps crashtest bench
 
@@ -47,7 +48,9 @@ report: $(REPORT_STAMP)
 
 # System packages the tests use as real peers: swaks and curl (clients), Postfix's
 # smtp-source/smtp-sink, strace, a Java runtime for Spark, unbound with ldnsutils (a validating
-# resolver over a zone signed by ldns-signzone, for the DANE tests), and Chromium (the HTML report in a browser).
+# resolver over a zone signed by ldns-signzone, for the DANE tests), Chromium (the HTML report in a browser),
+# and the mail stack the relay plugs into: rspamd (with redis-server), OpenDKIM, Dovecot's LMTP,
+# postgrey, haproxy, and python3-milter (libmilter's Python binding, for the tests' own milter).
 # A policy-rc.d that says no keeps the packages from starting their own services on install: each test
 # starts its own instance.
 sysdeps:
