@@ -9,6 +9,8 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
+from mta.config.limits import LimitsSection
+from mta.config.policy import PolicySection
 from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
 from mta.config.sections import (
     DeliveryConfig,
@@ -42,6 +44,8 @@ class Config:
     tls_policy: TlsPolicyConfig
     log: LogConfig
     dkim: DkimSection
+    limits: LimitsSection
+    policy: PolicySection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order

@@ -21,6 +21,8 @@ from typing import Any
 import attrs
 
 from mta.config.dkim import DkimSection
+from mta.config.limits import LimitsSection
+from mta.config.policy import PolicySection
 from mta.config.routes import Domain
 from mta.config.values import (
     Address,
@@ -371,6 +373,8 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("tls_policy", TlsPolicyConfig),
     ("log", LogConfig),
     ("dkim", DkimSection),  # its keys, [[dkim.key]], are read by mta.config.dkim.parse_dkim_keys
+    ("limits", LimitsSection),
+    ("policy", PolicySection),
 )
 
 

@@ -52,6 +52,7 @@ from mta.dkim.signer import Signature
 from mta.inbound import wire
 from mta.inbound.accept import accept_loop
 from mta.inbound.admission import Refusal, SessionSlots, Slot
+from mta.inbound.checks import Checks, Denial
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
@@ -126,6 +127,7 @@ class SmtpServer:
         aspool.connected_clients = lambda: self.slots.total  # the inline commit is for a lone client only
         self.reuse_port = False  # set when several relay processes share the listening addresses
         self.auth = Authenticator(config, metrics)
+        self.checks = Checks(config)  # [limits] and [policy]
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
         self.sessions: set[_Session] = set()
         self.draining = False  # a planned stop (``mta.process.lifecycle``): no new connection or transaction
@@ -267,6 +269,7 @@ class _Session:
         self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
         self._pace = wire.Pace()  # a lone client's reads may skip their yield (``mta.inbound.wire``)
         self._idle: trio.CancelScope | None = None  # around a read between transactions: a drain cancels it
+        self.checks = server.checks.session(self)
 
     @property
     def in_transaction(self) -> bool:
@@ -413,7 +416,7 @@ class _Session:
             elif isinstance(ev, MailFrom):
                 self._mail(ev)
             elif isinstance(ev, RcptTo):
-                self._rcpt(ev)
+                await self._rcpt(ev)
             elif isinstance(ev, DataStart):
                 self._data_start()
             elif isinstance(ev, DataChunk):
@@ -442,6 +445,9 @@ class _Session:
             elif isinstance(ev, (Rset, Ehlo, Helo)):
                 self._reset()
             elif isinstance(ev, (Quit, ConnectionClosed)):
+                await self._flush()
+                return
+            if self.checks.closing:  # a 421 of the limits: nothing more is read or answered
                 await self._flush()
                 return
 
@@ -510,12 +516,18 @@ class _Session:
             if self.server.disk.refusal(int(size)) is R_TOO_BIG_FOR_DISK:  # a declared size that can never fit
                 self.conn.reject(R_TOO_BIG_FOR_DISK, "disk")
                 return
+        if denied := self.checks.mail(ev.address, ev.params):
+            self._deny(denied)
+            return
         self.sender = ev.address
         self.mail_from = ev.address
         self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
         self.conn.accept()
 
-    def _rcpt(self, ev: RcptTo) -> None:
+    def _deny(self, denied: Denial) -> None:
+        self.conn.reject(denied.reply, denied.reason)
+
+    async def _rcpt(self, ev: RcptTo) -> None:
         address = self.config.postmaster_alias(ev.address)
         if address is None:
             address = ev.address
@@ -528,6 +540,11 @@ class _Session:
                 self.conn.reject(R_NO_ROUTE, "no_route")
                 return
         # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
+        with self._relay_busy():
+            denied = await self.checks.rcpt(address)
+        if denied:
+            self._deny(denied)
+            return
         if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
             self.recipients.append(address)
         self._transaction(True)
@@ -559,6 +576,14 @@ class _Session:
         if body.discarding or not self.server.disk.ok():
             self._refuse_for_disk(body)
             return
+        with self._relay_busy():
+            checked = await self.checks.end_of_data(body.size)
+        if isinstance(checked, Denial):
+            body.abort()
+            self._deny(checked)
+            return
+        for header in checked.headers:
+            body.add_header(header.encode("utf-8", "surrogateescape") + b"\r\n")
         extra: dict[str, Any] = {"client": self.client_ip}
         message_id = self._message_id.value()
         if message_id is not None:

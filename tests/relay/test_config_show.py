@@ -20,6 +20,8 @@ from process_support import run_mta
 
 from mta.config import Config, ConfigError, parse_config
 from mta.config.dkim import HeaderName
+from mta.config.limits import RateKind, SlotCount
+from mta.config.policy import PolicyServer
 from mta.config.loader import definitions
 from mta.config.routes import Domain
 from mta.config.show import show_config, toml_value
@@ -181,13 +183,24 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
             return st.one_of(st.just(""), raw_values(inner))
         case ListOf(HeaderName(), rule=rule) if rule is not None:  # dkim.headers: From among them
             return st.lists(raw_values(HeaderName()), max_size=4).map(lambda xs: ["From", *xs])
+        case ListOf(OneOf(choices), rule=rule) if rule is not None:  # policy.stages: each once
+            return st.lists(st.sampled_from(choices), unique=True)
         case ListOf(item, least):
             items = st.lists(raw_values(item), min_size=least, max_size=4)
             if isinstance(item, Duration):  # retry intervals must not decrease: sort them by what they mean
                 return items.map(lambda xs: sorted(xs, key=parse_duration))
             return items
+        case SlotCount(low, high):
+            return st.integers(low // 8, min(high, low + 10**6) // 8).map(lambda n: n * 8)
         case Integer(low, high):
             return st.integers(low, min(high, low + 10**6))
+        case RateKind():
+            return st.builds(lambda n, w: f"{n}/{w}", st.integers(1, 10**6),
+                             st.sampled_from(["1s", "90s", "1m", "15m", "1h", "1d", "7d"]))
+        case PolicyServer():
+            return st.one_of(st.integers(1, 65535).map(lambda p: f"inet:127.0.0.1:{p}"),
+                             st.builds(lambda h, p: f"inet:{h}:{p}", HOST, st.integers(1, 65535)),
+                             st.just("unix:/run/policy.sock"), st.just("unix:policy.sock"))
         case Boolean():
             return st.booleans()
         case Fraction():

@@ -1,0 +1,185 @@
+"""The rate limits and the policy servers, as one session meets them: at MAIL, at RCPT, at the end of data.
+
+The session (``mta.inbound.server``) makes one ``SessionChecks`` and calls it
+once per stage; what it returns is a refusal to send (``Denial``) or leave
+to go on. A rate limit's refusal is ``450 4.7.1``; the one that makes
+``[limits] refusals_before_close`` in a session is ``421 4.7.0`` instead
+and ends the session (``closing``): a client that keeps going against its
+limit is not served further. The policy servers are asked after the
+relay's own checks passed, and before the limits count a recipient (so a
+greylisted recipient does not count).
+
+What a policy server is told is what Postfix's smtpd tells it
+(SMTPD_POLICY_README, "Protocol description"), from what this relay knows:
+no reverse DNS is looked up (``client_name`` and ``reverse_client_name`` are
+``unknown``, as Postfix sends them for a client without a name), client
+certificates are never asked for (the ``ccert_*`` are empty), and the
+queue id is known only at the end of data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping
+from typing import Protocol
+
+import attrs
+
+from mta.config import Config
+from mta.limits.limiter import Over, RateLimits
+from mta.observe.tlsinfo import TlsInfo
+from mta.policy.gate import PolicyChecks
+from mta.smtp.common import Reply
+
+__all__ = ["R_LIMIT_CLOSE", "Checks", "Denial", "Passed", "SessionChecks", "SessionView"]
+
+R_LIMIT_CLOSE = Reply(421, "4.7.0", "Error: too many requests over the rate limits, closing connection")
+_SERIAL = itertools.count(1)
+
+
+class _Core(Protocol):
+    @property
+    def helo_name(self) -> str | None: ...
+    @property
+    def authenticated(self) -> str | None: ...
+    @property
+    def esmtp(self) -> bool: ...
+
+
+class SessionView(Protocol):
+    """What the checks read of a session (``mta.inbound.server._Session``)."""
+
+    client_ip: str
+    trusted: bool
+    tls: TlsInfo | None
+    sender: str
+    recipients: list[str]
+    queue_id: str | None
+
+    @property
+    def conn(self) -> _Core: ...
+
+
+@attrs.frozen
+class Denial:
+    """A command refused: ``reply``, the ``reason`` of its reject line, and whether the session ends after it."""
+
+    reply: Reply
+    reason: str
+    close: bool = False
+
+
+@attrs.frozen
+class Passed:
+    """The end of data may go on; ``headers`` (from PREPEND actions) go on top of the message."""
+
+    headers: tuple[str, ...] = ()
+
+
+class Checks:
+    """The relay's limits and policy servers, made once per relay process inside its trio loop.
+
+    Raises (constructor): OSError when the limits' table cannot be opened.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.limits = RateLimits(config.limits)
+        self.policy = PolicyChecks(config.policy)
+
+    def session(self, view: SessionView) -> SessionChecks:
+        return SessionChecks(self, view)
+
+
+class SessionChecks:
+    """One session's state for the checks: its refusals so far, and the transaction's instance, size, headers."""
+
+    def __init__(self, checks: Checks, view: SessionView) -> None:
+        self.checks = checks
+        self.view = view
+        self.refusals = 0
+        self.closing = False
+        self._session = f"{os.getpid():X}.{next(_SERIAL):X}"
+        self._transactions = 0
+        self.instance = ""
+        self.size = 0
+        self.headers: list[str] = []
+
+    def mail(self, sender: str, params: Mapping[str, object]) -> Denial | None:
+        """A MAIL command the relay would accept: counted on the message limits, or refused."""
+        self._transactions += 1
+        self.instance = f"{self._session}.{self._transactions:X}"
+        size = params.get("SIZE")
+        self.size = int(size) if isinstance(size, str) and size.isdigit() else 0
+        self.headers = []
+        v = self.view
+        return self._over(self.checks.limits.at_mail(v.client_ip, v.trusted, v.conn.authenticated, sender))
+
+    async def rcpt(self, recipient: str) -> Denial | None:
+        """A recipient the relay would accept: the policy servers asked, then counted on the recipient limits."""
+        v = self.view
+        policy = self.checks.policy
+        if policy.asked("rcpt", self._trusted()):
+            verdict = await policy.ask(self._attributes("RCPT", recipient, len(v.recipients)))
+            if verdict.reply is not None:
+                return Denial(verdict.reply, verdict.reason)
+            self.headers += verdict.headers
+        return self._over(self.checks.limits.at_rcpt(v.client_ip, v.trusted, v.conn.authenticated, v.sender))
+
+    async def end_of_data(self, size: int) -> Denial | Passed:
+        """The whole message arrived: the policy servers asked at ``data``; the headers to prepend."""
+        v = self.view
+        policy = self.checks.policy
+        if policy.asked("data", self._trusted()):
+            self.size = size
+            one = v.recipients[0] if len(v.recipients) == 1 else ""
+            verdict = await policy.ask(self._attributes("END-OF-MESSAGE", one, len(v.recipients)), v.queue_id)
+            if verdict.reply is not None:
+                return Denial(verdict.reply, verdict.reason)
+            self.headers += verdict.headers
+        return Passed(tuple(self.headers))
+
+    def _trusted(self) -> bool:
+        return self.view.trusted or self.view.conn.authenticated is not None
+
+    def _over(self, over: Over | None) -> Denial | None:
+        if over is None:
+            return None
+        self.refusals += 1
+        if self.refusals >= self.checks.config.limits.refusals_before_close:
+            self.closing = True
+            return Denial(R_LIMIT_CLOSE, "rate_limit", close=True)
+        return Denial(over.reply, "rate_limit")
+
+    def _attributes(self, state: str, recipient: str, count: int) -> dict[str, str]:
+        v = self.view
+        tls = v.tls
+        user = v.conn.authenticated
+        return {
+            "request": "smtpd_access_policy",
+            "protocol_state": state,
+            "protocol_name": "ESMTP" if v.conn.esmtp else "SMTP",
+            "helo_name": v.conn.helo_name or "",
+            "queue_id": v.queue_id or "",
+            "sender": v.sender,
+            "recipient": recipient,
+            "recipient_count": str(count),
+            "client_address": v.client_ip,
+            "client_name": "unknown",
+            "reverse_client_name": "unknown",
+            "instance": self.instance,
+            "sasl_method": "",  # the session keeps who, not how
+            "sasl_username": user or "",
+            "sasl_sender": "",
+            "size": str(self.size),
+            "ccert_subject": "",
+            "ccert_issuer": "",
+            "ccert_fingerprint": "",
+            "ccert_pubkey_fingerprint": "",
+            "encryption_protocol": tls.protocol if tls is not None else "",
+            "encryption_cipher": tls.cipher if tls is not None else "",
+            "encryption_keysize": str(tls.bits) if tls is not None else "0",
+            "etrn_domain": "",
+            "stress": "",
+        }

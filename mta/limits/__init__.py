@@ -1,0 +1,1 @@
+"""Rate limits per client address, per authenticated user and per sender, shared by the relay's processes."""

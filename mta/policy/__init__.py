@@ -1,0 +1,1 @@
+"""Postfix's policy delegation protocol: the codec (``codec``), the client (``client``) and the checks (``gate``)."""
