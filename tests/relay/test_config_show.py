@@ -21,8 +21,8 @@ from process_support import run_mta
 from mta.config import Config, ConfigError, parse_config
 from mta.config.dkim import HeaderName
 from mta.config.limits import RateKind, SlotCount
-from mta.config.policy import PolicyServer
 from mta.config.loader import definitions
+from mta.config.policy import PolicyServer
 from mta.config.routes import Domain
 from mta.config.show import show_config, toml_value
 from mta.config.values import Address, Hostname, Listen, Mailbox, Network, Processes, ReadableFile
