@@ -1,0 +1,121 @@
+"""Rate limits on the real relay: a client over its message limit refused at MAIL, the session that keeps going
+closed with 421, and one limit counted across two relay processes (``mta serve`` with ``processes = 2``)."""
+
+from __future__ import annotations
+
+import re
+import smtplib
+from pathlib import Path
+
+import pytest
+import trio
+from relay_support import NextHop, RawClient, relay_config, start_relay, write_relay_config
+from test_shards import START_TIMEOUT, Supervised
+
+from mta.config import Config, parse_config
+from mta.limits.limiter import RateLimits
+from mta.shards import parse_queue_id
+
+OUTSIDE = "127.0.0.5"
+QUEUED_AS = re.compile(r"queued as (\S+)")
+LIMITS = '\n[relay]\nmynetworks = ["127.0.0.1/32"]\nrelay_domains = ["dest.test"]\n[limits]\n'
+
+
+def limits_config(tmp: Path, hop: int, limits: str) -> Config:
+    return relay_config(str(tmp), {"dest.test": f"smtp://127.0.0.1:{hop}"}, extra=LIMITS + limits)
+
+
+def _send(port: int, source: str, sender: str = "a@example.org") -> tuple[int, str]:
+    """One message on a connection of its own: the reply to MAIL if refused, else to the end of data."""
+    with smtplib.SMTP("127.0.0.1", port, timeout=60, source_address=(source, 0)) as s:
+        s.ehlo("client.example")
+        code, text = s.mail(sender)
+        if code != 250:
+            return code, text.decode()
+        assert s.rcpt("bob@dest.test")[0] == 250
+        code, text = s.data(b"Subject: limits\r\n\r\nhello\r\n")
+        return code, text.decode()
+
+
+async def send(port: int, source: str = OUTSIDE, sender: str = "a@example.org") -> tuple[int, str]:
+    return await trio.to_thread.run_sync(_send, port, source, sender)
+
+
+async def test_a_client_over_its_message_rate_is_refused_at_mail(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        relay = await start_relay(nursery, limits_config(tmp_path, port, 'client_messages = "3/1h"'))
+        got = [await send(relay.ports[0]) for _ in range(4)]
+        assert [code for code, _ in got] == [250, 250, 250, 450]
+        assert got[3][1] == "4.7.1 Error: too much mail from 127.0.0.5, try again later"
+        assert (await send(relay.ports[0], "127.0.0.6"))[0] == 250  # another client has its own count
+        assert (await send(relay.ports[0], "127.0.0.1"))[0] == 250  # mynetworks is exempt
+        assert (await send(relay.ports[0]))[0] == 450  # still over
+        await hop.wait_messages(5)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_session_that_keeps_going_over_its_limit_gets_421_and_is_closed(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        relay = await start_relay(nursery, limits_config(
+            tmp_path, port, 'client_recipients = "2/1h"\nrefusals_before_close = 2'))
+        client = await RawClient.connect(relay.ports[0], source=OUTSIDE)
+        assert await client.code() == 220
+        assert (await client.command(b"EHLO client.example"))[0].startswith(b"250")
+        assert (await client.command(b"MAIL FROM:<a@example.org>"))[0][:3] == b"250"
+        # Pipelined: the 421 is the last reply; nothing after it is answered.
+        await client.send(b"RCPT TO:<r1@dest.test>\r\nRCPT TO:<r2@dest.test>\r\nRCPT TO:<r3@dest.test>\r\n"
+                          b"RCPT TO:<r4@dest.test>\r\nRCPT TO:<r5@dest.test>\r\n")
+        rest = await client.closed()
+        assert rest == (b"250 2.1.5 Ok\r\n250 2.1.5 Ok\r\n"
+                        b"450 4.7.1 Error: too many recipients from 127.0.0.5, try again later\r\n"
+                        b"421 4.7.0 Error: too many requests over the rate limits, closing connection\r\n")
+        nursery.cancel_scope.cancel()
+
+
+def test_who_is_counted_on_what(tmp_path: Path) -> None:
+    """Users by name whatever their address, senders without regard to case, the null sender never, and
+    mynetworks not at all while exempt."""
+    config = parse_config(f'[limits]\nclient_messages = "1/1h"\nuser_messages = "2/1h"\nsender_messages = "3/1h"\n'
+                          f'table = "{tmp_path}/t"\n')
+    limits = RateLimits(config.limits)
+    assert limits.at_mail("192.0.2.1", False, "alice", "x@example.org") is None
+    assert limits.at_mail("192.0.2.2", False, "alice", "y@example.org") is None
+    over = limits.at_mail("192.0.2.3", False, "alice", "z@example.org")
+    assert over is not None and over.limit == "user_messages" and "this user" in over.reply.text
+    assert limits.at_mail("198.51.100.1", False, None, "X@Example.org") is None
+    assert limits.at_mail("198.51.100.2", False, None, "x@example.org") is None
+    over = limits.at_mail("198.51.100.3", False, None, "x@EXAMPLE.org")
+    assert over is not None and over.limit == "sender_messages"
+    over = limits.at_mail("198.51.100.1", False, None, "")
+    assert over is not None and over.limit == "client_messages"  # the null sender: only the client counts
+    for _ in range(5):
+        assert limits.at_mail("127.0.0.1", True, None, "x@example.org") is None  # exempt
+
+
+@pytest.mark.slow
+async def test_two_processes_count_one_limit(tmp_path: Path) -> None:
+    """A client limited to 12 messages an hour, its connections spread by the kernel over two processes:
+    exactly 12 are accepted in all, by both processes, and both refuse the ones after."""
+    limit, after = 12, 16
+    with trio.fail_after(START_TIMEOUT + 120):
+        async with trio.open_nursery() as nursery:
+            hop = NextHop()
+            hop_port = await hop.start(nursery)
+            config = write_relay_config(tmp_path, {"dest.test": f"smtp://127.0.0.1:{hop_port}"},
+                                        extra=f"processes = 2\n{LIMITS}client_messages = \"{limit}/1h\"\n")
+            relay = Supervised(config)
+            pids = await relay.start(nursery, shards=2)
+            got = [await send(relay.port) for _ in range(limit + after)]
+            assert [code for code, _ in got] == [250] * limit + [450] * after
+            shards = {parse_queue_id(QUEUED_AS.search(text).group(1))[0] for _, text in got[:limit]}  # type: ignore[union-attr]
+            assert shards == {0, 1}
+            refusing = {int(m.group(1)) for line in relay.lines
+                        if "event=reject" in line and "reason=rate_limit" in line
+                        and (m := re.search(r"\[(\d+)\]", line))}
+            assert refusing == set(pids.values())
+            await hop.wait_messages(limit)
+            nursery.cancel_scope.cancel()
