@@ -80,12 +80,12 @@ class Passed:
 class Checks:
     """The relay's limits and policy servers, made once per relay process inside its trio loop.
 
-    Raises (constructor): OSError when the limits' table cannot be opened.
+    Raises (constructor): StartError when the limits' table cannot be opened.
     """
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.limits = RateLimits(config.limits)
+        self.limits = RateLimits(config.limits, config.source)
         self.policy = PolicyChecks(config.policy)
 
     def session(self, view: SessionView) -> SessionChecks:

@@ -22,6 +22,7 @@ import time
 import attrs
 
 from mta.config.limits import LimitsSection, Rate
+from mta.errors import StartError
 from mta.limits.table import Counter, RateTable
 from mta.smtp.common import Reply
 
@@ -39,12 +40,18 @@ class Over:
 class RateLimits:
     """The relay's limits and the shared table; ``None`` table when no limit is set.
 
-    Raises (constructor): OSError when the table file cannot be opened or mapped.
     """
 
-    def __init__(self, section: LimitsSection) -> None:
+    def __init__(self, section: LimitsSection, source: str = "") -> None:
+        """Raises StartError (``source``'s ``limits.table``) when the table cannot be opened or mapped."""
         self.section = section
-        self.table = RateTable(section.table, section.table_slots) if section.any() else None
+        self.table: RateTable | None = None
+        if section.any():
+            try:
+                self.table = RateTable(section.table, section.table_slots)
+            except OSError as exc:
+                raise StartError(f"cannot open the counter table {section.table}: {exc.strerror or exc}", source,
+                                 "limits.table") from None
 
     def at_mail(self, client_ip: str, trusted: bool, user: str | None, sender: str) -> Over | None:
         return self._take("messages", client_ip, trusted, user, sender)

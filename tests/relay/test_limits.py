@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import trio
+from process_support import ServeProcess
 from relay_support import NextHop, RawClient, relay_config, start_relay, write_relay_config
-from test_shards import START_TIMEOUT, Supervised
 
 from mta.config import Config, parse_config
 from mta.limits.limiter import RateLimits
@@ -18,7 +18,28 @@ from mta.shards import parse_queue_id
 
 OUTSIDE = "127.0.0.5"
 QUEUED_AS = re.compile(r"queued as (\S+)")
+SHARD_UP = re.compile(r"listening on 127\.0\.0\.1:(\d+), spool \S+, shard (\d+) \(pid (\d+)\)")
+START_TIMEOUT = 180  # a loaded two-core machine takes a while to start two Python relays
 LIMITS = '\n[relay]\nmynetworks = ["127.0.0.1/32"]\nrelay_domains = ["dest.test"]\n[limits]\n'
+
+
+class Supervised(ServeProcess):
+    """``mta serve`` with two processes; ``pids`` once both listen (their "listening ... shard K (pid P)")."""
+
+    port = 0
+
+    def pids(self) -> dict[int, int]:
+        up = {}
+        for line in self.lines:
+            if m := SHARD_UP.search(line):
+                self.port = int(m.group(1))
+                up[int(m.group(2))] = int(m.group(3))
+        return up
+
+    async def start(self, nursery: trio.Nursery) -> dict[int, int]:
+        await self.launch(nursery)
+        await self.wait_output(lambda: len(self.pids()) == 2, START_TIMEOUT, "both shards listening")
+        return self.pids()
 
 
 def limits_config(tmp: Path, hop: int, limits: str) -> Config:
@@ -108,10 +129,10 @@ async def test_two_processes_count_one_limit(tmp_path: Path) -> None:
             config = write_relay_config(tmp_path, {"dest.test": f"smtp://127.0.0.1:{hop_port}"},
                                         extra=f"processes = 2\n{LIMITS}client_messages = \"{limit}/1h\"\n")
             relay = Supervised(config)
-            pids = await relay.start(nursery, shards=2)
+            pids = await relay.start(nursery)
             got = [await send(relay.port) for _ in range(limit + after)]
             assert [code for code, _ in got] == [250] * limit + [450] * after
-            shards = {parse_queue_id(QUEUED_AS.search(text).group(1))[0] for _, text in got[:limit]}  # type: ignore[union-attr]
+            shards = {parse_queue_id(m.group(1))[0] for _, text in got[:limit] if (m := QUEUED_AS.search(text))}
             assert shards == {0, 1}
             refusing = {int(m.group(1)) for line in relay.lines
                         if "event=reject" in line and "reason=rate_limit" in line
