@@ -83,13 +83,20 @@ class Checks:
     Raises (constructor): StartError when the limits' table cannot be opened.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, previous: Checks | None = None) -> None:
+        """``previous``: the checks a reload replaces (their counter table is kept if it is the same)."""
         self.config = config
-        self.limits = RateLimits(config.limits, config.source)
+        table = previous.limits.table if previous is not None else None
+        self.limits: RateLimits = RateLimits(config.limits, config.source, table)
         self.policy = PolicyChecks(config.policy)
 
     def session(self, view: SessionView) -> SessionChecks:
         return SessionChecks(self, view)
+
+    def close(self) -> None:
+        """Replaced by a reload: the idle policy connections are closed (the table stays mapped while
+        sessions that began before the reload still use it)."""
+        self.policy.close()
 
 
 class SessionChecks:

@@ -42,11 +42,16 @@ class RateLimits:
 
     """
 
-    def __init__(self, section: LimitsSection, source: str = "") -> None:
-        """Raises StartError (``source``'s ``limits.table``) when the table cannot be opened or mapped."""
+    def __init__(self, section: LimitsSection, source: str = "", previous: RateTable | None = None) -> None:
+        """``previous``: the table of the limits this replaces (a reload), kept if it is the same file and size.
+
+        Raises StartError (``source``'s ``limits.table``) when the table cannot be opened or mapped.
+        """
         self.section = section
         self.table: RateTable | None = None
-        if section.any():
+        if previous is not None and (previous.path, previous.slots) == (section.table, section.table_slots):
+            self.table = previous
+        elif section.any():
             try:
                 self.table = RateTable(section.table, section.table_slots)
             except OSError as exc:

@@ -1,7 +1,8 @@
 """SIGHUP: read the config file again and apply what can change while the relay runs.
 
 What changes live: every setting the SMTP sessions read (limits, timeouts,
-relay networks and domains, ``[submission]`` and its users file), the TLS
+relay networks and domains, ``[submission]`` and its users file, ``[limits]``
+and ``[policy]``), the TLS
 certificate and key, the DKIM keys, the routes and the rest of ``[delivery]``
 that the scheduler reads per message. A session already open keeps the
 settings it started with; the next one gets the new ones. What needs a
@@ -43,7 +44,7 @@ RESTART: frozenset[tuple[str, str]] = frozenset({
     ("delivery", "mx_port"), ("delivery", "tls_ca_file"),
     ("log", "level"), ("log", "format"),
 })
-SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim")
+SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "limits", "policy")
 RESTART_SECTIONS = frozenset({"spool", "tls_policy"})  # the engine's and the outgoing transport's, read at start
 LIVE: frozenset[tuple[str, str]] = frozenset({("spool", "queue_minfree")})  # read by the sessions' disk check
 
@@ -94,6 +95,7 @@ def reload(relay: Relay) -> bool:
     """Read ``relay.config.source`` again and apply it; one log line either way. Returns whether it applied."""
     from mta.dkim import signer_for
     from mta.dkim.accept import AcceptSigner
+    from mta.inbound.checks import Checks
     from mta.inbound.submission import Authenticator
     from mta.process.startup import check_dkim_keys, check_tls, check_users_file
 
@@ -108,6 +110,7 @@ def reload(relay: Relay) -> bool:
         signer = signer_for(new)
         server = relay.server
         auth = Authenticator(new, relay.metrics) if server is not None else None
+        checks = Checks(new, server.checks) if server is not None else None
     except (ConfigError, StartError, OSError, ValueError) as exc:
         event(log, "reload_failed", level=logging.ERROR, config=old.source, error=" ".join(str(exc).split()),
               action="serving on with the config already loaded")
@@ -121,6 +124,9 @@ def reload(relay: Relay) -> bool:
         assert auth is not None
         server.auth = auth
         server.disk.minfree = new.spool.queue_minfree
+        assert checks is not None
+        server.checks.close()
+        server.checks = checks
     relay.scheduler.config = new
     reread = [name for name, present in (
         ("tls_cert", new.server.tls_cert is not None), ("dkim.key", bool(new.dkim_keys)),

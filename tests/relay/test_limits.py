@@ -12,8 +12,9 @@ import trio
 from process_support import ServeProcess
 from relay_support import NextHop, RawClient, relay_config, start_relay, write_relay_config
 
-from mta.config import Config, parse_config
+from mta.config import Config, load_config, parse_config
 from mta.limits.limiter import RateLimits
+from mta.process.reload import reload
 from mta.shards import parse_queue_id
 
 OUTSIDE = "127.0.0.5"
@@ -140,3 +141,17 @@ async def test_two_processes_count_one_limit(tmp_path: Path) -> None:
             assert refusing == set(pids.values())
             await hop.wait_messages(limit)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_reload_changes_the_limits_of_the_next_sessions(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        path = write_relay_config(tmp_path, {"dest.test": f"smtp://127.0.0.1:{port}"},
+                                  extra=LIMITS + 'client_messages = "1/1h"\n')
+        relay = await start_relay(nursery, load_config(path))
+        assert [(await send(relay.ports[0]))[0] for _ in range(2)] == [250, 450]
+        path.write_text(path.read_text().replace('"1/1h"', '"3/1h"'))
+        assert reload(relay)
+        assert [(await send(relay.ports[0]))[0] for _ in range(3)] == [250, 250, 450]
+        nursery.cancel_scope.cancel()
