@@ -129,6 +129,12 @@ class ScriptedPolicy:
         self.port = int(listeners[0].socket.getsockname()[1])
         return self.port
 
+    async def start_unix(self, nursery: trio.Nursery, path: Path) -> None:
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await sock.bind(str(path))
+        sock.listen()
+        await nursery.start(trio.serve_listeners, self._serve, [trio.SocketListener(sock)])
+
     async def _serve(self, stream: trio.SocketStream) -> None:
         self.connections += 1
         buf = b""
@@ -253,3 +259,16 @@ async def test_servers_in_order_at_rcpt_and_end_of_data_over_one_connection(
         await hop.wait_messages(1)
         nursery.cancel_scope.cancel()
 
+
+
+async def test_a_server_on_a_unix_socket(tmp_path: Path) -> None:
+    """``unix:policy.sock`` resolves against the config file's directory, as every path in it."""
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        server = ScriptedPolicy(lambda r: "REJECT 5.7.1 not from " + r["client_address"])
+        await server.start_unix(nursery, tmp_path / "policy.sock")
+        relay = await start_relay(nursery, policy_config(tmp_path, port, 'servers = ["unix:policy.sock"]'))
+        got = await attempt(relay.ports[0], "a@example.org", ["bob@dest.test"])
+        assert got == [(554, "5.7.1 not from 127.0.0.5")]
+        nursery.cancel_scope.cancel()
