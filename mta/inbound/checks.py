@@ -156,8 +156,8 @@ class SessionChecks:
         self.refusals += 1
         if self.refusals >= self.checks.config.limits.refusals_before_close:
             self.closing = True
-            return Denial(R_LIMIT_CLOSE, "rate_limit", close=True)
-        return Denial(over.reply, "rate_limit")
+            return Denial(R_LIMIT_CLOSE, over.limit, close=True)
+        return Denial(over.reply, over.limit)
 
     def _attributes(self, state: str, recipient: str, count: int) -> dict[str, str]:
         v = self.view

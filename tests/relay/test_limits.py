@@ -136,7 +136,7 @@ async def test_two_processes_count_one_limit(tmp_path: Path) -> None:
             shards = {parse_queue_id(m.group(1))[0] for _, text in got[:limit] if (m := QUEUED_AS.search(text))}
             assert shards == {0, 1}
             refusing = {int(m.group(1)) for line in relay.lines
-                        if "event=reject" in line and "reason=rate_limit" in line
+                        if "event=reject" in line and "reason=client_messages" in line
                         and (m := re.search(r"\[(\d+)\]", line))}
             assert refusing == set(pids.values())
             await hop.wait_messages(limit)
