@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import attrs
@@ -90,8 +91,9 @@ class Checks:
         self.limits: RateLimits = RateLimits(config.limits, config.source, table)
         self.policy = PolicyChecks(config.policy)
 
-    def session(self, view: SessionView) -> SessionChecks:
-        return SessionChecks(self, view)
+    def session(self, view: SessionView, busy: Callable[[], AbstractContextManager[None]]) -> SessionChecks:
+        """``busy``: entered around each wait for a policy server (the relay's time, not the client's)."""
+        return SessionChecks(self, view, busy)
 
     def close(self) -> None:
         """Replaced by a reload: the idle policy connections are closed (the table stays mapped while
@@ -102,9 +104,10 @@ class Checks:
 class SessionChecks:
     """One session's state for the checks: its refusals so far, and the transaction's instance, size, headers."""
 
-    def __init__(self, checks: Checks, view: SessionView) -> None:
+    def __init__(self, checks: Checks, view: SessionView, busy: Callable[[], AbstractContextManager[None]]) -> None:
         self.checks = checks
         self.view = view
+        self.busy = busy
         self.refusals = 0
         self.closing = False
         self._session = f"{os.getpid():X}.{next(_SERIAL):X}"
@@ -128,7 +131,8 @@ class SessionChecks:
         v = self.view
         policy = self.checks.policy
         if policy.asked("rcpt", self._trusted()):
-            verdict = await policy.ask(self._attributes("RCPT", recipient, len(v.recipients)))
+            with self.busy():
+                verdict = await policy.ask(self._attributes("RCPT", recipient, 0))
             if verdict.reply is not None:
                 return Denial(verdict.reply, verdict.reason)
             self.headers += verdict.headers
@@ -141,7 +145,8 @@ class SessionChecks:
         if policy.asked("data", self._trusted()):
             self.size = size
             one = v.recipients[0] if len(v.recipients) == 1 else ""
-            verdict = await policy.ask(self._attributes("END-OF-MESSAGE", one, len(v.recipients)), v.queue_id)
+            with self.busy():
+                verdict = await policy.ask(self._attributes("END-OF-MESSAGE", one, len(v.recipients)), v.queue_id)
             if verdict.reply is not None:
                 return Denial(verdict.reply, verdict.reason)
             self.headers += verdict.headers

@@ -269,7 +269,7 @@ class _Session:
         self._expected: int | None = None  # the token of this session's announced commit (``expect_commit``)
         self._pace = wire.Pace()  # a lone client's reads may skip their yield (``mta.inbound.wire``)
         self._idle: trio.CancelScope | None = None  # around a read between transactions: a drain cancels it
-        self.checks = server.checks.session(self)
+        self.checks = server.checks.session(self, self._relay_busy)
 
     @property
     def in_transaction(self) -> bool:
@@ -540,9 +540,7 @@ class _Session:
                 self.conn.reject(R_NO_ROUTE, "no_route")
                 return
         # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
-        with self._relay_busy():
-            denied = await self.checks.rcpt(address)
-        if denied:
+        if denied := await self.checks.rcpt(address):
             self._deny(denied)
             return
         if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
@@ -576,8 +574,7 @@ class _Session:
         if body.discarding or not self.server.disk.ok():
             self._refuse_for_disk(body)
             return
-        with self._relay_busy():
-            checked = await self.checks.end_of_data(body.size)
+        checked = await self.checks.end_of_data(body.size)
         if isinstance(checked, Denial):
             body.abort()
             self._deny(checked)
