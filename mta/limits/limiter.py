@@ -17,6 +17,7 @@ limits as the window slides. Who is counted on what:
 
 from __future__ import annotations
 
+import functools
 import time
 
 import attrs
@@ -35,6 +36,12 @@ class Over:
 
     reply: Reply
     limit: str
+
+
+@functools.lru_cache(maxsize=4096)
+def _counter(name: str, limit: int, window: int) -> Counter:
+    """A session takes on the same few counters at each MAIL and RCPT: their digests are made once."""
+    return Counter(name, limit, window)
 
 
 class RateLimits:
@@ -75,7 +82,7 @@ class RateLimits:
             wanted.append(("client", getattr(self.section, f"client_{what}"), client_ip, client_ip))
         if sender and not exempt:
             wanted.append(("sender", getattr(self.section, f"sender_{what}"), sender.lower(), "this sender"))
-        counters = {Counter(f"{kind}:{key}:{what}", rate.count, rate.window): (kind, whom)
+        counters = {_counter(f"{kind}:{key}:{what}", rate.count, rate.window): (kind, whom)
                     for kind, rate, key, whom in wanted if rate is not None}
         full = self.table.take(list(counters), time.time())
         if full is None:
