@@ -52,6 +52,7 @@ _ENHANCED = re.compile(r"([245])\.([0-9]{1,3})\.([0-9]{1,3})(?:\s+(.*))?", re.DO
 _HEADER = re.compile(r"[!-9;-~]+:[^\r\n]*")
 # What of a server's text reaches the client: printable ASCII on one line (the client may not speak SMTPUTF8).
 _UNSAFE = re.compile(r"[^\x20-\x7e]")
+MAX_HEADER = 998  # a header line's limit (RFC 5322 §2.1.1), CRLF apart
 MAX_TEXT = 400  # an SMTP reply line is at most 512 bytes (RFC 5321 §4.5.3.1.5) with the codes
 DEFAULT_REJECT = "Access denied"
 DEFAULT_DEFER = "Try again later"
@@ -219,7 +220,7 @@ def parse_action(reply: Mapping[str, str]) -> Action:
             return DeferIfPermit(deferral)
         return DeferIfReject(deferral) if upper == "DEFER_IF_REJECT" else Refuse(deferral)
     if upper == "PREPEND":
-        if not _HEADER.fullmatch(rest):
+        if not _HEADER.fullmatch(rest) or len(rest.encode("utf-8", "surrogateescape")) > MAX_HEADER:
             return Unsupported(text[:200])
         return Prepend(rest)
     if upper == "WARN":

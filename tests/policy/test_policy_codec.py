@@ -95,6 +95,7 @@ def test_a_broken_reply_is_a_protocol_error() -> None:
     ("554", Refuse(Reply(554, "5.7.1", "Access denied"))),
     ("PREPEND X-Greylist: delayed 3 seconds", Prepend("X-Greylist: delayed 3 seconds")),
     ("PREPEND not a header", Unsupported("PREPEND not a header")),
+    ("PREPEND X-Long: " + "x" * 990, Unsupported(("PREPEND X-Long: " + "x" * 990)[:200])),
     ("WARN odd client", Warn("odd client")),
     ("FILTER smtp:[10.0.0.1]", Unsupported("FILTER smtp:[10.0.0.1]")),
     ("HOLD", Unsupported("HOLD")),
