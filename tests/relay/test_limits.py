@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import re
 import smtplib
+import subprocess
 from pathlib import Path
 
 import pytest
 import trio
+import trustme
 from process_support import ServeProcess
-from relay_support import NextHop, RawClient, relay_config, start_relay, write_relay_config
+from relay_support import NextHop, RawClient, relay_config, start_relay, tls_files, write_relay_config
 
+from mta.auth.users import add_user
 from mta.config import Config, load_config, parse_config
+from mta.inbound.server import Port
 from mta.limits.limiter import RateLimits
 from mta.process.reload import reload
 from mta.shards import parse_queue_id
 
 OUTSIDE = "127.0.0.5"
+PASSWORD = "correct horse battery staple"
 QUEUED_AS = re.compile(r"queued as (\S+)")
 SHARD_UP = re.compile(r"listening on 127\.0\.0\.1:(\d+), spool \S+, shard (\d+) \(pid (\d+)\)")
 START_TIMEOUT = 180  # a loaded two-core machine takes a while to start two Python relays
@@ -154,4 +159,43 @@ async def test_a_reload_changes_the_limits_of_the_next_sessions(tmp_path: Path) 
         path.write_text(path.read_text().replace('"1/1h"', '"3/1h"'))
         assert reload(relay)
         assert [(await send(relay.ports[0]))[0] for _ in range(3)] == [250, 250, 450]
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture(scope="module")
+def users_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One user, alice (made once: an Argon2 hash takes a third of a second)."""
+    path = tmp_path_factory.mktemp("users") / "users"
+    add_user(str(path), "alice", PASSWORD)
+    return path
+
+
+def _swaks(port: int, source: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["swaks", "--server", f"127.0.0.1:{port}", "--local-interface", source, "--from", "alice@example.org",
+         "--to", "bob@dest.test", "--tls", "--auth", "PLAIN", "--auth-user", "alice", "--auth-password", PASSWORD,
+         "--timeout", "30"], capture_output=True, text=True, timeout=60, check=False)
+
+
+async def test_an_authenticated_user_is_counted_as_the_user_from_any_address(
+        tmp_path: Path, ca: trustme.CA, users_file: Path) -> None:
+    """swaks over STARTTLS and AUTH on the submission port: the user's limit holds across client addresses, and
+    the client limit (1 here) does not apply to an authenticated session."""
+    cert, key = tls_files(tmp_path, ca)
+    tls = f'tls_cert = "{cert}"\ntls_key = "{key}"\n'  # in [server]
+    submission = f'[submission]\nlisten = ["127.0.0.1:0"]\nusers_file = "{users_file}"\n'
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        config = relay_config(str(tmp_path), {"dest.test": f"smtp://127.0.0.1:{port}"},
+                              extra=tls + LIMITS.replace("[limits]\n", "") + submission
+                              + '[limits]\nclient_messages = "1/1h"\nuser_messages = "2/1h"\n')
+        relay = await start_relay(nursery, config)
+        sub = relay.ports_of(Port.SUBMISSION)[0]
+        runs = [await trio.to_thread.run_sync(_swaks, sub, source) for source in ("127.0.0.5", "127.0.0.5",
+                                                                                  "127.0.0.6")]
+        assert "250 2.0.0 Ok: queued as" in runs[0].stdout and "250 2.0.0 Ok: queued as" in runs[1].stdout
+        assert "<~* 450 4.7.1 Error: too much mail from this user, try again later" in runs[2].stdout, runs[2].stdout
+        assert (await send(relay.ports[0]))[0] == 250  # unauthenticated from 127.0.0.5: its own client count
+        assert (await send(relay.ports[0]))[0] == 450
         nursery.cancel_scope.cancel()
