@@ -87,6 +87,9 @@ class SlotCount(Integer):
 class LimitsSection:
     """``[limits]``: rate limits (see "Limits" in docs/operations.md for the replies and the exemptions)."""
 
+    client_connections: Rate | None = setting(
+        _OPTIONAL_RATE, "connections from one client address; over it, the connection gets `421 4.7.0` before the "
+        "greeting and is closed (Postfix's smtpd_client_connection_rate_limit)")
     client_messages: Rate | None = setting(
         _OPTIONAL_RATE, "messages (MAIL commands accepted) from one client address; over it, MAIL gets `450 4.7.1`")
     client_recipients: Rate | None = setting(
@@ -114,5 +117,5 @@ class LimitsSection:
     def any(self) -> bool:
         """Whether some limit is on (else no table is opened)."""
         return any(getattr(self, name) is not None for name in (
-            "client_messages", "client_recipients", "user_messages", "user_recipients", "sender_messages",
-            "sender_recipients"))
+            "client_connections", "client_messages", "client_recipients", "user_messages", "user_recipients",
+            "sender_messages", "sender_recipients"))

@@ -58,6 +58,7 @@ from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
 from mta.inbound.message_id import MessageIdPeek
 from mta.inbound.submission import Authenticator
+from mta.limits.limiter import Over
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from mta.observe.tlsinfo import TlsInfo, tls_info
@@ -194,6 +195,9 @@ class SmtpServer:
         if isinstance(slot, Refusal) or self.draining:
             await self._refuse(stream, client_ip, slot)
             return
+        if over := self.checks.limits.at_connect(client_ip, slot.trusted):
+            await self._refuse(stream, client_ip, slot, over)
+            return
         self.metrics.sessions.inc()
         session = _Session(self, stream, client_ip, port, trusted=slot.trusted)
         self.sessions.add(session)
@@ -216,10 +220,17 @@ class SmtpServer:
             else:
                 await trio.aclose_forcefully(session.stream)
 
-    async def _refuse(self, stream: trio.SocketStream, client_ip: str, why: Refusal | Slot) -> None:
-        """Over a session limit (``421 4.7.0``) or draining (``421 4.3.2``): that reply and close, before any
-        greeting. A slot taken while draining is released here."""
-        if isinstance(why, Refusal):
+    async def _refuse(self, stream: trio.SocketStream, client_ip: str, why: Refusal | Slot,
+                      over: Over | None = None) -> None:
+        """Over a session limit or the connection rate (``421 4.7.0``) or draining (``421 4.3.2``): that reply and
+        close, before any greeting. A slot taken (draining, or over the rate) is released here."""
+        if over is not None and isinstance(why, Slot):
+            reply = over.reply
+            self.slots.release(why)
+            self.metrics.rejected.labels(over.limit).inc()
+            event(log, "reject", level=logging.WARNING, client=client_ip, command="CONNECT", reply=str(reply),
+                  reason=over.limit)
+        elif isinstance(why, Refusal):
             reply = R_TOO_MANY_SESSIONS
             self.metrics.sessions_refused.labels(why.value).inc()
             event(log, "reject", level=logging.WARNING, client=client_ip, command="CONNECT",

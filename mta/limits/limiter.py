@@ -65,6 +65,17 @@ class RateLimits:
                 raise StartError(f"cannot open the counter table {section.table}: {exc.strerror or exc}", source,
                                  "limits.table") from None
 
+    def at_connect(self, client_ip: str, trusted: bool) -> Over | None:
+        """A new connection: counted on ``client_connections`` (unless exempt), or refused with ``421 4.7.0``."""
+        rate = self.section.client_connections
+        if self.table is None or rate is None or (trusted and self.section.exempt_mynetworks):
+            return None
+        counter = _counter(f"client:{client_ip}:connections", rate.count, rate.window)
+        if self.table.take([counter], time.time()) is None:
+            return None
+        return Over(Reply(421, "4.7.0", f"Error: too many connections from {client_ip}, try again later"),
+                    "client_connections")
+
     def at_mail(self, client_ip: str, trusted: bool, user: str | None, sender: str) -> Over | None:
         return self._take("messages", client_ip, trusted, user, sender)
 

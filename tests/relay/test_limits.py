@@ -199,3 +199,21 @@ async def test_an_authenticated_user_is_counted_as_the_user_from_any_address(
         assert (await send(relay.ports[0]))[0] == 250  # unauthenticated from 127.0.0.5: its own client count
         assert (await send(relay.ports[0]))[0] == 450
         nursery.cancel_scope.cancel()
+
+
+async def test_a_client_over_its_connection_rate_gets_421_before_the_greeting(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        relay = await start_relay(nursery, limits_config(tmp_path, port, 'client_connections = "2/1h"'))
+        for _ in range(2):
+            client = await RawClient.connect(relay.ports[0], source=OUTSIDE)
+            assert await client.code() == 220
+            await client.aclose()
+        refused = await RawClient.connect(relay.ports[0], source=OUTSIDE)
+        assert await refused.closed() == b"421 4.7.0 Error: too many connections from 127.0.0.5, try again later\r\n"
+        for source in ("127.0.0.6", "127.0.0.1", "127.0.0.1", "127.0.0.1"):  # another client; mynetworks is exempt
+            client = await RawClient.connect(relay.ports[0], source=source)
+            assert await client.code() == 220
+            await client.aclose()
+        nursery.cancel_scope.cancel()
