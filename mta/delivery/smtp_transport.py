@@ -89,14 +89,16 @@ class HopFailed(Exception):
     """This hop cannot take the mail now; ``reply`` is what it said, if anything; ``cause`` one word for why.
 
     ``result``: a TLS failure's RFC 8460 result type (``starttls-not-supported`` ...), for TLS-RPT.
+    ``enhanced``: the RFC 3463 code of a failure of TLS the hop required (``security_code``), else empty.
     """
 
     def __init__(self, message: str, reply: Reply | None = None, cause: str = "protocol",
-                 result: str | None = None) -> None:
+                 result: str | None = None, enhanced: str = "") -> None:
         super().__init__(message)
         self.reply = reply
         self.cause = cause
         self.result = result
+        self.enhanced = enhanced
 
 
 class StaleConnection(HopFailed):
@@ -119,13 +121,30 @@ def _verify_result(reason: BaseException) -> str:
     return "validation-failure"
 
 
+def security_code(hop_tls: HopTls, result: str | None) -> str:
+    """RFC 3463's code for a failure of TLS that ``hop_tls`` requires (a route's or a policy's), else empty.
+
+    As Postfix names them: no STARTTLS where it is required is ``4.7.4``
+    (security features not supported); a handshake, certificate or DANE
+    failure is ``4.7.5`` (cryptographic failure). Opportunistic TLS that fails
+    is no security failure: that hop's deferral stays ``4.4.1``.
+    """
+    if result is None or not hop_tls.requires_tls:
+        return ""
+    return "4.7.4" if result == "starttls-not-supported" else "4.7.5"
+
+
 @attrs.frozen
 class HopFailure:
-    """One address that could not take the batch: ``cause`` (one word) and ``detail`` (what happened)."""
+    """One address that could not take the batch: ``cause`` (one word) and ``detail`` (what happened).
+
+    ``enhanced``: the security code of a failure of required TLS (``security_code``), else empty.
+    """
 
     hop: str
     cause: str
     detail: str
+    enhanced: str = ""
 
     def __str__(self) -> str:
         return f"{self.hop}: {self.detail}"
@@ -156,7 +175,7 @@ def _first_os_error(exc: OSError) -> OSError:
 def classify(exc: BaseException, hop: str, stage: str) -> HopFailure:
     """What went wrong at ``hop`` while it was in ``stage`` (``Session.stage``), for the log and the reply."""
     if isinstance(exc, HopFailed):
-        return HopFailure(hop, exc.cause, f"{exc}" + (f": {exc.reply}" if exc.reply else ""))
+        return HopFailure(hop, exc.cause, f"{exc}" + (f": {exc.reply}" if exc.reply else ""), exc.enhanced)
     if isinstance(exc, trio.TooSlowError):
         return HopFailure(hop, "timeout", f"timed out while {stage}")
     if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
@@ -172,6 +191,15 @@ def classify(exc: BaseException, hop: str, stage: str) -> HopFailure:
     if isinstance(exc, RemoteProtocolError):
         return HopFailure(hop, "protocol", f"protocol error while {stage}: {exc}")
     return HopFailure(hop, "error", f"{type(exc).__name__} while {stage}: {exc}")
+
+
+def deferral_code(failures: Sequence[HopFailure]) -> str:
+    """The enhanced code of a batch that no hop took: a security code only when every hop failed on the TLS it
+    required (``4.7.4`` when none offered it, else ``4.7.5``); any other failure among them makes it ``4.4.1``."""
+    codes = {f.enhanced for f in failures}
+    if not failures or "" in codes:
+        return "4.4.1"
+    return "4.7.4" if codes == {"4.7.4"} else "4.7.5"
 
 
 def failure_text(failures: Sequence[HopFailure]) -> str:
@@ -492,7 +520,7 @@ class SmtpTransport:
             await cached.close()
         if hop_tls.refuse:
             self.policies.record(hop_tls, hop, hop_tls.refuse_result, detail=hop_tls.refuse)
-            raise HopFailed(hop_tls.refuse, cause="tls", result=hop_tls.refuse_result)
+            raise HopFailed(hop_tls.refuse, cause="tls", result=hop_tls.refuse_result, enhanced="4.7.5")
         try:
             return await self._open(hop, hop_tls, qids)
         except HopFailed as exc:
@@ -520,7 +548,8 @@ class SmtpTransport:
             failure = classify(exc, _label(hop), session.stage)
             if exc.result is not None:
                 self.policies.record(hop_tls, hop, exc.result, local=local, detail=str(exc))
-            raise HopFailed(failure.detail, cause=failure.cause, result=exc.result) from None
+            raise HopFailed(failure.detail, cause=failure.cause, result=exc.result,
+                            enhanced=security_code(hop_tls, exc.result)) from None
         except _NETWORK_ERRORS as exc:
             await session.close()
             failure = classify(exc, _label(hop), session.stage)  # the stage dies with the session: name it now
@@ -610,9 +639,9 @@ class SmtpTransport:
             finally:
                 if session is not None:
                     await session.close()
-        text = failure_text(failures)
+        text, enhanced = failure_text(failures), deferral_code(failures)
         return [r if r is not None else
-                [Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", text, str(destination)) for rcpt in job.recipients]
+                [Outcome(rcpt, Status.DEFERRED, 0, enhanced, text, str(destination)) for rcpt in job.recipients]
                 for r, job in zip(results, jobs, strict=True)]
 
 
