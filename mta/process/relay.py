@@ -147,7 +147,7 @@ class Relay:
                 try:
                     self.metrics_listeners = await nursery.start(functools.partial(
                         self.metrics.serve, where, max_connections=cfg.server.metrics_max_connections,
-                        timeout=cfg.server.metrics_timeout))
+                        timeout=cfg.server.metrics_timeout, ready=lambda: not server.draining))
                 except OSError as exc:  # taken since check_start tried it
                     raise bind_error(where, "server.metrics_listen", exc) from None
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
@@ -164,6 +164,9 @@ class Relay:
                 if server.listeners[port]:
                     addrs += f"; {port.value} on " + ", ".join(
                         "{}:{}".format(*lst.socket.getsockname()[:2]) for lst in server.listeners[port])
+            if server.proxy_listeners:
+                addrs += "; behind a balancer (PROXY) on " + ", ".join(
+                    "{}:{}".format(*lst.socket.getsockname()[:2]) for lst in server.proxy_listeners)
             if self.signals:
                 await nursery.start(Lifecycle(self, cfg.server.drain_timeout).run)
             log.info("logspool relay %s listening on %s, spool %s%s", cfg.server.hostname, addrs, cfg.spool.dir,
