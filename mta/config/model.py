@@ -20,6 +20,7 @@ from mta.config.sections import (
     SubmissionConfig,
     TlsPolicyConfig,
 )
+from mta.config.sendmail import SendmailSection
 from mta.config.values import IPAddress
 
 __all__ = ["DEFAULTS_SOURCE", "Config"]
@@ -43,10 +44,11 @@ class Config:
     tls_policy: TlsPolicyConfig
     log: LogConfig
     dkim: DkimSection
+    proxy: ProxySection
+    sendmail: SendmailSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
-    proxy: ProxySection = attrs.field(factory=ProxySection)
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

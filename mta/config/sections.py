@@ -23,6 +23,7 @@ import attrs
 from mta.config.dkim import DkimSection
 from mta.config.proxy import ProxySection
 from mta.config.routes import Domain
+from mta.config.sendmail import SendmailSection
 from mta.config.values import (
     Address,
     Hostname,
@@ -373,6 +374,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("log", LogConfig),
     ("dkim", DkimSection),  # its keys, [[dkim.key]], are read by mta.config.dkim.parse_dkim_keys
     ("proxy", ProxySection),
+    ("sendmail", SendmailSection),
 )
 
 

@@ -30,6 +30,7 @@ from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
 from mta.inbound.listen import bind_error
+from mta.inbound.pickup import Pickup
 from mta.inbound.server import Port, SmtpServer
 from mta.observe.metrics import Metrics
 from mta.observe.queue_gauges import keep_gauges, refresh_oldest
@@ -124,6 +125,8 @@ class Relay:
             server.reuse_port = self.reuse_port
             self.server = server
             self.listeners = await nursery.start(server.serve)
+            if self.shard == 0:  # one shard takes the drop directory in, so no file is taken twice
+                await nursery.start(Pickup(self.aspool, cfg).run)
             control = ControlServer(self.aspool, cfg, shard=self.shard)
             await nursery.start(control.serve)
             from mta.delivery.smtp_transport import SmtpTransport
