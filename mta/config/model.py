@@ -21,6 +21,7 @@ from mta.config.sections import (
     TlsPolicyConfig,
 )
 from mta.config.sendmail import SendmailSection
+from mta.config.smarthost_auth import SmarthostAuthSection
 from mta.config.values import IPAddress
 
 __all__ = ["DEFAULTS_SOURCE", "Config"]
@@ -46,6 +47,7 @@ class Config:
     dkim: DkimSection
     proxy: ProxySection
     sendmail: SendmailSection
+    smarthost_auth: SmarthostAuthSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order

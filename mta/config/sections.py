@@ -24,6 +24,7 @@ from mta.config.dkim import DkimSection
 from mta.config.proxy import ProxySection
 from mta.config.routes import Domain
 from mta.config.sendmail import SendmailSection
+from mta.config.smarthost_auth import SmarthostAuthSection
 from mta.config.values import (
     Address,
     Hostname,
@@ -375,6 +376,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("dkim", DkimSection),  # its keys, [[dkim.key]], are read by mta.config.dkim.parse_dkim_keys
     ("proxy", ProxySection),
     ("sendmail", SendmailSection),
+    ("smarthost_auth", SmarthostAuthSection),
 )
 
 

@@ -54,8 +54,10 @@ import attrs
 import trio
 
 from mta.config import Config, parse_tls
+from mta.config.smarthost_auth import Login
 from mta.delivery import mx
 from mta.delivery.connection_cache import CacheKey, ConnectionCache
+from mta.delivery.smarthost_login import LoginFailed, Logins
 from mta.delivery.tlspolicy import dane
 from mta.delivery.tlspolicy.plan import HopTls, Plan, Planner
 from mta.delivery.transport import BeforeDot, Destination, Job, OnOutcome, body_chunks
@@ -72,6 +74,7 @@ from mta.smtp.client import (
 )
 from mta.smtp.client import ConnectionClosed as ServerClosed
 from mta.smtp.client import Event as ClientEvent
+from mta.smtp.client_sasl import ClientLogin, LoginRefused, NoMechanism, choose
 from mta.smtp.common import LocalProtocolError, RemoteProtocolError, Reply
 from spool import Outcome, Status
 
@@ -195,11 +198,12 @@ def classify(exc: BaseException, hop: str, stage: str) -> HopFailure:
 
 def deferral_code(failures: Sequence[HopFailure]) -> str:
     """The enhanced code of a batch that no hop took: a security code only when every hop failed on the TLS it
-    required (``4.7.4`` when none offered it, else ``4.7.5``); any other failure among them makes it ``4.4.1``."""
+    required or on its login (``4.7.4`` when none offered TLS, ``4.7.8`` when each refused the login, ``4.7.5``
+    for a mix); any other failure among them makes it ``4.4.1``."""
     codes = {f.enhanced for f in failures}
     if not failures or "" in codes:
         return "4.4.1"
-    return "4.7.4" if codes == {"4.7.4"} else "4.7.5"
+    return codes.pop() if len(codes) == 1 else "4.7.5"
 
 
 def failure_text(failures: Sequence[HopFailure]) -> str:
@@ -274,6 +278,7 @@ class _Session:
         self.idled = 0.0  # how long it last sat in the connection cache (ConnectionCache.take sets it)
         # Taken from the cache without an RSET and no reply heard since: a failure now is a StaleConnection.
         self.unproven = False
+        self.logged_in: str | None = None  # the user this connection is logged in as
 
     def peer_spoke(self) -> bool:
         """Did anything arrive while the connection sat idle (a 421, an EOF, a TLS alert)? Never raises.
@@ -369,6 +374,32 @@ class _Session:
         self.tls = hop_tls.label
         self.tls_info = tls_info(tls_stream, verified=tls_mode == "verify" or bool(hop_tls.tlsa))
         await self._hello(t)
+
+    async def log_in(self, login: Login) -> None:
+        """AUTH as ``login`` (``mta.smtp.client_sasl``), after the TLS the route requires. Raises LoginFailed, or
+        what the connection raises."""
+        caps = self.conn.capabilities
+        try:
+            mechanism = choose(caps.keywords.get("AUTH", "") if caps is not None else "", login.mechanism)
+        except NoMechanism as exc:
+            raise LoginFailed(str(exc)) from None
+        exchange = ClientLogin(mechanism, login.user, login.password)
+        self.stage = f"logging in as {login.user} ({mechanism})"
+        line: str | None = exchange.start()
+        while line is not None:
+            self.conn.auth(line)
+            ev = await self._event(self.config.delivery.command_timeout)
+            reply = getattr(ev, "reply", None)
+            if not isinstance(ev, CommandReply) or reply is None:
+                raise HopFailed(f"connection closed while {self.stage}", reply, "lost")
+            try:
+                line = exchange.answer(reply)
+            except LoginRefused as refused:
+                r = refused.reply
+                enhanced = "4.7.8" if r.code == 535 or (r.code >= 500 and not r.enhanced) else \
+                    "4." + (r.enhanced or "4.7.0").partition(".")[2]
+                raise LoginFailed(f"login as {login.user} ({mechanism}) refused", r, enhanced) from None
+        self.logged_in = login.user
 
     async def _hello(self, timeout: float) -> None:
         self.stage = "sending EHLO"
@@ -489,6 +520,7 @@ class SmtpTransport:
         self.policies = Planner(config, self.resolver)
         # The plans of fixed next hops under no published policy: they never change (one per route).
         self._fixed_plans: dict[Destination, Plan] = {}
+        self.logins = Logins(config.smarthost_auth.secrets_file)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The connection cache's keeper (without it every batch opens and closes its own connection), and the
@@ -521,8 +553,14 @@ class SmtpTransport:
         if hop_tls.refuse:
             self.policies.record(hop_tls, hop, hop_tls.refuse_result, detail=hop_tls.refuse)
             raise HopFailed(hop_tls.refuse, cause="tls", result=hop_tls.refuse_result, enhanced="4.7.5")
+        login = self.logins.for_hop(destination, hop)
+        if login is not None and not hop_tls.requires_tls:
+            detail = (f"a login for {hop.host}:{hop.port} is in secrets_file, but the route does not require TLS "
+                      f"(tls={destination.tls}): the password is sent only with tls=require or tls=verify")
+            self.logins.failed((hop.host.lower(), hop.port), _label(hop), login.user, detail)
+            raise HopFailed(detail, cause="auth", enhanced="4.7.0")
         try:
-            return await self._open(hop, hop_tls, qids)
+            return await self._open(hop, hop_tls, qids, login)
         except HopFailed as exc:
             if exc.result is None or not hop_tls.testing or hop_tls.report is None:
                 raise
@@ -531,8 +569,9 @@ class SmtpTransport:
                   would="defer", detail=str(exc))
             return await self._open(hop, hop_tls.relaxed(), qids)
 
-    async def _open(self, hop: mx.Hop, hop_tls: HopTls, qids: list[str]) -> _Session:
-        """A new connection to ``hop``, its TLS as ``hop_tls`` says; a session under a policy is counted."""
+    async def _open(self, hop: mx.Hop, hop_tls: HopTls, qids: list[str], login: Login | None = None) -> _Session:
+        """A new connection to ``hop``, its TLS as ``hop_tls`` says, logged in as ``login`` (``smarthost_login``);
+        a session under a policy is counted."""
         timeout = self.config.delivery.connect_timeout
         try:
             with trio.fail_after(timeout):
@@ -543,13 +582,22 @@ class SmtpTransport:
         local = _local_address(stream)
         try:
             await session.open(hop_tls)
+            if login is not None:
+                await session.log_in(login)
+                self.logins.succeeded((hop.host.lower(), hop.port), _label(hop), login.user)
+        except LoginFailed as exc:
+            await session.close()
+            detail = f"{exc}: {exc.reply}" if exc.reply is not None else str(exc)
+            assert login is not None
+            self.logins.failed((hop.host.lower(), hop.port), _label(hop), login.user, detail)
+            raise HopFailed(detail, cause="auth", enhanced=exc.enhanced) from None
         except HopFailed as exc:
             await session.close()
             failure = classify(exc, _label(hop), session.stage)
             if exc.result is not None:
                 self.policies.record(hop_tls, hop, exc.result, local=local, detail=str(exc))
             raise HopFailed(failure.detail, cause=failure.cause, result=exc.result,
-                            enhanced=security_code(hop_tls, exc.result)) from None
+                            enhanced=exc.enhanced or security_code(hop_tls, exc.result)) from None
         except _NETWORK_ERRORS as exc:
             await session.close()
             failure = classify(exc, _label(hop), session.stage)  # the stage dies with the session: name it now
