@@ -182,11 +182,10 @@ class SmtpServer:
         The session slot is taken once the header named the client (its limits are the client's, not the
         balancer's). A connection from outside ``[proxy] balancers``, without a valid header, or whose header
         does not come within ``header_timeout`` is closed before the banner, unanswered: whoever sent it is no
-        SMTP client of ours, and a reply would reach the balancer's client as if from us.
+        SMTP client of ours, and a reply would reach the balancer's client as if from us. While draining, the
+        client the header names gets ``421 4.3.2`` as a direct one does (``handle``).
         """
         balancer = str(peer[0])  # the accept loop closes the connection of every return before the session
-        if self.draining:
-            return
         if not self.config.proxy.from_balancer(balancer):
             self._proxy_refused(balancer, "proxy_untrusted", "not from a configured balancer")
             return

@@ -174,3 +174,7 @@ async def test_readiness_turns_503_as_soon_as_a_drain_starts(stack: Stack) -> No
     stack.relay.server.drain()  # what SIGTERM's drain does first (mta.process.lifecycle.Lifecycle.drain)
     draining = await http_get(port, "/ready")
     assert draining.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and draining.endswith(b"draining\n")
+    late = await RawClient.connect(stack.ports["v2"], "127.0.0.3")  # through the balancer anyway: told, as direct
+    (reply,) = await late.reply()
+    assert reply.startswith(b"421 4.3.2"), reply
+    await late.aclose()
