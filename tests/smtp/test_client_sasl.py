@@ -25,8 +25,8 @@ def test_plain_is_one_line_login_answers_two_challenges_and_a_refusal_carries_th
     assert plain.answer(Reply(235, "2.7.0", "ok")) is None
     login = ClientLogin("LOGIN", "alice", "pw")
     assert login.start() == "AUTH LOGIN"
-    assert login.answer(Reply(334, "", "VXNlcm5hbWU6")) == base64.b64encode(b"alice").decode()
-    assert login.answer(Reply(334, "", "UGFzc3dvcmQ6")) == base64.b64encode(b"pw").decode()
+    assert login.answer(Reply(334, None, "VXNlcm5hbWU6")) == base64.b64encode(b"alice").decode()
+    assert login.answer(Reply(334, None, "UGFzc3dvcmQ6")) == base64.b64encode(b"pw").decode()
     with pytest.raises(LoginRefused) as refused:
         login.answer(Reply(535, "5.7.8", "bad"))
     assert refused.value.reply.code == 535
