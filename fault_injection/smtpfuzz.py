@@ -219,6 +219,7 @@ commit_delay = "0s"
 "*" = "discard"
 """, source=os.path.join(workdir, "fuzz.toml"), base_dir=workdir)
         self.port = 0
+        self.proxy_port = 0  # the [proxy] listener's, if ``server_extra`` opened one
         self.crash: BaseException | None = None
         self.errors: list[logging.LogRecord] = []
         self._delivered: set[str] = set()
@@ -262,6 +263,9 @@ commit_delay = "0s"
             relay: Relay = await nursery.start(Relay(self.config).run)
             relay.scheduler.observers.append(self._observe)
             self.port = relay.ports[0]
+            assert relay.server is not None
+            proxied = relay.server.proxy_listeners  # with a [proxy] section in ``server_extra``
+            self.proxy_port = int(proxied[0].socket.getsockname()[1]) if proxied else 0
             self._ready.set()
 
     def _observe(self, qid: str, outcome: Outcome) -> None:

@@ -11,6 +11,7 @@ import attrs
 from mta.config.dkim import DkimKey, DkimSection
 from mta.config.limits import LimitsSection
 from mta.config.policy import PolicySection
+from mta.config.proxy import ProxySection
 from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
 from mta.config.sections import (
     DeliveryConfig,
@@ -21,6 +22,8 @@ from mta.config.sections import (
     SubmissionConfig,
     TlsPolicyConfig,
 )
+from mta.config.sendmail import SendmailSection
+from mta.config.smarthost_auth import SmarthostAuthSection
 from mta.config.values import IPAddress
 
 __all__ = ["DEFAULTS_SOURCE", "Config"]
@@ -46,6 +49,9 @@ class Config:
     dkim: DkimSection
     limits: LimitsSection
     policy: PolicySection
+    proxy: ProxySection
+    sendmail: SendmailSection
+    smarthost_auth: SmarthostAuthSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order

@@ -23,7 +23,10 @@ import attrs
 from mta.config.dkim import DkimSection
 from mta.config.limits import LimitsSection
 from mta.config.policy import PolicySection
+from mta.config.proxy import ProxySection
 from mta.config.routes import Domain
+from mta.config.sendmail import SendmailSection
+from mta.config.smarthost_auth import SmarthostAuthSection
 from mta.config.values import (
     Address,
     Hostname,
@@ -375,6 +378,9 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("dkim", DkimSection),  # its keys, [[dkim.key]], are read by mta.config.dkim.parse_dkim_keys
     ("limits", LimitsSection),
     ("policy", PolicySection),
+    ("proxy", ProxySection),
+    ("sendmail", SendmailSection),
+    ("smarthost_auth", SmarthostAuthSection),
 )
 
 

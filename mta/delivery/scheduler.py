@@ -127,6 +127,7 @@ class DestState:
     failures: int = 0
     backoff_until: float = 0.0
     last_error: str = ""
+    last_enhanced: str = "4.4.1"  # the last failure's code: a postponed try says the same (a TLS or login fault)
 
 
 def last_error(o: Outcome) -> str:
@@ -354,7 +355,8 @@ class Scheduler:
         now = time.time()
         if now < state.backoff_until:
             reply = f"destination {dest} not reachable, retry postponed: {state.last_error}"
-            await self._complete_all([(tracker, job, [Outcome(r, Status.DEFERRED, 0, "4.4.1", reply, str(dest))
+            await self._complete_all([(tracker, job, [Outcome(r, Status.DEFERRED, 0, state.last_enhanced, reply,
+                                                              str(dest))
                                                       for r in job.recipients]) for job, tracker in batch],
                                      in_batch=True)
             return
@@ -435,6 +437,7 @@ class Scheduler:
             state.failures += 1
             state.backoff_until = time.time() + min(BACKOFF_MAX, BACKOFF_MIN * 2 ** (state.failures - 1))
             state.last_error = results[0][0].reply if results and results[0] else ""
+            state.last_enhanced = results[0][0].enhanced or "4.4.1" if results and results[0] else "4.4.1"
         elif not local_failure:
             state.failures = 0
             state.backoff_until = 0.0

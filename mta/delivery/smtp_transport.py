@@ -54,8 +54,10 @@ import attrs
 import trio
 
 from mta.config import Config, parse_tls
+from mta.config.smarthost_auth import Login
 from mta.delivery import mx
 from mta.delivery.connection_cache import CacheKey, ConnectionCache
+from mta.delivery.smarthost_login import LoginFailed, Logins
 from mta.delivery.tlspolicy import dane
 from mta.delivery.tlspolicy.plan import HopTls, Plan, Planner
 from mta.delivery.transport import BeforeDot, Destination, Job, OnOutcome, body_chunks
@@ -72,6 +74,7 @@ from mta.smtp.client import (
 )
 from mta.smtp.client import ConnectionClosed as ServerClosed
 from mta.smtp.client import Event as ClientEvent
+from mta.smtp.client_sasl import ClientLogin, LoginRefused, NoMechanism, choose
 from mta.smtp.common import LocalProtocolError, RemoteProtocolError, Reply
 from spool import Outcome, Status
 
@@ -89,14 +92,16 @@ class HopFailed(Exception):
     """This hop cannot take the mail now; ``reply`` is what it said, if anything; ``cause`` one word for why.
 
     ``result``: a TLS failure's RFC 8460 result type (``starttls-not-supported`` ...), for TLS-RPT.
+    ``enhanced``: the RFC 3463 code of a failure of TLS the hop required (``security_code``), else empty.
     """
 
     def __init__(self, message: str, reply: Reply | None = None, cause: str = "protocol",
-                 result: str | None = None) -> None:
+                 result: str | None = None, enhanced: str = "") -> None:
         super().__init__(message)
         self.reply = reply
         self.cause = cause
         self.result = result
+        self.enhanced = enhanced
 
 
 class StaleConnection(HopFailed):
@@ -119,13 +124,30 @@ def _verify_result(reason: BaseException) -> str:
     return "validation-failure"
 
 
+def security_code(hop_tls: HopTls, result: str | None) -> str:
+    """RFC 3463's code for a failure of TLS that ``hop_tls`` requires (a route's or a policy's), else empty.
+
+    As Postfix names them: no STARTTLS where it is required is ``4.7.4``
+    (security features not supported); a handshake, certificate or DANE
+    failure is ``4.7.5`` (cryptographic failure). Opportunistic TLS that fails
+    is no security failure: that hop's deferral stays ``4.4.1``.
+    """
+    if result is None or not hop_tls.requires_tls:
+        return ""
+    return "4.7.4" if result == "starttls-not-supported" else "4.7.5"
+
+
 @attrs.frozen
 class HopFailure:
-    """One address that could not take the batch: ``cause`` (one word) and ``detail`` (what happened)."""
+    """One address that could not take the batch: ``cause`` (one word) and ``detail`` (what happened).
+
+    ``enhanced``: the security code of a failure of required TLS (``security_code``), else empty.
+    """
 
     hop: str
     cause: str
     detail: str
+    enhanced: str = ""
 
     def __str__(self) -> str:
         return f"{self.hop}: {self.detail}"
@@ -156,7 +178,7 @@ def _first_os_error(exc: OSError) -> OSError:
 def classify(exc: BaseException, hop: str, stage: str) -> HopFailure:
     """What went wrong at ``hop`` while it was in ``stage`` (``Session.stage``), for the log and the reply."""
     if isinstance(exc, HopFailed):
-        return HopFailure(hop, exc.cause, f"{exc}" + (f": {exc.reply}" if exc.reply else ""))
+        return HopFailure(hop, exc.cause, f"{exc}" + (f": {exc.reply}" if exc.reply else ""), exc.enhanced)
     if isinstance(exc, trio.TooSlowError):
         return HopFailure(hop, "timeout", f"timed out while {stage}")
     if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
@@ -172,6 +194,16 @@ def classify(exc: BaseException, hop: str, stage: str) -> HopFailure:
     if isinstance(exc, RemoteProtocolError):
         return HopFailure(hop, "protocol", f"protocol error while {stage}: {exc}")
     return HopFailure(hop, "error", f"{type(exc).__name__} while {stage}: {exc}")
+
+
+def deferral_code(failures: Sequence[HopFailure]) -> str:
+    """The enhanced code of a batch that no hop took: a security code only when every hop failed on the TLS it
+    required or on its login (``4.7.4`` when none offered TLS, ``4.7.8`` when each refused the login, ``4.7.5``
+    for a mix); any other failure among them makes it ``4.4.1``."""
+    codes = {f.enhanced for f in failures}
+    if not failures or "" in codes:
+        return "4.4.1"
+    return codes.pop() if len(codes) == 1 else "4.7.5"
 
 
 def failure_text(failures: Sequence[HopFailure]) -> str:
@@ -246,6 +278,7 @@ class _Session:
         self.idled = 0.0  # how long it last sat in the connection cache (ConnectionCache.take sets it)
         # Taken from the cache without an RSET and no reply heard since: a failure now is a StaleConnection.
         self.unproven = False
+        self.logged_in: str | None = None  # the user this connection is logged in as
 
     def peer_spoke(self) -> bool:
         """Did anything arrive while the connection sat idle (a 421, an EOF, a TLS alert)? Never raises.
@@ -341,6 +374,32 @@ class _Session:
         self.tls = hop_tls.label
         self.tls_info = tls_info(tls_stream, verified=tls_mode == "verify" or bool(hop_tls.tlsa))
         await self._hello(t)
+
+    async def log_in(self, login: Login) -> None:
+        """AUTH as ``login`` (``mta.smtp.client_sasl``), after the TLS the route requires. Raises LoginFailed, or
+        what the connection raises."""
+        caps = self.conn.capabilities
+        try:
+            mechanism = choose(caps.keywords.get("AUTH", "") if caps is not None else "", login.mechanism)
+        except NoMechanism as exc:
+            raise LoginFailed(str(exc)) from None
+        exchange = ClientLogin(mechanism, login.user, login.password)
+        self.stage = f"logging in as {login.user} ({mechanism})"
+        line: str | None = exchange.start()
+        while line is not None:
+            self.conn.auth(line)
+            ev = await self._event(self.config.delivery.command_timeout)
+            reply = getattr(ev, "reply", None)
+            if not isinstance(ev, CommandReply) or reply is None:
+                raise HopFailed(f"connection closed while {self.stage}", reply, "lost")
+            try:
+                line = exchange.answer(reply)
+            except LoginRefused as refused:
+                r = refused.reply
+                enhanced = "4.7.8" if r.code == 535 or (r.code >= 500 and not r.enhanced) else \
+                    "4." + (r.enhanced or "4.7.0").partition(".")[2]
+                raise LoginFailed(f"login as {login.user} ({mechanism}) refused", r, enhanced) from None
+        self.logged_in = login.user
 
     async def _hello(self, timeout: float) -> None:
         self.stage = "sending EHLO"
@@ -461,6 +520,7 @@ class SmtpTransport:
         self.policies = Planner(config, self.resolver)
         # The plans of fixed next hops under no published policy: they never change (one per route).
         self._fixed_plans: dict[Destination, Plan] = {}
+        self.logins = Logins(config.smarthost_auth.secrets_file)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The connection cache's keeper (without it every batch opens and closes its own connection), and the
@@ -492,9 +552,15 @@ class SmtpTransport:
             await cached.close()
         if hop_tls.refuse:
             self.policies.record(hop_tls, hop, hop_tls.refuse_result, detail=hop_tls.refuse)
-            raise HopFailed(hop_tls.refuse, cause="tls", result=hop_tls.refuse_result)
+            raise HopFailed(hop_tls.refuse, cause="tls", result=hop_tls.refuse_result, enhanced="4.7.5")
+        login = self.logins.for_hop(destination, hop)
+        if login is not None and not hop_tls.requires_tls:
+            detail = (f"a login for {hop.host}:{hop.port} is in secrets_file, but the route does not require TLS "
+                      f"(tls={destination.tls}): the password is sent only with tls=require or tls=verify")
+            self.logins.failed((hop.host.lower(), hop.port), _label(hop), login.user, detail)
+            raise HopFailed(detail, cause="auth", enhanced="4.7.0")
         try:
-            return await self._open(hop, hop_tls, qids)
+            return await self._open(hop, hop_tls, qids, login)
         except HopFailed as exc:
             if exc.result is None or not hop_tls.testing or hop_tls.report is None:
                 raise
@@ -503,8 +569,9 @@ class SmtpTransport:
                   would="defer", detail=str(exc))
             return await self._open(hop, hop_tls.relaxed(), qids)
 
-    async def _open(self, hop: mx.Hop, hop_tls: HopTls, qids: list[str]) -> _Session:
-        """A new connection to ``hop``, its TLS as ``hop_tls`` says; a session under a policy is counted."""
+    async def _open(self, hop: mx.Hop, hop_tls: HopTls, qids: list[str], login: Login | None = None) -> _Session:
+        """A new connection to ``hop``, its TLS as ``hop_tls`` says, logged in as ``login`` (``smarthost_login``);
+        a session under a policy is counted."""
         timeout = self.config.delivery.connect_timeout
         try:
             with trio.fail_after(timeout):
@@ -515,12 +582,22 @@ class SmtpTransport:
         local = _local_address(stream)
         try:
             await session.open(hop_tls)
+            if login is not None:
+                await session.log_in(login)
+                self.logins.succeeded((hop.host.lower(), hop.port), _label(hop), login.user)
+        except LoginFailed as exc:
+            await session.close()
+            detail = f"{exc}: {exc.reply}" if exc.reply is not None else str(exc)
+            assert login is not None
+            self.logins.failed((hop.host.lower(), hop.port), _label(hop), login.user, detail)
+            raise HopFailed(detail, cause="auth", enhanced=exc.enhanced) from None
         except HopFailed as exc:
             await session.close()
             failure = classify(exc, _label(hop), session.stage)
             if exc.result is not None:
                 self.policies.record(hop_tls, hop, exc.result, local=local, detail=str(exc))
-            raise HopFailed(failure.detail, cause=failure.cause, result=exc.result) from None
+            raise HopFailed(failure.detail, cause=failure.cause, result=exc.result,
+                            enhanced=exc.enhanced or security_code(hop_tls, exc.result)) from None
         except _NETWORK_ERRORS as exc:
             await session.close()
             failure = classify(exc, _label(hop), session.stage)  # the stage dies with the session: name it now
@@ -610,9 +687,9 @@ class SmtpTransport:
             finally:
                 if session is not None:
                     await session.close()
-        text = failure_text(failures)
+        text, enhanced = failure_text(failures), deferral_code(failures)
         return [r if r is not None else
-                [Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", text, str(destination)) for rcpt in job.recipients]
+                [Outcome(rcpt, Status.DEFERRED, 0, enhanced, text, str(destination)) for rcpt in job.recipients]
                 for r, job in zip(results, jobs, strict=True)]
 
 

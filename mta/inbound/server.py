@@ -57,6 +57,7 @@ from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
 from mta.inbound.message_id import MessageIdPeek
+from mta.inbound.proxy_intake import receive_header
 from mta.inbound.submission import Authenticator
 from mta.limits.limiter import Over
 from mta.observe.logline import event
@@ -130,6 +131,7 @@ class SmtpServer:
         self.auth = Authenticator(config, metrics)
         self.checks = Checks(config)  # [limits] and [policy]
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
+        self.proxy_listeners: list[trio.SocketListener] = []  # ``[proxy] listen``: SMTP behind a balancer
         self.sessions: set[_Session] = set()
         self.draining = False  # a planned stop (``mta.process.lifecycle``): no new connection or transaction
 
@@ -157,8 +159,10 @@ class SmtpServer:
         try:
             for port, addrs, key in wanted:
                 self.listeners[port] = await open_listeners(addrs, reuse_port=self.reuse_port, key=key)
+            self.proxy_listeners = await open_listeners(self.config.proxy.listen, reuse_port=self.reuse_port,
+                                                        key="proxy.listen")
         except BaseException:
-            for opened in self.listeners.values():
+            for opened in [*self.listeners.values(), self.proxy_listeners]:
                 for listener in opened:
                     listener.socket.close()
             raise
@@ -168,29 +172,62 @@ class SmtpServer:
                 for listener in opened:
                     nursery.start_soon(accept_loop, listener, self._admit,
                                        functools.partial(self._serve_connection, port=port))
+            for listener in self.proxy_listeners:
+                nursery.start_soon(accept_loop, listener, _no_slot_yet, self._serve_proxied)
 
     def _admit(self, peer: Any) -> Slot | Refusal:
         """A session slot for a client just accepted (``SessionSlots``), taken in the order of the accepts."""
         return self.slots.admit(str(peer[0]))
 
+    async def _serve_proxied(self, stream: trio.SocketStream, peer: Any, _: object) -> None:
+        """A connection to a ``[proxy] listen`` address: the balancer's PROXY header, then the client's session.
+
+        The session slot is taken once the header named the client (its limits are the client's, not the
+        balancer's). A connection from outside ``[proxy] balancers``, without a valid header, or whose header
+        does not come within ``header_timeout`` is closed before the banner, unanswered: whoever sent it is no
+        SMTP client of ours, and a reply would reach the balancer's client as if from us. While draining, the
+        client the header names gets ``421 4.3.2`` as a direct one does (``handle``).
+        """
+        balancer = str(peer[0])  # the accept loop closes the connection of every return before the session
+        if not self.config.proxy.from_balancer(balancer):
+            self._proxy_refused(balancer, "proxy_untrusted", "not from a configured balancer")
+            return
+        try:
+            header = await receive_header(stream, self.config.proxy.header_timeout,
+                                          functools.partial(self._proxy_refused, balancer))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return
+        if header is None:
+            return
+        client = header.client if header.client is not None else (balancer, int(peer[1]))
+        event(log, "proxy", client=client[0], client_port=client[1], balancer=balancer,
+              version=header.version, local=header.client is None or None)
+        await self._serve_connection(stream, client, self._admit(client), early=header.rest)
+
+    def _proxy_refused(self, balancer: str, reason: str, detail: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+        event(log, "reject", level=logging.WARNING, client=balancer, command="PROXY", reason=reason, detail=detail)
+
     async def _serve_connection(self, stream: trio.SocketStream, peer: Any, slot: Slot | Refusal,
-                                port: Port = Port.SMTP) -> None:
+                                port: Port = Port.SMTP, early: bytes = b"") -> None:
         """The last boundary of one connection: nothing raised while serving it ends the listener.
 
         Sessions contain their own failures (``handle``); this catches what
         happens around them (a peer gone before it was answered, say).
+        ``early``: the client's bytes that came with the PROXY header.
         """
         try:
-            await self.handle(stream, port, peer, slot)
+            await self.handle(stream, port, peer, slot, early)
         except Exception as exc:
             if is_fatal(exc, self.aspool.core):  # before the network errors: SyncFailed is an OSError
                 raise
             if not isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError)):
                 log.error("connection failed: %s", local_error(exc), exc_info=exc)
 
-    async def handle(self, stream: trio.SocketStream, port: Port, peer: Any, slot: Slot | Refusal) -> None:
-        """Serve one connection; ``peer``: its address as ``accept`` returned it, ``slot`` what ``_admit`` said.
-        A slot is released here whatever happens."""
+    async def handle(self, stream: trio.SocketStream, port: Port, peer: Any, slot: Slot | Refusal,
+                     early: bytes = b"") -> None:
+        """Serve one connection; ``peer``: its address as ``accept`` returned it (or the PROXY header named),
+        ``slot`` what ``_admit`` said. A slot is released here whatever happens."""
         client_ip = str(peer[0])
         if isinstance(slot, Refusal) or self.draining:
             await self._refuse(stream, client_ip, slot)
@@ -200,6 +237,8 @@ class SmtpServer:
             return
         self.metrics.sessions.inc()
         session = _Session(self, stream, client_ip, port, trusted=slot.trusted)
+        if early:
+            session.conn.receive_data(early)
         self.sessions.add(session)
         try:
             await session.run()
@@ -244,6 +283,10 @@ class SmtpServer:
             except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
                 pass
         await trio.aclose_forcefully(stream)
+
+
+def _no_slot_yet(peer: Any) -> None:
+    """The admission of a connection behind a balancer waits for its PROXY header (``_serve_proxied``)."""
 
 
 class _Session:

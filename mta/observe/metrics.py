@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
@@ -130,7 +130,10 @@ class Metrics:
         self.tls_policy.labels(policy, result).inc()
 
     async def serve(self, address: ListenAddress, *, max_connections: int, timeout: float,
+                    ready: Callable[[], bool] = lambda: True,
                     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:
-        """Expose the registry over HTTP in this event loop (``metrics_http``); ``started`` gives the listeners."""
-        self.server = MetricsServer(self.registry, max_connections=max_connections, timeout=timeout)
+        """Expose the registry over HTTP in this event loop (``metrics_http``); ``started`` gives the listeners.
+
+        ``ready``: what ``GET /ready`` answers (``mta.observe.readiness``)."""
+        self.server = MetricsServer(self.registry, max_connections=max_connections, timeout=timeout, ready=ready)
         await self.server.serve(address, task_status=task_status)

@@ -26,7 +26,7 @@ dozen series. One request per connection, ``Connection: close``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import unquote
 
@@ -34,6 +34,7 @@ import trio
 from prometheus_client import make_wsgi_app
 
 from mta.config import ListenAddress
+from mta.observe import readiness
 
 log = logging.getLogger("mta.metrics")
 
@@ -56,8 +57,10 @@ class MetricsServer:
     most there ever were at once (tests read them).
     """
 
-    def __init__(self, registry: Any, *, max_connections: int, timeout: float) -> None:
+    def __init__(self, registry: Any, *, max_connections: int, timeout: float,
+                 ready: Callable[[], bool] = lambda: True) -> None:
         self.app = make_wsgi_app(registry)
+        self.ready = ready  # ``GET /ready`` (``mta.observe.readiness``)
         self.timeout = timeout
         self._slots = trio.Semaphore(max_connections)
         self.active = 0
@@ -104,6 +107,10 @@ class MetricsServer:
             environ = _environ(await _read_head(stream))
         except BadRequest as e:
             await stream.send_all(_response(e.status, [("Content-Type", "text/plain")], [e.status.encode() + b"\n"]))
+            return
+        if environ["PATH_INFO"] == readiness.READY_PATH:
+            status, headers, payload = readiness.answer(self.ready(), environ["REQUEST_METHOD"])
+            await stream.send_all(_response(status, headers, [payload]))
             return
         status_headers: list[Any] = []
 

@@ -30,6 +30,7 @@ from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
 from mta.inbound.listen import bind_error
+from mta.inbound.pickup import Pickup
 from mta.inbound.server import Port, SmtpServer
 from mta.observe.metrics import Metrics
 from mta.observe.queue_gauges import keep_gauges, refresh_oldest
@@ -124,6 +125,8 @@ class Relay:
             server.reuse_port = self.reuse_port
             self.server = server
             self.listeners = await nursery.start(server.serve)
+            if self.shard == 0:  # one shard takes the drop directory in, so no file is taken twice
+                await nursery.start(Pickup(self.aspool, cfg).run)
             control = ControlServer(self.aspool, cfg, shard=self.shard)
             await nursery.start(control.serve)
             from mta.delivery.smtp_transport import SmtpTransport
@@ -147,7 +150,7 @@ class Relay:
                 try:
                     self.metrics_listeners = await nursery.start(functools.partial(
                         self.metrics.serve, where, max_connections=cfg.server.metrics_max_connections,
-                        timeout=cfg.server.metrics_timeout))
+                        timeout=cfg.server.metrics_timeout, ready=lambda: not server.draining))
                 except OSError as exc:  # taken since check_start tried it
                     raise bind_error(where, "server.metrics_listen", exc) from None
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
@@ -164,6 +167,9 @@ class Relay:
                 if server.listeners[port]:
                     addrs += f"; {port.value} on " + ", ".join(
                         "{}:{}".format(*lst.socket.getsockname()[:2]) for lst in server.listeners[port])
+            if server.proxy_listeners:
+                addrs += "; behind a balancer (PROXY) on " + ", ".join(
+                    "{}:{}".format(*lst.socket.getsockname()[:2]) for lst in server.proxy_listeners)
             if self.signals:
                 await nursery.start(Lifecycle(self, cfg.server.drain_timeout).run)
             log.info("logspool relay %s listening on %s, spool %s%s", cfg.server.hostname, addrs, cfg.spool.dir,

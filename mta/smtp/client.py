@@ -265,12 +265,14 @@ class _Kind(TableKey):
     RSET = "RSET"
     NOOP = "NOOP"
     STARTTLS = "STARTTLS"
+    AUTH = "AUTH"  # AUTH and each SASL response line (``mta.smtp.client_sasl``)
     QUIT = "QUIT"
 
 
 # RFC 2920 §3.1: these end a pipelined group; nothing is sent after them until they are answered.
 _SYNC: Final = frozenset(
-    {_Kind.GREETING, _Kind.EHLO, _Kind.HELO, _Kind.DATA, _Kind.MESSAGE, _Kind.STARTTLS, _Kind.QUIT, _Kind.NOOP}
+    {_Kind.GREETING, _Kind.EHLO, _Kind.HELO, _Kind.DATA, _Kind.MESSAGE, _Kind.STARTTLS, _Kind.QUIT, _Kind.NOOP,
+     _Kind.AUTH}
 )
 _NEWLINE_RE: Final = re.compile(rb"\r\n|\r|\n")
 
@@ -394,6 +396,13 @@ class ClientConnection:
         if self.capabilities is None or not self.capabilities.starttls:
             raise LocalProtocolError("the server did not offer STARTTLS")
         self._command("STARTTLS", _Kind.STARTTLS)
+
+    def auth(self, line: str) -> None:
+        """One line of an AUTH exchange (``AUTH PLAIN ...`` or a response to a 334), answered by a
+        ``CommandReply("AUTH", ...)``. The line is never shown in an error: it may hold a password."""
+        if self._phase is not _Phase.READY:
+            raise LocalProtocolError("AUTH only between transactions")
+        self._command(line, _Kind.AUTH)
 
     def tls_started(self) -> None:
         """Handshake done: forget everything learned in plaintext; EHLO again."""

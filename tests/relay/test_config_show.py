@@ -7,9 +7,11 @@ change here; a new kind of value fails loudly until it gets a strategy.
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from mta.config.loader import definitions
 from mta.config.policy import PolicyServer
 from mta.config.routes import Domain
 from mta.config.show import show_config, toml_value
+from mta.config.smarthost_auth import SecretsFile
 from mta.config.values import Address, Hostname, Listen, Mailbox, Network, Processes, ReadableFile
 from spool.config.settings import Boolean, Duration, Fraction, Integer, Kind, ListOf, OneOf, Optional, Size, Text
 from spool.config.settings import Path as PathKind
@@ -33,6 +36,18 @@ from spool.config.units import parse_duration
 ENV = {k: v for k, v in os.environ.items() if k != "LOGSPOOL_CONFIG"}
 BASE = "/base"
 CA_FILE = os.path.abspath(__file__)  # any file that exists will do for a path that must name a file
+
+
+def _secrets_file() -> str:
+    """A smarthost secrets file as ``SecretsFile`` wants it: private, one login."""
+    fd, path = tempfile.mkstemp(prefix="smarthost-", suffix=".secrets")  # mode 0600
+    with os.fdopen(fd, "w") as f:
+        f.write('["relay.example:587"]\nuser = "u"\npassword = "p"\n')
+    atexit.register(os.unlink, path)
+    return path
+
+
+SECRETS_FILE = _secrets_file()
 
 FULL = """
 [server]
@@ -215,6 +230,8 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1, max_size=12)
         case ReadableFile():
             return st.just(CA_FILE)
+        case SecretsFile():
+            return st.just(SECRETS_FILE)
         case Listen(default_port):
             port = st.integers(0 if default_port is None else 1, 65535)
             host = st.one_of(st.sampled_from(["127.0.0.1", "localhost", "[::1]", "0.0.0.0"]), HOST)

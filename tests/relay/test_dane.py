@@ -95,6 +95,7 @@ async def test_dane_delivers_to_matching_certificates_refuses_a_mismatch_and_an_
             assert ta.next_hop.startswith("mx-ta.dane.test[127.0.0.3]") and ta.next_hop.endswith("tls=dane")
             bad = (await watch.wait_for(Status.DEFERRED, 1, recipient="c@bad.dane.test"))[0]
             assert "DANE: no certificate the server sent matches its TLSA records" in bad.reply
+            assert bad.enhanced == "4.7.5"  # a security failure (RFC 3463 §3.8), not "no answer from host"
             (plain,) = await watch.wait_for(Status.DELIVERED, 1, recipient="d@plain.test")
             assert plain.next_hop.startswith("mx.plain.test[127.0.0.4]") and plain.next_hop.endswith("tls=encrypted")
             assert [m.recipients for m in hops["127.0.0.4"].messages] == [["d@plain.test"]]

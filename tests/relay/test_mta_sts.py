@@ -10,10 +10,14 @@ trusts the test CA through ``[delivery] tls_ca_file``.
 
 from __future__ import annotations
 
+import email
+import email.message
+import email.policy
 import json
 import logging
 import os
 import smtplib
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +29,7 @@ import trio
 import trustme
 from dns_server import DnsServer
 from https_server import PolicyServer
+from logfmt import events
 from relay_support import DeliveryWatch, NextHop, relay_config, relay_config_text, server_context, start_relay
 
 from mta.config import Config, parse_config
@@ -59,7 +64,7 @@ class World:
 
 
 @asynccontextmanager
-async def sts_world(tmp_path: Path, route: str = "mx?tls=mta-sts") -> AsyncIterator[World]:
+async def sts_world(tmp_path: Path, route: str = "mx?tls=mta-sts", delivery: str = "") -> AsyncIterator[World]:
     ca = trustme.CA()
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
     async with trio.open_nursery() as nursery:
@@ -76,7 +81,7 @@ async def sts_world(tmp_path: Path, route: str = "mx?tls=mta-sts") -> AsyncItera
         for address, hop in hops.items():
             port = await hop.start(nursery, address, port)
         extra = (f'[delivery]\nresolver = "127.0.0.1:{dns_port}"\nmx_port = {port}\nconnect_timeout = "10s"\n'
-                 f'tls_ca_file = "{tmp_path / "ca.pem"}"\n'
+                 f'tls_ca_file = "{tmp_path / "ca.pem"}"\n{delivery}'
                  f'[tls_policy]\nmta_sts_port = {https_port}\nreport_dir = "reports"\n')
         cfg = relay_config(str(tmp_path), {"localhost": "maildir:maildir", "*": route}, extra=extra)
         yield World(dns, https, hops, cfg, nursery, extra)
@@ -293,3 +298,97 @@ async def test_a_policy_that_cannot_be_fetched_leaves_delivery_as_before_and_is_
         (entry,) = json.loads(Path(path).read_text())["policies"]
         assert entry["failure-details"][0]["result-type"] == "sts-policy-fetch-error"
         assert "HTTP 404" in entry["failure-details"][0]["failure-reason-code"]
+
+
+# -- what a security failure is called (RFC 3463 §3.8) and what TLS-RPT says of it (RFC 8460 §4.3) ----------------
+
+async def show(tmp_path: Path, qid: str) -> str:
+    """``mta queue show QID`` of the relay's spool, from another process."""
+    (tmp_path / "show.toml").write_text('[spool]\ndir = "spool"\n[routes]\n"*" = "discard"\n')
+    proc = await trio.run_process([os.path.join(os.path.dirname(sys.executable), "mta"), "queue", "show", qid,
+                                   "--config", str(tmp_path / "show.toml")],
+                                  capture_stdout=True, capture_stderr=True, check=False, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.decode()
+
+
+def delay_status(maildir: Path) -> list[str]:
+    """The ``Status`` of each recipient in the delay notices that reached ``maildir``."""
+    found = []
+    for path in sorted(maildir.glob("*")):
+        notice = email.message_from_bytes(path.read_bytes(), policy=email.policy.default)
+        report = list(notice.iter_parts())[1].get_payload()
+        assert isinstance(report, list)
+        found += [str(part["Status"]) for part in report[1:] if isinstance(part, email.message.Message)]
+    return found
+
+
+async def test_a_tls_failure_under_a_policy_is_deferred_with_a_security_code_in_the_log_queue_show_and_dsn(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A certificate for another name is ``4.7.5``, an MX that offers no STARTTLS ``4.7.4`` (they were ``4.4.1``,
+    "no answer from host"); the delay notice the sender gets says the same."""
+    caplog.set_level(logging.INFO, logger="mta")
+    async with sts_world(tmp_path, delivery='delay_warning = "1s"\n') as w:
+        w.publish("bad.test", "1", policy("enforce", "mx.bad.test"))
+        w.dns.mx("bad.test", 10, "mx.bad.test")
+        w.dns.a("mx.bad.test", WRONG)
+        w.publish("none.test", "1", policy("enforce", "mx.none.test"))
+        w.dns.mx("none.test", 10, "mx.none.test")
+        w.dns.a("mx.none.test", PLAIN)
+        relay = await start_relay(w.nursery, w.config)
+        watch = DeliveryWatch(relay)
+        await send(relay, "carol@bad.test")
+        await send(relay, "dave@none.test")
+        cert = (await watch.wait_for(Status.DEFERRED, 1, recipient="carol@bad.test"))[0]
+        starttls = (await watch.wait_for(Status.DEFERRED, 1, recipient="dave@none.test"))[0]
+        assert (cert.enhanced, starttls.enhanced) == ("4.7.5", "4.7.4")
+        assert "TLS handshake failed" in cert.reply and "does not offer STARTTLS" in starttls.reply
+        logged = {e["to"]: e for e in events([r for r in caplog.records if r.name == "mta.delivery"], "delivery")}
+        assert (logged["<carol@bad.test>"]["dsn"], logged["<dave@none.test>"]["dsn"]) == ("4.7.5", "4.7.4")
+        await watch.wait_for(Status.DELIVERED, 2, recipient="alice@localhost")  # the two delay notices
+        qids = {e["to"]: e["qid"] for e in logged.values()}
+        assert "carol@bad.test: deferred: 4.7.5 " in await show(tmp_path, qids["<carol@bad.test>"])
+        assert "dave@none.test: deferred: 4.7.4 " in await show(tmp_path, qids["<dave@none.test>"])
+    assert sorted(delay_status(tmp_path / "maildir" / "alice" / "new")) == ["4.7.4", "4.7.5"]
+
+
+async def test_on_dane_and_mta_sts_a_policy_naming_no_mx_is_refused_as_policy_not_as_every_hop_failing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With DANE also on the route and no hop DANE secures, MTA-STS's refusal is the answer: ``4.7.5`` with
+    ``cause=tls_policy`` (it was ``4.4.1``, each hop refused with ``cause=tls``)."""
+    caplog.set_level(logging.INFO, logger="mta")
+    async with sts_world(tmp_path, route="mx?tls=dane,mta-sts") as w:
+        w.publish("none.test", "1", policy("enforce", "mx.none.test"))
+        w.dns.mx("none.test", 10, "other.none.test")
+        w.dns.a("other.none.test", GOOD)
+        relay = await start_relay(w.nursery, w.config)
+        watch = DeliveryWatch(relay)
+        await send(relay, "dave@none.test")
+        (deferred,) = await watch.wait_for(Status.DEFERRED, 1, recipient="dave@none.test")
+        assert deferred.enhanced == "4.7.5", deferred
+        assert "MTA-STS policy of none.test (enforce): no MX host matches" in deferred.reply
+        (failed,) = events([r for r in caplog.records if r.name == "mta.smtp"], "connect_failed")
+        assert failed["cause"] == "tls_policy", failed
+        assert w.hops[GOOD].connections == 0
+
+
+async def test_tls_rpt_leaves_out_the_sending_ip_of_a_session_never_made(tmp_path: Path) -> None:
+    """An MX skipped by the policy was never connected to: its failure has no ``sending-mta-ip`` (it was ``""``,
+    which RFC 8460 does not allow: the field is an IP address); a session that was made names it."""
+    async with sts_world(tmp_path) as w:
+        w.publish("sts.test", "1", policy("enforce", "mx.sts.test"))
+        w.dns.mx("sts.test", 10, "rogue.sts.test")
+        w.dns.a("rogue.sts.test", PLAIN)
+        w.dns.mx("sts.test", 20, "mx.sts.test")
+        w.dns.a("mx.sts.test", WRONG)
+        relay = await start_relay(w.nursery, w.config)
+        watch = DeliveryWatch(relay)
+        await send(relay, "bob@sts.test")
+        await watch.wait_for(Status.DEFERRED, 1, recipient="bob@sts.test")
+        rpt = reporter(relay)
+        rpt.clock = lambda: time.time() + 86400
+        (path,) = rpt.roll_up()
+        (entry,) = json.loads(Path(path).read_text())["policies"]
+        by_mx = {d["receiving-mx-hostname"]: d for d in entry["failure-details"]}
+        assert "sending-mta-ip" not in by_mx["rogue.sts.test"], by_mx
+        assert by_mx["mx.sts.test"]["sending-mta-ip"] == "127.0.0.1"

@@ -114,6 +114,7 @@ class Planner:
     async def plan(self, destination: Destination, hops: list[mx.Hop], qids: list[str]) -> Plan:
         mode, policies = parse_tls(destination.tls)
         planned = [(hop, base_tls(mode.value, hop.host)) for hop in hops]
+        sts: list[tuple[mx.Hop, HopTls]] | str = planned
         if TlsPolicy.MTA_STS in policies and destination.kind == "mx":
             sts = await self._mta_sts(destination.target, planned, qids)
             if isinstance(sts, str):
@@ -125,6 +126,8 @@ class Planner:
                 planned = sts
         if TlsPolicy.DANE in policies:
             planned = [(hop, await self._dane(destination, hop, hop_tls)) for hop, hop_tls in planned]
+            if isinstance(sts, str) and all(hop_tls.refuse for _, hop_tls in planned):
+                return Plan((), sts)  # DANE secured none of them: MTA-STS's refusal is the answer
         return Plan(tuple(planned))
 
     async def _mta_sts(self, domain: str, planned: list[tuple[mx.Hop, HopTls]],

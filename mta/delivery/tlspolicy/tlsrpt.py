@@ -129,10 +129,8 @@ class Reporter:
                 "policy": policy,
                 "summary": {"total-successful-session-count": sum(1 for r in rs if not r["result"]),
                             "total-failure-session-count": sum(failures.values())},
-                "failure-details": [
-                    {"result-type": result, "sending-mta-ip": local, "receiving-mx-hostname": mx,
-                     "receiving-ip": ip, "failed-session-count": n, "failure-reason-code": detail}
-                    for (result, local, mx, ip, detail), n in sorted(failures.items())],
+                "failure-details": [_failure(result, local, mx, ip, detail, n)
+                                    for (result, local, mx, ip, detail), n in sorted(failures.items())],
             })
         return {
             "organization-name": self.organization,
@@ -165,6 +163,19 @@ class Reporter:
                 event(log, "tls_report", None, error=str(exc), level=logging.WARNING)
             now = self.clock()
             await trio.sleep(86400 - now % 86400 + 60)
+
+
+def _failure(result: str, local: str, mx: str, ip: str, detail: str, n: int) -> dict[str, Any]:
+    """One ``failure-details`` entry; RFC 8460 §4.3 makes the IP fields addresses, so one no session had (an MX
+    skipped by policy, a failed TLSA lookup) is left out rather than written empty."""
+    entry: dict[str, Any] = {"result-type": result, "failed-session-count": n, "failure-reason-code": detail}
+    if local:
+        entry["sending-mta-ip"] = local
+    if mx:
+        entry["receiving-mx-hostname"] = mx
+    if ip:
+        entry["receiving-ip"] = ip
+    return entry
 
 
 def _lines(f: Any) -> Iterator[dict[str, Any]]:

@@ -1,0 +1,1 @@
+"""Local submission: the ``sendmail`` and ``mailq`` commands, and the drop directory they share with the relay."""
