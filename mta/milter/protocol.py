@@ -213,7 +213,9 @@ def parse_custom_reply(text: str) -> Reply:
     for i, line in enumerate(lines):
         rest = line[4:] if line[:3] == code_text else line
         head, _, tail = rest.partition(" ")
-        if i == 0 and head.count(".") == 2 and head[:1] == code_text[0] and head.replace(".", "").isdigit():
+        if i == 0 and head.count(".") == 2 and head.replace(".", "").isdigit():
+            if head[:1] != code_text[0]:
+                raise MilterProtocolError(f"custom reply {text[:40]!r}: enhanced code of another class")
             enhanced, rest = head, tail
         elif enhanced is not None and head == enhanced:
             rest = tail
