@@ -10,13 +10,13 @@ configured default; a session beside it is not held up.
 
 from __future__ import annotations
 
-import smtplib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 from daemon_support import SUPPORT, SYSTEM_PYTHON, Daemon, free_port
+from milter_support import message, transaction
 from relay_support import NextHop, relay_config, start_relay
 
 from mta.process.relay import Relay
@@ -29,30 +29,6 @@ def milter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     daemon = Daemon([SYSTEM_PYTHON, str(SUPPORT / "milter_filter.py"), f"inet:{port}@127.0.0.1"], log).start([port])
     yield port
     daemon.stop()
-
-
-def message(subject: str, extra: str = "", body: str = "hello\r\n") -> bytes:
-    return (f"From: alice@example.com\r\nTo: bob@dest.test\r\nSubject: {subject}\r\n{extra}"
-            f"Message-ID: <{subject.replace(' ', '-')}@example.com>\r\n\r\n{body}").encode()
-
-
-def _transaction(port: int, sender: str, rcpts: list[str], data: bytes) -> dict[str, tuple[int, bytes]]:
-    """One transaction, every reply kept by step (``rcpt:ADDRESS``, ``mail``, ``data``); stops at a refusal."""
-    got: dict[str, tuple[int, bytes]] = {}
-    with smtplib.SMTP("127.0.0.1", port, timeout=60) as s:
-        s.ehlo("client.test")
-        got["mail"] = s.mail(sender)
-        if got["mail"][0] != 250:
-            return got
-        for r in rcpts:
-            got[f"rcpt:{r}"] = s.rcpt(r)
-        if any(got[f"rcpt:{r}"][0] == 250 for r in rcpts):
-            got["data"] = s.data(data)
-    return got
-
-
-async def transaction(port: int, sender: str, rcpts: list[str], data: bytes) -> dict[str, tuple[int, bytes]]:
-    return await trio.to_thread.run_sync(_transaction, port, sender, rcpts, data)
 
 
 def filters(milter_port: int, **settings: str) -> str:
