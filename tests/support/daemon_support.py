@@ -8,6 +8,7 @@ daemon's output if it exits), never for a fixed time.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -56,9 +57,14 @@ class Daemon:
         return self.log.read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        """Kill the daemon's own process group (it was started in a new session): its workers go with it."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
 
 
 def _listening(port: int) -> bool:
