@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from daemon_support import SUPPORT, SYSTEM_PYTHON, Daemon, free_port
-from milter_support import message, transaction
+from daemon_support import free_port
+from milter_support import message, start_test_milter, transaction
 from relay_support import NextHop, relay_config, start_relay
 
 from mta.process.relay import Relay
@@ -24,9 +24,7 @@ from mta.process.relay import Relay
 
 @pytest.fixture(scope="module")
 def milter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("milter") / "milter.log"
-    daemon = Daemon([SYSTEM_PYTHON, str(SUPPORT / "milter_filter.py"), f"inet:{port}@127.0.0.1"], log).start([port])
+    port, daemon = start_test_milter(tmp_path_factory.mktemp("milter"))
     yield port
     daemon.stop()
 

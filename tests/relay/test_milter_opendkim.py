@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import dkim
 import pytest
 import trio
 from daemon_support import Daemon, free_port
-from milter_support import message, transaction
+from milter_support import message, start_test_milter, transaction
 from relay_support import NextHop, relay_config, start_relay
 
 
@@ -38,6 +38,41 @@ def opendkim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, by
     daemon.stop()
 
 
+@pytest.fixture(scope="module")
+def test_milter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    port, daemon = start_test_milter(tmp_path_factory.mktemp("milter"))
+    yield port
+    daemon.stop()
+
+
+def _txt(record: bytes) -> Callable[..., bytes | None]:
+    def txt(name: bytes, timeout: int = 5) -> bytes | None:
+        return record if name == b"s1._domainkey.example.com." else None
+    return txt
+
+
+async def test_milters_in_order_the_second_signs_what_the_first_changed(tmp_path: Path, opendkim: tuple[int, bytes],
+                                                                       test_milter: int) -> None:
+    """The test milter rewrites the body and headers, then OpenDKIM signs: it saw the changed message."""
+    port, record = opendkim
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        hop_port = await hop.start(nursery)
+        chain = f'["inet:{test_milter}@127.0.0.1", "inet:{port}@127.0.0.1"]'
+        cfg = relay_config(str(tmp_path), {"dest.test": f"smtp://127.0.0.1:{hop_port}"},
+                           extra=f"\n[filters]\nsmtp_milters = {chain}\n")
+        relay = await start_relay(nursery, cfg)
+        for subject in ("body", "headers"):
+            got = await transaction(relay.ports[0], "alice@example.com", ["bob@dest.test"], message(subject))
+            assert got["data"][0] == 250
+        replaced, headers = await hop.wait_messages(2)
+        assert replaced.data.endswith(b"the body the milter wrote\r\nline two\r\n")
+        assert b"X-Inserted: inserted first" in headers.data
+        for m in (replaced, headers):
+            assert dkim.verify(m.data, dnsfunc=_txt(record))
+        nursery.cancel_scope.cancel()
+
+
 async def test_mail_signed_by_opendkim_through_the_relay_verifies(tmp_path: Path,
                                                                   opendkim: tuple[int, bytes]) -> None:
     port, record = opendkim
@@ -54,9 +89,7 @@ async def test_mail_signed_by_opendkim_through_the_relay_verifies(tmp_path: Path
             assert got["data"][0] == 250
         delivered = await hop.wait_messages(2)
 
-        def txt(name: bytes, timeout: int = 5) -> bytes | None:
-            return record if name == b"s1._domainkey.example.com." else None
-
+        txt = _txt(record)
         for m in delivered:
             assert b"DKIM-Signature:" in m.data and b"d=example.com" in m.data
             assert dkim.verify(m.data, dnsfunc=txt)

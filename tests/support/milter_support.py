@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import smtplib
+from pathlib import Path
 
 import trio
+from daemon_support import SUPPORT, SYSTEM_PYTHON, Daemon, free_port
+
+
+def start_test_milter(where: Path) -> tuple[int, Daemon]:
+    """The python3-milter test filter (``milter_filter.py``) on a free port of 127.0.0.1: its port and process."""
+    port = free_port()
+    argv = [SYSTEM_PYTHON, str(SUPPORT / "milter_filter.py"), f"inet:{port}@127.0.0.1"]
+    return port, Daemon(argv, where / "milter.log").start([port])
 
 
 def message(subject: str, extra: str = "", body: str = "hello\r\n") -> bytes:
