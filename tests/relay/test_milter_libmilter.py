@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from daemon_support import free_port
+from daemon_support import SUPPORT, SYSTEM_PYTHON, Daemon, free_port
 from milter_support import message, start_test_milter, transaction
 from relay_support import NextHop, relay_config, start_relay
 
@@ -168,6 +168,37 @@ async def test_a_slow_milter_costs_its_session_the_default_and_no_other_session(
         assert got["data"][0] == 250  # 3 s of progress notes, each within the 2 s per reply
         await hop.wait_messages(4)
         nursery.cancel_scope.cancel()
+
+
+async def test_the_whole_message_timeout_holds_however_often_the_milter_reports_progress(tmp_path: Path,
+                                                                                         milter: int) -> None:
+    async with trio.open_nursery() as nursery:
+        relay, hop = await relay_with(nursery, tmp_path, milter, milter_command_timeout='"2s"',
+                                      milter_message_timeout='"1s"')
+        got = await transaction(relay.ports[0], "alice@example.com", ["bob@dest.test"], message("progress"))
+        assert got["data"] == (451, b"4.7.1 Service unavailable - try again later")
+        assert hop.messages == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_milter_on_a_unix_socket(tmp_path: Path) -> None:
+    path = tmp_path / "milter.sock"
+    daemon = Daemon([SYSTEM_PYTHON, str(SUPPORT / "milter_filter.py"), f"unix:{path}"], tmp_path / "milter.log")
+    daemon.start([path])
+    try:
+        async with trio.open_nursery() as nursery:
+            hop = NextHop()
+            hop_port = await hop.start(nursery)
+            cfg = relay_config(str(tmp_path), {"dest.test": f"smtp://127.0.0.1:{hop_port}"},
+                               extra=f'\n[filters]\nsmtp_milters = ["unix:{path}"]\n')
+            relay = await start_relay(nursery, cfg)
+            got = await transaction(relay.ports[0], "alice@example.com", ["bob@dest.test"], message("unix"))
+            assert got["data"][0] == 250
+            (m,) = await hop.wait_messages(1)
+            assert b"X-Test-Milter: seen" in m.data
+            nursery.cancel_scope.cancel()
+    finally:
+        daemon.stop()
 
 
 @pytest.mark.parametrize(("action", "mail_reply", "delivered"), [

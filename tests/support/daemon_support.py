@@ -38,7 +38,8 @@ class Daemon:
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, ports: Sequence[int], timeout: float = 30.0) -> Daemon:
+    def start(self, ports: Sequence[int | Path], timeout: float = 30.0) -> Daemon:
+        """Start, and return once every port (a TCP port of 127.0.0.1, or a unix socket's path) takes a connection."""
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd,
                                          env={**os.environ, **(self.env or {})}, start_new_session=True)
@@ -67,8 +68,13 @@ class Daemon:
         self.proc.wait(10)
 
 
-def _listening(port: int) -> bool:
+def _listening(port: int | Path) -> bool:
     try:
+        if isinstance(port, Path):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(1)
+                s.connect(str(port))
+                return True
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return True
     except OSError:
