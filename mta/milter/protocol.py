@@ -95,9 +95,10 @@ P_NR_UNKN: Final = 0x20000
 P_NR_EOH: Final = 0x40000
 P_NR_BODY: Final = 0x80000
 P_HDR_LEADSPC: Final = 0x100000
-# What this MTA offers: every step may be left out or go unanswered, SKIP works; not RCPT_REJ (rejected
-# recipients are not shown), not HDR_LEADSPC (offered, libmilter filters keep it; one that asks gets it anyway)
-# and no larger packets than libmilter's default.
+# What this MTA offers: every step may be left out or go unanswered, SKIP works. Not RCPT_REJ (rejected
+# recipients are not shown), not HDR_LEADSPC (libmilter keeps an offered flag unless the filter clears it, and
+# filters expect values without the space; one that asks for it anyway is sent the space), and no packets
+# larger than libmilter's default.
 OFFERED_PROTOCOL: Final = 0xFFFFF & ~P_RCPT_REJ
 
 # Macro stages of a SETSYMLIST in the negotiation reply (SMFIM_*), by the command they go with.
