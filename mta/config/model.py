@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
+from mta.config.filters import FiltersSection
 from mta.config.limits import LimitsSection
 from mta.config.policy import PolicySection
 from mta.config.proxy import ProxySection
@@ -55,6 +56,7 @@ class Config:
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
+    filters: FiltersSection = attrs.field(factory=FiltersSection)
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

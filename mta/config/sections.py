@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from mta.config.dkim import DkimSection
+from mta.config.filters import FiltersSection
 from mta.config.limits import LimitsSection
 from mta.config.policy import PolicySection
 from mta.config.proxy import ProxySection
@@ -381,6 +382,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("proxy", ProxySection),
     ("sendmail", SendmailSection),
     ("smarthost_auth", SmarthostAuthSection),
+    ("filters", FiltersSection),
 )
 
 

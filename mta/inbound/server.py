@@ -60,6 +60,8 @@ from mta.inbound.message_id import MessageIdPeek
 from mta.inbound.proxy_intake import receive_header
 from mta.inbound.submission import Authenticator
 from mta.limits.limiter import Over
+from mta.milter.accept import filter_body
+from mta.milter.chain import Facts, FilterSession
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from mta.observe.tlsinfo import TlsInfo, tls_info
@@ -251,6 +253,8 @@ class SmtpServer:
         finally:
             self.sessions.discard(session)
             session.abort_body()
+            if session.filters is not None:
+                await session.filters.aclose()
             self.slots.release(slot)
             if isinstance(session.stream, trio.SocketStream):
                 # No TLS to shut down: closing the socket is all there is, and it cannot block. (The
@@ -324,6 +328,9 @@ class _Session:
         self._pace = wire.Pace()  # a lone client's reads may skip their yield (``mta.inbound.wire``)
         self._idle: trio.CancelScope | None = None  # around a read between transactions: a drain cancels it
         self.checks = server.checks.session(self, self._relay_busy)
+        # Milters and rspamd of this listener (``mta.milter``); None: none configured.
+        self.filters = FilterSession.for_session(self.config.filters, port is not Port.SMTP)
+        self._quarantine: str | None = None  # a filter asked to hold the message being accepted
 
     @property
     def in_transaction(self) -> bool:
@@ -468,7 +475,7 @@ class _Session:
                 if not await self._need_data():
                     return
             elif isinstance(ev, MailFrom):
-                self._mail(ev)
+                await self._mail(ev)
             elif isinstance(ev, RcptTo):
                 await self._rcpt(ev)
             elif isinstance(ev, DataStart):
@@ -554,7 +561,7 @@ class _Session:
         self.recipients = []
         self.mail_params = {}
 
-    def _mail(self, ev: MailFrom) -> None:
+    async def _mail(self, ev: MailFrom) -> None:
         self._reset()
         if self.server.draining:  # pipelined after the last transaction; the next read ends the session
             self.conn.reject(R_SHUTTING_DOWN, "shutdown")
@@ -576,6 +583,13 @@ class _Session:
         self.sender = ev.address
         self.mail_from = ev.address
         self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
+        if self.filters is not None:
+            with self._relay_busy():
+                refusal = await self.filters.mail(self._facts(), ev.address, ev.params)
+            if refusal is not None:
+                self.mail_from = None
+                self.conn.reject(refusal, "filter")
+                return
         self.conn.accept()
 
     def _deny(self, denied: Denial) -> None:
@@ -597,6 +611,12 @@ class _Session:
         if denied := await self.checks.rcpt(address):
             self._deny(denied)
             return
+        if self.filters is not None:
+            with self._relay_busy():
+                refusal = await self.filters.rcpt(ev.address, ev.params)
+            if refusal is not None:
+                self.conn.reject(refusal, "filter")
+                return
         if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
             self.recipients.append(address)
         self._transaction(True)
@@ -645,8 +665,15 @@ class _Session:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
         try:
             with self._relay_busy():
+                done = await self._filter(body)
+                if done is not None:
+                    self._filtered_out(body, done)
+                    return
+                if self._quarantine is not None:
+                    extra["quarantine"] = self._quarantine
                 signed = await self._sign(body)
-                mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra)
+                mid = await self.server.aspool.enqueue(self.sender, self.recipients, body, extra=extra,
+                                                       held=self._quarantine is not None)
         except DiskFull as exc:
             event(log, "no_room", self.queue_id, level=logging.WARNING, client=self.client_ip, size=body.size,
                   error=str(exc))
@@ -654,12 +681,55 @@ class _Session:
             return
         self.server.metrics.accepted.inc()
         queue_id = self.server.aspool.core.queue_id(mid)
+        if self._quarantine is not None:
+            event(log, "quarantined", queue_id, reason=self._quarantine)
         event(log, "accepted", queue_id, message_id=message_id, from_=f"<{self.sender}>", size=body.size,
               nrcpt=len(self.recipients), client=self.client_ip, helo=self.conn.helo_name, proto=self._protocol(),
               tls=self.tls.protocol if self.tls is not None else None, auth=self.conn.authenticated,
               dkim=",".join(signed.signed_by) if signed is not None else None)
         self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {queue_id}"))
         self.recipients = []
+
+    def _facts(self) -> Facts:
+        """The session as the milters' macros tell it (``mta.milter.chain.Facts``)."""
+        stream = self.stream
+        inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        peer: Any = ("", 0)
+        local: Any = ("", 0)
+        if isinstance(inner, trio.SocketStream):
+            peer, local = inner.socket.getpeername(), inner.socket.getsockname()
+        tls = self.tls
+        return Facts(self.config.server.hostname, self.port.value, str(local[0]), self.client_ip, int(peer[1]),
+                     self.conn.helo_name or "", tls.protocol if tls else None, tls.cipher if tls else None,
+                     tls.bits if tls else None, self.conn.authenticated)
+
+    async def _filter(self, body: BodyWriter) -> Reply | None:
+        """The filters' say on the message (``mta.milter.accept``): the reply that ends it unstored, or None to
+        go on with what they changed (sender, recipients, body; ``_quarantine``: enqueued held, so no delivery
+        starts before the operator releases it)."""
+        self._quarantine = None
+        if self.filters is None:
+            return None
+        assert self.queue_id is not None
+        got = await filter_body(self.filters, self.server.aspool, body, self.sender, self.recipients, self.queue_id)
+        if got.outcome.reply is not None:
+            return got.outcome.reply
+        if got.outcome.discard or not got.recipients:
+            event(log, "discarded", self.queue_id, client=self.client_ip, from_=f"<{self.sender}>",
+                  reason="filter" if got.outcome.discard else "no_recipients")
+            return Reply(250, "2.0.0", f"Ok: queued as {self.queue_id}")
+        self.sender, self.recipients = got.sender, list(got.recipients)
+        self._quarantine = got.quarantine
+        return None
+
+    def _filtered_out(self, body: BodyWriter, reply: Reply) -> None:
+        """A filter refused the message (its reply), or discarded it (a 250): nothing is stored."""
+        body.abort()
+        self.recipients = []
+        if reply.is_positive:
+            self.conn.accept(reply)
+        else:
+            self.conn.reject(reply, "filter")
 
     def _protocol(self) -> str:
         """The ``with`` of the Received: header and the accepted line (ESMTPSA: TLS and AUTH)."""

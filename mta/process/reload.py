@@ -44,7 +44,8 @@ RESTART: frozenset[tuple[str, str]] = frozenset({
     ("delivery", "mx_port"), ("delivery", "tls_ca_file"),
     ("log", "level"), ("log", "format"),
 })
-SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "limits", "policy")
+SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "limits", "policy",
+            "filters")
 RESTART_SECTIONS = frozenset({"spool", "tls_policy"})  # the engine's and the outgoing transport's, read at start
 LIVE: frozenset[tuple[str, str]] = frozenset({("spool", "queue_minfree")})  # read by the sessions' disk check
 

@@ -586,13 +586,13 @@ class GroupCommit(InlineCommit):
         return self.core.begin_body(first)
 
     async def enqueue(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
-                      extra: dict[str, Any] | None = None) -> int:
+                      extra: dict[str, Any] | None = None, held: bool = False) -> int:
         """Append and wait for durability: the caller may answer 250 when this returns.
 
         Raises DiskFull (the caller answers 452) with the message cancelled:
         it will not be delivered once the disk has room again.
         """
-        msg = self.core.append_message(sender, recipients, body, extra=extra)
+        msg = self.core.append_message(sender, recipients, body, extra=extra, held=held)
         self._unsynced_messages += 1
         try:
             await self.commit(message=True)

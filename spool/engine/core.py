@@ -58,6 +58,7 @@ from spool.errors import CorruptRecord, DamagedBody, DiskFull
 from spool.fileio import FileIO
 from spool.format import checkpoint as ckpt
 from spool.format.record import (
+    HELD_CLASS,
     Envelope,
     Finish,
     Outcome,
@@ -221,8 +222,14 @@ class SpoolCore:
         return self.append_message(sender, recipients, body, extra=extra, arrival_ms=arrival_ms).message_id
 
     def append_message(self, sender: str, recipients: Iterable[str], body: bytes | BodyWriter | Iterable[bytes], *,
-                       extra: dict[str, Any] | None = None, arrival_ms: int | None = None) -> Appended:
-        """``enqueue``, returning what ``cancel`` needs as well as the queue id."""
+                       extra: dict[str, Any] | None = None, arrival_ms: int | None = None,
+                       held: bool = False) -> Appended:
+        """``enqueue``, returning what ``cancel`` needs as well as the queue id.
+
+        ``held``: the message is held from its first envelope (a mail filter's
+        quarantine): no runner takes it until it is released, and no delivery
+        can start between its commit and a hold.
+        """
         rcpts = tuple(recipients)
         if not rcpts:
             raise ValueError("a message needs at least one recipient")
@@ -235,12 +242,14 @@ class SpoolCore:
         # Encoded from the fields: no Envelope record is built for an envelope that is never read back here.
         now = self._now()
         arrival = arrival_ms if arrival_ms is not None else int(now * 1000)
-        payload = envelope_payload(mid, sender, rcpts, chunks, size, arrival, extra=extra)
-        pos = self.writer.append(RecordType.ENVELOPE, payload, klass=0, now=now)
+        klass = HELD_CLASS if held else 0
+        payload = envelope_payload(mid, sender, rcpts, chunks, size, arrival, held=held, extra=extra)
+        pos = self.writer.append(RecordType.ENVELOPE, payload, klass=klass, now=now)
         self.envelope_head = pos
         if self.gauges is not None:
-            self.gauges.added(mid, 0, False, False, arrival)
-        self.fresh.add(pos, payload, mid, sender, rcpts, chunks, size, arrival, extra)
+            self.gauges.added(mid, klass, held, False, arrival)
+        if not held:
+            self.fresh.add(pos, payload, mid, sender, rcpts, chunks, size, arrival, extra)
         self._note_span(pos, chunks)
         return Appended(mid, pos, chunks)
 

@@ -104,6 +104,7 @@ class BodyWriter:
         self.discarding = False
         self.kept: list[bytes] | None = [] if spool.body_cache.item_limit > 0 else None
         self.message_id: int | None = None
+        self._first_size = 0  # the bytes of the record ``begin`` wrote
 
     def begin(self, first: Callable[[int], bytes]) -> int:
         """Decide the message's id now and start the body with ``first(id)``, as a record of its own.
@@ -124,8 +125,33 @@ class BodyWriter:
         data = first(mid)
         self.size += len(data)
         self._emit(data)
+        self._first_size = len(data)
         self.message_id = mid
         return mid
+
+    def rewrite(self, data: bytes) -> None:
+        """Replace everything after the record ``begin`` wrote with ``data``: a filter changed the message.
+
+        Why: what a mail filter (a milter) changed is what is stored and
+        delivered, and the message keeps the id (and ``Received:`` header)
+        it was given as its body began. The records written so far after the
+        first become garbage with their segment; the first stays the body's
+        oldest, as reclaim and the body cache need. Closes the body.
+
+        Raises SpoolError if the body was not begun with ``begin``, or was aborted or given to its envelope.
+        """
+        if self.message_id is None or not self.chunks or self.discarding:
+            raise SpoolError("rewrite() needs a body begun with begin() and not aborted")
+        if self.closed and id(self) not in self._spool._open_bodies:
+            raise SpoolError("rewrite() on a body already given to its envelope or aborted")
+        self.close()
+        del self.chunks[1:]
+        self.size = self._first_size
+        if self.kept is not None:
+            del self.kept[1:]
+        self.closed = False
+        self.write(data)
+        self.close()
 
     def add_header(self, data: bytes) -> None:
         """Add a header field known only once the whole message is (a DKIM-Signature), after the first record.

@@ -22,6 +22,7 @@ from process_support import run_mta
 
 from mta.config import Config, ConfigError, parse_config
 from mta.config.dkim import HeaderName
+from mta.config.filters import HttpUrl, Milter
 from mta.config.limits import RateKind, SlotCount
 from mta.config.loader import definitions
 from mta.config.policy import PolicyServer
@@ -249,6 +250,13 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
             return st.one_of(st.integers(1, 8), st.just("auto"))
         case HeaderName():
             return st.sampled_from(["From", "subject", "X-Mailer", "List-Unsubscribe", "DATE"])
+        case Milter():
+            port = st.integers(1, 65535)
+            return st.one_of(st.builds(lambda p, h: f"inet:{p}@{h}", port, HOST),
+                             st.builds(lambda h, p: f"inet:{h}:{p}", HOST, port),
+                             st.builds(lambda n: f"unix:/run/{n}.sock", LABEL))
+        case HttpUrl():
+            return st.builds(lambda h, p: f"http://{h}:{p}", HOST, st.integers(1, 65535))
         case Text(nonempty):
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1 if nonempty else 0,
                            max_size=20)
