@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
-from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
+from mta.config.routes import LmtpRoute, MaildirRoute, NoRoute, Route, match_domain, normalize_domain
 from mta.config.sections import (
     DeliveryConfig,
     LogConfig,
@@ -80,12 +80,12 @@ class Config:
         return self.route_for(domain)
 
     def is_local(self, domain: str) -> bool:
-        """Whether a route *named for this domain* delivers to a Maildir.
+        """Whether a route *named for this domain* delivers locally (to a Maildir or a mailbox server over LMTP).
 
         A ``"*"`` maildir route does not count: it would make every domain on
         earth local and so let anyone inject mail (see ``may_relay``).
         """
-        return isinstance(match_domain(domain, self.routes), MaildirRoute)
+        return isinstance(match_domain(domain, self.routes), MaildirRoute | LmtpRoute)
 
     def may_relay(self, client_ip: str | IPAddress, domain: str) -> bool:
         """Accept a recipient at ``domain`` from ``client_ip``? Never an open relay.

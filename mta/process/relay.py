@@ -50,12 +50,13 @@ def transports(config: Config, io: FileIO | None = None, forked: Sequence[Forked
     With ``[delivery] processes`` > 0, SMTP deliveries go to worker processes (``mta.delivery.workers``),
     the first of them ``forked`` before the loop started (``mta.delivery.worker_fork``).
     """
+    from mta.delivery.lmtp_transport import LmtpTransport
     from mta.delivery.smtp_transport import SmtpTransport
 
     smtp: Transport = DeliveryWorkers(config, config.delivery.processes, forked) \
         if config.delivery.processes > 0 else SmtpTransport(config)  # 0, or "auto" not resolved by mta serve
     return {"maildir": MaildirTransport(config.server.hostname, io), "discard": DiscardTransport(),
-            "smtp": smtp, "mx": smtp}
+            "smtp": smtp, "mx": smtp, "lmtp": LmtpTransport(config)}
 
 
 def where_mail_goes(config: Config) -> str:
@@ -126,6 +127,7 @@ class Relay:
             self.listeners = await nursery.start(server.serve)
             control = ControlServer(self.aspool, cfg, shard=self.shard)
             await nursery.start(control.serve)
+            from mta.delivery.lmtp_transport import LmtpTransport
             from mta.delivery.smtp_transport import SmtpTransport
 
             outgoing = transports(cfg, self.io, self.forked)
@@ -140,6 +142,9 @@ class Relay:
                 # (spool.aio.group_commit, "inline"; +6 % for a lone client: docs/benchmarks.md, "Inline commit ...").
                 self.aspool.inline_sync_max = INLINE_SYNC_FAST
                 await nursery.start(smtp.run)  # the worker processes, each ready
+            lmtp = outgoing["lmtp"]
+            if isinstance(lmtp, LmtpTransport):
+                await nursery.start(lmtp.run)  # its connection cache
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:
