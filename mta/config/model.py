@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
+from mta.config.recipients import RecipientsSection
 from mta.config.routes import LmtpRoute, MaildirRoute, NoRoute, Route, match_domain, normalize_domain
 from mta.config.sections import (
     DeliveryConfig,
@@ -43,6 +44,7 @@ class Config:
     log: LogConfig
     dkim: DkimSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
+    recipients: RecipientsSection = attrs.field(factory=RecipientsSection)
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
 

@@ -60,6 +60,8 @@ from mta.inbound.submission import Authenticator
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from mta.observe.tlsinfo import TlsInfo, tls_info
+from mta.recipients.maps import RecipientMaps
+from mta.recipients.table import Refused
 from mta.smtp.common import Reply, received_header, received_protocol
 from mta.smtp.server import (
     END_OF_DATA,
@@ -126,6 +128,7 @@ class SmtpServer:
         aspool.connected_clients = lambda: self.slots.total  # the inline commit is for a lone client only
         self.reuse_port = False  # set when several relay processes share the listening addresses
         self.auth = Authenticator(config, metrics)
+        self.recipient_maps = RecipientMaps(config)
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
         self.sessions: set[_Session] = set()
         self.draining = False  # a planned stop (``mta.process.lifecycle``): no new connection or transaction
@@ -517,6 +520,7 @@ class _Session:
 
     def _rcpt(self, ev: RcptTo) -> None:
         address = self.config.postmaster_alias(ev.address)
+        recipients: tuple[str, ...] = (address,) if address is not None else ()
         if address is None:
             address = ev.address
             domain = address.rpartition("@")[2].lower()
@@ -527,9 +531,15 @@ class _Session:
             if isinstance(self.config.route_for(domain), NoRoute):
                 self.conn.reject(R_NO_ROUTE, "no_route")
                 return
+            resolved = self.server.recipient_maps.resolve(self.config, address)  # tables, aliases: mta.recipients
+            if isinstance(resolved, Refused):
+                self.conn.reject(resolved.reply, resolved.why)
+                return
+            recipients = resolved.recipients  # an alias: its targets
         # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
-        if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
-            self.recipients.append(address)
+        for rcpt in recipients:
+            if rcpt not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
+                self.recipients.append(rcpt)
         self._transaction(True)
         self.conn.accept()
 

@@ -43,7 +43,7 @@ RESTART: frozenset[tuple[str, str]] = frozenset({
     ("delivery", "mx_port"), ("delivery", "tls_ca_file"),
     ("log", "level"), ("log", "format"),
 })
-SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim")
+SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "recipients")
 RESTART_SECTIONS = frozenset({"spool", "tls_policy"})  # the engine's and the outgoing transport's, read at start
 LIVE: frozenset[tuple[str, str]] = frozenset({("spool", "queue_minfree")})  # read by the sessions' disk check
 
@@ -121,6 +121,7 @@ def reload(relay: Relay) -> bool:
         assert auth is not None
         server.auth = auth
         server.disk.minfree = new.spool.queue_minfree
+        server.recipient_maps.reread()  # at once, not at the next look at the files' status
     relay.scheduler.config = new
     reread = [name for name, present in (
         ("tls_cert", new.server.tls_cert is not None), ("dkim.key", bool(new.dkim_keys)),

@@ -1,0 +1,35 @@
+"""``[recipients]``: the tables of local recipients and aliases, and how far an alias may expand.
+
+The tables themselves are files (their format: ``mta.recipients.table``),
+read at start and again when they change, without a restart
+(``mta.recipients.maps``). A domain with at least one address in a table is
+a domain the relay knows every recipient of: any other address there is
+refused at RCPT with ``550 5.1.1``.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from spool import Integer, ListOf, Path, setting
+
+__all__ = ["RecipientsSection"]
+
+
+@attrs.frozen(kw_only=True)
+class RecipientsSection:
+    """``[recipients]``."""
+
+    tables: tuple[str, ...] = setting(
+        ListOf(Path()),
+        "files of local recipients and aliases (one `ADDRESS [TARGET, ...]` a line; see \"Recipient tables and "
+        "aliases\"), read at start and again within a second of a change; an address of a domain they name that "
+        "is in none of them is refused at RCPT with `550 5.1.1`", ())
+    alias_depth: int = setting(
+        Integer(1, 100),
+        "how many aliases deep one expansion may go; a deeper chain is refused at RCPT with `550 5.4.6`, as a "
+        "loop is (Postfix's virtual_alias_recursion_limit)", 10)
+    alias_fanout: int = setting(
+        Integer(1, 100000),
+        "how many recipients one RCPT may expand into; more is refused at RCPT with `452 4.5.3` "
+        "(Postfix's virtual_alias_expansion_limit)", 1000)
