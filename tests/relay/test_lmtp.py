@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import trio
 from dovecot_support import Dovecot
-from relay_support import DeliveryWatch, relay_config
+from relay_support import DeliveryWatch, relay_config, write_relay_config
 
-from mta.config import ConfigError, LmtpRoute, format_route, parse_route
+from mta.config import ConfigError, LmtpRoute, format_route, load_config, parse_route
 from mta.delivery.lmtp_transport import LmtpTransport
 from mta.process.relay import Relay
 from spool import Status
@@ -105,3 +105,27 @@ async def test_a_mailbox_server_that_is_down_defers(tmp_path: Path) -> None:
         (deferred,) = await watch.wait_for(Status.DEFERRED, recipient="alice@d.test")
         nursery.cancel_scope.cancel()
     assert deferred.code == 0 and "connect to lmtp:" in deferred.reply
+
+
+async def test_with_a_table_an_unknown_user_is_refused_at_rcpt_and_an_alias_reaches_two_mailboxes(
+        tmp_path: Path, dovecot: Dovecot) -> None:
+    (tmp_path / "recipients").write_text("alice@d.test\nbob@d.test\nteam@d.test alice@d.test, bob@d.test\n")
+    path = write_relay_config(tmp_path, {"d.test": f"lmtp:{dovecot.socket}", "src.test": "maildir:bounces"})
+    path.write_text(path.read_text() + '\n[recipients]\ntables = ["recipients"]\n')
+    before = {user: len(dovecot.messages(user)) for user in ("alice", "bob")}
+    async with trio.open_nursery() as nursery:
+        relay: Relay = await nursery.start(Relay(load_config(str(path))).run)
+        watch = DeliveryWatch(relay)
+
+        def transaction() -> dict[str, tuple[int, bytes]]:
+            with smtplib.SMTP("127.0.0.1", relay.ports[0], timeout=30) as client:
+                return client.sendmail("s@src.test", ["ghost@d.test", "team@d.test"], MESSAGE)
+
+        refused = await trio.to_thread.run_sync(transaction)
+        await watch.wait_for(Status.DELIVERED, recipient="alice@d.test")
+        await watch.wait_for(Status.DELIVERED, recipient="bob@d.test")
+        nursery.cancel_scope.cancel()
+    assert refused["ghost@d.test"][0] == 550 and refused["ghost@d.test"][1].startswith(b"5.1.1")
+    assert watch.count(Status.BOUNCED) == 0  # refused while the client was there: no bounce
+    for user in ("alice", "bob"):
+        assert len(dovecot.messages(user)) == before[user] + 1
