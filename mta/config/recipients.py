@@ -5,13 +5,17 @@ read at start and again when they change, without a restart
 (``mta.recipients.maps``). A domain with at least one address in a table is
 a domain the relay knows every recipient of: any other address there is
 refused at RCPT with ``550 5.1.1``.
+
+``verify`` names relayed domains whose recipients are checked with their
+next hop at RCPT instead (``mta.recipients.verify``).
 """
 
 from __future__ import annotations
 
 import attrs
 
-from spool import Integer, ListOf, Path, setting
+from mta.config.routes import Domain
+from spool import Duration, Integer, ListOf, Path, setting
 
 __all__ = ["RecipientsSection"]
 
@@ -33,3 +37,15 @@ class RecipientsSection:
         Integer(1, 100000),
         "how many recipients one RCPT may expand into; more is refused at RCPT with `452 4.5.3` "
         "(Postfix's virtual_alias_expansion_limit)", 1000)
+    verify: tuple[str, ...] = setting(
+        ListOf(Domain()),
+        "domains (`.example.com`: every subdomain) whose recipients are verified at RCPT by asking their route's next "
+        "hop (an `smtp://` or `lmtp` route; MAIL, RCPT, RSET, never DATA): one it refuses is refused `550 5.1.1`, "
+        "one it cannot be asked about `450 4.1.1` (Postfix's reject_unverified_recipient)", ())
+    verify_positive_ttl: float = setting(
+        Duration(positive=True), "how long a next hop's yes to an address is remembered", 86400.0)
+    verify_negative_ttl: float = setting(
+        Duration(positive=True), "how long a next hop's no (a 5xx to RCPT) is remembered", 3600.0)
+    verify_timeout: float = setting(
+        Duration(positive=True), "how long a probe may take, connecting included, before the RCPT gets `450 4.1.1`",
+        10.0)

@@ -60,7 +60,7 @@ from mta.inbound.submission import Authenticator
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from mta.observe.tlsinfo import TlsInfo, tls_info
-from mta.recipients.maps import RecipientMaps
+from mta.recipients.check import RecipientCheck
 from mta.recipients.table import Refused
 from mta.smtp.common import Reply, received_header, received_protocol
 from mta.smtp.server import (
@@ -128,7 +128,7 @@ class SmtpServer:
         aspool.connected_clients = lambda: self.slots.total  # the inline commit is for a lone client only
         self.reuse_port = False  # set when several relay processes share the listening addresses
         self.auth = Authenticator(config, metrics)
-        self.recipient_maps = RecipientMaps(config)
+        self.recipient_check = RecipientCheck(config)  # tables, aliases, verification at RCPT
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
         self.sessions: set[_Session] = set()
         self.draining = False  # a planned stop (``mta.process.lifecycle``): no new connection or transaction
@@ -416,7 +416,7 @@ class _Session:
             elif isinstance(ev, MailFrom):
                 self._mail(ev)
             elif isinstance(ev, RcptTo):
-                self._rcpt(ev)
+                await self._rcpt(ev)
             elif isinstance(ev, DataStart):
                 self._data_start()
             elif isinstance(ev, DataChunk):
@@ -518,7 +518,7 @@ class _Session:
         self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
         self.conn.accept()
 
-    def _rcpt(self, ev: RcptTo) -> None:
+    async def _rcpt(self, ev: RcptTo) -> None:
         address = self.config.postmaster_alias(ev.address)
         recipients: tuple[str, ...] = (address,) if address is not None else ()
         if address is None:
@@ -531,7 +531,7 @@ class _Session:
             if isinstance(self.config.route_for(domain), NoRoute):
                 self.conn.reject(R_NO_ROUTE, "no_route")
                 return
-            resolved = self.server.recipient_maps.resolve(self.config, address)  # tables, aliases: mta.recipients
+            resolved = await self.server.recipient_check.rcpt(self.config, address, self._flush)  # mta.recipients
             if isinstance(resolved, Refused):
                 self.conn.reject(resolved.reply, resolved.why)
                 return

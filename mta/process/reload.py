@@ -121,7 +121,7 @@ def reload(relay: Relay) -> bool:
         assert auth is not None
         server.auth = auth
         server.disk.minfree = new.spool.queue_minfree
-        server.recipient_maps.reread()  # at once, not at the next look at the files' status
+        server.recipient_check.maps.reread()  # at once, not at the next look at the files' status
     relay.scheduler.config = new
     reread = [name for name, present in (
         ("tls_cert", new.server.tls_cert is not None), ("dkim.key", bool(new.dkim_keys)),

@@ -129,3 +129,23 @@ async def test_with_a_table_an_unknown_user_is_refused_at_rcpt_and_an_alias_reac
     assert watch.count(Status.BOUNCED) == 0  # refused while the client was there: no bounce
     for user in ("alice", "bob"):
         assert len(dovecot.messages(user)) == before[user] + 1
+
+
+async def test_verification_asks_dovecot_at_rcpt(tmp_path: Path, dovecot: Dovecot) -> None:
+    path = write_relay_config(tmp_path, {"d.test": f"lmtp://127.0.0.1:{dovecot.port}", "src.test": "maildir:bounces"})
+    path.write_text(path.read_text() + '\n[recipients]\nverify = ["d.test"]\n')
+    async with trio.open_nursery() as nursery:
+        relay: Relay = await nursery.start(Relay(load_config(str(path))).run)
+
+        def rcpts() -> list[tuple[int, bytes]]:
+            with smtplib.SMTP("127.0.0.1", relay.ports[0], timeout=30) as client:
+                client.ehlo("client.test")
+                client.mail("s@src.test")
+                return [client.rcpt(r) for r in ("alice@d.test", "ghost@d.test")]
+
+        (alice, ghost) = await trio.to_thread.run_sync(rcpts)
+        nursery.cancel_scope.cancel()
+    assert alice[0] == 250
+    assert ghost[0] == 550
+    assert ghost[1].startswith(b"5.1.1 <ghost@d.test>: Recipient address rejected: undeliverable address: "
+                               b"550 5.1.1 <ghost@d.test> User doesn't exist")
