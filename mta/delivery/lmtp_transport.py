@@ -15,10 +15,11 @@ that recipient's outcome (delivered, deferred or bounced) in one
 transaction. A mailbox over quota (Dovecot's ``452 4.2.2`` with
 ``quota_full_tempfail``) is deferred while its neighbours are delivered.
 
-A connection lost after the final dot, before every reply came, defers the
-whole transaction: the recipients were past their point of no return, so a
-crash there holds them in doubt and a retry may deliver a recipient that was
-already answered a second time, as with SMTP.
+A connection lost after the final dot, between the replies, keeps the
+replies that came (``ClientConnection.answered``): those recipients get
+their outcomes, and only the ones not answered are deferred (they were past
+their point of no return: the server may have delivered them, as with
+SMTP's lost final reply).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from mta.delivery.smtp_transport import (
     StaleConnection,
     _Session,
     classify,
+    outcome_for,
 )
 from mta.delivery.tlspolicy.plan import HopTls
 from mta.delivery.transport import BeforeDot, Destination, Job, OnOutcome
@@ -140,11 +142,13 @@ class LmtpTransport:
         label = hop_label(target)
         key: CacheKey = (destination, target, 0)
         session: LmtpSession | None = None
+        current: int | None = None  # the job whose transaction is open
         try:
             while (todo := [i for i, r in enumerate(results) if r is None]):
                 session = await self._connect(key, target)
                 try:
                     for i in todo:
+                        current = i
                         dot = None if before_dot is None else functools.partial(before_dot, i, jobs[i].recipients)
                         outcomes = results[i] = await session.send(jobs[i], label, dot)
                         session.sent += 1
@@ -164,6 +168,15 @@ class LmtpTransport:
             failure = classify(exc, label, session.stage if session is not None else "connecting")
             event(log, "connect_failed", None, qids=[jobs[i].queue_id for i, r in enumerate(results) if r is None],
                   relay=label, cause=failure.cause, detail=failure.detail)
+            if session is not None and current is not None and results[current] is None:
+                answered = {o.address: o.reply for o in session.conn.answered}
+                if answered:  # lost between LMTP's replies: the answered recipients keep their outcomes
+                    outcomes = results[current] = [
+                        outcome_for(rcpt, answered[rcpt], label) if rcpt in answered else
+                        Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", failure.detail, label)
+                        for rcpt in jobs[current].recipients]
+                    if on_outcome is not None:
+                        on_outcome(current, outcomes)
             return [r if r is not None else
                     [Outcome(rcpt, Status.DEFERRED, 0, "4.4.1", failure.detail, label) for rcpt in job.recipients]
                     for r, job in zip(results, jobs, strict=True)]

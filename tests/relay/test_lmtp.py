@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import smtplib
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,3 +150,36 @@ async def test_verification_asks_dovecot_at_rcpt(tmp_path: Path, dovecot: Doveco
     assert ghost[0] == 550
     assert ghost[1].startswith(b"5.1.1 <ghost@d.test>: Recipient address rejected: undeliverable address: "
                                b"550 5.1.1 <ghost@d.test> User doesn't exist")
+
+
+async def test_a_connection_lost_between_the_replies_keeps_the_answered_recipients_outcomes(tmp_path: Path) -> None:
+    """A mailbox server that answers the first recipient after the data and then dies (Dovecot cannot be made to):
+    the first is delivered, only the second is deferred, so a retry does not deliver the first again."""
+
+    async def one_reply_then_gone(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"220 lmtp.test LMTP\r\n")
+        buffer, in_data = b"", False
+        answers = {b"LHLO": b"250 lmtp.test\r\n", b"MAIL": b"250 2.1.0 ok\r\n", b"RCPT": b"250 2.1.5 ok\r\n",
+                   b"DATA": b"354 go\r\n"}
+        while chunk := await stream.receive_some(65536):
+            buffer += chunk
+            while b"\r\n" in buffer:
+                line, buffer = buffer.split(b"\r\n", 1)
+                if in_data and line == b".":
+                    await stream.send_all(b"250 2.0.0 <alice@d.test> saved\r\n")  # bob's reply never comes
+                    await stream.aclose()
+                    return
+                if not in_data:
+                    await stream.send_all(answers.get(line[:4].upper(), b"250 2.0.0 ok\r\n"))
+                    in_data = line.upper() == b"DATA"
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, one_reply_then_gone, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        relay, watch = await relay_with(nursery, tmp_path, f"lmtp://127.0.0.1:{port}")
+        await trio.to_thread.run_sync(send, relay.ports[0], ["alice@d.test", "bob@d.test"])
+        (delivered,) = await watch.wait_for(Status.DELIVERED, recipient="alice@d.test")
+        (deferred,) = await watch.wait_for(Status.DEFERRED, recipient="bob@d.test")
+        nursery.cancel_scope.cancel()
+    assert delivered.code == 250 and "saved" in delivered.reply
+    assert deferred.code == 0 and "connection closed by the server" in deferred.reply

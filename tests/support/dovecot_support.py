@@ -12,6 +12,7 @@ port, polled within a deadline; the process is stopped by its pid at the end.
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import shutil
@@ -52,7 +53,7 @@ class Dovecot:
 
     def _config(self) -> str:
         me = pwd.getpwuid(os.getuid()).pw_name
-        group = "root" if os.getuid() == 0 else me
+        group = grp.getgrgid(os.getgid()).gr_name
         d = self.directory
         return f"""
 base_dir = {d}/run
