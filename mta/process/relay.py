@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from mta.admin.control import ControlServer
-from mta.config import DEFAULTS_SOURCE, Config, MaildirRoute
+from mta.config import DEFAULTS_SOURCE, Config, LmtpRoute, MaildirRoute
 from mta.config.sections import delivery_workers
 from mta.delivery import worker_fork
 from mta.delivery.local import DiscardTransport, MaildirTransport
@@ -67,7 +67,9 @@ def where_mail_goes(config: Config) -> str:
     source = "built-in defaults (no config file)" if config.source == DEFAULTS_SOURCE else \
         os.path.abspath(config.source)
     local = [f"{'any other domain' if domain == '*' else '@' + domain} into {route.path}/<localpart>/new/"
-             for domain, route in config.routes.items() if isinstance(route, MaildirRoute)]
+             if isinstance(route, MaildirRoute) else
+             f"{'any other domain' if domain == '*' else '@' + domain} over LMTP to {route.target}"
+             for domain, route in config.routes.items() if isinstance(route, MaildirRoute | LmtpRoute)]
     return f"config {source}; " + (f"local delivery: {', '.join(local)}" if local else "no local delivery")
 
 

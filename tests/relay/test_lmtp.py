@@ -14,7 +14,7 @@ from relay_support import DeliveryWatch, relay_config, write_relay_config
 
 from mta.config import ConfigError, LmtpRoute, format_route, load_config, parse_route
 from mta.delivery.lmtp_transport import LmtpTransport
-from mta.process.relay import Relay
+from mta.process.relay import Relay, where_mail_goes
 from spool import Status
 
 MESSAGE = b"From: s@src.test\r\nTo: alice@d.test\r\nSubject: lmtp\r\n\r\nhello over LMTP\r\n"
@@ -183,3 +183,9 @@ async def test_a_connection_lost_between_the_replies_keeps_the_answered_recipien
         nursery.cancel_scope.cancel()
     assert delivered.code == 250 and "saved" in delivered.reply
     assert deferred.code == 0 and "connection closed by the server" in deferred.reply
+
+
+def test_the_start_line_says_which_domains_go_over_lmtp(tmp_path: Path) -> None:
+    config = relay_config(str(tmp_path), {"d.test": "lmtp:/run/dovecot/lmtp", "e.test": "lmtp://127.0.0.1:24"})
+    assert where_mail_goes(config).endswith(
+        "local delivery: @d.test over LMTP to /run/dovecot/lmtp, @e.test over LMTP to 127.0.0.1:24")
