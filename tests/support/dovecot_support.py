@@ -35,8 +35,9 @@ def _free_port() -> int:
 class Dovecot:
     """One Dovecot LMTP server; ``start`` it, ``stop`` it (also after a failed test: a fixture's finaliser)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, users: tuple[str, ...] = USERS) -> None:
         self.directory = directory
+        self.users = users
         self.port = _free_port()
         self.socket = str(directory / "lmtp.sock")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -100,7 +101,7 @@ service anvil {{
     def start(self) -> None:
         (self.directory / "users").write_text("".join(
             f"{user}:{{PLAIN}}x::::::{'userdb_quota_rule=*:storage=1B' if user == 'full' else ''}\n"
-            for user in USERS))
+            for user in self.users))
         conf = self.directory / "dovecot.conf"
         conf.write_text(self._config())
         self.proc = subprocess.Popen(["dovecot", "-F", "-c", str(conf)], stdin=subprocess.DEVNULL,
