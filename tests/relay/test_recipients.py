@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from process_support import run_mta
 from relay_support import DeliveryWatch, write_relay_config
 
 from mta.config import Config, ConfigError, load_config
@@ -149,3 +150,13 @@ async def test_an_edited_table_is_used_without_a_restart_and_a_bad_edit_keeps_th
         assert [c for c, _ in await trio.to_thread.run_sync(rcpt_replies, port, ["dave@d.test", "eve@d.test"])] \
             == [550, 250]
         nursery.cancel_scope.cancel()
+
+
+def test_mta_config_check_names_a_bad_table_by_file_and_line(tmp_path: Path) -> None:
+    (tmp_path / "recipients").write_text("alice@d.test\nalice@d.test\n")
+    path = write_relay_config(tmp_path, {"d.test": "maildir:md"})
+    path.write_text(path.read_text() + '\n[recipients]\ntables = ["recipients"]\n')
+    run = run_mta("config", "check", "--config", str(path), cwd=tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.splitlines() == [
+        f"mta: {path}: recipients.tables: {tmp_path}/recipients:2: alice@d.test is listed twice"]
