@@ -95,7 +95,7 @@ def reload(relay: Relay) -> bool:
     from mta.dkim import signer_for
     from mta.dkim.accept import AcceptSigner
     from mta.inbound.submission import Authenticator
-    from mta.process.startup import check_dkim_keys, check_tls, check_users_file
+    from mta.process.startup import check_dkim_keys, check_recipient_tables, check_tls, check_users_file
 
     old = relay.config
     try:
@@ -104,6 +104,7 @@ def reload(relay: Relay) -> bool:
         check_tls(new)
         check_dkim_keys(new)
         check_users_file(new)
+        check_recipient_tables(new)
         context = ssl_context(new)
         signer = signer_for(new)
         server = relay.server

@@ -149,6 +149,10 @@ async def test_an_edited_table_is_used_without_a_restart_and_a_bad_edit_keeps_th
         assert reload(relay)
         assert [c for c, _ in await trio.to_thread.run_sync(rcpt_replies, port, ["dave@d.test", "eve@d.test"])] \
             == [550, 250]
+        # A reload whose tables do not read is refused whole, as any config that fails the start checks.
+        path.write_text("eve@d.test\neve@d.test\n")
+        assert not reload(relay)
+        assert [c for c, _ in await trio.to_thread.run_sync(rcpt_replies, port, ["eve@d.test"])] == [250]
         nursery.cancel_scope.cancel()
 
 
