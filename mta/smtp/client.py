@@ -389,16 +389,18 @@ class ClientConnection:
 
     @property
     def answered(self) -> tuple[RecipientOutcome, ...]:
-        """LMTP: the recipients whose reply to the end of data came, while the others' are still awaited.
+        """LMTP: the recipients whose fate is known while other replies to the end of data are still awaited:
+        those refused at RCPT, and those whose reply to the end of data came.
 
-        So that a shell whose connection is lost between those replies records the answered ones as they
-        were answered (delivered, say) and retries only the rest. Empty outside LMTP's end of data.
+        So that a shell whose connection is lost between those replies records these as they were answered
+        (delivered, say) and retries only the rest. Empty outside LMTP's end of data.
         """
         txn = self._txn
         if txn is None or not self.lmtp or self._phase is not Phase.ENDED:
             return ()
         accepted = [a for a, r in txn.rcpts if r is not None and r.is_positive]
-        return tuple(RecipientOutcome(a, r) for a, r in zip(accepted, txn.lmtp_replies))
+        refused = [RecipientOutcome(a, r) for a, r in txn.rcpts if r is not None and not r.is_positive]
+        return (*refused, *(RecipientOutcome(a, r) for a, r in zip(accepted, txn.lmtp_replies)))
 
     @property
     def phase(self) -> Phase:

@@ -98,11 +98,13 @@ def test_a_refused_data_is_every_accepted_recipients_outcome() -> None:
 
 def test_answered_names_the_recipients_whose_reply_came_while_others_are_awaited() -> None:
     conn = after_lhlo()
-    envelope(conn, ["a@d.test", "b@d.test"], b"250 OK\r\n250 OK\r\n250 OK\r\n354 go\r\n")
+    envelope(conn, ["a@d.test", "x@d.test", "b@d.test"],
+             b"250 OK\r\n250 OK\r\n550 5.1.1 no such user\r\n250 OK\r\n354 go\r\n")
     assert not conn.answered
     conn.end_data()
     conn.data_to_send()
     events(conn, b"250 2.0.0 <a@d.test> saved\r\n")
-    assert conn.answered == (C.RecipientOutcome("a@d.test", Reply(250, "2.0.0", "<a@d.test> saved")),)
+    assert conn.answered == (C.RecipientOutcome("x@d.test", Reply(550, "5.1.1", "no such user")),
+                             C.RecipientOutcome("a@d.test", Reply(250, "2.0.0", "<a@d.test> saved")))
     events(conn, b"452 4.2.2 full\r\n")
     assert not conn.answered  # the transaction is over: its MessageReply has every outcome
