@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 
 from mta.config.routes import Domain
-from spool import Duration, Integer, ListOf, Path, setting
+from spool import Boolean, Duration, Integer, ListOf, Path, setting
 
 __all__ = ["RecipientsSection"]
 
@@ -37,6 +37,10 @@ class RecipientsSection:
         Integer(1, 100000),
         "how many recipients one RCPT may expand into; more is refused at RCPT with `452 4.5.3` "
         "(Postfix's virtual_alias_expansion_limit)", 1000)
+    strict_local: bool = setting(
+        Boolean(), "`true`: every domain named with a `maildir` or `lmtp` route is known to the tables, even one with "
+        "no address in them, so a recipient there that no table lists is refused `550 5.1.1` (Postfix's "
+        "local_recipient_maps); `false`: only the domains the tables name are", False)
     verify: tuple[str, ...] = setting(
         ListOf(Domain()),
         "domains (`.example.com`: every subdomain) whose recipients are verified at RCPT by asking their route's next "

@@ -82,7 +82,8 @@ class RecipientMaps:
             if _stamp(self.paths) != self._stamp:
                 self.reread()
         r = config.recipients
-        return self.table.expand(address, depth=r.alias_depth, fanout=r.alias_fanout)
+        known = r.strict_local and config.is_local(address.rpartition("@")[2])
+        return self.table.expand(address, depth=r.alias_depth, fanout=r.alias_fanout, known=known)
 
     def reread(self) -> None:
         """Read the tables again now; on failure keep the ones in use (one log line)."""

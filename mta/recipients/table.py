@@ -79,9 +79,12 @@ class Table:
     def knows(self, domain: str) -> bool:
         return domain.casefold().rstrip(".") in self.domains
 
-    def expand(self, address: str, *, depth: int, fanout: int) -> Expanded | Refused:
-        """``address`` as the envelope should hold it, or why it is refused (module docstring)."""
-        if not self.knows(_domain(address)):
+    def expand(self, address: str, *, depth: int, fanout: int, known: bool = False) -> Expanded | Refused:
+        """``address`` as the envelope should hold it, or why it is refused (module docstring).
+
+        ``known``: its domain is known even if no address of the table is at it (``strict_local``).
+        """
+        if not known and not self.knows(_domain(address)):
             return Expanded((address,))
         if _key(address) not in self.entries:
             return Refused(Reply(550, "5.1.1", f"<{address}>: Recipient address rejected: user unknown"),

@@ -164,3 +164,17 @@ def test_mta_config_check_names_a_bad_table_by_file_and_line(tmp_path: Path) -> 
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.splitlines() == [
         f"mta: {path}: recipients.tables: {tmp_path}/recipients:2: alice@d.test is listed twice"]
+
+
+async def test_strict_local_refuses_every_unlisted_recipient_of_a_local_domain(tmp_path: Path) -> None:
+    (tmp_path / "recipients").write_text("alice@d.test\n")
+    path = write_relay_config(tmp_path, {"d.test": "maildir:md", "e.test": "maildir:md", "far.example": "maildir:far",
+                                         "src.test": "maildir:bounces", "*": "discard"})
+    path.write_text(path.read_text() + '\n[recipients]\ntables = ["recipients"]\nstrict_local = true\n')
+    async with trio.open_nursery() as nursery:
+        relay: Relay = await nursery.start(Relay(load_config(str(path))).run)
+        replies = await trio.to_thread.run_sync(rcpt_replies, relay.ports[0], [
+            "alice@d.test", "bob@e.test", "anyone@elsewhere.test", "postmaster"])
+        nursery.cancel_scope.cancel()
+    # e.test has no address in the table but is local: refused; a relayed domain and the postmaster are not.
+    assert [code for code, _ in replies] == [250, 550, 250, 250]
