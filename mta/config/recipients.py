@@ -44,7 +44,7 @@ class RecipientsSection:
     verify: tuple[str, ...] = setting(
         ListOf(Domain()),
         "domains (`.example.com`: every subdomain) whose recipients are verified at RCPT by asking their route's next "
-        "hop (an `smtp://` or `lmtp` route; MAIL, RCPT, RSET, never DATA): one it refuses is refused `550 5.1.1`, "
+        "hop (MAIL, RCPT, RSET, never DATA): one it refuses is refused `550 5.1.1`, "
         "one it cannot be asked about `450 4.1.1` (Postfix's reject_unverified_recipient)", ())
     verify_positive_ttl: float = setting(
         Duration(positive=True), "how long a next hop's yes to an address is remembered", 86400.0)

@@ -5,9 +5,11 @@ Why: a relay for a domain whose mailboxes live on another server otherwise
 accepts every local part and bounces the unknown ones later, to senders that
 are often forged (backscatter). For the domains named in ``[recipients]
 verify``, an RCPT the relay has no cached answer for opens a connection to
-the route's next hop (an ``smtp://`` or ``lmtp`` route: a fixed server that
-knows its users), says EHLO (LHLO), ``MAIL FROM:<>``, ``RCPT TO:<address>``,
-then RSET and QUIT; never DATA, so nothing is delivered.
+the route's next hop (the server of an ``smtp://`` or ``lmtp`` route; for an
+``mx`` route the domain's mail hosts in preference order, the first that
+answers RCPT deciding, as for a backup MX), says EHLO (LHLO), ``MAIL
+FROM:<>``, ``RCPT TO:<address>``, then RSET and QUIT; never DATA, so nothing
+is delivered.
 
 - The next hop's 2xx: the address is taken, and cached ``verify_positive_ttl``.
 - Its 5xx to RCPT: refused ``550 5.1.1 ... undeliverable address: <its
@@ -16,8 +18,8 @@ then RSET and QUIT; never DATA, so nothing is delivered.
   ``verify_timeout``): ``450 4.1.1``, not cached, so the client's retry asks
   again.
 
-An ``mx`` route is not probed (the relay is no final or near hop for such a
-domain; the setting names domains routed to a fixed server). The cache holds
+A failed MX lookup is a temporary failure of the probe (the delivery would
+say more). The cache holds
 at most ``CACHE_LIMIT`` addresses; the oldest answer goes first. It lives in
 the process: a restart asks again.
 """
@@ -28,10 +30,12 @@ import logging
 import ssl
 
 import attrs
+import dns.asyncresolver
 import trio
 
-from mta.config import Config, LmtpRoute, SmtpRoute
+from mta.config import Config, LmtpRoute, MxRoute, SmtpRoute
 from mta.config.routes import match_domain
+from mta.delivery import mx
 from mta.observe.logline import event
 from mta.recipients.table import Refused
 from mta.smtp.client import ClientConnection, CommandReply, EhloReply, Greeting, NeedData, RcptReply
@@ -66,16 +70,17 @@ class Verifier:
     def __init__(self) -> None:
         self.cache: dict[str, _Answer] = {}
         self.probes = 0  # how many probes were made (tests)
+        self._resolvers: dict[tuple[str, int] | None, dns.asyncresolver.Resolver] = {}
 
     def wanted(self, config: Config, address: str) -> bool:
-        """Is ``address`` of a domain ``[recipients] verify`` names, routed to a fixed next hop?"""
+        """Is ``address`` of a domain ``[recipients] verify`` names, with a route that has a next hop to ask?"""
         domains = config.recipients.verify
         if not domains:
             return False
         domain = address.rpartition("@")[2]
         if match_domain(domain, dict.fromkeys(domains, True)) is None:
             return False
-        return isinstance(config.route_for(domain), SmtpRoute | LmtpRoute)
+        return isinstance(config.route_for(domain), SmtpRoute | LmtpRoute | MxRoute)
 
     async def check(self, config: Config, address: str) -> Refused | None:
         """None if the next hop takes ``address`` (or it is not to be verified), else the RCPT's refusal."""
@@ -115,16 +120,43 @@ class Verifier:
 
     async def _probe(self, config: Config, address: str) -> Reply:
         """The next hop's reply to ``RCPT TO:<address>``. Raises ProbeFailed, OSError and the like."""
-        route = config.route_for(address.rpartition("@")[2])
-        stream: trio.abc.Stream
+        domain = address.rpartition("@")[2]
+        route = config.route_for(domain)
         if isinstance(route, LmtpRoute) and route.socket:
-            stream = await trio.open_unix_socket(route.socket)
-        elif isinstance(route, LmtpRoute | SmtpRoute):
+            return await self._ask(config, address, await trio.open_unix_socket(route.socket), lmtp=True)
+        if isinstance(route, LmtpRoute | SmtpRoute):
             stream = await trio.open_tcp_stream(route.host, route.port)
-        else:
-            raise ProbeFailed("no fixed next hop to ask")
+            return await self._ask(config, address, stream, lmtp=isinstance(route, LmtpRoute))
+        if not isinstance(route, MxRoute):
+            raise ProbeFailed("no next hop to ask")
+        try:
+            hops = await mx.lookup(self._resolver(config), domain, port=config.delivery.mx_port)
+        except mx.LookupError_ as exc:
+            raise ProbeFailed(str(exc)) from None
+        failure: BaseException | None = None
+        for hop in hops:  # in MX preference order, as a delivery tries them: the first that answers RCPT decides
+            try:
+                stream = await trio.open_tcp_stream(hop.address, hop.port)
+            except OSError as exc:
+                failure = exc
+                continue
+            try:
+                return await self._ask(config, address, stream, lmtp=False)
+            except (ProbeFailed, *_ERRORS) as exc:
+                failure = exc
+        raise ProbeFailed(f"no mail host of {domain} answered ({failure})")
+
+    def _resolver(self, config: Config) -> dns.asyncresolver.Resolver:
+        """The resolver deliveries use (``[delivery] resolver``), one per address."""
+        r = config.delivery.resolver
+        key = (r.host, r.port) if r is not None else None
+        if key not in self._resolvers:
+            self._resolvers[key] = mx.make_resolver(r.host if r else None, r.port if r else 53)
+        return self._resolvers[key]
+
+    async def _ask(self, config: Config, address: str, stream: trio.abc.Stream, *, lmtp: bool) -> Reply:
+        """EHLO (LHLO), MAIL FROM:<>, RCPT TO:<address> on ``stream``, then RSET and QUIT; closes ``stream``."""
         self.probes += 1
-        lmtp = isinstance(route, LmtpRoute)
         conn = ClientConnection(lmtp=lmtp)
         try:
             ev = await _next(conn, stream)

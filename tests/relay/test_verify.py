@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from dns_server import DnsServer
 from relay_support import DeliveryWatch, NextHop, SilentHop, write_relay_config
 
 from mta.config import load_config
@@ -98,3 +99,25 @@ async def test_a_next_hop_that_never_answers_costs_the_rcpt_a_450_within_verify_
         silent.release()
         nursery.cancel_scope.cancel()
     assert code == 450 and text.startswith(b"4.1.1 <a@slow.test>")
+
+
+async def test_an_mx_routed_domain_is_verified_at_its_mail_hosts_in_preference_order(tmp_path: Path) -> None:
+    """A backup MX's case: the first mail host is down, the second (the primary's stand-in) answers."""
+    hop = NextHop(policy)
+    dns_server = DnsServer()
+    async with trio.open_nursery() as nursery:
+        port = await hop.start(nursery)
+        dns_port = await nursery.start(dns_server.serve)
+        dns_server.mx("mx.test", 10, "down.mx.test")
+        dns_server.mx("mx.test", 20, "up.mx.test")
+        dns_server.a("down.mx.test", "127.0.0.2")  # nothing listens there on the port
+        dns_server.a("up.mx.test", "127.0.0.1")
+        path = config_for(tmp_path, {"mx.test": "mx?tls=none"}, '"mx.test"')
+        path.write_text(path.read_text() + f'\n[delivery]\nresolver = "127.0.0.1:{dns_port}"\nmx_port = {port}\n')
+        relay: Relay = await nursery.start(Relay(load_config(str(path))).run)
+        replies = await trio.to_thread.run_sync(rcpt_replies, relay.ports[0], ["known@mx.test", "nobody@mx.test"])
+        nursery.cancel_scope.cancel()
+    assert [code for code, _ in replies] == [250, 550]
+    assert replies[1][1].startswith(b"5.1.1 <nobody@mx.test>: Recipient address rejected: undeliverable address: "
+                                    b"550 5.1.1 No such user here")
+    assert hop.messages == []
