@@ -33,6 +33,7 @@ from mta.config.model import DEFAULTS_SOURCE, Config
 from mta.config.routes import (
     DEFAULT_ROUTES,
     DiscardRoute,
+    LmtpRoute,
     MaildirRoute,
     MxRoute,
     NoRoute,
@@ -73,6 +74,7 @@ __all__ = [
     "IPAddress",
     "IPNetwork",
     "ListenAddress",
+    "LmtpRoute",
     "LogConfig",
     "MaildirRoute",
     "MxRoute",

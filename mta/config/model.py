@@ -13,7 +13,8 @@ from mta.config.filters import FiltersSection
 from mta.config.limits import LimitsSection
 from mta.config.policy import PolicySection
 from mta.config.proxy import ProxySection
-from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
+from mta.config.recipients import RecipientsSection
+from mta.config.routes import LmtpRoute, MaildirRoute, NoRoute, Route, match_domain, normalize_domain
 from mta.config.sections import (
     DeliveryConfig,
     LogConfig,
@@ -54,6 +55,7 @@ class Config:
     sendmail: SendmailSection
     smarthost_auth: SmarthostAuthSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
+    recipients: RecipientsSection = attrs.field(factory=RecipientsSection)
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
     filters: FiltersSection = attrs.field(factory=FiltersSection)
@@ -92,12 +94,12 @@ class Config:
         return self.route_for(domain)
 
     def is_local(self, domain: str) -> bool:
-        """Whether a route *named for this domain* delivers to a Maildir.
+        """Whether a route *named for this domain* delivers locally (to a Maildir or a mailbox server over LMTP).
 
         A ``"*"`` maildir route does not count: it would make every domain on
         earth local and so let anyone inject mail (see ``may_relay``).
         """
-        return isinstance(match_domain(domain, self.routes), MaildirRoute)
+        return isinstance(match_domain(domain, self.routes), MaildirRoute | LmtpRoute)
 
     def may_relay(self, client_ip: str | IPAddress, domain: str) -> bool:
         """Accept a recipient at ``domain`` from ``client_ip``? Never an open relay.

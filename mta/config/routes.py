@@ -7,6 +7,8 @@ Routes map a recipient domain to a transport::
     "example.com" = "smtp://10.0.0.5:25"  # static next hop (exact domain only)
     ".example.com" = "smtp://[::1]:2526?tls=require"  # any subdomain of example.com
     "bench.test" = "discard"
+    "mail.example" = "lmtp://127.0.0.1:24"  # a mailbox server over LMTP (Dovecot), TCP
+    "other.example" = "lmtp:/run/dovecot/lmtp"  # ... or its unix socket
     "secure.example" = "mx?tls=dane,mta-sts"  # authenticated TLS where the domain publishes a policy
     "*" = "mx"                             # everything else, by MX lookup
 
@@ -15,6 +17,11 @@ The ``tls`` parameter holds at most one base mode (``none``, ``opportunistic``,
 policies to look up before delivering: ``dane`` (RFC 7672, TLSA records the
 resolver validated) and ``mta-sts`` (RFC 8461, ``mx`` routes only: a fixed
 next hop is not the domain's MX). DANE, where it applies, wins over MTA-STS.
+
+An ``lmtp`` route hands mail to a mailbox server (RFC 2033), which answers
+for each recipient on its own; it never uses STARTTLS (the server is on this
+host or next to it). A domain whose route is ``maildir`` or ``lmtp`` is one
+the relay is final for (``Config.is_local``).
 
 A ``[routes]`` table replaces the default routes entirely (so a config can
 leave out ``"*"``); with no ``"*"`` route, a domain that matches nothing gets
@@ -38,6 +45,7 @@ __all__ = [
     "DEFAULT_ROUTES",
     "DiscardRoute",
     "Domain",
+    "LmtpRoute",
     "MaildirRoute",
     "MxRoute",
     "NoRoute",
@@ -131,7 +139,23 @@ class DiscardRoute:
     """Accept and drop: for benchmarks and sinks. Counted as delivered."""
 
 
-Route = MxRoute | SmtpRoute | MaildirRoute | DiscardRoute
+@attrs.frozen
+class LmtpRoute:
+    """Deliver to a mailbox server over LMTP: at ``host:port`` (TCP), or at the unix socket ``socket``."""
+
+    host: str = ""
+    port: int = 24
+    socket: str = ""  # an absolute path; when set, host and port are unused
+
+    @property
+    def target(self) -> str:
+        """The next hop as a destination names it: ``host:port``, or the socket's path (which starts with /)."""
+        if self.socket:
+            return self.socket
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+Route = MxRoute | SmtpRoute | MaildirRoute | DiscardRoute | LmtpRoute
 
 
 @attrs.frozen
@@ -165,7 +189,24 @@ def parse_route(value: str, base_dir: str | None = None) -> Route:
         return MaildirRoute(resolve_path(path, base_dir))
     if value.startswith("smtp://"):
         return _parse_smtp_route(value)
-    raise ConfigError(f"expected 'mx', 'discard', 'maildir:PATH' or 'smtp://HOST:PORT', got {value!r}")
+    if value.startswith("lmtp:"):
+        return _parse_lmtp_route(value, base_dir)
+    raise ConfigError(f"expected 'mx', 'discard', 'maildir:PATH', 'smtp://HOST:PORT', 'lmtp://HOST:PORT' or "
+                      f"'lmtp:SOCKET', got {value!r}")
+
+
+def _parse_lmtp_route(value: str, base_dir: str | None) -> LmtpRoute:
+    """``lmtp://HOST[:PORT]`` (port 24 by default) or ``lmtp:PATH`` (a unix socket). Raises ConfigError."""
+    if value.startswith("lmtp://"):
+        netloc = value.removeprefix("lmtp://").removesuffix("/")
+        if not netloc or any(c in netloc for c in "/@#?"):
+            raise ConfigError(f"expected 'lmtp://HOST[:PORT]' or 'lmtp:/PATH/TO/SOCKET', got {value!r}")
+        address = parse_listen_address(netloc, default_port=24)
+        return LmtpRoute(address.host, address.port)
+    path = value.removeprefix("lmtp:")
+    if not path or "?" in path:
+        raise ConfigError(f"'lmtp:' needs a socket path, as in 'lmtp:/run/dovecot/lmtp', got {value!r}")
+    return LmtpRoute(socket=resolve_path(path, base_dir))
 
 
 def _parse_smtp_route(value: str) -> SmtpRoute:
@@ -209,6 +250,10 @@ def format_route(route: Route) -> str:
             return "discard"
         case MaildirRoute(path):
             return f"maildir:{path}"
+        case LmtpRoute(_, _, socket) if socket:
+            return f"lmtp:{socket}"
+        case LmtpRoute():
+            return f"lmtp://{route.target}"
         case SmtpRoute(host, port, tls, policies):
             where = f"[{host}]" if ":" in host else host
             return f"smtp://{where}:{port}?tls={tls_text(tls, policies)}"

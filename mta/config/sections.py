@@ -25,6 +25,7 @@ from mta.config.filters import FiltersSection
 from mta.config.limits import LimitsSection
 from mta.config.policy import PolicySection
 from mta.config.proxy import ProxySection
+from mta.config.recipients import RecipientsSection
 from mta.config.routes import Domain
 from mta.config.sendmail import SendmailSection
 from mta.config.smarthost_auth import SmarthostAuthSection
@@ -383,6 +384,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("sendmail", SendmailSection),
     ("smarthost_auth", SmarthostAuthSection),
     ("filters", FiltersSection),
+    ("recipients", RecipientsSection),
 )
 
 

@@ -75,7 +75,7 @@ from typing import Any
 import attrs
 import trio
 
-from mta.config import Config, DiscardRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
+from mta.config import Config, DiscardRoute, LmtpRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
@@ -159,6 +159,8 @@ def destination_for(config: Config, recipient: str) -> Destination | NoRoute:
         return Destination("maildir", route.path)
     if isinstance(route, DiscardRoute):
         return Destination("discard", "")
+    if isinstance(route, LmtpRoute):
+        return Destination("lmtp", route.target, "none")
     raise TypeError(f"unknown route {route!r}")
 
 

@@ -65,6 +65,8 @@ from mta.milter.chain import Facts, FilterSession
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from mta.observe.tlsinfo import TlsInfo, tls_info
+from mta.recipients.check import RecipientCheck
+from mta.recipients.table import Refused
 from mta.smtp.common import Reply, received_header, received_protocol
 from mta.smtp.server import (
     END_OF_DATA,
@@ -132,6 +134,7 @@ class SmtpServer:
         self.reuse_port = False  # set when several relay processes share the listening addresses
         self.auth = Authenticator(config, metrics)
         self.checks = Checks(config)  # [limits] and [policy]
+        self.recipient_check = RecipientCheck(config)  # tables, aliases, verification at RCPT
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
         self.proxy_listeners: list[trio.SocketListener] = []  # ``[proxy] listen``: SMTP behind a balancer
         self.sessions: set[_Session] = set()
@@ -597,6 +600,7 @@ class _Session:
 
     async def _rcpt(self, ev: RcptTo) -> None:
         address = self.config.postmaster_alias(ev.address)
+        recipients: tuple[str, ...] = (address,) if address is not None else ()
         if address is None:
             address = ev.address
             domain = address.rpartition("@")[2].lower()
@@ -607,6 +611,11 @@ class _Session:
             if isinstance(self.config.route_for(domain), NoRoute):
                 self.conn.reject(R_NO_ROUTE, "no_route")
                 return
+            resolved = await self.server.recipient_check.rcpt(self.config, address, self._flush)  # mta.recipients
+            if isinstance(resolved, Refused):
+                self.conn.reject(resolved.reply, resolved.why)
+                return
+            recipients = resolved.recipients  # an alias: its targets
         # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
         if denied := await self.checks.rcpt(address):
             self._deny(denied)
@@ -617,8 +626,9 @@ class _Session:
             if refusal is not None:
                 self.conn.reject(refusal, "filter")
                 return
-        if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
-            self.recipients.append(address)
+        for rcpt in recipients:
+            if rcpt not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
+                self.recipients.append(rcpt)
         self._transaction(True)
         self.conn.accept()
 

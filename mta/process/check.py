@@ -37,7 +37,13 @@ import attrs
 from mta.config.model import Config
 from mta.errors import StartError
 from mta.process.security import UnsafeFile, check_spool_dir
-from mta.process.startup import check_control_socket, check_dkim_keys, check_tls, check_users_file
+from mta.process.startup import (
+    check_control_socket,
+    check_dkim_keys,
+    check_recipient_tables,
+    check_tls,
+    check_users_file,
+)
 from mta.shards import shard_config, shard_count
 from spool import ConfigError
 
@@ -90,6 +96,12 @@ def _dkim_keys(config: Config) -> Iterator[Finding]:
 def _users_file(config: Config) -> Iterator[Finding]:
     """The submission users file, as ``mta serve`` checks it (``check_start``)."""
     check_users_file(config)
+    yield from ()
+
+
+def _recipient_tables(config: Config) -> Iterator[Finding]:
+    """``[recipients] tables``, read as ``mta serve`` reads them (``check_start``)."""
+    check_recipient_tables(config)
     yield from ()
 
 
@@ -164,5 +176,5 @@ def _archive_dir(config: Config) -> Iterator[Finding]:
                                  "spool.archive_dir"))
 
 
-CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _dkim_keys, _users_file, _control_sockets,
-                                                              _spool_dir, _free_space, _archive_dir)
+CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _dkim_keys, _users_file, _recipient_tables,
+                                                              _control_sockets, _spool_dir, _free_space, _archive_dir)

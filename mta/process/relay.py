@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from mta.admin.control import ControlServer
-from mta.config import DEFAULTS_SOURCE, Config, MaildirRoute
+from mta.config import DEFAULTS_SOURCE, Config, LmtpRoute, MaildirRoute
 from mta.config.sections import delivery_workers
 from mta.delivery import worker_fork
 from mta.delivery.local import DiscardTransport, MaildirTransport
@@ -51,12 +51,13 @@ def transports(config: Config, io: FileIO | None = None, forked: Sequence[Forked
     With ``[delivery] processes`` > 0, SMTP deliveries go to worker processes (``mta.delivery.workers``),
     the first of them ``forked`` before the loop started (``mta.delivery.worker_fork``).
     """
+    from mta.delivery.lmtp_transport import LmtpTransport
     from mta.delivery.smtp_transport import SmtpTransport
 
     smtp: Transport = DeliveryWorkers(config, config.delivery.processes, forked) \
         if config.delivery.processes > 0 else SmtpTransport(config)  # 0, or "auto" not resolved by mta serve
     return {"maildir": MaildirTransport(config.server.hostname, io), "discard": DiscardTransport(),
-            "smtp": smtp, "mx": smtp}
+            "smtp": smtp, "mx": smtp, "lmtp": LmtpTransport(config)}
 
 
 def where_mail_goes(config: Config) -> str:
@@ -67,7 +68,9 @@ def where_mail_goes(config: Config) -> str:
     source = "built-in defaults (no config file)" if config.source == DEFAULTS_SOURCE else \
         os.path.abspath(config.source)
     local = [f"{'any other domain' if domain == '*' else '@' + domain} into {route.path}/<localpart>/new/"
-             for domain, route in config.routes.items() if isinstance(route, MaildirRoute)]
+             if isinstance(route, MaildirRoute) else
+             f"{'any other domain' if domain == '*' else '@' + domain} over LMTP to {route.target}"
+             for domain, route in config.routes.items() if isinstance(route, MaildirRoute | LmtpRoute)]
     return f"config {source}; " + (f"local delivery: {', '.join(local)}" if local else "no local delivery")
 
 
@@ -129,6 +132,7 @@ class Relay:
                 await nursery.start(Pickup(self.aspool, cfg).run)
             control = ControlServer(self.aspool, cfg, shard=self.shard)
             await nursery.start(control.serve)
+            from mta.delivery.lmtp_transport import LmtpTransport
             from mta.delivery.smtp_transport import SmtpTransport
 
             outgoing = transports(cfg, self.io, self.forked)
@@ -143,6 +147,9 @@ class Relay:
                 # (spool.aio.group_commit, "inline"; +6 % for a lone client: docs/benchmarks.md, "Inline commit ...").
                 self.aspool.inline_sync_max = INLINE_SYNC_FAST
                 await nursery.start(smtp.run)  # the worker processes, each ready
+            lmtp = outgoing["lmtp"]
+            if isinstance(lmtp, LmtpTransport):
+                await nursery.start(lmtp.run)  # its connection cache
             self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
             await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:

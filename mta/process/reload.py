@@ -45,7 +45,7 @@ RESTART: frozenset[tuple[str, str]] = frozenset({
     ("log", "level"), ("log", "format"),
 })
 SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "limits", "policy",
-            "filters")
+            "filters", "recipients")
 RESTART_SECTIONS = frozenset({"spool", "tls_policy"})  # the engine's and the outgoing transport's, read at start
 LIVE: frozenset[tuple[str, str]] = frozenset({("spool", "queue_minfree")})  # read by the sessions' disk check
 
@@ -98,7 +98,7 @@ def reload(relay: Relay) -> bool:
     from mta.dkim.accept import AcceptSigner
     from mta.inbound.checks import Checks
     from mta.inbound.submission import Authenticator
-    from mta.process.startup import check_dkim_keys, check_tls, check_users_file
+    from mta.process.startup import check_dkim_keys, check_recipient_tables, check_tls, check_users_file
 
     old = relay.config
     try:
@@ -107,6 +107,7 @@ def reload(relay: Relay) -> bool:
         check_tls(new)
         check_dkim_keys(new)
         check_users_file(new)
+        check_recipient_tables(new)
         context = ssl_context(new)
         signer = signer_for(new)
         server = relay.server
@@ -128,6 +129,7 @@ def reload(relay: Relay) -> bool:
         assert checks is not None
         server.checks.close()
         server.checks = checks
+        server.recipient_check.maps.reread()  # at once, not at the next look at the files' status
     relay.scheduler.config = new
     reread = [name for name, present in (
         ("tls_cert", new.server.tls_cert is not None), ("dkim.key", bool(new.dkim_keys)),

@@ -58,12 +58,20 @@ def check_start(config: Config, *, listen: bool = True) -> None:
     check_dkim_keys(config)
     check_control_socket(config)
     check_users_file(config)
+    check_recipient_tables(config)
     addresses: list[tuple[int | str, ListenAddress]] = list(enumerate(config.server.listen)) if listen else []
     for key in ("listen", "implicit_tls_listen"):
         addresses += [(f"submission.{key}[{i}]", a) for i, a in enumerate(getattr(config.submission, key))]
     if config.server.metrics_listen is not None:
         addresses.append(("server.metrics_listen", config.server.metrics_listen))
     probe_listen(config, addresses)
+
+
+def check_recipient_tables(config: Config) -> None:
+    """``[recipients] tables`` read as the sessions will read them. Raises ConfigError naming the file and line."""
+    from mta.recipients.maps import load
+
+    load(config)
 
 
 def probe_listen(config: Config, addresses: list[tuple[int | str, ListenAddress]]) -> None:

@@ -28,6 +28,13 @@ and the reply to the content, a refused DATA or ``rset()`` close the
 transaction. Whether the connection is closed (``QUIT`` answered, or EOF) is
 a flag beside it, because a body being sent is still finished.
 
+LMTP (RFC 2033) is the same conversation with two differences, taken by
+``ClientConnection(lmtp=True)``: ``ehlo`` sends LHLO (there is no HELO), and
+the end of data is answered once per recipient whose RCPT was accepted, in
+RCPT order. The one ``MessageReply`` then comes after the last of those
+replies and carries each recipient's own reply, so one transaction can
+deliver some recipients, defer others and bounce the rest.
+
 Raises ``LocalProtocolError`` when the shell asks for something out of order
 or something the server did not offer (SMTPUTF8, 8BITMIME, STARTTLS), and
 ``RemoteProtocolError`` when the server's replies make no sense.
@@ -37,7 +44,7 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final
 
 import attrs
@@ -283,6 +290,8 @@ class _Transaction:
     mail_reply: Reply | None = None
     rcpts: list[tuple[str, Reply | None]] = attrs.field(factory=list)
     data_reply: Reply | None = None
+    # LMTP: the replies to the end of data so far, one per accepted recipient in RCPT order.
+    lmtp_replies: list[Reply] = attrs.field(factory=list)
 
 
 class BodyEncoder:
@@ -316,7 +325,8 @@ class BodyEncoder:
 class ClientConnection:
     """One SMTP client session. Start by waiting for the ``Greeting`` event."""
 
-    def __init__(self, *, on_transition: TransitionHook | None = None) -> None:
+    def __init__(self, *, on_transition: TransitionHook | None = None, lmtp: bool = False) -> None:
+        self.lmtp = lmtp  # RFC 2033: LHLO, and one reply per accepted recipient after the end of data
         self.capabilities: Capabilities | None = None
         self.tls_active = False
         self._parser = ReplyParser()
@@ -380,6 +390,21 @@ class ClientConnection:
         return self._phase is _Phase.BODY
 
     @property
+    def answered(self) -> tuple[RecipientOutcome, ...]:
+        """LMTP: the recipients whose fate is known while other replies to the end of data are still awaited:
+        those refused at RCPT, and those whose reply to the end of data came.
+
+        So that a shell whose connection is lost between those replies records these as they were answered
+        (delivered, say) and retries only the rest. Empty outside LMTP's end of data.
+        """
+        txn = self._txn
+        if txn is None or not self.lmtp or self._phase is not Phase.ENDED:
+            return ()
+        accepted = [a for a, r in txn.rcpts if r is not None and r.is_positive]
+        refused = [RecipientOutcome(a, r) for a, r in txn.rcpts if r is not None and not r.is_positive]
+        return (*refused, *(RecipientOutcome(a, r) for a, r in zip(accepted, txn.lmtp_replies)))
+
+    @property
     def phase(self) -> Phase:
         """Where the transaction is; it changes only by a step of ``TRANSITIONS``."""
         return self._phase
@@ -387,9 +412,12 @@ class ClientConnection:
     # -------------------------------------------------------------- intentions
 
     def ehlo(self, name: str) -> None:
-        self._command(f"EHLO {name}", _Kind.EHLO)
+        """EHLO, or LHLO in LMTP mode (its reply is the same ``EhloReply``)."""
+        self._command(f"{'LHLO' if self.lmtp else 'EHLO'} {name}", _Kind.EHLO)
 
     def helo(self, name: str) -> None:
+        if self.lmtp:
+            raise LocalProtocolError("LMTP has no HELO (RFC 2033 §4.1): LHLO only")
         self._command(f"HELO {name}", _Kind.HELO)
 
     def starttls(self) -> None:
@@ -454,7 +482,12 @@ class ClientConnection:
             raise LocalProtocolError("end_data() only after DataReply(go_ahead=True)")
         self._out += self._body.end()
         self._fire(_Step.END_DATA)
-        self._waiting.append((_Kind.MESSAGE, ""))
+        txn = self._txn
+        replies = 1
+        if self.lmtp and txn is not None:  # RFC 2033 §4.2: one reply per RCPT that was accepted
+            replies = sum(1 for _, r in txn.rcpts if r is not None and r.is_positive)
+        for _ in range(replies):
+            self._waiting.append((_Kind.MESSAGE, ""))
 
     def rset(self) -> None:
         self._command("RSET", _Kind.RSET)
@@ -528,6 +561,8 @@ class ClientConnection:
             self._events.append(RcptReply(arg, reply))
         elif kind is _Kind.DATA and txn is not None:
             self._data_reply(txn, reply)
+        elif kind is _Kind.MESSAGE and txn is not None and self.lmtp:
+            self._lmtp_reply(txn, reply)
         elif kind is _Kind.MESSAGE and txn is not None:
             self._finish(txn, reply, _Step.FINAL)
         else:
@@ -555,13 +590,21 @@ class ClientConnection:
                 # an RSET the next MAIL on this connection gets 503, a permanent failure.
                 self._command("RSET", _Kind.RSET)
 
-    def _finish(self, txn: _Transaction, final: Reply, step: Step) -> None:
+    def _lmtp_reply(self, txn: _Transaction, reply: Reply) -> None:
+        """One accepted recipient's reply to the end of data; the last of them ends the transaction."""
+        txn.lmtp_replies.append(reply)
+        if any(kind is _Kind.MESSAGE for kind, _ in self._waiting):
+            return
+        self._finish(txn, reply, _Step.FINAL, iter(txn.lmtp_replies))
+
+    def _finish(self, txn: _Transaction, final: Reply, step: Step, each: Iterator[Reply] | None = None) -> None:
+        """``each``: LMTP's replies to the end of data, one per accepted recipient in order (else ``final``)."""
         outcomes = []
         for address, r in txn.rcpts:
             if txn.mail_reply is not None and not txn.mail_reply.is_positive:
                 r = txn.mail_reply
             elif r is None or r.is_positive:
-                r = final
+                r = final if each is None or r is None else next(each, final)
             outcomes.append(RecipientOutcome(address, r))
         self._events.append(MessageReply(final, tuple(outcomes)))
         self._fire(step)

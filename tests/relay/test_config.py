@@ -201,7 +201,10 @@ def test_parse_route_forms(tmp_path: Path) -> None:
         "mx?tls=stsv1",
         "mx?via=x",
         "maildir:",
-        "lmtp://h",
+        "lmtp://",
+        "lmtp://h/x",
+        "lmtp://h:99999",
+        "lmtp:",
         "",
     ]:
         with pytest.raises(ConfigError):
