@@ -24,7 +24,11 @@ Outcomes map from replies: 2xx delivered, 4xx deferred, 5xx bounced. Failing
 to connect, a timeout or a broken connection is a deferral with code 0, which
 the scheduler reads as "destination unreachable" for its backoff. The TLS
 outcome (none, opportunistic, verified) is part of each outcome's next-hop
-text, so the delivery log records it.
+text, so the delivery log records it. A next hop that offers DSN gets the
+message's DSN request (RET, ENVID, NOTIFY, ORCPT: ``mta.smtp.dsn_params``);
+a recipient whose NOTIFY it took has ``DSN_PASSED`` at the end of its
+next-hop text, so the scheduler knows the notices are the next hop's to send
+now (``mta.delivery.dsn_notify``).
 
 Failures are named per address tried, as Postfix names them (``connect to
 mx[192.0.2.5]:25: connection refused``, ``... timed out while receiving the
@@ -56,11 +60,13 @@ import trio
 from mta.config import Config, parse_tls
 from mta.delivery import mx
 from mta.delivery.connection_cache import CacheKey, ConnectionCache
+from mta.delivery.dsn_notify import DSN_PASSED
 from mta.delivery.tlspolicy import dane
 from mta.delivery.tlspolicy.plan import HopTls, Plan, Planner
 from mta.delivery.transport import BeforeDot, Destination, Job, OnOutcome, body_chunks
 from mta.observe.logline import event
 from mta.observe.tlsinfo import TlsInfo, tls_info
+from mta.smtp import dsn_params
 from mta.smtp.client import (
     ClientConnection,
     CommandReply,
@@ -388,10 +394,17 @@ class _Session:
                 params["SMTPUTF8"] = None
             if str(body_param.get("BODY", "")).upper() == "8BITMIME" and caps is not None and caps.eightbitmime:
                 params["BODY"] = "8BITMIME"
+        dsn = caps is not None and caps.dsn
+        if dsn:
+            params.update(dsn_params.mail_params(job.extra))
+        passed: set[str] = set()  # recipients whose NOTIFY the next hop took over (no "relayed" notice from us)
         self.stage = "sending the envelope (MAIL, RCPT, DATA)"
         self.conn.mail(job.sender, params)
         for rcpt in job.recipients:
-            self.conn.rcpt(rcpt)
+            rcpt_params = dsn_params.rcpt_params(job.extra, rcpt) if dsn else {}
+            if "NOTIFY" in rcpt_params:
+                passed.add(rcpt)
+            self.conn.rcpt(rcpt, rcpt_params)
         self.conn.data()
         with trio.CancelScope(deadline=trio.current_time() + d.command_timeout) as scope:
             while True:
@@ -403,7 +416,8 @@ class _Session:
                     self.stage = "waiting for the reply to the end of data"
                     scope.deadline = trio.current_time() + d.data_timeout
                 elif isinstance(ev, MessageReply):
-                    return [outcome_for(o.address, o.reply, hop) for o in ev.outcomes]
+                    return [outcome_for(o.address, o.reply, hop + DSN_PASSED if o.address in passed else hop)
+                            for o in ev.outcomes]
                 elif isinstance(ev, ServerClosed):
                     raise HopFailed(f"connection closed by the server while {self.stage}", cause="lost")
                 elif not isinstance(ev, CommandReply | DataReply) and hasattr(ev, "reply") and \

@@ -61,6 +61,7 @@ from mta.observe.logline import event
 from mta.observe.metrics import Metrics
 from mta.observe.tlsinfo import TlsInfo, tls_info
 from mta.smtp.common import Reply, received_header, received_protocol
+from mta.smtp.dsn_params import RecipientDsn
 from mta.smtp.server import (
     END_OF_DATA,
     AuthRequest,
@@ -258,6 +259,7 @@ class _Session:
         self.body: BodyWriter | None = None
         self._message_id = MessageIdPeek()  # the message being received: its Message-ID, for the log lines
         self.mail_params: dict[str, Any] = {}
+        self.rcpt_dsn: dict[str, dict[str, str]] = {}  # recipient -> its NOTIFY and ORCPT (``mta.smtp.dsn_params``)
         # The client's deadline (``mta.inbound.deadlines``) enforced by one cancel scope around the whole session.
         self.deadlines = SessionDeadlines.for_session(s, trio.current_time())
         self._timer = trio.CancelScope()
@@ -493,6 +495,7 @@ class _Session:
         self.sender = ""
         self.recipients = []
         self.mail_params = {}
+        self.rcpt_dsn = {}
 
     def _mail(self, ev: MailFrom) -> None:
         self._reset()
@@ -530,6 +533,9 @@ class _Session:
         # else <postmaster> or <postmaster@HOSTNAME>: from anyone (RFC 5321 §4.5.1), to the configured postmaster
         if address not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
             self.recipients.append(address)
+            dsn = RecipientDsn(notify=ev.params.get("NOTIFY"), orcpt=ev.params.get("ORCPT")).as_extra()
+            if dsn:
+                self.rcpt_dsn[address] = dsn
         self._transaction(True)
         self.conn.accept()
 
@@ -567,6 +573,8 @@ class _Session:
             extra["auth"] = self.conn.authenticated
         if self.mail_params:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
+        if self.rcpt_dsn:
+            extra["dsn_rcpt"] = self.rcpt_dsn
         try:
             with self._relay_busy():
                 signed = await self._sign(body)
@@ -584,6 +592,7 @@ class _Session:
               dkim=",".join(signed.signed_by) if signed is not None else None)
         self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {queue_id}"))
         self.recipients = []
+        self.rcpt_dsn = {}
 
     def _protocol(self) -> str:
         """The ``with`` of the Received: header and the accepted line (ESMTPSA: TLS and AUTH)."""

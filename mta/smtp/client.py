@@ -29,7 +29,7 @@ transaction. Whether the connection is closed (``QUIT`` answered, or EOF) is
 a flag beside it, because a body being sent is still finished.
 
 Raises ``LocalProtocolError`` when the shell asks for something out of order
-or something the server did not offer (SMTPUTF8, 8BITMIME, STARTTLS), and
+or something the server did not offer (SMTPUTF8, 8BITMIME, DSN, STARTTLS), and
 ``RemoteProtocolError`` when the server's replies make no sense.
 """
 
@@ -146,6 +146,8 @@ class Capabilities:
     smtputf8: bool = False
     starttls: bool = False
     enhancedstatuscodes: bool = False
+    dsn: bool = False
+    chunking: bool = False
     keywords: dict[str, str] = attrs.field(factory=dict)
 
     @classmethod
@@ -167,6 +169,8 @@ class Capabilities:
             smtputf8="SMTPUTF8" in keywords,
             starttls="STARTTLS" in keywords,
             enhancedstatuscodes="ENHANCEDSTATUSCODES" in keywords,
+            dsn="DSN" in keywords,
+            chunking="CHUNKING" in keywords,
             keywords=keywords,
         )
 
@@ -413,6 +417,8 @@ class ClientConnection:
             raise LocalProtocolError("the server did not offer SMTPUTF8")
         if (params.get("BODY") or "").upper() == "8BITMIME" and not caps.eightbitmime:
             raise LocalProtocolError("the server did not offer 8BITMIME")
+        if ("RET" in params or "ENVID" in params) and not caps.dsn:
+            raise LocalProtocolError("the server did not offer DSN")
         self._command(f"MAIL FROM:<{sender}>{format_params(params)}", _Kind.MAIL)
         self._fire(_Step.MAIL)
         self._txn = _Transaction(sender)
@@ -424,6 +430,8 @@ class ClientConnection:
             raise LocalProtocolError("rcpt() needs mail() first and must come before data()")
         if not address.isascii() and not self._smtputf8:
             raise LocalProtocolError("non-ASCII recipient needs SMTPUTF8 on MAIL")
+        if params and ("NOTIFY" in params or "ORCPT" in params) and not (self.capabilities or Capabilities()).dsn:
+            raise LocalProtocolError("the server did not offer DSN")
         self._command(f"RCPT TO:<{address}>{format_params(params)}", _Kind.RCPT, address)
         self._fire(_Step.RCPT)
         txn.rcpts.append((address, None))

@@ -91,7 +91,7 @@ def ehlo(hostname: str, max_message_size: int, starttls: bool, auth: bool) -> Re
 
     One per configuration and port: built and encoded once.
     """
-    caps = ["PIPELINING", f"SIZE {max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES"]
+    caps = ["PIPELINING", f"SIZE {max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES", "DSN"]
     if starttls:
         caps.append("STARTTLS")
     if auth:
