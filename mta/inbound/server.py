@@ -442,6 +442,8 @@ class _Session:
                     await self._flush()
                     return
             elif isinstance(ev, (Rset, Ehlo, Helo)):
+                if self.deadlines.in_data:  # a BDAT transaction ended between chunks
+                    self._data_end()
                 self._reset()
             elif isinstance(ev, (Quit, ConnectionClosed)):
                 await self._flush()
