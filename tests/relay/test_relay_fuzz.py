@@ -42,8 +42,8 @@ def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[smtpfuzz.RelayTh
         yield running
 
 
-def assert_still_serving(relay: smtpfuzz.RelayThread, stats: smtpfuzz.Stats) -> None:
-    smtpfuzz.probe(relay, next(_probes), stats)
+def assert_still_serving(relay: smtpfuzz.RelayThread, stats: smtpfuzz.Stats, *, bdat: bool = False) -> None:
+    smtpfuzz.probe(relay, next(_probes), stats, bdat=bdat)
     assert relay.alive(), f"the relay ended: {relay.crash!r}"
     assert not stats.problems, stats.problems
     assert not relay.errors, [r.getMessage() for r in relay.errors]  # contained, but still a bug
@@ -70,3 +70,14 @@ def test_random_hostile_sessions_in_random_chunks_never_stop_the_relay(
     stats = smtpfuzz.Stats()
     smtpfuzz.run_batch(relay.port, smtpfuzz.batch(ch), ch, stats)
     assert_still_serving(relay, stats)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_hostile_bdat_chunks_never_stop_the_relay(relay: smtpfuzz.RelayThread, data: st.DataObject) -> None:
+    """BDAT sessions (RFC 3030): chunks of hostile content, sizes that lie, commands between chunks, cut
+    anywhere; then a message sent with BDAT is still delivered."""
+    ch = HypothesisChooser(data)
+    stats = smtpfuzz.Stats()
+    smtpfuzz.run_batch(relay.port, [smtpfuzz.bdat_session(ch) for _ in range(ch.integer(1, 3))], ch, stats)
+    assert_still_serving(relay, stats, bdat=True)
