@@ -1,4 +1,5 @@
-"""BDAT (RFC 3030 CHUNKING) for the server core: the command's syntax, and its chunks' content policed as DATA's is.
+"""BDAT (RFC 3030 CHUNKING) both ways: for the server core, the command's syntax and its chunks' content policed
+as DATA's is; for the client core, a body cut into chunks (``ChunkEncoder``).
 
 Why a chunk goes through ``ContentDecoder``: BDAT content is sent as it is,
 without dot-stuffing and without a terminator, but it must meet every rule
@@ -12,18 +13,27 @@ the next one, so a CRLF split between two chunks is one line end, and a
 line start is judged exactly as the decoder judges it: what could end DATA
 early can never be made from chunk content. A message that does not end
 with CRLF gets one, as Postfix adds it.
+
+The client sends a stored body as it is, in chunks of ``CHUNK_SIZE``: no
+dot-stuffing, the one pass left being the CRLF check (a body from the spool
+is clean already; one from elsewhere has its line ends made CRLF, with a
+CR at a chunk's end held for the next, as ``client.BodyEncoder`` does).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import attrs
 
-from mta.smtp.bodybytes import stuff
+from mta.smtp.bodybytes import crlf_clean, stuff
 from mta.smtp.common import ContentDecoder, RemoteProtocolError, Reply
 
-__all__ = ["MAX_CHUNK_DIGITS", "R_BAD_BDAT", "BdatCommand", "ChunkDecoder", "parse_bdat"]
+__all__ = ["CHUNK_SIZE", "MAX_CHUNK_DIGITS", "R_BAD_BDAT", "BdatCommand", "ChunkDecoder", "ChunkEncoder", "parse_bdat"]
+
+CHUNK_SIZE: Final = 65536  # the client's BDAT chunks: what the transport gathers for a write anyway
+_NEWLINE_RE: Final = re.compile(rb"\r\n|\r|\n")
 
 MAX_CHUNK_DIGITS: Final = 18  # a chunk size below 10**18 octets: any real one, and still an int a reply can name
 R_BAD_BDAT: Final = Reply(501, "5.5.4", "Syntax: BDAT chunk-size [LAST]")
@@ -86,3 +96,45 @@ class ChunkDecoder:
                 break
         del buf[:pos]
         return b"".join(parts)
+
+
+class ChunkEncoder:
+    """The client's side: content bytes in, whole ``BDAT n`` commands with their chunks out."""
+
+    def __init__(self, chunk_size: int = CHUNK_SIZE) -> None:
+        self.chunk_size = chunk_size
+        self._held = bytearray()  # content not yet sent in a chunk
+        self._cr = False
+        self._line_end = True  # what was sent so far ends with CRLF (or nothing was)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def encode(self, data: bytes) -> bytes:
+        """Content in (any line ends); the BDAT commands and chunks ready to go (``b""`` until a chunk is full)."""
+        if self._cr:
+            data = b"\r" + data
+        self._cr = data.endswith(b"\r")
+        if self._cr:
+            data = data[:-1]
+        if not crlf_clean(data, 0, len(data)):
+            data = _NEWLINE_RE.sub(b"\r\n", data)
+        self._held += data
+        if len(self._held) < self.chunk_size:
+            return b""
+        out = b"BDAT %d\r\n" % len(self._held) + self._held
+        self._line_end = self._held.endswith(b"\r\n")
+        self._held = bytearray()
+        return out
+
+    def end(self) -> bytes:
+        """The last chunk, ``BDAT n LAST`` (with a CRLF added if the content did not end with one)."""
+        if self._cr:
+            self._held += b"\r\n"
+            self._cr = False
+        elif not (self._held.endswith(b"\r\n") if self._held else self._line_end):
+            self._held += b"\r\n"
+        out = b"BDAT %d LAST\r\n" % len(self._held) + self._held
+        self._held = bytearray()
+        return out

@@ -19,6 +19,12 @@ The body is only accepted after ``DataReply(go_ahead=True)``; ``send_body``
 turns any line ending into CRLF and dot-stuffs, so a body can never end the
 message early, whatever bytes it holds.
 
+With a server that offers CHUNKING and PIPELINING, ``bdat()`` takes DATA's
+place (RFC 3030): the body is open at once, with no ``354`` to wait for, and
+``send_body`` sends it as it is in ``BDAT n`` chunks (``mta.smtp.chunking``),
+``end_data`` as the ``BDAT n LAST``. Every chunk's reply is matched; the
+first that refuses is the transaction's final reply.
+
 The transaction is in one ``Phase`` at a time and moves only by a ``Step``
 of ``TRANSITIONS`` (``_fire``, the one place that assigns it), as in the
 server core. Intentions and replies both take steps: ``mail()`` opens the
@@ -44,6 +50,7 @@ import attrs
 
 from mta.smtp.addresses import Params, format_params
 from mta.smtp.bodybytes import crlf_clean, stuff
+from mta.smtp.chunking import ChunkEncoder
 from mta.smtp.common import (
     MAX_COMMAND_LINE,
     LocalProtocolError,
@@ -70,6 +77,7 @@ class Step(TableKey):
     MAIL = "mail()"
     RCPT = "rcpt()"
     DATA = "data()"
+    BDAT = "bdat(): the body goes in chunks, no 354 to wait for"
     GO_AHEAD = "354 to DATA, a recipient accepted"
     NO_GO = "354 to DATA, no recipient accepted: an empty message is sent"
     DATA_REFUSED = "any other reply to DATA"
@@ -87,6 +95,7 @@ TRANSITIONS: Final[Mapping[Phase, Mapping[Step, Phase]]] = {
     Phase.ENVELOPE: {
         Step.RCPT: Phase.ENVELOPE,
         Step.DATA: Phase.DATA_SENT,  # only with at least one rcpt()
+        Step.BDAT: Phase.BODY,  # only with at least one rcpt(), to a server that offers CHUNKING and PIPELINING
         Step.RSET: Phase.READY,
     },
     Phase.DATA_SENT: {
@@ -124,6 +133,7 @@ class _Step:
     MAIL: Final = Step.MAIL
     RCPT: Final = Step.RCPT
     DATA: Final = Step.DATA
+    BDAT: Final = Step.BDAT
     GO_AHEAD: Final = Step.GO_AHEAD
     NO_GO: Final = Step.NO_GO
     DATA_REFUSED: Final = Step.DATA_REFUSED
@@ -265,6 +275,7 @@ class _Kind(TableKey):
     MAIL = "MAIL"
     RCPT = "RCPT"
     DATA = "DATA"
+    CHUNK = "BDAT"  # a chunk before the LAST: its 250, or the transaction's refusal
     MESSAGE = "message"
     RSET = "RSET"
     NOOP = "NOOP"
@@ -285,6 +296,8 @@ class _Transaction:
     mail_reply: Reply | None = None
     rcpts: list[tuple[str, Reply | None]] = attrs.field(factory=list)
     data_reply: Reply | None = None
+    chunk_refusal: Reply | None = None  # the first chunk before the LAST that was refused
+    chunked: bool = False  # the body went in BDAT chunks
 
 
 class BodyEncoder:
@@ -330,6 +343,7 @@ class ClientConnection:
         self._on_transition = on_transition
         self._txn: _Transaction | None = None  # set exactly while the phase is not READY
         self._body = BodyEncoder()  # a fresh one for each body
+        self._chunks: ChunkEncoder | None = None  # the body of a BDAT transaction
         self._smtputf8 = False
         self._closed = False
         self._eof = False
@@ -442,16 +456,38 @@ class ClientConnection:
         self._fire(_Step.DATA)
         self._command("DATA", _Kind.DATA)
 
+    def bdat(self) -> None:
+        """Open the body at once, to be sent in BDAT chunks (the server must offer CHUNKING and PIPELINING)."""
+        caps = self.capabilities or Capabilities()
+        if not (caps.chunking and caps.pipelining):
+            raise LocalProtocolError("the server did not offer CHUNKING with PIPELINING")
+        if self._phase is not _Phase.ENVELOPE or self._txn is None or not self._txn.rcpts:
+            raise LocalProtocolError("bdat() needs mail() and at least one rcpt(), once")
+        self._flush()  # MAIL and RCPT go before the first chunk
+        self._fire(_Step.BDAT)
+        self._txn.chunked = True
+        self._chunks = ChunkEncoder()
+
     def send_body(self, chunk: bytes) -> None:
-        """Content bytes, any line endings; they are normalised and dot-stuffed."""
+        """Content bytes, any line endings; they are normalised and dot-stuffed (with BDAT: chunked)."""
         if self._phase is not _Phase.BODY:
-            raise LocalProtocolError("send_body() only after DataReply(go_ahead=True)")
-        self._out += self._body.encode(chunk)
+            raise LocalProtocolError("send_body() only after DataReply(go_ahead=True) or bdat()")
+        if self._chunks is None:
+            self._out += self._body.encode(chunk)
+            return
+        out = self._chunks.encode(chunk)
+        if out:
+            self._out += out
+            self._waiting.append((_Kind.CHUNK, ""))
 
     def end_data(self) -> None:
         if self._phase is not _Phase.BODY:
-            raise LocalProtocolError("end_data() only after DataReply(go_ahead=True)")
-        self._out += self._body.end()
+            raise LocalProtocolError("end_data() only after DataReply(go_ahead=True) or bdat()")
+        if self._chunks is None:
+            self._out += self._body.end()
+        else:
+            self._out += self._chunks.end()
+            self._chunks = None
         self._fire(_Step.END_DATA)
         self._waiting.append((_Kind.MESSAGE, ""))
 
@@ -527,8 +563,16 @@ class ClientConnection:
             self._events.append(RcptReply(arg, reply))
         elif kind is _Kind.DATA and txn is not None:
             self._data_reply(txn, reply)
+        elif kind is _Kind.CHUNK and txn is not None:
+            if not reply.is_positive and txn.chunk_refusal is None:
+                txn.chunk_refusal = reply
         elif kind is _Kind.MESSAGE and txn is not None:
-            self._finish(txn, reply, _Step.FINAL)
+            final = txn.chunk_refusal or reply
+            self._finish(txn, final, _Step.FINAL)
+            if txn.chunked and not final.is_positive and final.code != 421 and not self._closed:
+                # A refused BDAT (no recipient took it, say) may leave the server's MAIL transaction open, as a
+                # refused DATA does: without an RSET the next MAIL on this connection gets 503.
+                self._command("RSET", _Kind.RSET)
         else:
             self._events.append(CommandReply(kind.value, reply))
             if kind is _Kind.QUIT:

@@ -293,6 +293,7 @@ class ServerConnection:
     RFC 8314; before it AUTH gets ``538 5.7.11``), ``require_auth`` (MAIL
     needs STARTTLS and AUTH first: a submission port, ``530 5.7.0``),
     ``auth_without_tls`` (AUTH over plaintext: for tests of this table only),
+    ``chunking`` (offer CHUNKING and take BDAT; without it BDAT is ``502``),
     ``on_transition`` (told of every step; see ``TransitionHook``),
     ``on_reject`` (told of every 4xx/5xx reply; see ``Rejection``).
 
@@ -314,6 +315,7 @@ class ServerConnection:
         auth: bool = False,
         require_auth: bool = False,
         auth_without_tls: bool = False,
+        chunking: bool = True,
         greeting: str = "ESMTP logspool",
         on_transition: TransitionHook | None = None,
         on_reject: RejectHook | None = None,
@@ -329,6 +331,7 @@ class ServerConnection:
         self.auth = auth
         self.require_auth = require_auth
         self.auth_without_tls = auth_without_tls
+        self.chunking = chunking
         self._exchange: SaslExchange | None = None
         self._authenticated: str | None = None
         self._state = State.CONNECTED
@@ -569,6 +572,8 @@ class ServerConnection:
             return self._rcpt(arg)
         elif verb == "DATA":
             return self._data()
+        elif verb == "BDAT" and not self.chunking:
+            self._error(replies.R_NOT_IMPLEMENTED, "not_implemented")
         elif verb == "BDAT":
             return self._bdat(arg)
         elif verb == "STARTTLS":
@@ -589,7 +594,8 @@ class ServerConnection:
             return Helo(name)
         self._esmtp = True
         auth = self.auth and (self.tls_active or self.auth_without_tls)
-        self._send(replies.ehlo(self.hostname, self.max_message_size, self.tls_available and not self.tls_active, auth))
+        self._send(replies.ehlo(self.hostname, self.max_message_size, self.tls_available and not self.tls_active, auth,
+                                self.chunking))
         return Ehlo(name)
 
     def _mail(self, arg: str) -> Event | None:

@@ -87,12 +87,14 @@ def helo(hostname: str) -> Reply:
 
 
 @functools.lru_cache(maxsize=64)
-def ehlo(hostname: str, max_message_size: int, starttls: bool, auth: bool) -> Reply:
+def ehlo(hostname: str, max_message_size: int, starttls: bool, auth: bool, chunking: bool = True) -> Reply:
     """The ``250`` to EHLO with the extensions offered (STARTTLS before TLS; AUTH over TLS only, RFC 4954 §4).
 
     One per configuration and port: built and encoded once.
     """
-    caps = ["PIPELINING", f"SIZE {max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES", "DSN", "CHUNKING"]
+    caps = ["PIPELINING", f"SIZE {max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES", "DSN"]
+    if chunking:
+        caps.append("CHUNKING")
     if starttls:
         caps.append("STARTTLS")
     if auth:

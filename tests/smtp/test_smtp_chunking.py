@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mta.smtp import client as C
 from mta.smtp import server as S
 from mta.smtp.bodybytes import stuff
-from mta.smtp.common import Reply, ReplyParser
+from mta.smtp.common import LocalProtocolError, Reply, ReplyParser
 
 ENVELOPE = b"EHLO c.example\r\nMAIL FROM:<a@x.example>\r\nRCPT TO:<b@y.example>\r\n"
 
@@ -130,3 +132,55 @@ def test_bdat_gives_what_data_gives(body: bytes, splits: list[int], normalize: b
     assert verdict(via_bdat) == verdict(via_data)
     if isinstance(verdict(via_data), S.EndOfData):
         assert content(via_bdat) == content(via_data)
+
+
+def test_without_chunking_bdat_is_not_implemented() -> None:
+    _, replies = talk(ENVELOPE + b"BDAT 0 LAST\r\n", chunking=False)
+    assert codes(replies)[-1] == (502, "5.5.1")
+
+
+def client_in_body(chunk_size: int) -> C.ClientConnection:
+    conn = C.ClientConnection()
+    conn.receive_data(b"220 mx\r\n")
+    conn.ehlo("c.example")
+    conn.data_to_send()
+    conn.receive_data(b"250-mx\r\n250-PIPELINING\r\n250 CHUNKING\r\n")
+    conn.next_event()
+    conn.next_event()
+    conn.mail("a@x.example")
+    conn.rcpt("b@y.example")
+    conn.bdat()
+    assert conn._chunks is not None
+    conn._chunks.chunk_size = chunk_size
+    return conn
+
+
+def test_the_client_cuts_the_body_into_chunks_and_a_refused_chunk_is_the_outcome() -> None:
+    conn = client_in_body(8)
+    conn.send_body(b"0123456789")  # a chunk is full: it goes
+    conn.send_body(b"ab\nc")
+    conn.end_data()
+    assert conn.data_to_send() == (b"MAIL FROM:<a@x.example>\r\nRCPT TO:<b@y.example>\r\nBDAT 10\r\n0123456789"
+                                   b"BDAT 7 LAST\r\nab\r\nc\r\n")
+    conn.receive_data(b"250 2.1.0 ok\r\n250 2.1.5 ok\r\n552 5.3.4 too big\r\n503 5.5.1 no transaction\r\n")
+    events = [conn.next_event() for _ in range(3)]
+    final = events[-1]
+    assert isinstance(final, C.MessageReply)
+    assert [(o.address, o.reply.code) for o in final.outcomes] == [("b@y.example", 552)]
+    assert conn.data_to_send() == b"RSET\r\n"  # the server's transaction may still be open
+    conn.receive_data(b"250 2.0.0 ok\r\n")
+    assert isinstance(conn.next_event(), C.CommandReply) and conn.idle
+
+
+def test_the_client_needs_chunking_and_pipelining_for_bdat() -> None:
+    conn = C.ClientConnection()
+    conn.receive_data(b"220 mx\r\n")
+    conn.ehlo("c.example")
+    conn.data_to_send()
+    conn.receive_data(b"250-mx\r\n250 CHUNKING\r\n")
+    conn.next_event()
+    conn.next_event()
+    conn.mail("a@x.example")
+    conn.rcpt("b@y.example")
+    with pytest.raises(LocalProtocolError):
+        conn.bdat()
