@@ -1,11 +1,13 @@
-"""DSN requests with Postfix as the relay's next hop: a DSN-capable Postfix takes them, one without DSN gets a
-"relayed" notice sent by the relay.
+"""Postfix 3.7 as the relay's next hop: DSN requests (a DSN-capable Postfix takes them, one without DSN gets a
+"relayed" notice sent by the relay) and the body sent in BDAT chunks (RFC 3030).
 
 A private Postfix instance (``tools/bench/postfix_instance.py``) listens on
 two ports of 127.0.0.1: one as Postfix ships, one with ``-o
 smtpd_discard_ehlo_keywords=dsn`` (a next hop that does not offer DSN). It
 relays everything on to a ``NextHop`` of the test, which records the
-parameters Postfix passed on: the proof that Postfix received them.
+parameters Postfix passed on: the proof that Postfix received them. That
+the relay spoke BDAT is in Postfix's own log: smtpd counts the commands of a
+session when it ends (``disconnect from ... bdat=2 ...``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import email
 import email.message
 import email.policy
 import os
+import re
 import shutil
 import smtplib
 import socket
@@ -114,3 +117,28 @@ async def test_postfix_takes_the_request_or_the_relay_says_relayed(tmp_path: Pat
     assert (per_recipient["Action"], per_recipient["Status"]) == ("relayed", "2.0.0")
     assert per_recipient["Original-Recipient"] == "rfc822; first@orig.example"
     assert per_recipient["Remote-MTA"] == "dns; 127.0.0.1"
+
+
+async def test_the_body_goes_to_postfix_in_bdat_chunks(tmp_path: Path, postfix: TwoPortPostfix) -> None:
+    body = b"Subject: big\r\n\r\n" + b"".join(b".line %05d of a body bigger than one chunk\r\n" % i
+                                                 for i in range(2000))
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            sink = NextHop()
+            await sink.start(nursery, port=postfix.sink_port)
+            routes = {"*": f"smtp://127.0.0.1:{postfix.port}"}
+            relay = await start_relay(nursery, relay_config(str(tmp_path), routes,
+                                                            extra='[delivery]\nconnection_cache_time = "0s"\n'))
+
+            def submit() -> None:
+                with smtplib.SMTP("127.0.0.1", relay.ports[0], timeout=30) as s:
+                    s.sendmail("a@example.org", ["b@far.example"], body)
+
+            await trio.to_thread.run_sync(submit)
+            (got,) = await sink.wait_messages(1, timeout=60)
+            maillog = Path(postfix.base) / "maillog"
+            with trio.fail_after(30):  # Postfix writes the line once the relay has closed the connection
+                while not re.search(r"disconnect from .*\bbdat=2\b", maillog.read_text(errors="replace")):
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert got.data.endswith(body.split(b"\r\n\r\n", 1)[1])  # every dot line as it was, through both
