@@ -660,7 +660,7 @@ class Scheduler:
             original_headers=headers, from_address=self.config.delivery.bounce_sender, queue_id=qid,
             original_message=whole)
         dsn_id = self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": qid})
-        if action == "failed":
+        if action == "failed" and actions is None:  # a bounce, not a success notice
             self.metrics.bounced_dsn.inc()
         return self.aspool.core.queue_id(dsn_id)
 
