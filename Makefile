@@ -9,7 +9,8 @@ REPORT_STAMP := $(VENV)/.installed-report
 DEV_STAMP := $(VENV)/.installed-dev
 SYS_STAMP := .sysdeps-installed
 SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless unbound ldnsutils chromium \
-	rspamd redis-server opendkim opendkim-tools dovecot-core dovecot-lmtpd postgrey haproxy python3-milter
+	rspamd redis-server opendkim opendkim-tools dovecot-core dovecot-lmtpd postgrey haproxy python3-milter \
+	libidn12
 
 .PHONY: run report test lint typecheck imports pytest spark-test sysdeps crashtest bench
 
@@ -51,6 +52,8 @@ report: $(REPORT_STAMP)
 # resolver over a zone signed by ldns-signzone, for the DANE tests), Chromium (the HTML report in a browser),
 # and the mail stack the relay plugs into: rspamd (with redis-server), OpenDKIM, Dovecot's LMTP,
 # postgrey, haproxy, and python3-milter (libmilter's Python binding, for the tests' own milter).
+# libidn12: a library Exim links; Exim itself is never installed (apt would remove Postfix for it):
+# tools/exim_unpack.sh unpacks Debian's exim4-daemon-light into var/exim, for the tests that send with it.
 # A policy-rc.d that says no keeps the packages from starting their own services on install: each test
 # starts its own instance.
 sysdeps:
@@ -62,8 +65,9 @@ sysdeps:
 		made=""; if [ ! -e /usr/sbin/policy-rc.d ]; then made=1; \
 			printf '#!/bin/sh\nexit 101\n' | $$SUDO tee /usr/sbin/policy-rc.d >/dev/null; $$SUDO chmod 755 /usr/sbin/policy-rc.d; fi; \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
-		status=$$?; [ -z "$$made" ] || $$SUDO rm -f /usr/sbin/policy-rc.d; exit $$status; \
-	fi
+		status=$$?; [ -z "$$made" ] || $$SUDO rm -f /usr/sbin/policy-rc.d; [ $$status = 0 ] || exit $$status; \
+	fi; \
+	SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO tools/exim_unpack.sh var/exim
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check spool mta fault_injection tests tools

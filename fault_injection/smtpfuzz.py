@@ -125,12 +125,14 @@ def mutate(ch: Chooser, arg: bytes) -> bytes:
 
 
 def command(ch: Chooser) -> bytes:
-    """One command line, or DATA with its content, or raw junk."""
-    kind = ch.integer(0, 9)
+    """One command line, or DATA with its content, or BDAT chunks, or raw junk."""
+    kind = ch.integer(0, 10)
     if kind == 0:
         return ch.binary(40) + pick(ch, [b"\r\n", b"\n", b""])
     if kind == 1:
         return b"DATA\r\n" + data_content(ch)
+    if kind == 2:
+        return bdat_content(ch)
     prefix, arg = TEMPLATES[ch.integer(0, len(TEMPLATES) - 1)]
     line = prefix + mutate(ch, arg)
     if ch.integer(0, 15) == 0:
@@ -143,6 +145,31 @@ def data_content(ch: Chooser) -> bytes:
     if ch.integer(0, 4):
         parts.append(b"\r\n.\r\n")
     return b"".join(parts)
+
+
+def bdat_content(ch: Chooser) -> bytes:
+    """One to four BDAT commands with their chunks (RFC 3030): pieces of DATA's hostile content, a size that is
+    now and then wrong (more or fewer octets than said), LAST on the last one mostly."""
+    out = bytearray()
+    count = ch.integer(1, 4)
+    for i in range(count):
+        chunk = b"".join(pick(ch, DATA_PIECES) if ch.integer(0, 2) else ch.binary(24) for _ in range(ch.integer(0, 5)))
+        said = len(chunk) if ch.integer(0, 5) else max(0, len(chunk) + ch.integer(-8, 8))
+        last = b" LAST" if i == count - 1 and ch.integer(0, 4) else b""
+        out += b"BDAT %d%s\r\n" % (said, last) + chunk
+    return bytes(out)
+
+
+def bdat_session(ch: Chooser) -> Session:
+    """A session that mostly gets as far as BDAT: a usual start, then chunks and commands between them."""
+    wire = bytearray(b"EHLO fuzz.example\r\nMAIL FROM:<a@example.org>\r\nRCPT TO:<b@far.example>\r\n")
+    for _ in range(ch.integer(1, 4)):
+        wire += bdat_content(ch) if ch.integer(0, 2) else command(ch)
+    chunks = split(ch, bytes(wire))
+    end = ["quit", "eof", "close", "reset"][ch.integer(0, 3)]
+    if end == "quit":
+        chunks.append(b"QUIT\r\n")
+    return Session(chunks, end, ch.integer(0, len(chunks)))
 
 
 @attrs.define
@@ -435,8 +462,9 @@ def _check(c: _Conn, stats: Stats) -> None:
         stats.problems.append(f"a truncated reply at the end: {raw[-200:]!r}")
 
 
-def probe(relay: RelayThread, n: int, stats: Stats, timeout: float = 30) -> None:
-    """A fresh client gets 220 and its well-formed message is delivered into the probe Maildir."""
+def probe(relay: RelayThread, n: int, stats: Stats, timeout: float = 30, *, bdat: bool = False) -> None:
+    """A fresh client gets 220 and its well-formed message is delivered into the probe Maildir (sent with
+    DATA, or with ``bdat`` in one BDAT LAST chunk)."""
     rcpt = f"probe{n}@probe.test"
     token = f"probe {n} {os.urandom(4).hex()}"
     try:
@@ -446,16 +474,18 @@ def probe(relay: RelayThread, n: int, stats: Stats, timeout: float = 30) -> None
             if not greeting.startswith(b"220 "):
                 stats.problems.append(f"probe {n}: greeting {greeting!r}")
                 return
-            sock.sendall(b"EHLO probe.example\r\nMAIL FROM:<probe@example.org>\r\nRCPT TO:<%s>\r\nDATA\r\n"
-                         % rcpt.encode())
-            for want in (b"250 ", b"250 ", b"250 ", b"354 "):
+            sock.sendall(b"EHLO probe.example\r\nMAIL FROM:<probe@example.org>\r\nRCPT TO:<%s>\r\n%s"
+                         % (rcpt.encode(), b"" if bdat else b"DATA\r\n"))
+            for want in (b"250 ", b"250 ", b"250 ", *(() if bdat else (b"354 ",))):
                 line = f.readline()
                 while line[3:4] == b"-":
                     line = f.readline()
                 if not line.startswith(want):
                     stats.problems.append(f"probe {n}: wanted {want!r}, got {line!r}")
                     return
-            sock.sendall(f"Subject: {token}\r\nFrom: probe@example.org\r\n\r\n{token}\r\n.\r\nQUIT\r\n".encode())
+            message = f"Subject: {token}\r\nFrom: probe@example.org\r\n\r\n{token}\r\n".encode()
+            sock.sendall((b"BDAT %d LAST\r\n" % len(message) + message if bdat else message + b".\r\n")
+                         + b"QUIT\r\n")
             line = f.readline()
             if not line.startswith(b"250 2.0.0"):
                 stats.problems.append(f"probe {n}: end of data answered {line!r}")

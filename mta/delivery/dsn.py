@@ -1,4 +1,4 @@
-"""Delivery status notifications (RFC 3464) for failed and delayed recipients.
+"""Delivery status notifications (RFC 3464): failed, delayed, and (when asked for) delivered or relayed recipients.
 
 Theory of operation
 -------------------
@@ -10,7 +10,12 @@ built by ``build_dsn``::
     multipart/report; report-type=delivery-status
       text/plain              what happened, for a person
       message/delivery-status per-message fields, then one block per recipient
-      text/rfc822-headers     the original header block (never the body)
+      text/rfc822-headers     the original header block; or, for a failure
+                              of a message sent with RET=FULL,
+      message/rfc822          the whole original message (up to FULL_RETURN_LIMIT)
+
+Which recipients get a notice, and of which kind, follows the client's DSN
+request (``mta.delivery.dsn_notify``).
 
 The DSN itself goes out with the null envelope sender, so it can never bounce
 back and loop; ``should_bounce`` refuses to make one for a message that
@@ -41,9 +46,13 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["HEADER_LIMIT", "RecipientFailure", "build_dsn", "extract_headers", "remote_mta_name", "should_bounce"]
+__all__ = ["FULL_RETURN_LIMIT", "HEADER_LIMIT", "RecipientFailure", "build_dsn", "extract_headers", "remote_mta_name",
+           "should_bounce"]
 
 HEADER_LIMIT = 64 * 1024
+# The largest message a RET=FULL failure notice returns whole; a bigger one is returned as its headers, as
+# Postfix does past its bounce_size_limit.
+FULL_RETURN_LIMIT = 1024 * 1024
 _MAX_FIELD = 900  # well under RFC 5322's 998-octet line limit, with room for the field name
 _FOLD_AT = 78
 
@@ -63,7 +72,8 @@ class RecipientFailure:
     ``diagnostic`` is ``"smtp; 550 5.1.1 user unknown"`` (type; text), ``remote_mta``
     the host that answered (empty if none did), ``last_attempt`` when we last tried
     (the report's time if unset), ``original_recipient`` the ORCPT if the client
-    gave one, ``will_retry_until`` for ``delayed`` reports.
+    gave one (``rfc822;a@b``, or a bare address taken as rfc822),
+    ``will_retry_until`` for ``delayed`` reports.
     """
 
     recipient: str
@@ -133,8 +143,12 @@ def build_dsn(
     *,
     from_address: str = "",
     queue_id: str = "",
+    original_message: bytes | None = None,
 ) -> bytes:
     """The complete DSN message (headers and body, CRLF), addressed to ``original_sender``.
+
+    ``original_message``: the whole message, returned as ``message/rfc822``
+    in place of ``original_headers`` (a failure of a RET=FULL message).
 
     ``from_address`` defaults to ``MAILER-DAEMON@<reporting_mta>``; ``queue_id``
     is the failed message's, named in both the report and the text. Naive
@@ -151,17 +165,20 @@ def build_dsn(
     now = _aware(now or dt.datetime.now(dt.UTC))
     boundary = boundary or f"=_{secrets.token_hex(16)}"
     from_address = from_address or f"MAILER-DAEMON@{reporting_mta}"
-    delayed_only = all(f.action == "delayed" for f in failed)
-    subject = "Delayed Mail (still being retried)" if delayed_only else "Undelivered Mail Returned to Sender"
+    kind = _kind(failed)
+    subject = _SUBJECTS[kind]
 
-    headers_part = _crlf(original_headers).rstrip(b"\r\n") + b"\r\n"
+    if original_message is not None:
+        returned = ("message/rfc822", _crlf(original_message))
+    else:
+        returned = ("text/rfc822-headers", _crlf(original_headers).rstrip(b"\r\n") + b"\r\n")
     status_part = _delivery_status(reporting_mta, original_envelope_id, arrival_time, failed, now,
                                    queue_id=queue_id, sender=original_sender)
-    text_part = _human_text(reporting_mta, failed, delayed_only, queue_id=queue_id, arrival_time=arrival_time)
+    text_part = _human_text(reporting_mta, failed, kind, queue_id=queue_id, arrival_time=arrival_time)
     parts = [
         (_content_type("text/plain; charset=utf-8", text_part), text_part),
         (_content_type(_status_type(failed), status_part), status_part),
-        (_content_type("text/rfc822-headers", headers_part), headers_part),
+        (_content_type(*returned), returned[1]),
     ]
     needle = b"--" + boundary.encode("ascii")
     if any(needle in body for _, body in parts):
@@ -183,6 +200,28 @@ def build_dsn(
         out += [b"\r\n", needle, b"\r\n", part_headers, b"\r\n", body]
     out += [b"\r\n", needle, b"--\r\n"]
     return b"".join(out)
+
+
+_SUBJECTS = {"failed": "Undelivered Mail Returned to Sender", "delayed": "Delayed Mail (still being retried)",
+             "success": "Successful Mail Delivery Report"}
+_INTROS = {
+    "failed": ["I'm sorry to have to inform you that your message could not",
+               "be delivered to one or more recipients. The reasons are below."],
+    "delayed": ["Your message could not be delivered yet to the recipients below.",
+                "It is still in the queue and will be retried; you do not need to resend it."],
+    "success": ["Your message was successfully delivered to the destinations below,",
+                "as you asked to be told. A \"relayed\" destination was handed to a",
+                "mail server that gives no further notifications."],
+}
+
+
+def _kind(failed: Sequence[RecipientFailure]) -> str:
+    """What the report is about as a whole: failures (if any), delays only, or successes only."""
+    if all(f.action == "delayed" for f in failed):
+        return "delayed"
+    if all(f.action in ("delivered", "relayed", "expanded") for f in failed):
+        return "success"
+    return "failed"
 
 
 def _content_type(content_type: str, body: bytes) -> bytes:
@@ -217,7 +256,7 @@ def _delivery_status(
     for f in failed:
         lines.append("")
         if f.original_recipient:
-            lines.append(_field("Original-Recipient", _address_field(f.original_recipient)))
+            lines.append(_field("Original-Recipient", _typed_address(f.original_recipient)))
         lines.append(_field("Final-Recipient", _address_field(f.recipient)))
         lines.append(_field("Action", f.action))
         lines.append(_field("Status", f.status))
@@ -231,28 +270,22 @@ def _delivery_status(
     return ("\r\n".join(lines) + "\r\n").encode()
 
 
+def _typed_address(value: str) -> str:
+    """An ORCPT as the report writes it (``rfc822; a@b``): its own type if it names one, else an address."""
+    kind, semi, address = value.partition(";")
+    if semi and kind and all(c.isalnum() or c == "-" for c in kind):
+        return f"{kind}; {address.strip()}"
+    return _address_field(value)
+
+
 def _address_field(address: str) -> str:
     address = address.removeprefix("<").removesuffix(">")
     return f"rfc822; {address}" if address.isascii() else f"utf-8; {address}"
 
 
-def _human_text(reporting_mta: str, failed: Sequence[RecipientFailure], delayed_only: bool, *, queue_id: str = "",
+def _human_text(reporting_mta: str, failed: Sequence[RecipientFailure], kind: str, *, queue_id: str = "",
                 arrival_time: dt.datetime | None = None) -> bytes:
-    if delayed_only:
-        intro = [
-            f"This is the mail system at host {reporting_mta}.",
-            "",
-            "Your message could not be delivered yet to the recipients below.",
-            "It is still in the queue and will be retried; you do not need to resend it.",
-        ]
-    else:
-        intro = [
-            f"This is the mail system at host {reporting_mta}.",
-            "",
-            "I'm sorry to have to inform you that your message could not",
-            "be delivered to one or more recipients. The reasons are below.",
-        ]
-    lines = [*intro, ""]
+    lines = [f"This is the mail system at host {reporting_mta}.", "", *_INTROS[kind], ""]
     if queue_id:
         received = f", received {email.utils.format_datetime(_aware(arrival_time))}" if arrival_time else ""
         lines += [_flat(f"The message has queue id {queue_id}{received}."), ""]

@@ -78,9 +78,11 @@ import trio
 from mta.config import Config, DiscardRoute, LmtpRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
+from mta.delivery import dsn_notify
 from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
 from mta.observe.logline import event
 from mta.observe.metrics import Metrics
+from mta.smtp import dsn_params
 from spool import (
     DAMAGED_BODY,
     HELD_CLASS,
@@ -510,8 +512,11 @@ class Scheduler:
         into deferrals.
         """
         attempt = tracker.attempt
-        failed = [o for o in outcomes if o.status in (Status.BOUNCED, Status.EXPIRED)]
-        if failed and dsnmod.should_bounce(attempt.envelope.sender) and not attempt.envelope.extra.get("dsn"):
+        extra = attempt.envelope.extra
+        notices = dsnmod.should_bounce(attempt.envelope.sender) and not extra.get("dsn")
+        failed = dsn_notify.failures_to_report(extra, [o for o in outcomes if o.status in (Status.BOUNCED,
+                                                                                           Status.EXPIRED)])
+        if failed and notices:
             try:
                 tracker.dsns.append((job, self._enqueue_dsn(attempt, failed), len(failed)))
             except Exception as exc:
@@ -524,6 +529,8 @@ class Scheduler:
                 reason = f"{local_error(exc)} (building the DSN)"
                 outcomes = [Outcome(o.recipient, Status.DEFERRED, 0, "4.3.0", f"{reason}; was: {o.reply}",
                                     o.next_hop) if o in failed else o for o in outcomes]
+        if notices:
+            self._report_success(tracker, outcomes)
         self._warn_of_delay(tracker, outcomes)
         self.aspool.append_delivery(attempt, outcomes, duration_ms)
         tracker.appended_to = self.aspool.core.writer.head
@@ -533,16 +540,20 @@ class Scheduler:
         """Append a delay notice (RFC 3464, ``Action: delayed``) for the deferred recipients, once a message.
 
         Sent when the message has been queued ``delivery.delay_warning`` or
-        longer, never to the null sender nor for a DSN; the replacement
+        longer, to the recipients whose DSN request allows it
+        (``dsn_notify.delay_due``: NOTIFY=DELAY is told even without the
+        setting), never to the null sender nor for a DSN; the replacement
         envelope records it (``delay_warned``), so later attempts send none.
         A crash before that replacement is written may send it once more.
         """
-        warn_after = self.config.delivery.delay_warning
         env = tracker.attempt.envelope
-        deferred = [o for o in outcomes if o.status is Status.DEFERRED]
-        if (warn_after is None or not deferred or tracker.delay_warned or env.extra.get("delay_warned")
-                or env.extra.get("dsn") or not dsnmod.should_bounce(env.sender)
-                or time.time() - env.arrival_ms / 1000 < warn_after):
+        if tracker.delay_warned or env.extra.get("delay_warned") or env.extra.get("dsn") \
+                or not dsnmod.should_bounce(env.sender):
+            return
+        warn_after, age = self.config.delivery.delay_warning, time.time() - env.arrival_ms / 1000
+        deferred = [o for o in outcomes if o.status is Status.DEFERRED
+                    and dsn_notify.delay_due(env.extra, o.recipient, warn_after, age)]
+        if not deferred:
             return
         qid = self.aspool.core.queue_id(env.message_id)
         try:
@@ -554,6 +565,26 @@ class Scheduler:
             return
         tracker.delay_warned = True
         event(log, "delay_notice", qid, to=f"<{env.sender}>", dsn=notice, nrcpt=len(deferred))
+
+    def _report_success(self, tracker: Tracker, outcomes: list[Outcome]) -> None:
+        """Append the success notice (``delivered`` or ``relayed``) the recipients that asked for one are owed.
+
+        It rides the DELIVERY record's commit like a bounce. One that cannot be
+        built is logged and not sent: the delivery itself stands.
+        """
+        owed = dsn_notify.successes_to_report(tracker.attempt.envelope.extra, outcomes)
+        if not owed:
+            return
+        qid = self.aspool.core.queue_id(tracker.attempt.envelope.message_id)
+        try:
+            notice = self._enqueue_dsn(tracker.attempt, [o for o, _action in owed],
+                                       actions=[action for _o, action in owed])
+        except Exception as exc:
+            if is_fatal(exc, self.aspool.core):
+                raise
+            event(log, "dsn_error", qid, level=logging.ERROR, exc_info=exc, error=local_error(exc), action="success")
+            return
+        event(log, "success_notice", qid, to=f"<{tracker.attempt.envelope.sender}>", dsn=notice, nrcpt=len(owed))
 
     def _after_durable(self, tracker: Tracker, job: Job, outcomes: list[Outcome], duration: float) -> None:
         """Log and report the (durable) outcomes; finish the message when all its jobs are in."""
@@ -597,39 +628,51 @@ class Scheduler:
                   reason="the delivery worker died after the final dot was written, before the reply",
                   action="held: mta queue release" if hold else "delivered again")
 
-    def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome], action: dsnmod.Action = "failed") -> str:
+    def _enqueue_dsn(self, attempt: Attempt, failed: list[Outcome], action: dsnmod.Action = "failed",
+                     actions: Sequence[dsnmod.Action] | None = None) -> str:
         """Append the DSN for ``failed`` (no commit: the caller's covers it); returns the DSN's queue id.
 
-        ``action`` ``delayed``: a delay notice (``delivery.delay_warning``) for deferred recipients.
+        ``action`` ``delayed``: a delay notice (``delivery.delay_warning``) for deferred recipients;
+        ``actions``: one per outcome (a success notice's ``delivered`` or ``relayed``). A failure notice
+        of a message sent with RET=FULL returns the whole message (up to ``dsn.FULL_RETURN_LIMIT``).
         """
         env = attempt.envelope
+        params = env.extra.get("params")
+        full = (action == "failed" and actions is None and isinstance(params, dict) and params.get("RET") == "FULL"
+                and env.body_size <= dsnmod.FULL_RETURN_LIMIT)
+        whole: bytes | None = None
         try:
-            headers = dsnmod.extract_headers(self.aspool.core.read_body(env))
+            if full:
+                whole = b"".join(self.aspool.core.read_body(env))
+            headers = b"" if whole is not None else dsnmod.extract_headers(self.aspool.core.read_body(env))
         except DamagedBody:
-            headers = b""  # the bounce of a damaged message says why, without its headers
+            headers, whole = b"", None  # the bounce of a damaged message says why, without its headers
         failures = [dsnmod.RecipientFailure(
             recipient=o.recipient, status=o.enhanced or ("5.0.0" if o.status is Status.BOUNCED else
-                                                         "4.4.7" if o.status is Status.EXPIRED else "4.0.0"),
-            action=action, diagnostic=f"smtp; {o.code} {o.enhanced} {o.reply}".replace("  ", " ") if o.code
-            else f"x-logspool; {o.reply}", remote_mta=dsnmod.remote_mta_name(o.next_hop) if o.code else "")
-            for o in failed]
-        params = env.extra.get("params")
+                                                         "4.4.7" if o.status is Status.EXPIRED else
+                                                         "2.0.0" if o.status is Status.DELIVERED else "4.0.0"),
+            action=actions[i] if actions is not None else action,
+            diagnostic=f"smtp; {o.code} {o.enhanced} {o.reply}".replace("  ", " ") if o.code
+            else f"x-logspool; {o.reply}", remote_mta=dsnmod.remote_mta_name(o.next_hop) if o.code else "",
+            original_recipient=dsn_params.orcpt_of(env.extra, o.recipient) or "")
+            for i, o in enumerate(failed)]
         envid = params.get("ENVID") if isinstance(params, dict) else None
         qid = self.aspool.core.queue_id(env.message_id)
         message = dsnmod.build_dsn(
             reporting_mta=self.config.server.hostname, original_sender=env.sender,
             original_envelope_id=envid if isinstance(envid, str) else None,
             arrival_time=dt.datetime.fromtimestamp(env.arrival_ms / 1000, dt.UTC), failed=failures,
-            original_headers=headers, from_address=self.config.delivery.bounce_sender, queue_id=qid)
+            original_headers=headers, from_address=self.config.delivery.bounce_sender, queue_id=qid,
+            original_message=whole)
         dsn_id = self.aspool.core.enqueue("", [env.sender], message, extra={"dsn": True, "dsn_for": qid})
-        if action == "failed":
+        if action == "failed" and actions is None:  # a bounce, not a success notice
             self.metrics.bounced_dsn.inc()
         return self.aspool.core.queue_id(dsn_id)
 
     def _log(self, qid: str, env: Envelope, o: Outcome, now: float, duration: float) -> None:
         """The delivery line, Postfix's ``to=<...>, relay=..., delay=..., dsn=..., status=...`` as key=value."""
         delay = max(0.0, now - env.arrival_ms / 1000)
-        relay, _, tls = (o.next_hop or "none").partition(" tls=")
+        relay, _, tls = (dsn_notify.strip_passed(o.next_hop) or "none").partition(" tls=")
         message_id = env.extra.get("message_id")
         event(log, "delivery", qid, message_id=message_id if isinstance(message_id, str) else None,
               to=f"<{o.recipient}>", relay=relay, tls=tls or None, delay=delay,

@@ -68,6 +68,7 @@ from mta.observe.tlsinfo import TlsInfo, tls_info
 from mta.recipients.check import RecipientCheck
 from mta.recipients.table import Refused
 from mta.smtp.common import Reply, received_header, received_protocol
+from mta.smtp.dsn_params import RecipientDsn
 from mta.smtp.server import (
     END_OF_DATA,
     AuthRequest,
@@ -321,6 +322,7 @@ class _Session:
         self.body: BodyWriter | None = None
         self._message_id = MessageIdPeek()  # the message being received: its Message-ID, for the log lines
         self.mail_params: dict[str, Any] = {}
+        self.rcpt_dsn: dict[str, dict[str, str]] = {}  # recipient -> its NOTIFY and ORCPT (``mta.smtp.dsn_params``)
         # The client's deadline (``mta.inbound.deadlines``) enforced by one cancel scope around the whole session.
         self.deadlines = SessionDeadlines.for_session(s, trio.current_time())
         self._timer = trio.CancelScope()
@@ -507,6 +509,8 @@ class _Session:
                     await self._flush()
                     return
             elif isinstance(ev, (Rset, Ehlo, Helo)):
+                if self.deadlines.in_data:  # a BDAT transaction ended between chunks
+                    self._data_end()
                 self._reset()
             elif isinstance(ev, (Quit, ConnectionClosed)):
                 await self._flush()
@@ -563,6 +567,7 @@ class _Session:
         self.sender = ""
         self.recipients = []
         self.mail_params = {}
+        self.rcpt_dsn = {}
 
     async def _mail(self, ev: MailFrom) -> None:
         self._reset()
@@ -629,6 +634,9 @@ class _Session:
         for rcpt in recipients:
             if rcpt not in self.recipients:  # one copy per address, as Postfix's cleanup keeps (aliases meet here)
                 self.recipients.append(rcpt)
+                dsn = RecipientDsn(notify=ev.params.get("NOTIFY"), orcpt=ev.params.get("ORCPT")).as_extra()
+                if dsn:
+                    self.rcpt_dsn[rcpt] = dsn
         self._transaction(True)
         self.conn.accept()
 
@@ -673,6 +681,8 @@ class _Session:
             extra["auth"] = self.conn.authenticated
         if self.mail_params:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
+        if self.rcpt_dsn:
+            extra["dsn_rcpt"] = self.rcpt_dsn
         try:
             with self._relay_busy():
                 done = await self._filter(body)
@@ -699,6 +709,7 @@ class _Session:
               dkim=",".join(signed.signed_by) if signed is not None else None)
         self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {queue_id}"))
         self.recipients = []
+        self.rcpt_dsn = {}
 
     def _facts(self) -> Facts:
         """The session as the milters' macros tell it (``mta.milter.chain.Facts``)."""

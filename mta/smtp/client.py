@@ -19,6 +19,12 @@ The body is only accepted after ``DataReply(go_ahead=True)``; ``send_body``
 turns any line ending into CRLF and dot-stuffs, so a body can never end the
 message early, whatever bytes it holds.
 
+With a server that offers CHUNKING and PIPELINING, ``bdat()`` takes DATA's
+place (RFC 3030): the body is open at once, with no ``354`` to wait for, and
+``send_body`` sends it as it is in ``BDAT n`` chunks (``mta.smtp.chunking``),
+``end_data`` as the ``BDAT n LAST``. Every chunk's reply is matched; the
+first that refuses is the transaction's final reply.
+
 The transaction is in one ``Phase`` at a time and moves only by a ``Step``
 of ``TRANSITIONS`` (``_fire``, the one place that assigns it), as in the
 server core. Intentions and replies both take steps: ``mail()`` opens the
@@ -36,7 +42,7 @@ replies and carries each recipient's own reply, so one transaction can
 deliver some recipients, defer others and bounce the rest.
 
 Raises ``LocalProtocolError`` when the shell asks for something out of order
-or something the server did not offer (SMTPUTF8, 8BITMIME, STARTTLS), and
+or something the server did not offer (SMTPUTF8, 8BITMIME, DSN, STARTTLS), and
 ``RemoteProtocolError`` when the server's replies make no sense.
 """
 
@@ -51,6 +57,7 @@ import attrs
 
 from mta.smtp.addresses import Params, format_params
 from mta.smtp.bodybytes import crlf_clean, stuff
+from mta.smtp.chunking import ChunkEncoder
 from mta.smtp.common import (
     MAX_COMMAND_LINE,
     LocalProtocolError,
@@ -77,6 +84,7 @@ class Step(TableKey):
     MAIL = "mail()"
     RCPT = "rcpt()"
     DATA = "data()"
+    BDAT = "bdat(): the body goes in chunks, no 354 to wait for"
     GO_AHEAD = "354 to DATA, a recipient accepted"
     NO_GO = "354 to DATA, no recipient accepted: an empty message is sent"
     DATA_REFUSED = "any other reply to DATA"
@@ -94,6 +102,7 @@ TRANSITIONS: Final[Mapping[Phase, Mapping[Step, Phase]]] = {
     Phase.ENVELOPE: {
         Step.RCPT: Phase.ENVELOPE,
         Step.DATA: Phase.DATA_SENT,  # only with at least one rcpt()
+        Step.BDAT: Phase.BODY,  # only with at least one rcpt(), to a server that offers CHUNKING and PIPELINING
         Step.RSET: Phase.READY,
     },
     Phase.DATA_SENT: {
@@ -131,6 +140,7 @@ class _Step:
     MAIL: Final = Step.MAIL
     RCPT: Final = Step.RCPT
     DATA: Final = Step.DATA
+    BDAT: Final = Step.BDAT
     GO_AHEAD: Final = Step.GO_AHEAD
     NO_GO: Final = Step.NO_GO
     DATA_REFUSED: Final = Step.DATA_REFUSED
@@ -153,6 +163,8 @@ class Capabilities:
     smtputf8: bool = False
     starttls: bool = False
     enhancedstatuscodes: bool = False
+    dsn: bool = False
+    chunking: bool = False
     keywords: dict[str, str] = attrs.field(factory=dict)
 
     @classmethod
@@ -174,6 +186,8 @@ class Capabilities:
             smtputf8="SMTPUTF8" in keywords,
             starttls="STARTTLS" in keywords,
             enhancedstatuscodes="ENHANCEDSTATUSCODES" in keywords,
+            dsn="DSN" in keywords,
+            chunking="CHUNKING" in keywords,
             keywords=keywords,
         )
 
@@ -268,6 +282,7 @@ class _Kind(TableKey):
     MAIL = "MAIL"
     RCPT = "RCPT"
     DATA = "DATA"
+    CHUNK = "BDAT"  # a chunk before the LAST: its 250, or the transaction's refusal
     MESSAGE = "message"
     RSET = "RSET"
     NOOP = "NOOP"
@@ -292,6 +307,9 @@ class _Transaction:
     data_reply: Reply | None = None
     # LMTP: the replies to the end of data so far, one per accepted recipient in RCPT order.
     lmtp_replies: list[Reply] = attrs.field(factory=list)
+
+    chunk_refusal: Reply | None = None  # the first chunk before the LAST that was refused
+    chunked: bool = False  # the body went in BDAT chunks
 
 
 class BodyEncoder:
@@ -338,6 +356,7 @@ class ClientConnection:
         self._on_transition = on_transition
         self._txn: _Transaction | None = None  # set exactly while the phase is not READY
         self._body = BodyEncoder()  # a fresh one for each body
+        self._chunks: ChunkEncoder | None = None  # the body of a BDAT transaction
         self._smtputf8 = False
         self._closed = False
         self._eof = False
@@ -450,6 +469,8 @@ class ClientConnection:
             raise LocalProtocolError("the server did not offer SMTPUTF8")
         if (params.get("BODY") or "").upper() == "8BITMIME" and not caps.eightbitmime:
             raise LocalProtocolError("the server did not offer 8BITMIME")
+        if ("RET" in params or "ENVID" in params) and not caps.dsn:
+            raise LocalProtocolError("the server did not offer DSN")
         self._command(f"MAIL FROM:<{sender}>{format_params(params)}", _Kind.MAIL)
         self._fire(_Step.MAIL)
         self._txn = _Transaction(sender)
@@ -461,6 +482,8 @@ class ClientConnection:
             raise LocalProtocolError("rcpt() needs mail() first and must come before data()")
         if not address.isascii() and not self._smtputf8:
             raise LocalProtocolError("non-ASCII recipient needs SMTPUTF8 on MAIL")
+        if params and ("NOTIFY" in params or "ORCPT" in params) and not (self.capabilities or Capabilities()).dsn:
+            raise LocalProtocolError("the server did not offer DSN")
         self._command(f"RCPT TO:<{address}>{format_params(params)}", _Kind.RCPT, address)
         self._fire(_Step.RCPT)
         txn.rcpts.append((address, None))
@@ -471,16 +494,38 @@ class ClientConnection:
         self._fire(_Step.DATA)
         self._command("DATA", _Kind.DATA)
 
+    def bdat(self) -> None:
+        """Open the body at once, to be sent in BDAT chunks (the server must offer CHUNKING and PIPELINING)."""
+        caps = self.capabilities or Capabilities()
+        if not (caps.chunking and caps.pipelining):
+            raise LocalProtocolError("the server did not offer CHUNKING with PIPELINING")
+        if self._phase is not _Phase.ENVELOPE or self._txn is None or not self._txn.rcpts:
+            raise LocalProtocolError("bdat() needs mail() and at least one rcpt(), once")
+        self._flush()  # MAIL and RCPT go before the first chunk
+        self._fire(_Step.BDAT)
+        self._txn.chunked = True
+        self._chunks = ChunkEncoder()
+
     def send_body(self, chunk: bytes) -> None:
-        """Content bytes, any line endings; they are normalised and dot-stuffed."""
+        """Content bytes, any line endings; they are normalised and dot-stuffed (with BDAT: chunked)."""
         if self._phase is not _Phase.BODY:
-            raise LocalProtocolError("send_body() only after DataReply(go_ahead=True)")
-        self._out += self._body.encode(chunk)
+            raise LocalProtocolError("send_body() only after DataReply(go_ahead=True) or bdat()")
+        if self._chunks is None:
+            self._out += self._body.encode(chunk)
+            return
+        out = self._chunks.encode(chunk)
+        if out:
+            self._out += out
+            self._waiting.append((_Kind.CHUNK, ""))
 
     def end_data(self) -> None:
         if self._phase is not _Phase.BODY:
-            raise LocalProtocolError("end_data() only after DataReply(go_ahead=True)")
-        self._out += self._body.end()
+            raise LocalProtocolError("end_data() only after DataReply(go_ahead=True) or bdat()")
+        if self._chunks is None:
+            self._out += self._body.end()
+        else:
+            self._out += self._chunks.end()
+            self._chunks = None
         self._fire(_Step.END_DATA)
         txn = self._txn
         replies = 1
@@ -563,8 +608,17 @@ class ClientConnection:
             self._data_reply(txn, reply)
         elif kind is _Kind.MESSAGE and txn is not None and self.lmtp:
             self._lmtp_reply(txn, reply)
+
+        elif kind is _Kind.CHUNK and txn is not None:
+            if not reply.is_positive and txn.chunk_refusal is None:
+                txn.chunk_refusal = reply
         elif kind is _Kind.MESSAGE and txn is not None:
-            self._finish(txn, reply, _Step.FINAL)
+            final = txn.chunk_refusal or reply
+            self._finish(txn, final, _Step.FINAL)
+            if txn.chunked and not final.is_positive and final.code != 421 and not self._closed:
+                # A refused BDAT (no recipient took it, say) may leave the server's MAIL transaction open, as a
+                # refused DATA does: without an RSET the next MAIL on this connection gets 503.
+                self._command("RSET", _Kind.RSET)
         else:
             self._events.append(CommandReply(kind.value, reply))
             if kind is _Kind.QUIT:

@@ -37,6 +37,7 @@ states a command is heard in; elsewhere it gets ``503 5.5.1``). In short::
     IDLE -AUTH_STARTED-> AUTH -AUTH_SUCCEEDED | AUTH_FAILED | AUTH_ABORTED-> IDLE
     CONNECTED, IDLE, MAIL, RCPT: -HELLO-> IDLE, -RSET-> IDLE (CONNECTED stays),
                                   -QUIT | TOO_MANY_ERRORS | EOF-> CLOSED
+    RCPT -BDAT_STARTED-> CHUNKS -MESSAGE_ACCEPTED | MESSAGE_REJECTED | MESSAGE_REFUSED-> IDLE
     DATA, AUTH -EOF-> CLOSED;  CLOSED is the end: no step leaves it
 
 AUTH (RFC 4954) is offered only once TLS is active; its SASL exchange
@@ -57,6 +58,19 @@ ends, at most ``DATA_CHUNK_SIZE`` bytes each); ``mta.smtp.common.ContentDecoder`
 finds its end and what dooms it (size, long lines, bare CR/LF: SMTP
 smuggling, CVE-2023-51764/5/6), and the shell then sees ``DataAborted``.
 
+CHUNKING (RFC 3030): the first ``BDAT size [LAST]`` of a transaction takes
+it to CHUNKS, where each BDAT's ``size`` octets are read as content (the
+side machine ``_chunk``: how many are left, whether it is the LAST) and,
+between chunks, commands are read again (BDAT, RSET, NOOP, QUIT, EHLO ...;
+MAIL, RCPT and DATA get ``503``). The shell sees the same events as for
+DATA: ``DataStart``, ``DataChunk``, then ``EndOfData`` after the LAST chunk
+or ``DataAborted``. Each chunk is policed by ``mta.smtp.chunking``
+exactly as DATA's content is; a chunk that dooms the message is refused at
+its end (a size declared past the limit at once), and the transaction is
+over. A chunk that is not the LAST is answered ``250`` once it has been read.
+BDAT outside a transaction with a recipient is refused, and its octets are
+read and dropped (``_discard``), so they are never taken for commands.
+
 Around the machine, each in a module of its own: where a line ends
 (``mta.smtp.input_buffer``), what MAIL's and RCPT's arguments may be
 (``mta.smtp.server_arguments``, over ``mta.smtp.addresses``), the replies
@@ -73,6 +87,7 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from mta.smtp import server_replies as replies
+from mta.smtp.chunking import BdatCommand, ChunkDecoder, parse_bdat
 from mta.smtp.common import (
     DATA_CHUNK_SIZE,
     DEFAULT_MAX_ERRORS,
@@ -80,6 +95,7 @@ from mta.smtp.common import (
     DEFAULT_MAX_RECIPIENTS,
     MAX_COMMAND_LINE,
     MAX_TEXT_LINE,
+    R_TOO_BIG,
     ContentDecoder,
     LocalProtocolError,
     RemoteProtocolError,
@@ -135,6 +151,7 @@ class State(TableKey):
     DATA = "data"  # reading content
     TLS = "tls"  # STARTTLS accepted, waiting for tls_started()
     AUTH = "auth"  # in an AUTH exchange: lines are SASL responses (mta.smtp.sasl), or an AuthRequest is pending
+    CHUNKS = "chunks"  # a BDAT transaction: a chunk's octets, or between chunks a command
     CLOSED = "closed"  # nothing more is read or answered
 
 
@@ -145,6 +162,7 @@ class Step(TableKey):
     MAIL_ACCEPTED = "accept() of MailFrom"
     RCPT_ACCEPTED = "accept() of RcptTo"
     DATA_STARTED = "DATA answered 354"
+    BDAT_STARTED = "the first BDAT of a transaction with a recipient"
     MESSAGE_ACCEPTED = "accept() of EndOfData"
     MESSAGE_REJECTED = "reject() of EndOfData"
     MESSAGE_REFUSED = "the core refused the content at its end (size, long line, bare CR/LF, NUL)"
@@ -191,6 +209,7 @@ TRANSITIONS: Final[Mapping[State, Mapping[Step, State]]] = {
         Step.HELLO: State.IDLE,
         Step.RCPT_ACCEPTED: State.RCPT,
         Step.DATA_STARTED: State.DATA,
+        Step.BDAT_STARTED: State.CHUNKS,
         Step.RSET: State.IDLE,
         Step.QUIT: State.CLOSED,
         Step.TOO_MANY_ERRORS: State.CLOSED,
@@ -200,6 +219,16 @@ TRANSITIONS: Final[Mapping[State, Mapping[Step, State]]] = {
         Step.MESSAGE_ACCEPTED: State.IDLE,
         Step.MESSAGE_REJECTED: State.IDLE,
         Step.MESSAGE_REFUSED: State.IDLE,
+        Step.EOF: State.CLOSED,
+    },
+    State.CHUNKS: {  # the end of the content, or a command between chunks that ends the transaction
+        Step.MESSAGE_ACCEPTED: State.IDLE,
+        Step.MESSAGE_REJECTED: State.IDLE,
+        Step.MESSAGE_REFUSED: State.IDLE,
+        Step.HELLO: State.IDLE,
+        Step.RSET: State.IDLE,
+        Step.QUIT: State.CLOSED,
+        Step.TOO_MANY_ERRORS: State.CLOSED,
         Step.EOF: State.CLOSED,
     },
     State.TLS: {  # input is ignored until the handshake is done
@@ -222,7 +251,7 @@ _FORGETS_TRANSACTION: Final = frozenset(
     {Step.RSET, Step.MESSAGE_ACCEPTED, Step.MESSAGE_REJECTED, Step.MESSAGE_REFUSED}
 )
 
-_COMMAND_STATES: Final = frozenset({State.CONNECTED, State.IDLE, State.MAIL, State.RCPT})
+_COMMAND_STATES: Final = frozenset({State.CONNECTED, State.IDLE, State.MAIL, State.RCPT, State.CHUNKS})
 # Commands and the states they are heard in; elsewhere they get 503 5.5.1.
 _ALLOWED: Final[dict[str, frozenset[State]]] = {
     "EHLO": _COMMAND_STATES,
@@ -230,6 +259,7 @@ _ALLOWED: Final[dict[str, frozenset[State]]] = {
     "MAIL": frozenset({State.IDLE}),
     "RCPT": frozenset({State.MAIL, State.RCPT}),
     "DATA": frozenset({State.MAIL, State.RCPT}),  # in MAIL: 554, no recipient was accepted
+    "BDAT": _COMMAND_STATES,  # without a recipient: refused, and its octets dropped
     "RSET": _COMMAND_STATES,
     "NOOP": _COMMAND_STATES,
     "HELP": _COMMAND_STATES,
@@ -263,6 +293,7 @@ class ServerConnection:
     RFC 8314; before it AUTH gets ``538 5.7.11``), ``require_auth`` (MAIL
     needs STARTTLS and AUTH first: a submission port, ``530 5.7.0``),
     ``auth_without_tls`` (AUTH over plaintext: for tests of this table only),
+    ``chunking`` (offer CHUNKING and take BDAT; without it BDAT is ``502``),
     ``on_transition`` (told of every step; see ``TransitionHook``),
     ``on_reject`` (told of every 4xx/5xx reply; see ``Rejection``).
 
@@ -284,6 +315,7 @@ class ServerConnection:
         auth: bool = False,
         require_auth: bool = False,
         auth_without_tls: bool = False,
+        chunking: bool = True,
         greeting: str = "ESMTP logspool",
         on_transition: TransitionHook | None = None,
         on_reject: RejectHook | None = None,
@@ -299,6 +331,7 @@ class ServerConnection:
         self.auth = auth
         self.require_auth = require_auth
         self.auth_without_tls = auth_without_tls
+        self.chunking = chunking
         self._exchange: SaslExchange | None = None
         self._authenticated: str | None = None
         self._state = State.CONNECTED
@@ -312,6 +345,10 @@ class ServerConnection:
         self._pending: Decision | None = None
         self._queued: list[Event] = []
         self._decoder = ContentDecoder(max_message_size, max_line_length, normalize_bare_lf)
+        self._chunks: ChunkDecoder | None = None  # the BDAT transaction's content
+        self._chunk: BdatCommand | None = None  # the chunk being read
+        self._chunk_left = 0  # its octets still to come
+        self._discard = 0  # octets of a refused BDAT still to drop before the next command
         self._helo: str | None = None
         self._esmtp = False
         self._rcpt_count = 0
@@ -444,6 +481,8 @@ class ServerConnection:
                 ev = self._data_event()
             elif self._state is State.AUTH:
                 ev = self._auth_event()
+            elif self._chunk is not None:
+                ev = self._chunk_event()
             else:
                 ev = self._command_event()
         if isinstance(ev, Decision):  # the union built once (server_events), not at every call
@@ -458,6 +497,8 @@ class ServerConnection:
     def _command_event(self) -> Event | None:
         """Consume one command line; return its event, None if only answered."""
         self._command, self._argument = "-", ""
+        if self._discard and not self._drop():
+            return self._at_eof()
         line = self._input.line(MAX_COMMAND_LINE)
         if line is Cut.MORE:
             return self._at_eof()
@@ -494,7 +535,11 @@ class ServerConnection:
 
     def _at_eof(self) -> Event:
         if self._input.eof:
+            in_chunks = self._state is State.CHUNKS
             self._fire(Step.EOF)
+            if in_chunks:  # between chunks: the content so far is dropped, as in the middle of one
+                self._emit(ConnectionClosed())
+                return DataAborted(None)
             return ConnectionClosed()
         return NeedData()
 
@@ -527,6 +572,10 @@ class ServerConnection:
             return self._rcpt(arg)
         elif verb == "DATA":
             return self._data()
+        elif verb == "BDAT" and not self.chunking:
+            self._error(replies.R_NOT_IMPLEMENTED, "not_implemented")
+        elif verb == "BDAT":
+            return self._bdat(arg)
         elif verb == "STARTTLS":
             return self._starttls()
         elif verb == "AUTH":
@@ -545,7 +594,8 @@ class ServerConnection:
             return Helo(name)
         self._esmtp = True
         auth = self.auth and (self.tls_active or self.auth_without_tls)
-        self._send(replies.ehlo(self.hostname, self.max_message_size, self.tls_available and not self.tls_active, auth))
+        self._send(replies.ehlo(self.hostname, self.max_message_size, self.tls_available and not self.tls_active, auth,
+                                self.chunking))
         return Ehlo(name)
 
     def _mail(self, arg: str) -> Event | None:
@@ -574,6 +624,75 @@ class ServerConnection:
         self._fire(Step.DATA_STARTED)
         self._decoder = ContentDecoder(self.max_message_size, self.max_line_length, self.normalize_bare_lf)
         return DataStart()
+
+    def _bdat(self, arg: str) -> Event | None:
+        """``BDAT size [LAST]``: a chunk to read, or (no transaction with a recipient, a size past the limit)
+        a refusal and its octets dropped. A BDAT without a usable size is a syntax error: nothing to drop."""
+        cmd = parse_bdat(arg)
+        started = self._state is State.RCPT
+        if started:
+            self._fire(Step.BDAT_STARTED)
+            self._chunks = ChunkDecoder(self.max_message_size, self.max_line_length, self.normalize_bare_lf)
+            self._decoder = self._chunks.decoder
+        elif self._state is not State.CHUNKS:
+            self._discard = cmd.size
+            if self._state is State.MAIL:
+                self._refuse(replies.R_NO_RCPT, "no_recipients")
+            else:
+                self._error(replies.out_of_sequence("BDAT"), "sequence")
+            return None
+        if self._decoder.size + cmd.size > self.max_message_size:  # refused now, not after reading it all
+            self._discard = cmd.size
+            aborted = self._refuse_content(R_TOO_BIG)
+            if not started:
+                return aborted
+            self._emit(aborted)
+        else:
+            self._chunk, self._chunk_left = cmd, cmd.size
+        return DataStart() if started else None
+
+    def _chunk_event(self) -> Event | None:
+        """Consume a chunk's octets as they come (at most ``DATA_CHUNK_SIZE`` at a time); at its end, answer it
+        (a chunk before the LAST) or end the content (the LAST)."""
+        chunk, chunks, inp = self._chunk, self._chunks, self._input
+        assert chunk is not None and chunks is not None
+        take = min(len(inp.buf) - inp.pos, self._chunk_left, DATA_CHUNK_SIZE)
+        content = b""
+        if take:
+            content = chunks.feed(bytes(memoryview(inp.buf)[inp.pos : inp.pos + take]))
+            inp.pos += take
+            self._chunk_left -= take
+        elif self._chunk_left:
+            if inp.eof:
+                self._fire(Step.EOF)
+                self._emit(ConnectionClosed())
+                return DataAborted(None)
+            return NeedData()
+        if not self._chunk_left:
+            self._chunk = None
+            if chunk.last:
+                content += chunks.end()
+                self._emit(self._finish_data())
+            elif self._decoder.refusal is not None:
+                self._command = END_OF_DATA
+                self._emit(self._refuse_content(self._decoder.refusal))
+            else:
+                self._send(replies.chunk_received(chunk.size))
+        return DataChunk(content) if content else None
+
+    def _refuse_content(self, reply: Reply) -> Event:
+        """The content is doomed before its end: the refusal now, and the transaction is over."""
+        self._refuse(reply, replies.CONTENT_REASONS.get(reply, "content"))
+        self._fire(Step.MESSAGE_REFUSED)
+        return DataAborted(reply)
+
+    def _drop(self) -> bool:
+        """Drop what is here of a refused chunk's octets; True once they are all gone."""
+        inp = self._input
+        take = min(len(inp.buf) - inp.pos, self._discard)
+        inp.pos += take
+        self._discard -= take
+        return not self._discard
 
     def _starttls(self) -> Event | None:
         if self.tls_active:
@@ -677,6 +796,9 @@ class ServerConnection:
     def _reset_transaction(self) -> None:
         self._rcpt_count = 0
         self._smtputf8 = False
+        self._chunks = None
+        self._chunk = None
+        self._chunk_left = 0
 
     def _reset_session(self) -> None:
         self._helo = None

@@ -19,7 +19,7 @@ from mta.smtp.server_events import AuthRequest, Decision, EndOfData, MailFrom, R
 
 R_OK: Final = Reply(250, "2.0.0", "Ok")
 R_BYE: Final = Reply(221, "2.0.0", "Bye")
-R_HELP: Final = Reply(214, "2.0.0", "Commands: EHLO HELO MAIL RCPT DATA RSET NOOP QUIT VRFY STARTTLS")
+R_HELP: Final = Reply(214, "2.0.0", "Commands: EHLO HELO MAIL RCPT DATA BDAT RSET NOOP QUIT VRFY STARTTLS")
 R_VRFY: Final = Reply(252, "2.0.0", "Cannot VRFY user, but will accept message and attempt delivery")
 R_VRFY_SYNTAX: Final = Reply(501, "5.5.4", "Syntax: VRFY address")
 R_TOO_MANY_ERRORS: Final = Reply(421, "4.7.0", "Too many errors, closing connection")
@@ -57,7 +57,8 @@ CONTENT_REASONS: Final = {R_TOO_BIG: "size", R_DATA_BARE_NEWLINE: "bare_newline"
 _SEQUENCE_HINT: Final = {
     "MAIL": "Send HELO/EHLO first, and only one MAIL per transaction",
     "RCPT": "Need MAIL before RCPT",
-    "DATA": "Need MAIL and RCPT before DATA",
+    "DATA": "Need MAIL and RCPT before DATA, and no DATA after BDAT",
+    "BDAT": "Need MAIL and RCPT before BDAT",
     "STARTTLS": "STARTTLS only after EHLO and outside a transaction",
     "AUTH": "AUTH only after EHLO and outside a transaction",
 }
@@ -86,17 +87,24 @@ def helo(hostname: str) -> Reply:
 
 
 @functools.lru_cache(maxsize=64)
-def ehlo(hostname: str, max_message_size: int, starttls: bool, auth: bool) -> Reply:
+def ehlo(hostname: str, max_message_size: int, starttls: bool, auth: bool, chunking: bool = True) -> Reply:
     """The ``250`` to EHLO with the extensions offered (STARTTLS before TLS; AUTH over TLS only, RFC 4954 §4).
 
     One per configuration and port: built and encoded once.
     """
-    caps = ["PIPELINING", f"SIZE {max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES"]
+    caps = ["PIPELINING", f"SIZE {max_message_size}", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES", "DSN"]
+    if chunking:
+        caps.append("CHUNKING")
     if starttls:
         caps.append("STARTTLS")
     if auth:
         caps.append("AUTH PLAIN LOGIN")
     return _remember(Reply(250, None, "\n".join([hostname, *caps])))
+
+
+def chunk_received(size: int) -> Reply:
+    """The ``250`` to a BDAT chunk that is not the LAST (RFC 3030 §2)."""
+    return Reply(250, "2.0.0", f"{size} octets received")
 
 
 def hello_syntax(verb: str) -> Reply:

@@ -45,8 +45,8 @@ def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[smtpfuzz.RelayTh
         yield running
 
 
-def assert_still_serving(relay: smtpfuzz.RelayThread, stats: smtpfuzz.Stats) -> None:
-    smtpfuzz.probe(relay, next(_probes), stats)
+def assert_still_serving(relay: smtpfuzz.RelayThread, stats: smtpfuzz.Stats, *, bdat: bool = False) -> None:
+    smtpfuzz.probe(relay, next(_probes), stats, bdat=bdat)
     assert relay.alive(), f"the relay ended: {relay.crash!r}"
     assert not stats.problems, stats.problems
     assert not relay.errors, [r.getMessage() for r in relay.errors]  # contained, but still a bug
@@ -142,3 +142,13 @@ def test_a_valid_header_in_every_chunking_opens_a_session(proxied: smtpfuzz.Rela
         for chunks in (1, 2, len(header)):
             out = _exchange(proxied.proxy_port, header, chunks, b"QUIT\r\n")
             assert out.startswith(b"220 ") and b"221 " in out, (header, chunks, out)
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_hostile_bdat_chunks_never_stop_the_relay(relay: smtpfuzz.RelayThread, data: st.DataObject) -> None:
+    """BDAT sessions (RFC 3030): chunks of hostile content, sizes that lie, commands between chunks, cut
+    anywhere; then a message sent with BDAT is still delivered."""
+    ch = HypothesisChooser(data)
+    stats = smtpfuzz.Stats()
+    smtpfuzz.run_batch(relay.port, [smtpfuzz.bdat_session(ch) for _ in range(ch.integer(1, 3))], ch, stats)
+    assert_still_serving(relay, stats, bdat=True)

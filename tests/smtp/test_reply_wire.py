@@ -30,4 +30,4 @@ def test_greeting_and_ehlo_are_the_bytes_they_were() -> None:
     assert conn.data_to_send() == b""
     assert replies.ehlo("relay.test", 1000, False, False).to_bytes() == (
         b"250-relay.test\r\n250-PIPELINING\r\n250-SIZE 1000\r\n250-8BITMIME\r\n250-SMTPUTF8\r\n"
-        b"250 ENHANCEDSTATUSCODES\r\n")
+        b"250-ENHANCEDSTATUSCODES\r\n250-DSN\r\n250 CHUNKING\r\n")

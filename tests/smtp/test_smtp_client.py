@@ -232,8 +232,9 @@ def test_encoded_body_always_decodes_to_its_crlf_normalised_self(chunks: list[by
 # ---------------------------------------------------------------- client core against server core
 
 
-async def run_server(stream: trio.abc.Stream, inbox: list[tuple[str, list[str], bytes]]) -> None:
-    conn = S.ServerConnection("mx.test", max_recipients=2)
+async def run_server(stream: trio.abc.Stream, inbox: list[tuple[str, list[str], bytes]], chunking: bool = False
+                     ) -> None:
+    conn = S.ServerConnection("mx.test", max_recipients=2, chunking=chunking)
     body = bytearray()
     rcpts: list[str] = []
     while True:
@@ -350,6 +351,38 @@ async def test_transport_pipelines_the_envelope_and_sends_the_body_with_its_dot_
     envelope = b"MAIL FROM:<a@x.example> SIZE=%d\r\nRCPT TO:<b@y.example>\r\nRCPT TO:<c@y.example>\r\nDATA\r\n"
     assert writes[0] == envelope % job.size
     assert len(writes) == 2 and writes[1].endswith(b"\r\n..dot\r\n.\r\n")
+
+
+async def test_transport_sends_the_stored_body_in_bdat_to_a_hop_that_offers_chunking(tmp_path: Path) -> None:
+    """RFC 3030: envelope and body in one write, no 354 awaited, the body as it is (its dot line unstuffed)."""
+    from mta.delivery.smtp_transport import _Session
+    from mta.delivery.tlspolicy.plan import base_tls
+    from mta.delivery.transport import Job
+
+    config = relay_config(str(tmp_path), {"*": "smtp://127.0.0.1:25"})
+    client_stream, server_stream = trio.testing.memory_stream_pair()
+    counting = CountingStream(client_stream)
+    inbox: list[tuple[str, list[str], bytes]] = []
+    chunks = [b"Subject: x\r\n\r\n"] + [b"line %d\r\n" % i for i in range(300)] + [b".dot\r\n"]
+    body = b"".join(chunks)
+    job = Job("Q1", "a@x.example", ("b@y.example", "nobody@y.example"), Rereadable(chunks), len(body))
+
+    async def server() -> None:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await run_server(server_stream, inbox, chunking=True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server)
+        session = _Session(counting, "mx.test", config)
+        await session.open(base_tls("none", "mx.test"))
+        counting.writes.clear()
+        outcomes = await session.send(job, "mx.test")
+        writes = list(counting.writes)
+        await session.close()
+    assert [o.code for o in outcomes] == [250, 550]
+    assert inbox == [("", ["b@y.example"], body)]
+    envelope = b"MAIL FROM:<a@x.example> SIZE=%d\r\nRCPT TO:<b@y.example>\r\nRCPT TO:<nobody@y.example>\r\n"
+    assert writes == [envelope % job.size + b"BDAT %d LAST\r\n" % len(body) + body]
 
 
 def test_control_characters_in_a_next_hops_reply_are_escaped_not_raised() -> None:

@@ -23,7 +23,7 @@ from mta.smtp.common import LocalProtocolError, RemoteProtocolError
 
 Phase, Step, TRANSITIONS = C.Phase, C.Step, C.TRANSITIONS
 Transition = tuple[C.Phase, C.Step, C.Phase]
-EHLO = b"250-mx.test\r\n250-PIPELINING\r\n250 8BITMIME\r\n"
+EHLO = b"250-mx.test\r\n250-PIPELINING\r\n250-CHUNKING\r\n250 8BITMIME\r\n"
 
 
 def recording() -> tuple[C.ClientConnection, list[Transition]]:
@@ -69,6 +69,7 @@ RECIPES: dict[C.Step, Callable[[C.ClientConnection], None]] = {
     Step.MAIL: lambda conn: conn.mail("a@x.example"),
     Step.RCPT: lambda conn: conn.rcpt("b@y.example"),
     Step.DATA: lambda conn: conn.data(),
+    Step.BDAT: lambda conn: conn.bdat(),
     Step.GO_AHEAD: replies(b"250 2.1.5 ok\r\n354 go\r\n"),
     Step.NO_GO: replies(b"550 5.1.1 no such user\r\n354 go\r\n"),
     Step.DATA_REFUSED: replies(b"250 2.1.5 ok\r\n554 5.5.1 no\r\n"),
@@ -86,7 +87,7 @@ SETUP: dict[C.Phase, list[Callable[[C.ClientConnection], None]]] = {
     Phase.ENDED: [*ENVELOPE, GO, RECIPES[Step.END_DATA]],
 }
 PAIRS = [(phase, step) for phase, row in TRANSITIONS.items() for step in row]
-CALLS = [Step.MAIL, Step.RCPT, Step.DATA, Step.END_DATA, Step.RSET]  # the steps the shell takes by a call
+CALLS = [Step.MAIL, Step.RCPT, Step.DATA, Step.BDAT, Step.END_DATA, Step.RSET]  # the steps the shell takes by a call
 ABSENT_CALLS = [(phase, step) for phase in Phase for step in CALLS if step not in TRANSITIONS[phase]]
 
 

@@ -75,7 +75,8 @@ def test_greeting_and_ehlo_capabilities() -> None:
     greeting, ehlo = replies(conn)
     assert greeting.code == 220 and greeting.text.startswith("mx.test")
     assert ehlo.code == 250
-    assert ehlo.lines[1:] == ["PIPELINING", "SIZE 1234", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES"]
+    assert ehlo.lines[1:] == ["PIPELINING", "SIZE 1234", "8BITMIME", "SMTPUTF8", "ENHANCEDSTATUSCODES", "DSN",
+                              "CHUNKING"]
 
 
 def test_starttls_is_offered_only_when_available_and_inactive() -> None:

@@ -81,6 +81,7 @@ SAYS: dict[S.Step, bytes] = {
     Step.MAIL_ACCEPTED: b"MAIL FROM:<a@x.example>\r\n",
     Step.RCPT_ACCEPTED: b"RCPT TO:<b@y.example>\r\n",
     Step.DATA_STARTED: b"DATA\r\n",
+    Step.BDAT_STARTED: b"BDAT 3\r\nabc",  # a chunk, read whole: the session waits between chunks
     Step.MESSAGE_ACCEPTED: b"body\r\n.\r\n",
     Step.MESSAGE_REJECTED: b"body\r\n.\r\n",
     Step.MESSAGE_REFUSED: b"bare\nLF\r\n.\r\n",
@@ -94,7 +95,19 @@ SAYS: dict[S.Step, bytes] = {
     Step.AUTH_FAILED: base64.b64encode(b"\0user\0password") + b"\r\n",
     Step.AUTH_ABORTED: b"*\r\n",
 }
-# The input that takes each step, from any state the table lets it start in.
+# Between BDAT chunks the content ends with a BDAT LAST, not with a dot.
+SAYS_IN: dict[tuple[S.State, S.Step], bytes] = {
+    (State.CHUNKS, Step.MESSAGE_ACCEPTED): b"BDAT 0 LAST\r\n",
+    (State.CHUNKS, Step.MESSAGE_REJECTED): b"BDAT 0 LAST\r\n",
+    (State.CHUNKS, Step.MESSAGE_REFUSED): b"BDAT 4 LAST\r\nb\nLF",
+}
+
+
+def says(state: S.State, step: S.Step) -> bytes:
+    return SAYS_IN.get((state, step), SAYS[step])
+
+
+# The input that takes each step, from any state the table lets it start in (but SAYS_IN's).
 RECIPES: dict[S.Step, Callable[[S.ServerConnection], None]] = {
     **{step: sends(said) for step, said in SAYS.items()},
     Step.MESSAGE_REJECTED: sends(SAYS[Step.MESSAGE_REJECTED], reject),
@@ -102,6 +115,16 @@ RECIPES: dict[S.Step, Callable[[S.ServerConnection], None]] = {
     Step.TOO_MANY_ERRORS: sends(SAYS[Step.TOO_MANY_ERRORS] * MAX_ERRORS),
     Step.TLS_STARTED: handshake,
 }
+RECIPES_IN: dict[tuple[S.State, S.Step], Callable[[S.ServerConnection], None]] = {
+    **{pair: sends(said) for pair, said in SAYS_IN.items()},
+    (State.CHUNKS, Step.MESSAGE_REJECTED): sends(SAYS_IN[State.CHUNKS, Step.MESSAGE_REJECTED], reject),
+}
+
+
+def recipe(state: S.State, step: S.Step) -> Callable[[S.ServerConnection], None]:
+    return RECIPES_IN.get((state, step), RECIPES[step])
+
+
 PAIRS = [(state, step) for state, row in TRANSITIONS.items() for step in row]
 ABSENT = [(state, step) for state in State for step in Step if step not in TRANSITIONS[state]]
 
@@ -122,8 +145,10 @@ def paths() -> dict[S.State, list[S.Step]]:
 def session_in(state: S.State) -> tuple[S.ServerConnection, list[Transition]]:
     """A session driven into ``state`` by the recipes along its path, with the log emptied."""
     conn, log = recording(tls_available=True, auth=True, auth_without_tls=True, max_errors=MAX_ERRORS)
+    at = State.CONNECTED
     for step in paths()[state]:
-        RECIPES[step](conn)
+        recipe(at, step)(conn)
+        at = TRANSITIONS[at][step]
     assert conn.state is state
     log.clear()
     return conn, log
@@ -143,7 +168,7 @@ def test_the_table_covers_every_state_and_step_and_closed_is_final() -> None:
 @pytest.mark.parametrize(("state", "step"), PAIRS, ids=[f"{a.name}-{s.name}" for a, s in PAIRS])
 def test_every_step_in_the_table_is_reached_by_client_input(state: S.State, step: S.Step) -> None:
     conn, log = session_in(state)
-    RECIPES[step](conn)
+    recipe(state, step)(conn)
     assert log == [(state, step, TRANSITIONS[state][step])]
     assert conn.state is TRANSITIONS[state][step]
 
@@ -200,7 +225,8 @@ def test_state_cannot_be_assigned_from_outside() -> None:
 PIECES = [
     b"HELO c.example\r\n", b"MAIL FROM:<> SIZE=100\r\n", b"RCPT TO:<c@y.example>\r\n", b"NOOP\r\n",
     b"Subject: s\r\n\r\nhi\r\n", b"\r\n.\r\n", b".\r\n", b"\n", b"\r", b"x" * 600, b"y" * 70 + b"\r\n",
-    *(said for said in SAYS.values() if said),
+    b"BDAT 5\r\n", b"BDAT 2 LAST\r\n", b"BDAT 0 LAST\r\n", b"BDAT x\r\n", b"BDAT 99999999 LAST\r\n",
+    *(said for said in (*SAYS.values(), *SAYS_IN.values()) if said),
 ]
 ENDINGS = frozenset({Step.QUIT, Step.TOO_MANY_ERRORS, Step.EOF, Step.TLS_STARTED})
 options = st.fixed_dictionaries({
@@ -248,7 +274,7 @@ def test_any_byte_stream_moves_the_server_only_along_the_table(opts: dict[str, o
                     eof = True
                 elif choice < 2:  # onwards: the steps that end the session come from the other choices
                     step = data.draw(st.sampled_from([s for s in TRANSITIONS[conn.state] if s not in ENDINGS]))
-                    piece = SAYS[step]
+                    piece = says(conn.state, step)
                 else:
                     piece = data.draw(st.sampled_from(PIECES) if choice == 2 else st.binary(min_size=1, max_size=16))
                 if not eof:
@@ -278,7 +304,7 @@ def test_any_byte_stream_moves_the_server_only_along_the_table(opts: dict[str, o
     assert steps[Step.HELLO] == seen["Ehlo"] + seen["Helo"]
     assert steps[Step.MAIL_ACCEPTED] == seen["MailFrom accepted"]
     assert steps[Step.RCPT_ACCEPTED] == seen["RcptTo accepted"]
-    assert steps[Step.DATA_STARTED] == seen["DataStart"]
+    assert steps[Step.DATA_STARTED] + steps[Step.BDAT_STARTED] == seen["DataStart"]
     assert steps[Step.MESSAGE_ACCEPTED] == seen["EndOfData accepted"]
     assert steps[Step.MESSAGE_REJECTED] == seen["EndOfData"] - seen["EndOfData accepted"]
     assert steps[Step.MESSAGE_REFUSED] == seen["DataAborted(core)"]
@@ -286,5 +312,6 @@ def test_any_byte_stream_moves_the_server_only_along_the_table(opts: dict[str, o
     assert steps[Step.STARTTLS_ACCEPTED] == steps[Step.TLS_STARTED] == seen["StartTls accepted"]
     assert steps[Step.QUIT] == seen["Quit"]
     assert steps[Step.QUIT] + steps[Step.TOO_MANY_ERRORS] + steps[Step.EOF] == 1
-    assert seen["DataAborted(eof)"] == sum(1 for old, step, _ in log if (old, step) == (State.DATA, Step.EOF))
+    assert seen["DataAborted(eof)"] == sum(1 for old, step, _ in log
+                                           if old in (State.DATA, State.CHUNKS) and step is Step.EOF)
     assert conn.state is State.CLOSED

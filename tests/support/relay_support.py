@@ -122,6 +122,8 @@ class Received:
     recipients: list[str]
     data: bytes
     tls: bool = False
+    mail_params: dict[str, str | None] = attrs.field(factory=dict)  # MAIL's ESMTP parameters
+    rcpt_params: dict[str, dict[str, str | None]] = attrs.field(factory=dict)  # each accepted RCPT's
 
 
 Policy = Callable[[str, Any], Reply | None]
@@ -195,6 +197,8 @@ class NextHop:
         stream: trio.abc.Stream = tcp
         conn = ServerConnection("nexthop.test", tls_available=self.ssl_context is not None)
         sender, rcpts, data = "", list[str](), bytearray()
+        params: dict[str, str | None] = {}
+        rcpt_params: dict[str, dict[str, str | None]] = {}
         carried = 0
         try:
             while True:
@@ -214,6 +218,7 @@ class NextHop:
                     return
                 elif isinstance(ev, MailFrom):
                     sender, rcpts, data = ev.address, [], bytearray()
+                    params, rcpt_params = dict(ev.params), {}
                     conn.accept()
                 elif isinstance(ev, Rset):
                     self.rsets += 1
@@ -223,6 +228,7 @@ class NextHop:
                     refuse = self.policy("rcpt", ev.address)
                     if refuse is None:
                         rcpts.append(ev.address)
+                        rcpt_params[ev.address] = dict(ev.params)
                         conn.accept()
                     else:
                         conn.reject(refuse)
@@ -232,7 +238,8 @@ class NextHop:
                     await trio.sleep_forever()
                 elif isinstance(ev, EndOfData):
                     carried += 1
-                    await self.take(conn, Received(sender, rcpts, bytes(data), tls=conn.tls_active))
+                    await self.take(conn, Received(sender, rcpts, bytes(data), tls=conn.tls_active, mail_params=params,
+                                                   rcpt_params=rcpt_params))
                     if self.hang_up_after_message:
                         await stream.send_all(conn.data_to_send())
                         await stream.aclose()
