@@ -1,0 +1,204 @@
+"""One message per recipient of an injection: its templates rendered, its MIME built, its bytes in wire form.
+
+Templates are Jinja (``jinja2``'s ``ImmutableSandboxedEnvironment``, the
+syntax KumoMTA's minijinja speaks): a template is code sent by a client, so
+it runs sandboxed, with no access to Python attributes beyond what the
+sandbox allows, and it cannot change the values it is given. Each template
+of a request is compiled once and rendered once per recipient, with the
+request's ``substitutions`` overlaid by the recipient's, and ``email``,
+``name`` and ``to_header`` (``"Name" <email>``) set from the recipient.
+An undefined name renders empty, as in minijinja.
+
+A whole-message ``content`` is rendered as one template and sent as it
+stands, line ends made CRLF. A builder's ``text_body``, ``html_body``,
+``amp_html_body``, ``subject`` and ``headers`` are templates; the message is
+built with the stdlib ``email`` package (7-bit transfer encodings, so that
+no next hop needs 8BITMIME): ``multipart/alternative`` for several bodies,
+``multipart/related`` around the HTML for attachments with a
+``content_id``, ``multipart/mixed`` for the other attachments. ``From``,
+``Reply-To``, ``Subject``, ``To`` (the recipient, unless ``headers`` names
+one), ``Date`` and ``Message-ID`` are set when the request does not set
+them.
+
+``compose`` raises ``RecipientFailed`` for one recipient whose message cannot
+be made (the request's answer lists it in ``failed_recipients``), and
+``BadInjection`` for a template that does not compile (the whole request).
+"""
+
+from __future__ import annotations
+
+import email.policy
+import email.utils
+import re
+import time
+from collections.abc import Callable, Mapping
+from email.message import EmailMessage
+from typing import Any
+
+import attrs
+import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mta.http.inject_request import Builder, InjectRequest, Recipient
+from mta.smtp.addresses import parse_mailbox
+
+__all__ = ["Composer", "RecipientFailed"]
+
+POLICY = email.policy.SMTP.clone(cte_type="7bit", max_line_length=78)
+MAX_LINE = 998  # RFC 5321 §4.5.3.1.6, without the CRLF
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_ENV = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=True)
+
+
+class RecipientFailed(ValueError):
+    """This recipient's message cannot be made; the text is the reason given in the answer."""
+
+
+Render = Callable[[Mapping[str, Any]], str]
+
+
+def _template(text: str | None, templated: bool, where: str) -> Render | None:
+    from mta.http.inject_request import BadInjection
+
+    if text is None:
+        return None
+    if not templated or ("{" not in text):
+        return lambda _: text
+    try:
+        compiled = _ENV.from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise BadInjection(f"{where}: template error at line {exc.lineno}: {exc.message}") from None
+    return compiled.render
+
+
+@attrs.frozen
+class _Templates:
+    text: Render | None
+    html: Render | None
+    amp: Render | None
+    subject: Render | None
+    headers: tuple[tuple[str, Render], ...]
+
+
+class Composer:
+    """The messages of one request; ``hostname``: the relay's, for Message-ID and Received:.
+
+    Raises BadInjection at construction for a template that does not compile.
+    """
+
+    def __init__(self, request: InjectRequest, hostname: str, client: str, max_size: int) -> None:
+        self.request = request
+        self.hostname = hostname
+        self.client = client
+        self.max_size = max_size
+        t = request.templated
+        content = request.content
+        if isinstance(content, str):
+            self._whole = _template(content, t, "content")
+            self._parts: _Templates | None = None
+        else:
+            self._whole = None
+            self._parts = _Templates(
+                text=_template(content.text_body, t, "content.text_body"),
+                html=_template(content.html_body, t, "content.html_body"),
+                amp=_template(content.amp_html_body, t, "content.amp_html_body"),
+                subject=_template(content.subject, t, "content.subject"),
+                headers=tuple((name, r) for name, value in content.headers
+                              if (r := _template(value, t, f"content.headers.{name}")) is not None))
+
+    def compose(self, rcpt: Recipient) -> bytes:
+        """The message for ``rcpt``, CRLF line ends, not dot-stuffed.
+
+        Raises RecipientFailed.
+        """
+        if not parse_mailbox(rcpt.email):
+            raise RecipientFailed(f"{rcpt.email!r} is not a mailbox")
+        context = {**self.request.substitutions, **rcpt.substitutions, "email": rcpt.email,
+                   "name": rcpt.name or "", "to_header": _to_header(rcpt)}
+        try:
+            if self._whole is not None:
+                data = _wire(self._whole(context).encode("utf-8"))
+            else:
+                assert self._parts is not None and isinstance(self.request.content, Builder)
+                data = self._build(self.request.content, self._parts, context, rcpt)
+        except (SecurityError, jinja2.TemplateError) as exc:
+            raise RecipientFailed(f"template: {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise RecipientFailed(f"cannot be built: {exc}") from None
+        if self.request.received_header:
+            data = self._received() + data
+        if len(data) > self.max_size:
+            raise RecipientFailed(f"the message is {len(data)} bytes, more than this relay takes ({self.max_size})")
+        return data
+
+    def _received(self) -> bytes:
+        date = email.utils.formatdate(time.time(), localtime=False)
+        return (f"Received: from [{self.client}] by {self.hostname} (logspool) with HTTP;\r\n\t{date}\r\n"
+                .encode("ascii", "replace"))
+
+    def _build(self, content: Builder, parts: _Templates, context: Mapping[str, Any], rcpt: Recipient) -> bytes:
+        msg = EmailMessage(policy=POLICY)
+        given = {name.lower() for name, _ in parts.headers}
+        if content.from_ is not None and "from" not in given:
+            msg["From"] = email.utils.formataddr((content.from_.name or "", content.from_.email))
+        if content.reply_to is not None and "reply-to" not in given:
+            msg["Reply-To"] = email.utils.formataddr((content.reply_to.name or "", content.reply_to.email))
+        if parts.subject is not None and "subject" not in given:
+            msg["Subject"] = parts.subject(context)
+        if "to" not in given:
+            msg["To"] = _to_header(rcpt)
+        for name, render in parts.headers:
+            msg[name] = render(context)
+        if "date" not in given:
+            msg["Date"] = email.utils.formatdate(localtime=False)
+        if "message-id" not in given:
+            msg["Message-ID"] = email.utils.make_msgid(domain=self.hostname)
+        bodies = [(r(context), sub) for r, sub in ((parts.text, "plain"), (parts.amp, "x-amp-html"),
+                                                    (parts.html, "html")) if r is not None]
+        first = True
+        for text, subtype in bodies:
+            if first:
+                msg.set_content(text, subtype=subtype)
+                first = False
+            else:
+                msg.add_alternative(text, subtype=subtype)
+        html = _html_part(msg)
+        for att in content.attachments:
+            maintype, _, subtype = att.content_type.partition("/")
+            if att.content_id is not None and html is not None:
+                html.add_related(att.data, maintype=maintype, subtype=subtype, disposition="inline",
+                                 cid=f"<{att.content_id.strip('<>')}>", filename=att.file_name)
+            elif first:
+                msg.set_content(att.data, maintype=maintype, subtype=subtype, disposition="attachment",
+                                filename=att.file_name)
+                first = False
+            else:
+                msg.add_attachment(att.data, maintype=maintype, subtype=subtype, filename=att.file_name)
+        return msg.as_bytes()
+
+
+def _html_part(msg: EmailMessage) -> EmailMessage | None:
+    if msg.get_content_type() == "text/html":
+        return msg
+    for part in msg.iter_parts() if msg.is_multipart() else ():
+        if part.get_content_type() == "text/html":
+            assert isinstance(part, EmailMessage)
+            return part
+    return None
+
+
+def _to_header(rcpt: Recipient) -> str:
+    return email.utils.formataddr((rcpt.name or "", rcpt.email))
+
+
+def _wire(data: bytes) -> bytes:
+    """A whole message as the client wrote it, with CRLF line ends; a line longer than SMTP allows is refused."""
+    lines = _LINE_END.split(data)
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if any(len(line) > MAX_LINE for line in lines):
+        raise RecipientFailed(f"a line is longer than {MAX_LINE} bytes (RFC 5321 §4.5.3.1.6)")
+    if not lines or b":" not in lines[0]:
+        raise RecipientFailed("the content is no message: it does not begin with a header field")
+    return b"\r\n".join(lines) + b"\r\n"
