@@ -12,7 +12,7 @@ An undefined name renders empty, as in minijinja.
 A whole-message ``content`` is rendered as one template and sent as it
 stands, line ends made CRLF. A builder's ``text_body``, ``html_body``,
 ``amp_html_body``, ``subject`` and ``headers`` are templates; the message is
-built with the stdlib ``email`` package (7-bit transfer encodings, so that
+built by ``mta.http.mime`` (7-bit transfer encodings, so that
 no next hop needs 8BITMIME): ``multipart/alternative`` for several bodies,
 ``multipart/related`` around the HTML for attachments with a
 ``content_id``, ``multipart/mixed`` for the other attachments. ``From``,
@@ -27,12 +27,11 @@ be made (the request's answer lists it in ``failed_recipients``), and
 
 from __future__ import annotations
 
-import email.policy
 import email.utils
 import re
+import secrets
 import time
 from collections.abc import Callable, Mapping
-from email.message import EmailMessage
 from typing import Any
 
 import attrs
@@ -41,11 +40,11 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mta.http.inject_request import Builder, InjectRequest, Recipient
+from mta.http.mime import Skeleton, address_line, header_line
 from mta.smtp.addresses import parse_mailbox
 
 __all__ = ["Composer", "RecipientFailed"]
 
-POLICY = email.policy.SMTP.clone(cte_type="7bit", max_line_length=78)
 MAX_LINE = 998  # RFC 5321 §4.5.3.1.6, without the CRLF
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _ENV = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=True)
@@ -92,6 +91,7 @@ class Composer:
         self.hostname = hostname
         self.client = client
         self.max_size = max_size
+        self._skeleton: Skeleton | None = None  # a builder's layout, made at the first recipient
         t = request.templated
         content = request.content
         if isinstance(content, str):
@@ -138,54 +138,26 @@ class Composer:
                 .encode("ascii", "replace"))
 
     def _build(self, content: Builder, parts: _Templates, context: Mapping[str, Any], rcpt: Recipient) -> bytes:
-        msg = EmailMessage(policy=POLICY)
+        if self._skeleton is None:
+            self._skeleton = Skeleton(content.attachments, parts.html is not None)
         given = {name.lower() for name, _ in parts.headers}
+        head: list[str] = []
         if content.from_ is not None and "from" not in given:
-            msg["From"] = email.utils.formataddr((content.from_.name or "", content.from_.email))
+            head.append(address_line("From", content.from_.name, content.from_.email))
         if content.reply_to is not None and "reply-to" not in given:
-            msg["Reply-To"] = email.utils.formataddr((content.reply_to.name or "", content.reply_to.email))
+            head.append(address_line("Reply-To", content.reply_to.name, content.reply_to.email))
         if parts.subject is not None and "subject" not in given:
-            msg["Subject"] = parts.subject(context)
+            head.append(header_line("Subject", parts.subject(context)))
         if "to" not in given:
-            msg["To"] = _to_header(rcpt)
-        for name, render in parts.headers:
-            msg[name] = render(context)
+            head.append(address_line("To", rcpt.name, rcpt.email))
+        head.extend(header_line(name, render(context)) for name, render in parts.headers)
         if "date" not in given:
-            msg["Date"] = email.utils.formatdate(localtime=False)
+            head.append(header_line("Date", email.utils.formatdate(localtime=False)))
         if "message-id" not in given:
-            msg["Message-ID"] = email.utils.make_msgid(domain=self.hostname)
-        bodies = [(r(context), sub) for r, sub in ((parts.text, "plain"), (parts.amp, "x-amp-html"),
+            head.append(header_line("Message-ID", f"<{secrets.token_hex(16)}@{self.hostname}>"))
+        bodies = [(sub, r(context)) for r, sub in ((parts.text, "plain"), (parts.amp, "x-amp-html"),
                                                     (parts.html, "html")) if r is not None]
-        first = True
-        for text, subtype in bodies:
-            if first:
-                msg.set_content(text, subtype=subtype)
-                first = False
-            else:
-                msg.add_alternative(text, subtype=subtype)
-        html = _html_part(msg)
-        for att in content.attachments:
-            maintype, _, subtype = att.content_type.partition("/")
-            if att.content_id is not None and html is not None:
-                html.add_related(att.data, maintype=maintype, subtype=subtype, disposition="inline",
-                                 cid=f"<{att.content_id.strip('<>')}>", filename=att.file_name)
-            elif first:
-                msg.set_content(att.data, maintype=maintype, subtype=subtype, disposition="attachment",
-                                filename=att.file_name)
-                first = False
-            else:
-                msg.add_attachment(att.data, maintype=maintype, subtype=subtype, filename=att.file_name)
-        return msg.as_bytes()
-
-
-def _html_part(msg: EmailMessage) -> EmailMessage | None:
-    if msg.get_content_type() == "text/html":
-        return msg
-    for part in msg.iter_parts() if msg.is_multipart() else ():
-        if part.get_content_type() == "text/html":
-            assert isinstance(part, EmailMessage)
-            return part
-    return None
+        return ("".join(head) + self._skeleton.body(bodies)).encode("ascii")
 
 
 def _to_header(rcpt: Recipient) -> str:
