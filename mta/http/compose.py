@@ -48,6 +48,7 @@ __all__ = ["Composer", "RecipientFailed"]
 MAX_LINE = 998  # RFC 5321 §4.5.3.1.6, without the CRLF
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _ENV = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=True)
+_GLOBALS = dict(_ENV.globals)  # range, dict, namespace, ...: what a template may call besides its values
 
 
 class RecipientFailed(ValueError):
@@ -68,7 +69,13 @@ def _template(text: str | None, templated: bool, where: str) -> Render | None:
         compiled = _ENV.from_string(text)
     except jinja2.TemplateSyntaxError as exc:
         raise BadInjection(f"{where}: template error at line {exc.lineno}: {exc.message}") from None
-    return compiled.render
+
+    def render(context: Mapping[str, Any]) -> str:
+        # ``context`` already holds the environment's globals (``Composer.compose``): shared, it is used as it
+        # is, where ``Template.render`` would chain it with the globals again for every part of every recipient.
+        return _ENV.concat(compiled.root_render_func(compiled.new_context(dict(context), shared=True)))
+
+    return render
 
 
 @attrs.frozen
@@ -92,6 +99,9 @@ class Composer:
         self.client = client
         self.max_size = max_size
         self._skeleton: Skeleton | None = None  # a builder's layout, made at the first recipient
+        self._date = email.utils.formatdate(time.time(), localtime=False)  # the request's: one for its messages
+        self._id_prefix = secrets.token_hex(8)
+        self._made = 0
         t = request.templated
         content = request.content
         if isinstance(content, str):
@@ -114,7 +124,7 @@ class Composer:
         """
         if not parse_mailbox(rcpt.email):
             raise RecipientFailed(f"{rcpt.email!r} is not a mailbox")
-        context = {**self.request.substitutions, **rcpt.substitutions, "email": rcpt.email,
+        context = {**_GLOBALS, **self.request.substitutions, **rcpt.substitutions, "email": rcpt.email,
                    "name": rcpt.name or "", "to_header": _to_header(rcpt)}
         try:
             if self._whole is not None:
@@ -133,8 +143,7 @@ class Composer:
         return data
 
     def _received(self) -> bytes:
-        date = email.utils.formatdate(time.time(), localtime=False)
-        return (f"Received: from [{self.client}] by {self.hostname} (logspool) with HTTP;\r\n\t{date}\r\n"
+        return (f"Received: from [{self.client}] by {self.hostname} (logspool) with HTTP;\r\n\t{self._date}\r\n"
                 .encode("ascii", "replace"))
 
     def _build(self, content: Builder, parts: _Templates, context: Mapping[str, Any], rcpt: Recipient) -> bytes:
@@ -152,9 +161,10 @@ class Composer:
             head.append(address_line("To", rcpt.name, rcpt.email))
         head.extend(header_line(name, render(context)) for name, render in parts.headers)
         if "date" not in given:
-            head.append(header_line("Date", email.utils.formatdate(localtime=False)))
+            head.append(f"Date: {self._date}\r\n")
         if "message-id" not in given:
-            head.append(header_line("Message-ID", f"<{secrets.token_hex(16)}@{self.hostname}>"))
+            self._made += 1  # unique: 64 random bits per request, then the message's number in it
+            head.append(header_line("Message-ID", f"<{self._id_prefix}.{self._made}@{self.hostname}>"))
         bodies = [(sub, r(context)) for r, sub in ((parts.text, "plain"), (parts.amp, "x-amp-html"),
                                                     (parts.html, "html")) if r is not None]
         return ("".join(head) + self._skeleton.body(bodies)).encode("ascii")

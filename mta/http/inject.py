@@ -5,9 +5,10 @@ messages are appended and then one commit covers them (one group commit,
 shared with whatever else is being committed). The answer is KumoMTA's
 (``success_count``, ``fail_count``, ``failed_recipients``, ``errors``) with
 ``ids``: one ``{"email", "queue_id"}`` per recipient whose message was made,
-in the request's order. Messages are composed in a worker thread
-(``trio.to_thread``), so that a large templated request does not hold the
-event loop that the SMTP sessions share.
+in the request's order. The messages of a request of more than
+``INLINE_RECIPIENTS`` are composed in a worker thread (``trio.to_thread``),
+so that a large templated request does not hold the event loop that the
+SMTP sessions share.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from spool import AsyncSpool, DiskFull
 __all__ = ["Injector", "Outcome"]
 
 log = logging.getLogger("mta.http")
+
+# Requests of at most this many recipients are composed in the event loop (~0.1 ms a recipient): a worker
+# thread's round trip would cost more than the work. Larger ones go to a thread, so the loop is not held.
+INLINE_RECIPIENTS = 8
 
 
 @attrs.frozen
@@ -75,7 +80,10 @@ class Injector:
         """Make the messages of the recipients ``have`` (index -> queue id, made by an earlier try) lacks."""
         composer = Composer(request, self.hostname, client, self.max_message_size)  # BadInjection: templates
         wanted = [i for i in range(len(request.recipients)) if i not in have]
-        made, failed = await trio.to_thread.run_sync(_compose_all, composer, request, wanted)
+        if len(wanted) <= INLINE_RECIPIENTS:
+            made, failed = _compose_all(composer, request, wanted)
+        else:
+            made, failed = await trio.to_thread.run_sync(_compose_all, composer, request, wanted)
         ids: dict[int, str] = {}
         if made:
             # Shielded: once the intent is durable the request sees its commit through, so that a deadline or a
