@@ -132,6 +132,8 @@ class Composer:
             else:
                 assert self._parts is not None and isinstance(self.request.content, Builder)
                 data = self._build(self.request.content, self._parts, context, rcpt)
+        except RecipientFailed:
+            raise
         except (SecurityError, jinja2.TemplateError) as exc:
             raise RecipientFailed(f"template: {exc}") from None
         except (ValueError, TypeError) as exc:

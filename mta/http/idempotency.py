@@ -56,6 +56,7 @@ log = logging.getLogger("mta.http")
 KEY_FILE = "inject-keys"
 EXTRA_KEY = "idempotency_key"
 EXTRA_INDEX = "inject_index"
+PURGE_EVERY = 10000  # requests between walks of the keys in memory that drop the expired ones
 
 
 class KeyMismatch(ValueError):
@@ -84,6 +85,7 @@ class KeyStore:
         self._known = known
         self._fd = fd
         self._busy: dict[str, trio.Event] = {}
+        self._since_purge = 0
 
     @classmethod
     def open(cls, spool_dir: str, core: Spool, window: float, now: float | None = None) -> KeyStore:
@@ -144,12 +146,21 @@ class KeyStore:
 
     def done(self, key: str, fp: str, ids: dict[int, str], at: float | None = None) -> Known:
         """The request's messages are durable: remember them (the line is written now, synced by the next intent)."""
+        self._since_purge += 1
+        if self._since_purge >= PURGE_EVERY:
+            self._purge(time.time())
         old = self._known.get(key)
         merged = {**(old.ids if old is not None else {}), **ids}
         known = self._known[key] = Known(fp, old.at if old is not None else (at or time.time()), merged)
         line = _line({"t": "done", "key": key, "fp": fp, "at": known.at, "ids": sorted(merged.items())})
         os.write(self._fd, line)
         return known
+
+
+    def _purge(self, now: float) -> None:
+        """Forget the keys older than the window (memory only: the file drops them at the next start)."""
+        self._since_purge = 0
+        self._known = {k: v for k, v in self._known.items() if now - v.at < self.window}
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -99,7 +99,7 @@ class Injector:
     async def _enqueue(self, request: InjectRequest, made: list[_Made], key: str | None, fp: str,
                        client: str) -> dict[int, str]:
         if key is not None:
-            await self.keys.intend(key, fp, max(self.aspool.core.envelope_head, 0))
+            await self.keys.intend(key, fp, self.aspool.core.head)
         extras = [{EXTRA_KEY: key, EXTRA_INDEX: m.index, "client": client, "via": "http"} if key is not None
                   else {"client": client, "via": "http"} for m in made]
         try:

@@ -176,6 +176,8 @@ async def _next(stream: trio.SocketStream, conn: h11.Connection) -> h11.Request 
 
 
 async def _body(stream: trio.SocketStream, conn: h11.Connection, limit: int) -> bytes:
+    if conn.they_are_waiting_for_100_continue:  # curl's Expect: 100-continue for bodies over 1 KiB
+        await stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
     parts: list[bytes] = []
     size = 0
     while True:
