@@ -22,8 +22,8 @@ import h11
 import pytest
 import trio
 from http_client import inject
+from inject_support import ApiRelay, delivered, write_config
 from process_support import mta_json
-from test_inject import ApiRelay, delivered, write_config
 
 pytestmark = pytest.mark.slow
 

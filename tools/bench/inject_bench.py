@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -167,7 +168,8 @@ def main() -> None:
     try:
         wait_listening(proc)
         subprocess.Popen(["cat"], stdin=proc.stderr, stdout=subprocess.DEVNULL)  # keep its pipe drained
-        runs = {"templated": lambda: templated(http_port, args.big, args.big_clients, args.recipients),
+        runs: dict[str, Callable[[], float]] = {
+            "templated": lambda: templated(http_port, args.big, args.big_clients, args.recipients),
                 "http1": lambda: http1(http_port, args.small, args.sessions),
                 "smtp": lambda: args.small / smtp_source(smtp_port, args.sessions, args.small, 500, 600)}
         order = list(runs)
