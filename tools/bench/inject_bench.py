@@ -16,8 +16,10 @@ an SMTP listener and ``[http]``. Each rep runs, in turn:
   messages of one recipient; msg/s to its last ``250``.
 
 The order of the three rotates from rep to rep; medians of the reps, and the
-ratio http1/smtp of each rep. The clients run on the same machine and share
-its CPUs with the relay.
+ratio http1/smtp of each rep; and the relay's own CPU time per message
+(its process tree, from /proc), which the clients' cost does not enter. The
+clients run on the same machine and share its CPUs with the relay (the HTTP
+client is Python, smtp-source is C).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_model, load_average
-from relay_vs_postfix import free_port, smtp_source
+from relay_vs_postfix import free_port, smtp_source, tree_cpu_seconds
 
 TOKEN = "bench-token"
 MTA = os.path.join(os.path.dirname(sys.executable), "mta")
@@ -164,6 +166,9 @@ def main() -> None:
     proc = subprocess.Popen([MTA, "serve", "--config", path], cwd=root, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     results: dict[str, list[float]] = {"templated": [], "http1": [], "smtp": []}
+    cpu_us: dict[str, list[float]] = {"templated": [], "http1": [], "smtp": []}  # the relay's CPU per message
+    count = {"templated": args.big * args.recipients, "http1": args.small // args.sessions * args.sessions,
+             "smtp": args.small}
     ratios = []
     try:
         wait_listening(proc)
@@ -176,9 +181,12 @@ def main() -> None:
         for rep in range(args.reps):
             this = {}
             for name in order[rep % 3:] + order[:rep % 3]:
+                cpu0 = tree_cpu_seconds(proc.pid)
                 this[name] = runs[name]()
+                cpu_us[name].append((tree_cpu_seconds(proc.pid) - cpu0) / count[name] * 1e6)
                 results[name].append(this[name])
-                print(f"rep {rep} {name}: {this[name]:.0f}/s", file=sys.stderr, flush=True)
+                print(f"rep {rep} {name}: {this[name]:.0f}/s, relay CPU {cpu_us[name][-1]:.0f} µs/msg",
+                      file=sys.stderr, flush=True)
             ratios.append(this["http1"] / this["smtp"])
     finally:
         proc.kill()
@@ -188,7 +196,8 @@ def main() -> None:
         "load": load_average(), "args": vars(args),
         "templated_recipients_per_s": statistics.median(results["templated"]),
         "http1_msgs_per_s": statistics.median(results["http1"]), "smtp_msgs_per_s": statistics.median(results["smtp"]),
-        "http1_over_smtp": statistics.median(ratios), "runs": results}
+        "http1_over_smtp": statistics.median(ratios),
+        "relay_cpu_us_per_msg": {k: statistics.median(v) for k, v in cpu_us.items()}, "runs": results}
     print(json.dumps(out, indent=1))
 
 
