@@ -52,7 +52,7 @@ class _Made:
 
 
 class Injector:
-    """Makes a request's messages and enqueues them; ``keys``: the idempotency store (None: keys refused)."""
+    """Makes a request's messages and enqueues them; ``keys``: the idempotency keys (``mta.http.idempotency``)."""
 
     def __init__(self, aspool: AsyncSpool, keys: KeyStore, *, hostname: str, max_recipients: int,
                  max_message_size: int) -> None:
@@ -94,7 +94,6 @@ class Injector:
         event(log, "injected", next(iter(ids.values()), None), from_=f"<{request.envelope_sender}>",
               nrcpt=len(ids), failed=len(failed), client=client, key=key)
         return _answer(request, all_ids, failed)
-
 
     async def _enqueue(self, request: InjectRequest, made: list[_Made], key: str | None, fp: str,
                        client: str) -> dict[int, str]:

@@ -15,7 +15,9 @@ an SMTP listener and ``[http]``. Each rep runs, in turn:
 - ``smtp``: Postfix's smtp-source, ``--sessions`` sessions, ``--small``
   messages of one recipient; msg/s to its last ``250``.
 
-The order of the three rotates from rep to rep; medians of the reps, and the
+Before each run the queue is drained (``mta queue count``), so that no run
+pays for the deliveries of the one before. The order of the three rotates
+from rep to rep; medians of the reps, and the
 ratio http1/smtp of each rep; and the relay's own CPU time per message
 (its process tree, from /proc), which the clients' cost does not enter. The
 clients run on the same machine and share its CPUs with the relay (the HTTP
@@ -136,6 +138,17 @@ def http1(port: int, messages: int, sessions: int) -> float:
     return sessions * (messages // sessions) / wall
 
 
+def drain(path: str, timeout: float = 600) -> None:
+    """Until the queue is empty: the messages a run accepted are delivered before the next run is measured."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run([MTA, "queue", "count", "--json", "--config", path], capture_output=True, check=True)
+        if json.loads(out.stdout)["count"] == 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("the queue did not drain")
+
+
 def wait_listening(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     assert proc.stderr is not None
     deadline = time.monotonic() + timeout
@@ -170,6 +183,7 @@ def main() -> None:
     count = {"templated": args.big * args.recipients, "http1": args.small // args.sessions * args.sessions,
              "smtp": args.small}
     ratios = []
+    os.environ.setdefault("PYTHONPATH", os.getcwd())
     try:
         wait_listening(proc)
         subprocess.Popen(["cat"], stdin=proc.stderr, stdout=subprocess.DEVNULL)  # keep its pipe drained
@@ -181,6 +195,7 @@ def main() -> None:
         for rep in range(args.reps):
             this = {}
             for name in order[rep % 3:] + order[:rep % 3]:
+                drain(path)
                 cpu0 = tree_cpu_seconds(proc.pid)
                 this[name] = runs[name]()
                 cpu_us[name].append((tree_cpu_seconds(proc.pid) - cpu0) / count[name] * 1e6)
