@@ -99,8 +99,7 @@ class Injector:
                        client: str) -> dict[int, str]:
         if key is not None:
             await self.keys.intend(key, fp, self.aspool.core.head)
-        extras = [{EXTRA_KEY: key, EXTRA_INDEX: m.index, "client": client, "via": "http"} if key is not None
-                  else {"client": client, "via": "http"} for m in made]
+        extras = [_extra(request, m.index, key, client) for m in made]
         try:
             mids = await self.aspool.enqueue_many(
                 ((request.envelope_sender, (request.recipients[m.index].email,), m.data) for m in made),
@@ -110,6 +109,18 @@ class Injector:
                 self.keys.done(key, fp, {})  # cancelled, all of them: the intent made nothing
             raise
         return {m.index: self.aspool.core.queue_id(mid) for m, mid in zip(made, mids, strict=True)}
+
+
+def _extra(request: InjectRequest, index: int, key: str | None, client: str) -> dict[str, Any]:
+    """The envelope's extra map: where it came from, its key and place in the request, the recipient's metadata."""
+    extra: dict[str, Any] = {"client": client, "via": "http"}
+    if key is not None:
+        extra[EXTRA_KEY] = key
+        extra[EXTRA_INDEX] = index
+    metadata = request.recipients[index].metadata
+    if metadata:
+        extra["metadata"] = dict(metadata)
+    return extra
 
 
 def _compose_all(composer: Composer, request: InjectRequest, wanted: Sequence[int]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -183,3 +185,18 @@ async def test_concurrent_requests_with_one_key_make_one_set_of_messages(api: Ap
             nursery.start_soon(one)
     assert len(answers) == 5 and all(a == answers[0] for a in answers)
     assert len(await wait_delivered(tmp_path, 2)) == 2
+
+
+async def test_the_envelope_keeps_the_key_the_place_and_the_metadata(api: ApiRelay, tmp_path: Path) -> None:
+    payload = {**BASIC, "recipients": [{"email": "a@example.com", "metadata": {"campaign": 7, "tags": ["x"]}},
+                                       {"email": "b@example.com"}]}
+    r = await inject(api.http_port, payload, key="meta-1")
+    assert r.status == 200
+    ids = [i["queue_id"] for i in r.json()["ids"]]
+    dump = await trio.run_process([os.path.join(os.path.dirname(sys.executable), "spoolctl"), "dump", "--json",
+                                   str(tmp_path / "spool")], capture_stdout=True, capture_stderr=True)
+    extras = {rec["payload"]["queue_id"]: rec["payload"]["extra"] for line in dump.stdout.decode().splitlines()
+              if (rec := json.loads(line))["type"] == "ENVELOPE"}
+    assert extras[ids[0]] == {"client": "127.0.0.1", "via": "http", "idempotency_key": "meta-1", "inject_index": 0,
+                              "metadata": {"campaign": 7, "tags": ["x"]}}
+    assert extras[ids[1]] == {"client": "127.0.0.1", "via": "http", "idempotency_key": "meta-1", "inject_index": 1}
