@@ -10,6 +10,7 @@ import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
 from mta.config.filters import FiltersSection
+from mta.config.http import HttpSection
 from mta.config.limits import LimitsSection
 from mta.config.policy import PolicySection
 from mta.config.proxy import ProxySection
@@ -54,6 +55,7 @@ class Config:
     proxy: ProxySection
     sendmail: SendmailSection
     smarthost_auth: SmarthostAuthSection
+    http: HttpSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     recipients: RecipientsSection = attrs.field(factory=RecipientsSection)
     source: str = DEFAULTS_SOURCE

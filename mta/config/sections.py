@@ -22,6 +22,7 @@ import attrs
 
 from mta.config.dkim import DkimSection
 from mta.config.filters import FiltersSection
+from mta.config.http import HttpSection
 from mta.config.limits import LimitsSection
 from mta.config.policy import PolicySection
 from mta.config.proxy import ProxySection
@@ -385,6 +386,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("smarthost_auth", SmarthostAuthSection),
     ("filters", FiltersSection),
     ("recipients", RecipientsSection),
+    ("http", HttpSection),
 )
 
 

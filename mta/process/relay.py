@@ -29,6 +29,7 @@ from mta.delivery.worker_fork import Forked
 from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
+from mta.http.start import HttpApi
 from mta.inbound.listen import bind_error
 from mta.inbound.pickup import Pickup
 from mta.inbound.server import Port, SmtpServer
@@ -107,12 +108,14 @@ class Relay:
         self.listeners: list[trio.SocketListener] = []
         self.server: SmtpServer | None = None
         self.metrics_listeners: list[trio.SocketListener] = []
+        self.api_listeners: list[trio.SocketListener] = []  # [http] listen, shard 0's only
         self.scheduler: Scheduler
         self.workers: DeliveryWorkers | None = None  # with [delivery] processes > 0
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         signer = signer_for(cfg)  # a key that cannot sign stops the start before the spool is touched
+        api = HttpApi(cfg) if cfg.http.listen is not None and self.shard == 0 else None  # a bad tokens file: too
         os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
         check_spool_dir(cfg.spool.dir)
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard), self.io)
@@ -160,6 +163,8 @@ class Relay:
                         timeout=cfg.server.metrics_timeout, ready=lambda: not server.draining))
                 except OSError as exc:  # taken since check_start tried it
                     raise bind_error(where, "server.metrics_listen", exc) from None
+            if api is not None:
+                self.api_listeners = await api.start(nursery, self.aspool, server.disk)
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
                 log.warning("open relay: mynetworks covers every address and allow_open_relay = true; anyone "
                             "can send mail anywhere through this relay")

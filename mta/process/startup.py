@@ -35,6 +35,7 @@ from typing import NoReturn
 
 from mta.config import Config, ConfigError, ListenAddress
 from mta.errors import StartError
+from mta.http.tokens import read_tokens
 from mta.process.security import UnsafeFile, check_control_dir, check_tls_key
 
 __all__ = ["MAX_UNIX_PATH", "StartError", "check_start", "sole_error"]
@@ -59,11 +60,15 @@ def check_start(config: Config, *, listen: bool = True) -> None:
     check_control_socket(config)
     check_users_file(config)
     check_recipient_tables(config)
+    if config.http.listen is not None:
+        read_tokens(config.http.tokens_file, config.source)  # the API's tokens: private, and there
     addresses: list[tuple[int | str, ListenAddress]] = list(enumerate(config.server.listen)) if listen else []
     for key in ("listen", "implicit_tls_listen"):
         addresses += [(f"submission.{key}[{i}]", a) for i, a in enumerate(getattr(config.submission, key))]
     if config.server.metrics_listen is not None:
         addresses.append(("server.metrics_listen", config.server.metrics_listen))
+    if config.http.listen is not None:
+        addresses.append(("http.listen", config.http.listen))
     probe_listen(config, addresses)
 
 

@@ -601,8 +601,17 @@ class GroupCommit(InlineCommit):
             raise
         return msg.message_id
 
-    async def enqueue_many(self, messages: Iterable[tuple[str, Iterable[str], bytes]]) -> list[int]:
-        appended = [self.core.append_message(s, r, b) for s, r, b in messages]
+    async def enqueue_many(self, messages: Iterable[tuple[str, Iterable[str], bytes]], *,
+                           extras: Iterable[dict[str, Any] | None] | None = None) -> list[int]:
+        """``enqueue`` for many messages and one commit; ``extras``: each message's extra map, in order.
+
+        All or none: on DiskFull every message is cancelled (the caller answers that none was taken).
+        """
+        if extras is None:
+            appended = [self.core.append_message(s, r, b) for s, r, b in messages]
+        else:
+            appended = [self.core.append_message(s, r, b, extra=x) for (s, r, b), x in zip(messages, extras,
+                                                                                           strict=True)]
         self._unsynced_messages += len(appended)
         try:
             await self.commit(message=True)

@@ -166,6 +166,11 @@ class SpoolCore:
         """The log head: the position the next record appended will get, unless it opens a new segment."""
         return self.writer.head
 
+    @property
+    def head(self) -> int:
+        """The log head: every record appended from now on lies at or after this position."""
+        return self.writer.head
+
     def queue_id(self, message_id: int) -> str:
         """The id an operator sees for a message of this spool (hex, plus ``config.id_suffix``)."""
         return format_id(message_id) + self.config.id_suffix

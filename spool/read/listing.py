@@ -417,3 +417,27 @@ class SpoolView:
     def damage_reporter(self) -> Reporter:
         """A read-only view writes no quarantine: it stops at the first damage, naming it."""
         return raise_anomaly
+
+
+def envelopes_since(spool: Listable, start: int) -> Iterator[Envelope]:
+    """Every envelope from ``start`` (a position; before the oldest segment: from there) to the durable end,
+    live or garbage: what was written, whatever became of it since. For the relay's own indexes rebuilt at
+    start (the injection API's idempotency keys); the walk is as long as the log after ``start``.
+    """
+    src = spool.source()
+    end = src.durable_end
+    reader = LogReader(src.io, src.log_dir, durable=end)
+    segments = reader.segments
+    if not segments:
+        return
+    start = max(start, make_pos(segments[0], SEGMENT_HEADER_SIZE))
+    reporter = spool.damage_reporter()
+    for frame in reader.frames(start, end, reporter):
+        if frame.rtype != RecordType.ENVELOPE:
+            continue
+        try:
+            env = decode_payload(RecordType.ENVELOPE, frame.payload)
+        except CorruptRecord:
+            continue  # reported by the reader's consumers that own it; an index only skips it
+        assert isinstance(env, Envelope)
+        yield env
