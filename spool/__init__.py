@@ -72,6 +72,7 @@ if TYPE_CHECKING:
         SyncFailed,
     )
     from spool.export import remote
+    from spool.export.events import Event, EventBatch, EventStream, NotARecord
     from spool.fileio import FileIO, OsFileIO, write_all
     from spool.format.record import (
         HELD_CLASS,
@@ -170,6 +171,11 @@ _HOMES: Final[dict[str, str]] = {
     "FileIO": "spool.fileio",
     "OsFileIO": "spool.fileio",
     "write_all": "spool.fileio",
+    # the event stream: the log's durable records as delivery events
+    "Event": "spool.export.events",
+    "EventBatch": "spool.export.events",
+    "EventStream": "spool.export.events",
+    "NotARecord": "spool.export.events",
     # namespaces
     "listing": "spool.read.listing",
     "remote": "spool.export.remote",
@@ -195,6 +201,9 @@ __all__ = [
     "DiskFull",
     "Duration",
     "Envelope",
+    "Event",
+    "EventBatch",
+    "EventStream",
     "FileIO",
     "Finish",
     "FormatVersionError",
@@ -202,6 +211,7 @@ __all__ = [
     "Kind",
     "ListOf",
     "MessageBusy",
+    "NotARecord",
     "NotFound",
     "OneOf",
     "Optional",
