@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from spool.export import remote
     from spool.export.events import Event, EventBatch, EventStream, NotARecord
     from spool.fileio import FileIO, OsFileIO, write_all
+    from spool.format.cursor import CursorError, check_cursor_name, list_cursors, load_cursor, store_cursor
     from spool.format.record import (
         HELD_CLASS,
         Delivery,
@@ -176,6 +177,11 @@ _HOMES: Final[dict[str, str]] = {
     "EventBatch": "spool.export.events",
     "EventStream": "spool.export.events",
     "NotARecord": "spool.export.events",
+    "CursorError": "spool.format.cursor",
+    "check_cursor_name": "spool.format.cursor",
+    "list_cursors": "spool.format.cursor",
+    "load_cursor": "spool.format.cursor",
+    "store_cursor": "spool.format.cursor",
     # namespaces
     "listing": "spool.read.listing",
     "remote": "spool.export.remote",
@@ -195,6 +201,7 @@ __all__ = [
     "ConfigError",
     "CorruptRecord",
     "CorruptSegment",
+    "CursorError",
     "DamagedBody",
     "Delivery",
     "Derived",
@@ -234,11 +241,14 @@ __all__ = [
     "SyncFailed",
     "Text",
     "TomlValue",
+    "check_cursor_name",
     "expect",
     "format_age",
     "format_id",
     "format_pos",
+    "list_cursors",
     "listing",
+    "load_cursor",
     "make_pos",
     "oldest_live",
     "parse_duration",
@@ -254,6 +264,7 @@ __all__ = [
     "segment_path",
     "setting",
     "settings_of",
+    "store_cursor",
     "type_name",
     "write_all",
 ]

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
+from mta.config.events import EventsSection
 from mta.config.routes import MaildirRoute, NoRoute, Route, match_domain, normalize_domain
 from mta.config.sections import (
     DeliveryConfig,
@@ -42,6 +43,7 @@ class Config:
     tls_policy: TlsPolicyConfig
     log: LogConfig
     dkim: DkimSection
+    events: EventsSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order

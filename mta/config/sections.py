@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from mta.config.dkim import DkimSection
+from mta.config.events import EventsSection
 from mta.config.routes import Domain
 from mta.config.values import (
     Address,
@@ -371,6 +372,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("tls_policy", TlsPolicyConfig),
     ("log", LogConfig),
     ("dkim", DkimSection),  # its keys, [[dkim.key]], are read by mta.config.dkim.parse_dkim_keys
+    ("events", EventsSection),
 )
 
 

@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from mta.admin.control import ControlServer
-from mta.config import DEFAULTS_SOURCE, Config, MaildirRoute
+from mta.config import DEFAULTS_SOURCE, Config, ListenAddress, MaildirRoute
 from mta.config.sections import delivery_workers
 from mta.delivery import worker_fork
 from mta.delivery.local import DiscardTransport, MaildirTransport
@@ -29,6 +29,7 @@ from mta.delivery.worker_fork import Forked
 from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
+from mta.events.http import EventsServer
 from mta.inbound.listen import bind_error
 from mta.inbound.server import Port, SmtpServer
 from mta.observe.metrics import Metrics
@@ -103,8 +104,16 @@ class Relay:
         self.listeners: list[trio.SocketListener] = []
         self.server: SmtpServer | None = None
         self.metrics_listeners: list[trio.SocketListener] = []
+        self.events_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
         self.workers: DeliveryWorkers | None = None  # with [delivery] processes > 0
+
+    async def _serve_events(self, nursery: trio.Nursery, where: ListenAddress) -> None:
+        """``GET /events`` (``mta.events.http``): reads in worker threads, bounded, never the loop's work."""
+        try:
+            self.events_listeners = await nursery.start(EventsServer(self.config).serve, where)
+        except OSError as exc:  # taken since check_start tried it
+            raise bind_error(where, "events.listen", exc) from None
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -150,6 +159,8 @@ class Relay:
                         timeout=cfg.server.metrics_timeout))
                 except OSError as exc:  # taken since check_start tried it
                     raise bind_error(where, "server.metrics_listen", exc) from None
+            if cfg.events.listen is not None and self.shard == 0:  # shard 0 serves every shard's stream
+                await self._serve_events(nursery, cfg.events.listen)
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
                 log.warning("open relay: mynetworks covers every address and allow_open_relay = true; anyone "
                             "can send mail anywhere through this relay")

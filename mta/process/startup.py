@@ -63,6 +63,8 @@ def check_start(config: Config, *, listen: bool = True) -> None:
         addresses += [(f"submission.{key}[{i}]", a) for i, a in enumerate(getattr(config.submission, key))]
     if config.server.metrics_listen is not None:
         addresses.append(("server.metrics_listen", config.server.metrics_listen))
+    if config.events.listen is not None:
+        addresses.append(("events.listen", config.events.listen))
     probe_listen(config, addresses)
 
 

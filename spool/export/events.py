@@ -41,14 +41,12 @@ from spool.errors import CorruptRecord, SpoolError
 from spool.fileio import FileIO, OsFileIO
 from spool.format.horizon import read_horizon
 from spool.format.record import (
-    HELD_CLASS,
     Delivery,
     Envelope,
     Frame,
     Payload,
     RecordType,
     Start,
-    StartKind,
     Status,
     decode_payload,
     format_id,
@@ -65,7 +63,7 @@ STATUS_KINDS: Final = {Status.DELIVERED: "delivered", Status.DEFERRED: "deferred
                        Status.EXPIRED: "expired", Status.DELETED: "deleted"}
 # Every kind an event may have, as the docs list them.
 KINDS: Final = ("received", "delivered", "deferred", "bounced", "expired", "deleted", "retry_scheduled", "held",
-                "released", "flushed", "requeued", "in_doubt", "damage")
+                "released", "requeued", "in_doubt", "damage")
 
 Lookup = Callable[[int], Payload | None]
 
@@ -113,7 +111,6 @@ class Derivation:
         self._intervals = tuple(retry_intervals)
         self._envelopes = _Remembered()  # envelope position -> Envelope
         self._starts = _Remembered()  # start position -> Start
-        self._claims = _Remembered()  # envelope position -> the kind of the START that claimed it
 
     def events(self, frame: Frame, payload: Payload) -> list[Event]:
         if isinstance(payload, Envelope):
@@ -121,7 +118,6 @@ class Derivation:
             return self._envelope(frame, payload)
         if isinstance(payload, Start):
             self._starts.put(frame.pos, payload)
-            self._claims.put(payload.envelope, payload.kind)
             return []
         if isinstance(payload, Delivery):
             return self._delivery(frame, payload)
@@ -143,25 +139,24 @@ class Derivation:
                 if isinstance(env.extra.get(key), str):
                     fields[key] = env.extra[key]
             return [Event(frame.pos, "received", env.arrival_ms, qid, fields)]
+        # Decided from the two envelopes alone (never from this walk's memory), so every reader, from any
+        # cursor, gives the record the same kind. Only when the replaced envelope is gone from the log and
+        # the archive does the new one's class decide alone.
         old = self._find(env.replaces, Envelope)
-        claim = self._claims.pop(env.replaces, None)
         doubt = [r for r in env.in_doubt if old is None or r not in old.in_doubt]
         common = {"recipients": list(env.recipients), "attempts": env.attempts}
         if doubt:
             return [Event(frame.pos, "in_doubt", t, qid, {**common, "in_doubt": doubt, "held": env.held})]
-        was_held = old.held if old is not None else None
         if env.held:
-            if was_held or claim is StartKind.CARRY:
+            if old is not None and old.held:
                 return []  # the oldest runner carrying a held message forward: nothing changed for anyone
             return [Event(frame.pos, "held", t, qid, common)]
-        if was_held:
+        if old is not None and old.held:
             return [Event(frame.pos, "released", t, qid, common)]
-        if claim is StartKind.ADMIN:
-            return [Event(frame.pos, "flushed", t, qid, common)]
-        if claim is StartKind.RECOVERY:
-            return [Event(frame.pos, "requeued", t, qid, common)]
+        if frame.klass == 0:
+            return [Event(frame.pos, "requeued", t, qid, common)]  # a flush, or recovery after a crash
         fields = {**common, "retry_class": frame.klass}
-        if 1 <= frame.klass <= len(self._intervals) and frame.klass != HELD_CLASS:
+        if 1 <= frame.klass <= len(self._intervals):
             fields["next_retry_ms"] = t + int(self._intervals[frame.klass - 1] * 1000)
         if isinstance(env.extra.get("last_error"), str):
             fields["last_error"] = env.extra["last_error"]
@@ -266,12 +261,10 @@ class EventStream:
         segments, paths = self._paths()
         if not segments:
             return EventBatch([], after, horizon)
-        if since is not None and after is None:
-            start, lagged, gap = self._start(since, segments)
-            if not lagged and since < horizon and self._lookup(since) is None:
-                raise NotARecord(f"no record starts at position {format_pos(since)}")
-        else:
-            start, lagged, gap = self._start(after, segments)
+        begin = since if since is not None and after is None else after
+        start, lagged, gap = self._start(begin, segments)
+        if begin is not None and not lagged and begin < horizon and self._lookup(begin) is None:
+            raise NotARecord(f"no record starts at position {format_pos(begin)}")
         if start is not None and start >= horizon:
             return EventBatch([], after, horizon, lagged, gap)
         reader = LogReader(self.io, self.log_dir, segments=segments, durable=horizon, paths=paths)
@@ -283,8 +276,8 @@ class EventStream:
             if isinstance(item, Anomaly):
                 if item.torn or item.pos >= horizon:
                     break
+                # Shown, but the cursor stays on the last record: a cursor is always a record's position.
                 events.append(self.derivation.damage(item))
-                last = item.pos
                 continue
             try:
                 payload = decode_payload(item.rtype, item.payload)

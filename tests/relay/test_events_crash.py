@@ -90,7 +90,7 @@ def expected_ids(spool: Path) -> dict[str, str]:
     return ids
 
 
-REPLACEMENT_KINDS = {"retry_scheduled", "held", "released", "flushed", "requeued", "in_doubt"}
+REPLACEMENT_KINDS = {"retry_scheduled", "held", "released", "requeued", "in_doubt"}
 
 
 async def test_events_equal_the_durable_transitions_across_kill_9_cycles(tmp_path: Path) -> None:

@@ -13,7 +13,21 @@ from typing import Any
 
 import pytest
 
-from spool import EventStream, NotARecord, Outcome, Spool, SpoolConfig, Status, format_id, format_pos
+from spool import (
+    CursorError,
+    EventStream,
+    NotARecord,
+    OsFileIO,
+    Outcome,
+    Spool,
+    SpoolConfig,
+    Status,
+    format_id,
+    format_pos,
+    list_cursors,
+    load_cursor,
+    store_cursor,
+)
 from spool.format.horizon import decode_horizon, encode_horizon
 
 NOW = 1_800_000_000.0
@@ -59,16 +73,15 @@ def test_each_transition_is_an_event_whose_id_is_its_record_position(tmp_path: P
         assert retry.fields["recipients"] == ["later@dst.example"] and retry.fields["retry_class"] == 1
         assert retry.fields["next_retry_ms"] == retry.time_ms + 60_000
         # the admin changes, each its own event
-        for action in ("hold", "release", "flush", "delete"):
-            if action == "flush":
-                sp.change(qid, "hold")
-                sp.change(qid, "release")
-                sp.change(qid, "hold")
-                sp.change(qid, "release")
-                continue
-            sp.change(qid, action)
-        later = [e.kind for e in stream.read(retry.pos).events]
-        assert later == ["held", "released", "held", "released", "held", "released", "deleted"]
+        for action in ("flush", "hold", "release", "delete"):
+            assert sp.change(qid, action)
+        later = stream.read(retry.pos).events
+        assert [e.kind for e in later] == ["requeued", "held", "released", "deleted"]
+        assert later[-1].fields["recipient"] == "later@dst.example"
+        # a reader that begins anywhere gives each record the same kind and id
+        for begin in later:
+            assert [(e.id, e.kind) for e in EventStream(str(tmp_path)).read(since=begin.pos).events] == [
+                (e.id, e.kind) for e in later if e.pos >= begin.pos]
     finally:
         sp.close()
 
@@ -180,3 +193,61 @@ def test_a_lagging_reader_resumes_from_the_archive_and_is_told_when_even_that_is
         assert lagging.events and all(e.pos >= lagging.gap[1] for e in lagging.events)
     finally:
         sp.close()
+
+
+def _busy_spool(path: Path, **overrides: Any) -> tuple[Spool, list[float]]:
+    clock = [NOW]
+    sp = Spool.create(str(path), config(segment_size=4096, retry_intervals=(1.0,), clock=lambda: clock[0],
+                                        **overrides))
+    return sp, clock
+
+
+def _traffic(sp: Spool, clock: list[float], n: int) -> None:
+    """``n`` messages in and delivered, the clock moving: the log behind them becomes garbage."""
+    for i in range(n):
+        clock[0] += 10
+        sp.enqueue("a@src.example", [f"r{i}@dst.example"], b"y" * 200)
+        sp.commit()
+        for attempt in sp.poll_due(now=clock[0]):
+            sp.record_delivery(attempt, [Outcome(attempt.envelope.recipients[0], Status.DELIVERED, 250)])
+            sp.finish(attempt)
+        sp.commit()
+
+
+def test_a_consumers_cursor_keeps_its_unread_segments_from_reclaim_up_to_the_cap(tmp_path: Path) -> None:
+    sp, clock = _busy_spool(tmp_path / "pinned")
+    try:
+        first = sp.enqueue("a@src.example", ["first@dst.example"], b"x\r\n")
+        sp.commit()
+        store_cursor(sp.io, str(tmp_path / "pinned"), "crm", first)
+        _traffic(sp, clock, 60)
+        sp.checkpoint()
+        sp.checkpoint()
+        assert min(os.listdir(tmp_path / "pinned" / "log")) == "0000000000000001.seg", \
+            "the segment the cursor is in was reclaimed"
+        events = EventStream(str(tmp_path / "pinned")).read(first)
+        assert not events.lagged and events.events[0].fields["recipients"] == ["r0@dst.example"]
+        # the consumer reads on: its cursor moves, and the segments behind it go at the next checkpoint
+        store_cursor(sp.io, str(tmp_path / "pinned"), "crm", events.after or 0)
+        sp.checkpoint()
+        assert min(os.listdir(tmp_path / "pinned" / "log")) != "0000000000000001.seg"
+    finally:
+        sp.close()
+    sp, clock = _busy_spool(tmp_path / "capped", cursor_pin_max=3 * 4096)
+    try:
+        first = sp.enqueue("a@src.example", ["first@dst.example"], b"x\r\n")
+        sp.commit()
+        store_cursor(sp.io, str(tmp_path / "capped"), "crm", first)
+        _traffic(sp, clock, 60)
+        sp.checkpoint()
+        sp.checkpoint()
+        assert min(os.listdir(tmp_path / "capped" / "log")) != "0000000000000001.seg", \
+            "past the cap the cursor's segments were kept"
+        lagging = EventStream(str(tmp_path / "capped")).read(first)
+        assert lagging.lagged and lagging.gap is not None and lagging.gap[0] == first
+    finally:
+        sp.close()
+    assert load_cursor(OsFileIO(), str(tmp_path / "capped"), "crm") == first
+    assert list_cursors(OsFileIO(), str(tmp_path / "capped")) == {"crm": first}
+    with pytest.raises(CursorError, match="no consumer name"):
+        store_cursor(OsFileIO(), str(tmp_path / "capped"), "../x", 1)
