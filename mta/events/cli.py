@@ -85,9 +85,8 @@ async def _run(stream: EventStream, since: int | None, follow: bool, show: Any) 
             show(event)
         moved = batch.after != after
         after = batch.after
-        if batch.records >= READ_RECORDS:
-            continue
+        if moved:
+            continue  # more may be there already
         if not follow:
             return
-        if not moved:
-            await trio.sleep(POLL)
+        await trio.sleep(POLL)

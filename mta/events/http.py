@@ -140,8 +140,11 @@ class EventsServer:
         deadline = trio.current_time() + wait
         while True:
             batch = await self._read(stream, after, limit)
-            if batch.events or batch.after != after or trio.current_time() >= deadline:
+            if batch.events or trio.current_time() >= deadline:
                 break
+            if batch.after != after:
+                after = batch.after  # only records that make no event (STARTs): passed, and the wait goes on
+                continue
             await trio.sleep(min(POLL, max(0.0, deadline - trio.current_time())))
         return {
             "events": [event_dict(e, shard) for e in batch.events],

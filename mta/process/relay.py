@@ -32,6 +32,7 @@ from mta.dkim.accept import AcceptSigner
 from mta.events.http import EventsServer
 from mta.inbound.listen import bind_error
 from mta.inbound.server import Port, SmtpServer
+from mta.observe.events_lag import ConsumerLag
 from mta.observe.metrics import Metrics
 from mta.observe.queue_gauges import keep_gauges, refresh_oldest
 from mta.process.lifecycle import Lifecycle, notify
@@ -123,6 +124,7 @@ class Relay:
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard), self.io)
         await keep_gauges(self.aspool)
         self.metrics.watch_spool(self.aspool)
+        self.metrics.registry.register(ConsumerLag(cfg.spool.dir, cfg.spool.archive_dir))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(refresh_oldest, self.aspool)
             if self.supervisor is not None and self.poll_parent:

@@ -58,6 +58,7 @@ from spool.read.anomaly import Anomaly
 from spool.read.reader import LogReader
 
 LOG_DIR: Final = "log"
+QUIET_RECORDS: Final = 16  # records without an event (STARTs) a read may pass per record it may give
 REMEMBERED: Final = 16384  # envelopes and starts kept from the walk, so most lookups read nothing
 STATUS_KINDS: Final = {Status.DELIVERED: "delivered", Status.DEFERRED: "deferred", Status.BOUNCED: "bounced",
                        Status.EXPIRED: "expired", Status.DELETED: "deleted"}
@@ -192,7 +193,8 @@ class Derivation:
 class EventBatch:
     """What one read gave: ``events`` in order; ``after`` the cursor to read on from (the last record read,
     or the one given when nothing was); ``horizon`` the durable position read up to; ``lagged``: the cursor's
-    segment was gone, and ``gap`` (from, to) the positions no longer anywhere."""
+    segment was gone, and ``gap`` (from, to) the positions no longer anywhere; ``records``: records read that
+    made events."""
 
     events: list[Event]
     after: int | None
@@ -269,7 +271,7 @@ class EventStream:
             return EventBatch([], after, horizon, lagged, gap)
         reader = LogReader(self.io, self.log_dir, segments=segments, durable=horizon, paths=paths)
         events: list[Event] = []
-        last, records = after, 0
+        last, records, read = after, 0, 0
         for item in reader.read(start, horizon, types=_EVENT_TYPES):
             if after is not None and item.pos <= after:
                 continue
@@ -282,13 +284,45 @@ class EventStream:
             try:
                 payload = decode_payload(item.rtype, item.payload)
             except CorruptRecord as exc:
-                events.append(Event(item.pos, "damage", item.time * 1000, None, {"reason": str(exc)}))
+                made = [Event(item.pos, "damage", item.time * 1000, None, {"reason": str(exc)})]
             else:
-                events.extend(self.derivation.events(item, payload))
-            last, records = item.pos, records + 1
-            if max_records is not None and records >= max_records:
+                made = self.derivation.events(item, payload)
+            events.extend(made)
+            last, records, read = item.pos, records + bool(made), read + 1
+            if max_records is not None and (records >= max_records or read >= max_records * QUIET_RECORDS):
                 break
         return EventBatch(events, last, horizon, lagged, gap, records)
+
+    def lag(self, after: int | None) -> tuple[int, bool]:
+        """How far a consumer whose cursor is ``after`` trails the durable horizon: (bytes of log, whether its
+        cursor's segment has left the log, reclaimed: archived or gone)."""
+        horizon = self.horizon()
+        here = list_segments(self.io, self.log_dir) if self.io.exists(self.log_dir) else []
+        if horizon is None or not here:
+            return 0, False
+        first = here[0]
+        begin = after if after is not None else (first << 32) | SEGMENT_HEADER_SIZE
+        lagged = pos_segment(begin) < first
+        if lagged:
+            begin = (first << 32) | SEGMENT_HEADER_SIZE
+        if begin >= horizon:
+            return 0, lagged
+        end_seg, total = pos_segment(horizon), 0
+        for seg in (s for s in here if pos_segment(begin) <= s <= end_seg):
+            lo = (begin & 0xFFFFFFFF) if seg == pos_segment(begin) else 0
+            hi = (horizon & 0xFFFFFFFF) if seg == end_seg else self._size(seg)
+            total += max(0, hi - lo)
+        return total, lagged
+
+    def _size(self, seg: int) -> int:
+        try:
+            fd = self.io.open_read(segment_path(self.log_dir, seg))
+        except FileNotFoundError:
+            return 0
+        try:
+            return self.io.size(fd)
+        finally:
+            self.io.close(fd)
 
     def _start(self, after: int | None, segments: list[int]) -> tuple[int | None, bool, tuple[int, int] | None]:
         """Where a read after ``after`` begins, and whether the cursor lost records to reclaim."""

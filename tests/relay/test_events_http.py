@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 from relay_support import relay_config, start_relay
 
 from mta.process.relay import Relay
@@ -122,4 +123,43 @@ async def test_bad_requests_get_a_status_and_a_reason(tmp_path: Path) -> None:
         for query, method, want, text in cases:
             status, body = await trio.to_thread.run_sync(get, port, query, method)
             assert (status, text in body["error"]) == (want, True), (query, status, body)
+        nursery.cancel_scope.cancel()
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    return {f"{s.name}{{consumer=\"{s.labels['consumer']}\"}}": s.value
+            for family in text_string_to_metric_families(text) if family.name.startswith("logspool_events_")
+            for s in family.samples}
+
+
+async def test_each_named_consumer_has_a_lag_gauge_that_falls_to_zero_as_it_catches_up(tmp_path: Path) -> None:
+    extra = 'metrics_listen = "127.0.0.1:0"\n' + EXTRA
+    config = relay_config(str(tmp_path), {"sink.test": "discard"}, extra=extra)
+    async with trio.open_nursery() as nursery:
+        relay = await start_relay(nursery, config)
+        port, smtp = await events_port(relay), relay.listeners[0].socket.getsockname()[1]
+        metrics = relay.metrics_listeners[0].socket.getsockname()[1]
+        assert await trio.to_thread.run_sync(scrape, metrics) == {}  # no consumer, no series
+        await trio.to_thread.run_sync(send, smtp, 3, "lag")
+        _, page = await trio.to_thread.run_sync(get, port, "/events?consumer=crm&limit=1")
+        await trio.to_thread.run_sync(get, port, f"/events?consumer=crm&limit=1&after={page['next']}")
+        behind = await trio.to_thread.run_sync(scrape, metrics)
+        assert behind['logspool_events_consumer_lag_bytes{consumer="crm"}'] > 0
+        assert behind['logspool_events_consumer_lagging{consumer="crm"}'] == 0
+        after = page["next"]
+        while True:  # read on to the horizon, acknowledging each page
+            _, page = await trio.to_thread.run_sync(get, port, f"/events?consumer=crm&after={after}")
+            if page["next"] == after:
+                break
+            after = page["next"]
+        caught_up = await trio.to_thread.run_sync(scrape, metrics)
+        last_record = parse_pos(after)
+        horizon = parse_pos(page["horizon"])
+        # what is left is the last record itself (the cursor names the record taken, not its end) and any
+        # records the stream does not show (a FINISH)
+        assert 0 <= caught_up['logspool_events_consumer_lag_bytes{consumer="crm"}'] <= horizon - last_record
+        assert caught_up['logspool_events_consumer_lag_bytes{consumer="crm"}'] < behind[
+            'logspool_events_consumer_lag_bytes{consumer="crm"}']
         nursery.cancel_scope.cancel()
