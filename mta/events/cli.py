@@ -19,6 +19,8 @@ from mta.admin.errors import BadRequest
 from mta.cli_common import config_option, json_option
 from mta.config import load_config
 from mta.events.source import event_dict, open_stream, parse_from
+from mta.events.webhook import ship_webhook
+from mta.observe.logline import install as install_logging
 from spool import Event, EventStream, NotARecord, format_pos
 
 POLL = 0.2  # seconds between looks at the durable horizon while following
@@ -90,3 +92,26 @@ async def _run(stream: EventStream, since: int | None, follow: bool, show: Any) 
         if not follow:
             return
         await trio.sleep(POLL)
+
+
+@events.group()
+def ship() -> None:
+    """Ship the events out, in a process of its own (run it under your supervisor beside the relay)."""
+
+
+@ship.command()
+@config_option
+@click.option("--shard", type=click.IntRange(0), default=0, show_default=True, help="Which shard's stream.")
+def webhook(config_path: str | None, shard: int) -> None:
+    """POST the events to [events] webhook_url in signed JSON batches, at least once, in order.
+
+    Resumes from its consumer's cursor ([events] webhook_consumer) and runs
+    until it is stopped; stopping it at any moment (kill -9 included) loses
+    nothing: what was not acknowledged is sent again.
+    """
+    config = load_config(config_path)
+    install_logging(config.log.level, config.log.format)
+    try:
+        ship_webhook(config, shard)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
