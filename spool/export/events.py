@@ -51,6 +51,7 @@ from spool.format.record import (
     decode_payload,
     format_id,
     format_pos,
+    pos_offset,
     pos_segment,
 )
 from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, read_frame_at, segment_path
@@ -244,7 +245,7 @@ class EventStream:
             except FileNotFoundError:
                 continue
             try:
-                frame = read_frame_at(self.io, fd, path, seg, pos & 0xFFFFFFFF)
+                frame = read_frame_at(self.io, fd, path, seg, pos_offset(pos))
                 return decode_payload(frame.rtype, frame.payload)
             except (CorruptRecord, OSError):
                 return None
@@ -309,8 +310,8 @@ class EventStream:
             return 0, lagged
         end_seg, total = pos_segment(horizon), 0
         for seg in (s for s in here if pos_segment(begin) <= s <= end_seg):
-            lo = (begin & 0xFFFFFFFF) if seg == pos_segment(begin) else 0
-            hi = (horizon & 0xFFFFFFFF) if seg == end_seg else self._size(seg)
+            lo = pos_offset(begin) if seg == pos_segment(begin) else 0
+            hi = pos_offset(horizon) if seg == end_seg else self._size(seg)
             total += max(0, hi - lo)
         return total, lagged
 
