@@ -20,6 +20,7 @@ from process_support import run_mta
 
 from mta.config import Config, ConfigError, parse_config
 from mta.config.dkim import HeaderName
+from mta.config.events import ConsumerName, WebhookUrl
 from mta.config.loader import definitions
 from mta.config.routes import Domain
 from mta.config.show import show_config, toml_value
@@ -219,6 +220,12 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
             return st.one_of(st.integers(1, 8), st.just("auto"))
         case HeaderName():
             return st.sampled_from(["From", "subject", "X-Mailer", "List-Unsubscribe", "DATE"])
+        case WebhookUrl():
+            return st.builds(lambda scheme, h, port: f"{scheme}://{h}:{port}/hook", st.sampled_from(["http", "https"]),
+                             HOST, st.integers(1, 65535))
+        case ConsumerName():
+            return st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}", fullmatch=True).filter(
+                lambda n: not n.endswith(".tmp"))
         case Text(nonempty):
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1 if nonempty else 0,
                            max_size=20)
