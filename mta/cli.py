@@ -38,6 +38,7 @@ from mta.auth.users import UsersFileError
 from mta.cli_common import EXIT_FAILURE, EXIT_USAGE, JSON_REQUESTED, config_option, takes_json
 from mta.config import ConfigError, load_config, parse_listen_address
 from mta.dkim.cli import dkim as dkim_command
+from mta.events.cli import events
 from mta.observe.logline import install as install_logging
 from mta.process.config_cli import config as config_command
 from spool import SpoolError, SpoolLocked
@@ -233,3 +234,4 @@ def _register_report() -> None:
 _register_report()
 main.add_command(config_command)
 main.add_command(dkim_command)
+main.add_command(events)

@@ -72,7 +72,9 @@ if TYPE_CHECKING:
         SyncFailed,
     )
     from spool.export import remote
+    from spool.export.events import Event, EventBatch, EventStream, NotARecord
     from spool.fileio import FileIO, OsFileIO, write_all
+    from spool.format.cursor import CursorError, check_cursor_name, list_cursors, load_cursor, store_cursor
     from spool.format.record import (
         HELD_CLASS,
         Delivery,
@@ -170,6 +172,16 @@ _HOMES: Final[dict[str, str]] = {
     "FileIO": "spool.fileio",
     "OsFileIO": "spool.fileio",
     "write_all": "spool.fileio",
+    # the event stream: the log's durable records as delivery events
+    "Event": "spool.export.events",
+    "EventBatch": "spool.export.events",
+    "EventStream": "spool.export.events",
+    "NotARecord": "spool.export.events",
+    "CursorError": "spool.format.cursor",
+    "check_cursor_name": "spool.format.cursor",
+    "list_cursors": "spool.format.cursor",
+    "load_cursor": "spool.format.cursor",
+    "store_cursor": "spool.format.cursor",
     # namespaces
     "listing": "spool.read.listing",
     "remote": "spool.export.remote",
@@ -189,12 +201,16 @@ __all__ = [
     "ConfigError",
     "CorruptRecord",
     "CorruptSegment",
+    "CursorError",
     "DamagedBody",
     "Delivery",
     "Derived",
     "DiskFull",
     "Duration",
     "Envelope",
+    "Event",
+    "EventBatch",
+    "EventStream",
     "FileIO",
     "Finish",
     "FormatVersionError",
@@ -202,6 +218,7 @@ __all__ = [
     "Kind",
     "ListOf",
     "MessageBusy",
+    "NotARecord",
     "NotFound",
     "OneOf",
     "Optional",
@@ -224,11 +241,14 @@ __all__ = [
     "SyncFailed",
     "Text",
     "TomlValue",
+    "check_cursor_name",
     "expect",
     "format_age",
     "format_id",
     "format_pos",
+    "list_cursors",
     "listing",
+    "load_cursor",
     "make_pos",
     "oldest_live",
     "parse_duration",
@@ -244,6 +264,7 @@ __all__ = [
     "segment_path",
     "setting",
     "settings_of",
+    "store_cursor",
     "type_name",
     "write_all",
 ]

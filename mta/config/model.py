@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.dkim import DkimKey, DkimSection
+from mta.config.events import EventsSection
 from mta.config.filters import FiltersSection
 from mta.config.http import HttpSection
 from mta.config.limits import LimitsSection
@@ -56,6 +57,7 @@ class Config:
     sendmail: SendmailSection
     smarthost_auth: SmarthostAuthSection
     http: HttpSection
+    events: EventsSection
     routes: Mapping[str, Route] = attrs.field(converter=_frozen_routes, hash=False)
     recipients: RecipientsSection = attrs.field(factory=RecipientsSection)
     source: str = DEFAULTS_SOURCE

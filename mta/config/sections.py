@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from mta.config.dkim import DkimSection
+from mta.config.events import EventsSection
 from mta.config.filters import FiltersSection
 from mta.config.http import HttpSection
 from mta.config.limits import LimitsSection
@@ -387,6 +388,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("filters", FiltersSection),
     ("recipients", RecipientsSection),
     ("http", HttpSection),
+    ("events", EventsSection),
 )
 
 

@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from mta.admin.control import ControlServer
-from mta.config import DEFAULTS_SOURCE, Config, LmtpRoute, MaildirRoute
+from mta.config import DEFAULTS_SOURCE, Config, ListenAddress, LmtpRoute, MaildirRoute
 from mta.config.sections import delivery_workers
 from mta.delivery import worker_fork
 from mta.delivery.local import DiscardTransport, MaildirTransport
@@ -29,10 +29,12 @@ from mta.delivery.worker_fork import Forked
 from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
+from mta.events.http import EventsServer
 from mta.http.start import HttpApi
 from mta.inbound.listen import bind_error
 from mta.inbound.pickup import Pickup
 from mta.inbound.server import Port, SmtpServer
+from mta.observe.events_lag import ConsumerLag
 from mta.observe.metrics import Metrics
 from mta.observe.queue_gauges import keep_gauges, refresh_oldest
 from mta.process.lifecycle import Lifecycle, notify
@@ -109,8 +111,16 @@ class Relay:
         self.server: SmtpServer | None = None
         self.metrics_listeners: list[trio.SocketListener] = []
         self.api_listeners: list[trio.SocketListener] = []  # [http] listen, shard 0's only
+        self.events_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
         self.workers: DeliveryWorkers | None = None  # with [delivery] processes > 0
+
+    async def _serve_events(self, nursery: trio.Nursery, where: ListenAddress) -> None:
+        """``GET /events`` (``mta.events.http``): reads in worker threads, bounded, never the loop's work."""
+        try:
+            self.events_listeners = await nursery.start(EventsServer(self.config).serve, where)
+        except OSError as exc:  # taken since check_start tried it
+            raise bind_error(where, "events.listen", exc) from None
 
     async def run(self, *, task_status: trio.TaskStatus[Relay] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -121,6 +131,7 @@ class Relay:
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard), self.io)
         await keep_gauges(self.aspool)
         self.metrics.watch_spool(self.aspool)
+        self.metrics.registry.register(ConsumerLag(cfg.spool.dir, cfg.spool.archive_dir))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(refresh_oldest, self.aspool)
             if self.supervisor is not None and self.poll_parent:
@@ -165,6 +176,8 @@ class Relay:
                     raise bind_error(where, "server.metrics_listen", exc) from None
             if api is not None:
                 self.api_listeners = await api.start(nursery, self.aspool, server.disk)
+            if cfg.events.listen is not None and self.shard == 0:  # shard 0 serves every shard's stream
+                await self._serve_events(nursery, cfg.events.listen)
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
                 log.warning("open relay: mynetworks covers every address and allow_open_relay = true; anyone "
                             "can send mail anywhere through this relay")

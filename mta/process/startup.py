@@ -69,6 +69,8 @@ def check_start(config: Config, *, listen: bool = True) -> None:
         addresses.append(("server.metrics_listen", config.server.metrics_listen))
     if config.http.listen is not None:
         addresses.append(("http.listen", config.http.listen))
+    if config.events.listen is not None:
+        addresses.append(("events.listen", config.events.listen))
     probe_listen(config, addresses)
 
 

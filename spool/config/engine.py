@@ -63,6 +63,10 @@ class SpoolConfig:
     active_limit: int = setting(Integer(1), "messages in delivery at once", 10_000)
     archive_dir: str | None = setting(
         Optional(Path()), "unset, garbage segments are deleted; set, they are moved here (for `mta report`)", None)
+    cursor_pin_max: int = setting(
+        Size(), "the segments that event consumers' cursors have not read past are kept from reclaim, up to this "
+        "many bytes of segments (the newest kept); past it they are archived or deleted as ever, and a consumer "
+        "that reads there is told it lags (see \"Consuming events\"); 0: cursors keep nothing", 1024 * MIB)
     on_damage: str = setting(
         OneOf(("quarantine", "refuse")), "damage in the log (a bad record, a missing segment, a damaged checkpoint): "
         "`quarantine` copies the damaged bytes to `<dir>/quarantine`, names the messages it lost and goes on; "

@@ -28,6 +28,7 @@ import attrs
 from spool.engine.core import BODY_SLACK, SpoolCore
 from spool.errors import DiskFull, SpoolError, SyncFailed
 from spool.format import checkpoint as ckpt
+from spool.format.cursor import list_cursors
 from spool.format.record import pos_segment
 from spool.format.segment import list_segments, segment_path
 
@@ -90,7 +91,8 @@ class Reclaim(SpoolCore):
             raise SpoolError("checkpoint before its head is durable")
         self.writer.sync_all()
         ids = list_segments(self.io, self.log_dir)
-        limit = pos_segment(plan.checkpoint.garbage_end) - plan.checkpoint.body_span - BODY_SLACK
+        limit = self._cursor_limit(ids, pos_segment(plan.checkpoint.garbage_end) - plan.checkpoint.body_span
+                                   - BODY_SLACK)
         if self._checkpoint is None or not plan.checkpoint.same_restart(self._checkpoint):
             # Two fsyncs (the file, then the directory after the rename). A checkpoint whose
             # positions equal the stored one's would only renew its time and sequence, which
@@ -127,6 +129,39 @@ class Reclaim(SpoolCore):
         except DiskFull:
             plan = self.checkpoint_plan(durable_only=True)  # while records wait for room: name only what is on disk
         return self.checkpoint_write(plan)
+
+    def _cursor_limit(self, ids: list[int], limit: int) -> int:
+        """``limit`` lowered to the oldest segment an event consumer's cursor has not read past
+        (``spool.format.cursor``), keeping at most ``cursor_pin_max`` bytes of segments (the newest).
+
+        Why a cap: a consumer that is gone for good must not fill the disk;
+        past the cap its segments go where reclaimed segments go (the archive,
+        where it can still read them), and it is told it lags.
+        """
+        cap = self.config.cursor_pin_max
+        if cap <= 0 or not any(s < limit for s in ids):
+            return limit
+        cursors = [p for p in list_cursors(self.io, self.path).values() if p is not None]
+        if not cursors:
+            return limit
+        need = min(pos_segment(p) for p in cursors)
+        kept, total = limit, 0
+        for seg in sorted((s for s in ids if need <= s < limit), reverse=True):
+            total += self._segment_bytes(seg)
+            if total > cap:
+                break
+            kept = seg
+        return kept
+
+    def _segment_bytes(self, seg: int) -> int:
+        try:
+            fd = self.io.open_read(segment_path(self.log_dir, seg))
+        except FileNotFoundError:
+            return 0
+        try:
+            return self.io.size(fd)
+        finally:
+            self.io.close(fd)
 
     def _delete_segments_before(self, limit_seg: int, ids: list[int]) -> list[int]:
         gone = [s for s in ids if s < limit_seg]

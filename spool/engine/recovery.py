@@ -240,6 +240,7 @@ class Recovery:
         self.sync_tail(cp, pos_segment(start), end, ids)
         sp.writer = LogWriter(self.io, self.log_dir, sp.config.segment_size, last, end_off, int(t0))
         sp.writer.on_damage = sp.damage.reporter("a runner")
+        sp.writer.publish_durable()  # the tail is synced (sync_tail): readers may see all of it
         reader = self.reader(cp, ids)
         found = self.scan_suffix(reader, start, end)
         sp.body_span = max(sp.body_span, found.body_span)

@@ -39,6 +39,7 @@ written with the garbage flag set).
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from collections import OrderedDict
 
@@ -47,6 +48,7 @@ from crc32c import crc32c
 
 from spool.errors import DiskFull, SpoolError, SyncFailed, no_space
 from spool.fileio import FileIO, read_exact, write_all
+from spool.format.horizon import encode_horizon, horizon_path, read_horizon
 from spool.format.record import (
     CRC_PREFIX,
     FLAGS_OFFSET,
@@ -128,6 +130,8 @@ class LogWriter:
         self.on_damage: Reporter = raise_anomaly
         # Zeroed, synced room past the written end of the last segment (``make_room``, spool.write.room).
         self.room = ZeroRoom()
+        self._horizon_fd: int | None = None  # DIR/durable, opened at the first publish
+        self._published: int | None = None  # the position DIR/durable holds (None: not known yet)
 
     # -- append side (event loop thread) -------------------------------------
 
@@ -332,6 +336,7 @@ class LogWriter:
         self._sync_segments(below=pos_segment(self.written_end) + 1)
         self._sync_dir()
         self.durable_end = self.written_end
+        self.publish_durable()
         self.commits += 1
         self._late_marks.extend(batch.marks)
         self._apply_late_marks()
@@ -566,8 +571,33 @@ class LogWriter:
         self.closed_sizes[seg] = size
         return size
 
+    def publish_durable(self) -> None:
+        """Tell readers in other processes how far the log is on disk (``spool.format.horizon``).
+
+        Called only once ``durable_end`` is true. One ``pwrite``, no fsync: a
+        lost or torn write leaves an older (still true) horizon. A failure
+        here is no failure of the commit: readers wait for the next one.
+        An open that finds the horizon already true writes nothing.
+        """
+        if self._published == self.durable_end:
+            return
+        try:
+            if self._horizon_fd is None:
+                spool_dir = os.path.dirname(self.log_dir.rstrip(os.sep))
+                if read_horizon(self.io, spool_dir) == self.durable_end:
+                    self._published = self.durable_end
+                    return
+                self._horizon_fd = self.io.open(horizon_path(spool_dir), create=True)
+            write_all(self.io, self._horizon_fd, encode_horizon(self.durable_end), 0)
+            self._published = self.durable_end
+        except OSError:
+            pass
+
     def close(self) -> None:
         with self.io_lock:
+            if self._horizon_fd is not None:
+                self.io.close(self._horizon_fd)
+                self._horizon_fd = None
             for fds in (self._fds, self._rfds):
                 for fd in fds.values():
                     self.io.close(fd)

@@ -22,6 +22,7 @@ from process_support import run_mta
 
 from mta.config import Config, ConfigError, parse_config
 from mta.config.dkim import HeaderName
+from mta.config.events import ConsumerName, WebhookUrl
 from mta.config.filters import HttpUrl, Milter
 from mta.config.limits import RateKind, SlotCount
 from mta.config.loader import definitions
@@ -257,6 +258,12 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
                              st.builds(lambda n: f"unix:/run/{n}.sock", LABEL))
         case HttpUrl():
             return st.builds(lambda h, p: f"http://{h}:{p}", HOST, st.integers(1, 65535))
+        case WebhookUrl():
+            return st.builds(lambda scheme, h, port: f"{scheme}://{h}:{port}/hook", st.sampled_from(["http", "https"]),
+                             HOST, st.integers(1, 65535))
+        case ConsumerName():
+            return st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}", fullmatch=True).filter(
+                lambda n: not n.endswith(".tmp"))
         case Text(nonempty):
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1 if nonempty else 0,
                            max_size=20)

@@ -18,6 +18,7 @@ from fault_injection import powercut
 from fault_injection.recording import Link, Op, RecordingFileIO, Sync, Write
 from spool.config.engine import SpoolConfig
 from spool.engine.spool import Spool
+from spool.format.horizon import NAME as HORIZON
 from spool.format.record import RecordType
 
 SEGMENT = 4096
@@ -29,10 +30,12 @@ def _open(path: Path) -> tuple[Spool, RecordingFileIO]:
 
 
 def _unsynced_inodes(ops: list[Op]) -> set[int]:
-    """Inodes with a data write after their last sync."""
+    """Inodes with a data write after their last sync; the durable horizon (``DIR/durable``) is never synced
+    by design (``spool.format.horizon``: it only repeats what a sync already made true)."""
     dirty: set[int] = set()
+    horizon = {op.ino for op in ops if isinstance(op, Link) and op.name == HORIZON}
     for op in ops:
-        if isinstance(op, Write):
+        if isinstance(op, Write) and op.ino not in horizon:
             dirty.add(op.ino)
         elif isinstance(op, Sync):
             dirty.discard(op.ino)

@@ -1,0 +1,117 @@
+"""``mta events``: the relay's delivery events, read from its spool's log (durable records only).
+
+Reads the spool directly, like ``spoolctl``: no lock, no request to the
+relay, so it works while the relay runs, after it stopped, and after a
+crash (it shows what the last fdatasync made durable). ``--follow`` waits
+for more by watching the durable horizon the writer publishes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import click
+import trio
+
+from mta.admin.errors import BadRequest
+from mta.cli_common import config_option, json_option
+from mta.config import load_config
+from mta.events.source import event_dict, open_stream, parse_from
+from mta.events.webhook import ship_webhook
+from mta.observe.logline import install as install_logging
+from spool import Event, EventStream, NotARecord, format_pos
+
+POLL = 0.2  # seconds between looks at the durable horizon while following
+READ_RECORDS = 4096  # records per read: memory stays one batch of events
+
+
+def human(d: dict[str, Any]) -> str:
+    """One line: id, kind, queue id, then the fields as key=value."""
+    rest = " ".join(f"{k}={json.dumps(v) if not isinstance(v, (int, str)) or ' ' in str(v) else v}"
+                    for k, v in d.items() if k not in ("id", "pos", "kind", "queue_id") and v not in ("", None))
+    return f"{d['id']} {d['kind']} {d['queue_id'] or '-'} {rest}".rstrip()
+
+
+@click.group(invoke_without_command=True)
+@config_option
+@click.option("--from", "from_", default=None, metavar="POSITION|TIME",
+              help="Begin at this event id (1:70) or at this UTC time (2026-12-02T01:00:00Z, @SECONDS); "
+                   "default: the oldest record the log (and the archive) holds.")
+@click.option("--follow", "-f", is_flag=True, help="Keep waiting for new events (Ctrl-C ends).")
+@click.option("--shard", type=click.IntRange(0), default=0, show_default=True,
+              help="Which shard's stream (a sharded relay has one per shard).")
+@json_option
+@click.pass_context
+def events(ctx: click.Context, config_path: str | None, from_: str | None, follow: bool, shard: int,
+           as_json: bool) -> None:
+    """The relay's delivery events (received, delivered, deferred, bounced, ...), oldest first, one a line.
+
+    Only records already on disk are shown: an event once shown is never
+    taken back by a crash, and its id (the record's position, and the
+    recipient's index) is the same on every read.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    config = load_config(config_path)
+    stream = open_stream(config, shard)
+    since, since_ms = parse_from(from_) if from_ is not None else (None, None)
+
+    def show(event: Event) -> None:
+        if since_ms is not None and event.time_ms < since_ms:
+            return
+        d = event_dict(event, shard)
+        click.echo(json.dumps(d, sort_keys=True) if as_json else human(d))
+
+    try:
+        trio.run(_run, stream, since, follow, show)
+    except NotARecord as exc:
+        raise BadRequest(str(exc)) from None
+    except KeyboardInterrupt:
+        ctx.exit(130)
+
+
+async def _run(stream: EventStream, since: int | None, follow: bool, show: Any) -> None:
+    after: int | None = None
+    while True:
+        batch = await trio.to_thread.run_sync(functools.partial(stream.read, after, since=since,
+                                                                max_records=READ_RECORDS))
+        if batch.after is not None:
+            since = None  # read on after the last record, from now on
+        if batch.lagged and batch.gap is not None:
+            click.echo(f"mta events: the log no longer holds {format_pos(batch.gap[0])} up to "
+                       f"{format_pos(batch.gap[1])} (reclaimed, not archived): events there are lost to "
+                       f"this reader", err=True)
+        for event in batch.events:
+            show(event)
+        moved = batch.after != after
+        after = batch.after
+        if moved:
+            continue  # more may be there already
+        if not follow:
+            return
+        await trio.sleep(POLL)
+
+
+@events.group()
+def ship() -> None:
+    """Ship the events out, in a process of its own (run it under your supervisor beside the relay)."""
+
+
+@ship.command()
+@config_option
+@click.option("--shard", type=click.IntRange(0), default=0, show_default=True, help="Which shard's stream.")
+def webhook(config_path: str | None, shard: int) -> None:
+    """POST the events to [events] webhook_url in signed JSON batches, at least once, in order.
+
+    Resumes from its consumer's cursor ([events] webhook_consumer) and runs
+    until it is stopped; stopping it at any moment (kill -9 included) loses
+    nothing: what was not acknowledged is sent again.
+    """
+    config = load_config(config_path)
+    install_logging(config.log.level, config.log.format)
+    try:
+        ship_webhook(config, shard)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
