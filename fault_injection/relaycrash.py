@@ -101,6 +101,12 @@ class Outcome:
     # point, and no Maildir has them. Only a crash inside a begun transaction (its point of no return written,
     # its dot not yet) can leave one (docs/design.md, "The point of no return"); a claim alone never does.
     held_unsent: int = 0
+    # Of those, by where the crash point fell in the point's window: its record appended, the commit not yet
+    # returned (the record survived the crash: recovery cannot tell it from a durable one); the record durable
+    # and the dot free to go, the next hop not yet having read it; or before the record was even appended (a bug).
+    held_in_commit: int = 0
+    held_on_way: int = 0
+    held_unmarked: int = 0
 
 
 @attrs.define
@@ -115,6 +121,9 @@ class Report:
     quarantined: int = 0
     held: int = 0
     held_unsent: int = 0
+    held_in_commit: int = 0
+    held_on_way: int = 0
+    held_unmarked: int = 0
     recordings: int = 0
     ops: int = 0
     segments_deleted: int = 0  # by the recorded runs' checkpoints, all runs together
@@ -130,7 +139,9 @@ class Report:
                 f"ops, {self.segments_deleted} segments deleted); {self.relay_starts} recovered by a whole relay "
                 f"start, the rest by Spool.open; acknowledged recipients checked {self.checked}; lost {self.lost}; "
                 f"refusals to start {self.refusals}; duplicates {self.duplicates}; messages held in doubt "
-                f"{self.held}; recipients held but never sent {self.held_unsent}; states where recovery quarantined "
+                f"{self.held}; recipients held but never sent {self.held_unsent} (in their record's commit "
+                f"{self.held_in_commit}, their dot on its way {self.held_on_way}, before their point "
+                f"{self.held_unmarked}); states where recovery quarantined "
                 f"damage {self.quarantined}; failed states "
                 f"{len(self.failures)}")
 
@@ -175,6 +186,8 @@ class Promised:
     remote: frozenset[tuple[int, str]]  # (message number, recipient) the next hop had recorded
     recorded: frozenset[tuple[str, str]]  # (queue id, recipient) whose final DELIVERY record was durable
     dots: frozenset[tuple[int, str]] = frozenset()  # (message number, recipient) whose final dot the hop had seen
+    marked: frozenset[tuple[int, str]] = frozenset()  # whose point of no return's record had been appended
+    passed: frozenset[tuple[int, str]] = frozenset()  # ...and made durable: the dot may have been written
 
     @classmethod
     def of(cls, run: Run, events: int) -> Promised:
@@ -182,16 +195,26 @@ class Promised:
         remote: set[tuple[int, str]] = set()
         recorded: set[tuple[str, str]] = set()
         dots: set[tuple[int, str]] = set()
+        points: dict[str, set[tuple[str, str]]] = {"mark": set(), "point": set()}  # (queue id, recipient)
         for ev in run.recording.events(None)[:events]:
             if ev.kind == "dot":
                 dots.add((ev.data[0], ev.data[1]))
+            elif ev.kind in points:
+                points[ev.kind].add((ev.data[0], ev.data[1]))
             elif ev.kind == "ack":
                 acked[ev.data[0]] = (ev.data[1], tuple(ev.data[2]))
             elif ev.kind == "remote":
                 remote.add((ev.data[0], ev.data[1]))
             elif ev.kind == "recorded" and Status(ev.data[2]).final:
                 recorded.add((ev.data[0], ev.data[1]))
-        return cls(acked, frozenset(remote), frozenset(recorded), frozenset(dots))
+        # Queue id -> message number from the whole run: a delivery may begin before its client logged the 250.
+        number = {ev.data[1]: ev.data[0] for ev in run.recording.events(None) if ev.kind == "ack"}
+
+        def numbered(pairs: set[tuple[str, str]]) -> frozenset[tuple[int, str]]:
+            return frozenset((number[q], r) for q, r in pairs if q in number)  # a DSN's own: not in the plan
+
+        return cls(acked, frozenset(remote), frozenset(recorded), frozenset(dots), numbered(points["mark"]),
+                   numbered(points["point"]))
 
 
 def dsn_pairs(data: bytes) -> set[tuple[int, str]]:
@@ -341,7 +364,13 @@ def _check(run: Run, root: str, promised: Promised, out: Outcome) -> None:
         sp.close()
     local, problems = maildir_files(root, plan, bounced)
     out.violations += problems
-    out.held_unsent = len(held - promised.dots - local)
+    unsent = held - promised.dots - local
+    out.held_unsent = len(unsent)
+    out.held_in_commit = len(unsent & promised.marked - promised.passed)
+    out.held_on_way = len(unsent & promised.passed)
+    out.held_unmarked = len(unsent - promised.marked)
+    out.violations += [f"recipient {r} of message {n} is held in doubt, yet its point of no return had not begun"
+                       for n, r in sorted(unsent - promised.marked)]
     for n, (qid, rcpts) in sorted(promised.acked.items()):
         for r in rcpts:
             out.checked += 1
@@ -402,6 +431,9 @@ def explore(run: Run, budget: int, seed: int, report: Report, *, relay_every: in
                 report.quarantined += res.quarantined
                 report.held += res.held
                 report.held_unsent += res.held_unsent
+                report.held_in_commit += res.held_in_commit
+                report.held_on_way += res.held_on_way
+                report.held_unmarked += res.held_unmarked
                 report.lost += sum(1 for v in res.violations if v.startswith("LOST"))
                 if res.violations:
                     where = saved or save_recording(run, save_dir)

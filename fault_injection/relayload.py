@@ -51,7 +51,7 @@ import random
 import re
 import smtplib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -71,6 +71,7 @@ from mta.smtp.server import (
     RcptTo,
     ServerConnection,
 )
+from spool import Attempt
 from spool.format.record import Outcome, Status
 
 SEGMENT_SIZE = 16 * 1024
@@ -299,6 +300,30 @@ def _send(port: int, plan: Plan, n: int) -> tuple[str, tuple[str, ...]] | None:
         return (found.group(1), plan.recipients[n]) if code == 250 and found else None
 
 
+def _watch_points(relay: Relay, rio: WatchedFileIO) -> None:
+    """Log each point of no return's steps into the recording: ``mark`` (its record appended), ``point`` (the
+    record durable: the transport may write the dot from now on) for each recipient.
+
+    With the next hop's ``dot`` they place a crash point in the point's window (docs/reliability.md): a
+    recipient held after a crash whose ``mark`` had no ``point`` yet was in the commit of its record; one whose
+    ``point`` had no ``dot`` was on its way to the next hop. A held recipient before its ``mark`` would be a
+    bug. The spool's method is wrapped on this one instance; the relay's code is unchanged.
+    """
+    aspool = relay.aspool
+    passing = aspool.pass_point_of_no_return
+
+    async def watched(attempt: Attempt, recipients: Iterable[str]) -> None:
+        rcpts = tuple(recipients)
+        qid = aspool.core.queue_id(attempt.envelope.message_id)
+        for r in rcpts:
+            rio.event("mark", qid, r)
+        await passing(attempt, rcpts)
+        for r in rcpts:
+            rio.event("point", qid, r)
+
+    aspool.pass_point_of_no_return = watched  # type: ignore[method-assign]
+
+
 async def _drive(root: str, plan: Plan, run: Run, rio: WatchedFileIO, concurrency: int, min_deleted: int) -> None:
     hop = NextHop(plan.seed, rio.event)
     final: set[tuple[str, str]] = set()
@@ -323,6 +348,7 @@ async def _drive(root: str, plan: Plan, run: Run, rio: WatchedFileIO, concurrenc
         port = int(listeners[0].socket.getsockname()[1])
         relay: Relay = await nursery.start(Relay(relay_config(root, port), io=rio).run)
         relay.scheduler.observers.append(observe)
+        _watch_points(relay, rio)
         acked: list[tuple[str, tuple[str, ...]]] = []
         todo = iter(range(run.messages))
         limit = trio.CapacityLimiter(concurrency)

@@ -250,28 +250,6 @@ def client_ssl_context(tls_mode: str, ca_file: str | None = None) -> ssl.SSLCont
     return ctx
 
 
-class _Point:
-    """A transaction's point of no return, made durable while the transaction runs; ``wait`` before the dot."""
-
-    def __init__(self, before_dot: Callable[[], Awaitable[None]]) -> None:
-        self.before_dot = before_dot
-        self.done = trio.Event()
-        self.error: Exception | None = None
-
-    async def run(self) -> None:
-        try:
-            await self.before_dot()
-        except Exception as exc:  # raised where the dot waits for it (a full disk: the dot is not sent)
-            self.error = exc
-        finally:
-            self.done.set()
-
-    async def wait(self) -> None:
-        await self.done.wait()
-        if self.error is not None:
-            raise self.error
-
-
 class _Session:
     """One client connection: greeting, EHLO, maybe STARTTLS, then transactions."""
 
@@ -426,24 +404,15 @@ class _Session:
         """One transaction: MAIL, RCPT, DATA (one write with PIPELINING), the body, its reply; or, to a next hop
         that offers CHUNKING and PIPELINING, MAIL, RCPT and the body in BDAT chunks without waiting, its reply.
 
-        ``before_dot``: the point of no return (``transport.BeforeDot``). It is started as the transaction
-        begins, so that its commit overlaps MAIL, RCPT, DATA and the body, and the write that carries the final
-        dot waits until it returned (``_send_body``); a transaction that ends before its dot ignores it.
+        ``before_dot``: the point of no return (``transport.BeforeDot``), awaited once the body is sent, right
+        before the write that carries the final dot (``_send_body``): its record becomes durable as late as it
+        can, so that a crash leaves in doubt only a transaction that was at its dot (docs/design.md, "The point
+        of no return"). A transaction that ends before its dot never calls it.
 
         Raises trio.TooSlowError when a deadline passes (module docstring), StaleConnection when a connection
         taken from the cache unproven fails before its first reply, HopFailed or a network error otherwise.
         """
-        if before_dot is None:
-            return await self._transaction(job, hop, None)
-        point = _Point(before_dot)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(point.run)  # never raises: its error waits for the dot (``_Point.wait``)
-                return await self._transaction(job, hop, point.wait)
-        except BaseExceptionGroup as group:  # the transaction's own exception, as the caller knows it
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+        return await self._transaction(job, hop, before_dot)
 
     async def _transaction(self, job: Job, hop: str, before_dot: Callable[[], Awaitable[None]] | None) -> list[Outcome]:
         d = self.config.delivery

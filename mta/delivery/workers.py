@@ -69,6 +69,7 @@ import trio
 
 import mta
 from mta.config import Config
+from mta.containment import is_fatal
 from mta.delivery import mx
 from mta.delivery.tlspolicy.plan import Planner
 from mta.delivery.transport import BeforeDot, Destination, Job, OnOutcome, TransportLost, body_chunks
@@ -405,6 +406,8 @@ class DeliveryWorkers:
             try:
                 await batch.before_dot(index, recipients)
             except Exception as exc:  # DiskFull: the dot is not sent, and the batch is deferred
+                if is_fatal(exc):  # a failed fsync ends the relay, as at every other boundary
+                    raise
                 batch.error = batch.error or exc
                 error = f"{type(exc).__name__}: {exc}"
         try:

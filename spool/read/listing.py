@@ -150,6 +150,15 @@ def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = N
     """Live messages in log order from ``cursor`` (a position) on.
 
     Damage goes to the source's reporter (see the module docstring).
+
+    On a running relay the log changes under the walk: an envelope rewritten
+    meanwhile (a held message carried forward by the oldest runner, an admin
+    change, a retry) is garbage at its old place once its replacement is
+    durable, and the replacement lies past the durable end the walk began
+    with. So the walk goes on to the durable end of the moment it got there,
+    until it catches up (at most ``CATCH_UP_ROUNDS`` times): every message live
+    throughout is met at least once, one rewritten behind the walk maybe twice
+    (``oldest_first`` keeps it once).
     """
     flt = flt or Filter()
     now = time.time() if now is None else now
@@ -158,19 +167,28 @@ def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = N
     start = max(spool.live_start(), cursor or 0)
     end = src.durable_end
     reporter = spool.damage_reporter()
-    for frame in LogReader(src.io, src.log_dir, durable=end).frames(start, end, reporter):
-        if frame.rtype != RecordType.ENVELOPE:
-            continue
-        if frame.garbage and frame.pos not in active:
-            continue
-        path = segment_path(src.log_dir, pos_segment(frame.pos))
-        try:
-            msg = _message(frame, active, path)
-        except CorruptRecord as exc:  # whole, but its payload does not decode: damage of that record alone
-            reporter(bad_payload(frame, path, exc))
-            continue
-        if flt.match(msg, now):
-            yield msg
+    for _ in range(CATCH_UP_ROUNDS):
+        for frame in LogReader(src.io, src.log_dir, durable=end).frames(start, end, reporter):
+            if frame.rtype != RecordType.ENVELOPE:
+                continue
+            if frame.garbage and frame.pos not in active:
+                continue
+            path = segment_path(src.log_dir, pos_segment(frame.pos))
+            try:
+                msg = _message(frame, active, path)
+            except CorruptRecord as exc:  # whole, but its payload does not decode: damage of that record alone
+                reporter(bad_payload(frame, path, exc))
+                continue
+            if flt.match(msg, now):
+                yield msg
+        start, end = end, src.durable_end
+        if end <= start:
+            return
+
+
+# Walks past the durable end a listing began with, to what became durable meanwhile (``iter_live``): under
+# steady mail each round reads only what the last one took to read, so a few are enough to catch up.
+CATCH_UP_ROUNDS = 8
 
 
 def _message(frame: Frame, active: Mapping[int, object], path: str) -> LiveMessage:

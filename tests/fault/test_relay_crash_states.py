@@ -88,6 +88,10 @@ def test_relay_crash_states_lose_nothing() -> None:
     assert report.relay_starts >= STATES // 25
     assert report.segments_deleted > 0
     assert report.checked > STATES  # each state checks every acknowledged recipient before its crash point
+    # A recipient held though never sent is held only inside its point of no return's window (a held one before
+    # it is a failure of its state): in its record's commit, or with its dot on its way.
+    assert report.held_unmarked == 0
+    assert report.held_unsent == report.held_in_commit + report.held_on_way
 
 
 def test_harness_sees_a_maildir_without_the_parent_directory_fsync(monkeypatch: pytest.MonkeyPatch,

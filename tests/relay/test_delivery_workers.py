@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import smtplib
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -33,9 +34,11 @@ from relay_support import (
 
 from mta.config import Config, parse_config
 from mta.delivery.smtp_transport import SmtpTransport
+from mta.delivery.transport import Destination, Job
 from mta.delivery.workers import DeliveryWorkers
 from mta.observe.logline import LogEvent
 from spool.aio.inline_commit import INLINE_SYNC_FAST
+from spool.errors import SyncFailed
 from spool.format.record import Status
 from spool.read import listing as admin
 
@@ -314,3 +317,35 @@ async def test_tls_policy_counts_and_log_lines_of_a_worker_reach_the_relay(
         assert fetched and all(r.process == worker_pid for r in fetched)
         journal = list((tmp_path / "spool" / "tls-report").glob("*.jsonl"))
         assert len(journal) == 1 and '"domain": "sts.test"' in journal[0].read_text()
+
+
+async def test_a_failed_fsync_of_the_point_of_no_return_ends_the_relay_and_the_dot_is_never_sent(
+        tmp_path: Path) -> None:
+    """The worker asks for the point of no return (``dot``); making it durable fails its fsync: that is no
+    peer's doing, so it ends the workers' nursery (the relay: the next start recovers), and the next hop never
+    sees the message's final dot. A full disk, by contrast, only defers the batch (the other tests)."""
+    async with trio.open_nursery() as outer:
+        hop = NextHop()
+        port = await hop.start(outer)
+
+        async def failing_fsync(index: int, recipients: Sequence[str]) -> None:
+            raise SyncFailed(5, "fdatasync failed (test)")
+
+        workers = DeliveryWorkers(_with_processes(tmp_path, port, 1), 1)
+        job = Job("Q1", "a@example.org", ("b@far.example",), (b"Subject: x\r\n\r\nbody\r\n",), 24)
+        contained: list[Exception] = []
+
+        async def deliver() -> None:
+            try:
+                await workers.deliver(Destination("smtp", f"127.0.0.1:{port}"), [job], before_dot=failing_fsync)
+            except Exception as exc:  # what a batch boundary would get (contained, had the workers not ended)
+                contained.append(exc)
+
+        with trio.fail_after(30), pytest.raises(BaseExceptionGroup) as ended:  # contained, the workers ran on
+            async with trio.open_nursery() as nursery:
+                await nursery.start(workers.run)
+                nursery.start_soon(deliver)
+        assert ended.value.subgroup(SyncFailed) is not None, ended.value
+        assert not any(isinstance(exc, SyncFailed) for exc in contained), "it ended the workers, not one batch"
+        assert hop.messages == []
+        outer.cancel_scope.cancel()

@@ -8,6 +8,7 @@ the relay's log lines, its exit, the next hop's messages or a datagram.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import smtplib
 import socket
@@ -67,16 +68,18 @@ async def test_sigterm_drains_within_the_deadline_and_the_next_start_holds_nothi
             await hop.wait_until(lambda: len(hop.held) >= 2)  # deliveries in flight: the next hop holds its 250s
             assert relay.proc is not None
             pid = relay.proc.pid
-            signalled = time.monotonic()
             relay.proc.send_signal(signal.SIGTERM)
             await relay.wait_output(lambda: bool(lines_with(relay, "event=drain_start")), 30, "the drain's start")
             hop.gate.set()  # the deliveries in flight may finish now, inside the drain
-            with trio.fail_after(DRAIN_TIMEOUT + 10):
+            # The deadline is the relay's own (drain_end's seconds=, from its drain_start); the wall clock here
+            # also counts a loaded machine's delays in the signal's delivery and the log lines' reading.
+            with trio.fail_after(DRAIN_TIMEOUT + 60):
                 await relay.proc.wait()
-            assert time.monotonic() - signalled < DRAIN_TIMEOUT + 5
             assert relay.proc.returncode == 0, relay.lines
             end = lines_with(relay, "event=drain_end")
             assert len(end) == 1 and "deliveries_cut=0" in end[0] and "transactions_cut=0" in end[0], relay.lines
+            drained = re.search(r"seconds=([0-9.]+)", end[0])
+            assert drained is not None and float(drained.group(1)) < DRAIN_TIMEOUT, end[0]
             for _ in range(clients):
                 await senders_done.acquire()
             assert accepted, "no message was accepted before the SIGTERM"
@@ -156,12 +159,14 @@ async def test_at_the_drain_deadline_a_delivery_still_running_ends_as_a_crash_do
             assert relay.proc is not None
             signalled = time.monotonic()
             relay.proc.send_signal(signal.SIGTERM)
-            with trio.fail_after(30):
+            with trio.fail_after(60):
                 await relay.proc.wait()
-            assert 2 <= time.monotonic() - signalled < 2 + 10
+            assert time.monotonic() - signalled >= 2, "it waited for the deadline"
             assert relay.proc.returncode == 0
             (end,) = lines_with(relay, "event=drain_end")
             assert "deliveries_cut=1" in end and "WARNING" in end, end
+            drained = re.search(r"seconds=([0-9.]+)", end)  # the relay's own clock, not a loaded machine's
+            assert drained is not None and 2 <= float(drained.group(1)) < 2 + 5, end
             # As after a crash: the next start knows the attempt passed its final dot, and holds it in doubt.
             hop.new_life(accept_first=10**6)
             relay.port = 0  # the next life's "listening" line, not the last one's

@@ -6,7 +6,7 @@
 ``--relay``: JSON documents written by ``relay_vs_postfix.py --json`` (each run
 holds cells of message size x sessions, every cell with its own A B pairs);
 ``--spool``: the last line of ``spool_bench.py --only append`` (one JSON
-object). For every figure of the issue the table gives the median over the
+object). For every target figure the table gives the median over the
 runs, each run's value, the target and whether the median meets it; the
 chart draws the same medians as bars with each target as a tick. Nothing is
 run here: the figures belong to the runs (their machine lines are printed).
@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--relay", nargs="*", default=[], help="relay_vs_postfix.py --json documents")
     ap.add_argument("--spool", nargs="*", default=[], help="spool_bench.py JSON lines (the last line of a run)")
     ap.add_argument("--svg", default="", help="write the chart here")
-    ap.add_argument("--title", default="Issue 18: logspool against its targets (medians of the runs)")
+    ap.add_argument("--title", default="logspool against its targets (medians of the runs)")
     args = ap.parse_args()
     relay_docs, spool_docs = [], []
     for path in args.relay:
