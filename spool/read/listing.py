@@ -165,6 +165,10 @@ def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = N
     src = spool.source()
     active = spool.active()
     start = max(spool.live_start(), cursor or 0)
+    # What was appended before the walk began but may not be durable yet: a replacement whose old envelope lay
+    # before ``start`` (the runners had passed it) is read once it is durable, not missed.
+    appended = getattr(src, "head", None)
+    wait = getattr(src, "wait_durable", None)
     end = src.durable_end
     reporter = spool.damage_reporter()
     for _ in range(CATCH_UP_ROUNDS):
@@ -181,6 +185,9 @@ def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = N
                 continue
             if flt.match(msg, now):
                 yield msg
+        if wait is not None and appended is not None and end < appended:
+            wait(appended, SETTLE_TIMEOUT)  # one commit window on a running relay; never the loop's thread
+            appended = None
         start, end = end, src.durable_end
         if end <= start:
             return
@@ -189,6 +196,9 @@ def iter_live(spool: Listable, flt: Filter | None = None, cursor: int | None = N
 # Walks past the durable end a listing began with, to what became durable meanwhile (``iter_live``): under
 # steady mail each round reads only what the last one took to read, so a few are enough to catch up.
 CATCH_UP_ROUNDS = 8
+# How long a walk waits for what was appended before it began to become durable: a group commit's window is
+# milliseconds; past this (a disk that stalls) the walk ends with what it has.
+SETTLE_TIMEOUT = 5.0
 
 
 def _message(frame: Frame, active: Mapping[int, object], path: str) -> LiveMessage:

@@ -106,6 +106,8 @@ class LogWriter:
         self._last_time = now
         self.durable_end = make_pos(segment_id, end_offset)
         self.written_end = self.durable_end
+        # Readers in other threads that wait for what was appended to become durable (``wait_durable``).
+        self._durable_moved = threading.Condition(threading.Lock())
         self.appended_bytes = 0
         self.fsyncs = 0
         self.commits = 0
@@ -139,6 +141,16 @@ class LogWriter:
     def head(self) -> int:
         """Position the next record will get."""
         return make_pos(self._seg, self._off)
+
+    def wait_durable(self, pos: int, timeout: float) -> bool:
+        """From a thread other than the appender's: wait until every record before ``pos`` is durable.
+
+        Why: a reader that began behind a record appended a moment ago (a
+        held envelope carried forward, whose old place is already garbage)
+        finds it only once it is durable. False if ``timeout`` passed first.
+        """
+        with self._durable_moved:
+            return self._durable_moved.wait_for(lambda: self.durable_end >= pos, timeout)
 
     @property
     def segment_id(self) -> int:
@@ -338,6 +350,8 @@ class LogWriter:
         self.durable_end = self.written_end
         self.publish_durable()
         self.commits += 1
+        with self._durable_moved:
+            self._durable_moved.notify_all()
         self._late_marks.extend(batch.marks)
         self._apply_late_marks()
 
