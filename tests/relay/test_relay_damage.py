@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import re
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+from crc32c import crc32c
 from damage_support import Template, build_template, flip_bits, random_flips
 from process_support import RelayProcess
 from relay_support import DeliveryWatch, NextHop, RawClient, Received, relay_config
@@ -48,6 +50,7 @@ from mta.process.startup import unwrapped
 from mta.smtp.common import Reply
 from spool.damage.policy import DamageRefused
 from spool.format.record import HEADER_SIZE, RecordType, Status, encode_frame, make_pos, pos_offset, pos_segment
+from spool.format.segment import FORMAT_VERSION, SEGMENT_HEADER_SIZE
 from spool.read import listing as admin
 from spool.tools.inspection import LogFiles
 from spool.tools.verify import verify
@@ -651,3 +654,36 @@ async def test_mta_serve_starts_on_a_whole_envelope_that_does_not_decode(tmp_pat
         await relay.kill()
         nursery.cancel_scope.cancel()
     assert os.path.exists(os.path.join(spool, "quarantine", _qname(seg, off, "bad-payload") + ".bin"))
+
+
+def test_mta_serve_refuses_a_segment_of_a_newer_format_in_one_line_and_changes_nothing(
+        tmp_path: Path, template: Template) -> None:
+    """A segment header that is whole (its CRC passes) but names a format version this code does not read:
+    written by a newer logspool. The one damage kind that stops a start whatever ``on_damage`` says, because
+    quarantining it would destroy mail a newer version can read: one line, exit 1, the files untouched, and
+    ``spoolctl verify`` names it the same way."""
+    spool = template.copy(str(tmp_path / "spool"))
+    seg = template.segments[-1]  # in the working suffix: recovery reads it at start
+    path = template.seg_file(spool, seg)
+    with open(path, "r+b") as f:
+        header = bytearray(f.read(SEGMENT_HEADER_SIZE))
+        header[8:10] = struct.pack("<H", FORMAT_VERSION + 1)
+        header[28:32] = struct.pack("<I", crc32c(bytes(header[:28])))
+        f.seek(0)
+        f.write(header)
+    log_dir = os.path.join(spool, "log")
+    before = {name: os.path.getsize(os.path.join(log_dir, name)) for name in os.listdir(log_dir)}
+    (action,) = [a for a in verify(LogFiles.open(spool)).plan if a.anomaly is not None]
+    assert action.anomaly is not None and (action.anomaly.kind.name, action.anomaly.segment) == ("NEWER_FORMAT", seg)
+    conf = tmp_path / "relay.toml"
+    conf.write_text('[server]\nlisten = ["127.0.0.1:0"]\nhostname = "relay.test"\n[spool]\ndir = "spool"\n'
+                    '[routes]\n"*" = "discard"\n')
+    mta = os.path.join(os.path.dirname(sys.executable), "mta")
+    proc = subprocess.run([mta, "serve", "--config", str(conf)], cwd=tmp_path, capture_output=True, timeout=60,
+                          check=False)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("mta:")]
+    assert len(lines) == 1 and os.path.basename(path) in lines[0] and "version" in lines[0], lines
+    after = {name: os.path.getsize(os.path.join(log_dir, name)) for name in os.listdir(log_dir)}
+    assert after == before and not os.path.exists(os.path.join(spool, "quarantine"))
