@@ -49,6 +49,8 @@ from mta.process.relay import Relay
 from mta.process.startup import unwrapped
 from mta.smtp.common import Reply
 from spool.damage.policy import DamageRefused
+from spool.fileio import OsFileIO
+from spool.format.checkpoint import load as load_checkpoint
 from spool.format.record import HEADER_SIZE, RecordType, Status, encode_frame, make_pos, pos_offset, pos_segment
 from spool.format.segment import FORMAT_VERSION, SEGMENT_HEADER_SIZE
 from spool.read import listing as admin
@@ -687,3 +689,29 @@ def test_mta_serve_refuses_a_segment_of_a_newer_format_in_one_line_and_changes_n
     assert len(lines) == 1 and os.path.basename(path) in lines[0] and "version" in lines[0], lines
     after = {name: os.path.getsize(os.path.join(log_dir, name)) for name in os.listdir(log_dir)}
     assert after == before and not os.path.exists(os.path.join(spool, "quarantine"))
+
+
+async def test_a_segment_that_ends_before_what_the_checkpoint_knows_durable(
+        tmp_path: Path, template: Template, template_map: LogMap, caplog: pytest.LogCaptureFixture) -> None:
+    """The last segment cut short below the checkpoint's head (a file system that lost synced data, a copy
+    cut short): damage, not a torn tail, because those bytes were known durable. Quarantined and named; the
+    relay starts and delivers every message the cut left; what lay past the head is gone without a trace."""
+    cp = load_checkpoint(OsFileIO(), template.path)
+    assert cp is not None
+    seg = pos_segment(cp.head)
+    assert seg == template.segments[-1] and pos_offset(cp.head) > 4096, "the template's head is in its last segment"
+    victim = template.frame_at(seg, pos_offset(cp.head) // 2)
+    cut = pos_offset(victim.pos)
+
+    def damage(spool: str) -> Damage:
+        data = _seg_bytes(spool, seg)
+        Mutation(template.seg_rel(seg), "truncate", cut).apply(spool)
+        (action,) = [a for a in verify(LogFiles.open(spool)).plan if a.anomaly is not None]
+        assert action.anomaly is not None and (action.anomaly.kind.name, action.anomaly.segment) == ("ENDS_EARLY", seg)
+        # What lay past the head was durable too, but nothing left says it existed: lost unnamed, like a cut.
+        return Damage(ranges=[(victim.pos, cp.head)], cut=(cp.head, make_pos(seg, len(data))),
+                      notes=[_qname(seg, action.anomaly.offset, "ends-early")])
+
+    await run_case(tmp_path, template, template_map, caplog, damage)
+    lines = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
+    assert any("before the position" in ln and "known durable" in ln for ln in lines), lines
