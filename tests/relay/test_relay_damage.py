@@ -460,7 +460,9 @@ async def test_damage_met_by_admin_reads_while_running(tmp_path: Path, template:
         shown = await trio.to_thread.run_sync(ask_relay, path, {"op": "show", "id": victim, "body": True})
         assert shown is not None and "body" not in shown and "damaged" in shown["body_error"]
         lines = [r.getMessage() for r in caplog.records if r.name == "spool.read.anomaly"]
-        assert any("met by an admin read" in ln for ln in lines), lines
+        # The first of these reads to pass the damaged record quarantines it: a walk of the envelopes, or the
+        # body's read by ``show --body``, as the damage lies.
+        assert any("met by an admin read" in ln or "met by a read of message data" in ln for ln in lines), lines
         for m in hit:
             assert any(f"queue id {m.queue_id} " in ln and "its data lies in the damaged range" in ln
                        for ln in lines), m
