@@ -34,9 +34,10 @@ from urllib.parse import parse_qs
 import trio
 
 from mta.admin.errors import AdminError
-from mta.config import Config, ListenAddress
+from mta.config import Config
 from mta.events.cursors import CursorError, Cursors, check_name
 from mta.events.source import event_dict, open_stream
+from mta.observe.bounded_accept import BoundedAccept
 from mta.shards import shard_count
 from spool import EventBatch, EventStream, NotARecord, SpoolError, format_pos, parse_pos
 
@@ -45,7 +46,6 @@ log = logging.getLogger("mta.events")
 MAX_HEAD = 8192
 POLL = 0.1  # seconds between looks at the durable horizon while a request waits
 GRACE = 5.0  # seconds a request may take beyond its wait: to send its head and read its answer
-ACCEPT_BACKOFF = 0.1
 
 
 class BadRequest(ValueError):
@@ -66,31 +66,10 @@ class EventsServer:
         self.max_wait = cfg.max_wait
         self.page_records = cfg.page_records
         self.cursors = Cursors(config)
-        self._slots = trio.Semaphore(cfg.max_connections)
+        self.accept = BoundedAccept("events endpoint", cfg.max_connections, self._handle)
+        self.serve = self.accept.serve
         self._readers = trio.CapacityLimiter(cfg.max_connections)
         self._streams: dict[int, EventStream] = {}
-        self.active = 0
-
-    async def serve(self, address: ListenAddress, *,
-                    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(address.port, host=address.host)
-        async with trio.open_nursery() as nursery:
-            for listener in listeners:
-                nursery.start_soon(self._accept_loop, listener, nursery)
-            task_status.started(listeners)
-
-    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        while True:
-            await self._slots.acquire()
-            try:
-                stream = await listener.accept()
-            except OSError as e:
-                self._slots.release()
-                log.warning("events endpoint cannot accept: %s", e.strerror or e)
-                await trio.sleep(ACCEPT_BACKOFF)
-                continue
-            self.active += 1
-            nursery.start_soon(self._handle, stream)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
@@ -100,10 +79,6 @@ class EventsServer:
             pass
         except Exception:
             log.exception("events request from %s failed", _peer(stream))
-        finally:
-            self.active -= 1
-            self._slots.release()
-            await trio.aclose_forcefully(stream)
 
     async def _exchange(self, stream: trio.SocketStream) -> None:
         try:

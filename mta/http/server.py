@@ -25,12 +25,12 @@ from typing import Any
 import h11
 import trio
 
-from mta.config import ListenAddress
 from mta.http.idempotency import KeyMismatch
 from mta.http.inject import Injector, Outcome, dumps
 from mta.http.inject_request import BadInjection, check_key
 from mta.http.tokens import Tokens
 from mta.inbound.disk import DiskCheck
+from mta.observe.bounded_accept import BoundedAccept
 from spool import DiskFull
 
 __all__ = ["ApiServer"]
@@ -40,7 +40,6 @@ log = logging.getLogger("mta.http")
 INJECT_PATH = b"/api/inject/v1"
 MAX_HEAD = 16384
 RETRY_AFTER = "10"  # seconds: the SMTP side's 452 is retried by clients within minutes; an API client sooner
-ACCEPT_BACKOFF = 0.1
 SERVER = "logspool"
 
 
@@ -57,7 +56,7 @@ def _error(status: int, text: str, *headers: tuple[str, str]) -> Outcome:
 
 
 class ApiServer:
-    """Serves ``POST /api/inject/v1``. ``active``/``peak``: connections being served, and the most at once."""
+    """Serves ``POST /api/inject/v1``, at most ``max_connections`` at once (``accept``)."""
 
     def __init__(self, injector: Injector, tokens: Tokens, disk: DiskCheck, *, max_connections: int,
                  timeout: float, max_request_size: int) -> None:
@@ -66,31 +65,8 @@ class ApiServer:
         self.disk = disk
         self.timeout = timeout
         self.max_request_size = max_request_size
-        self._slots = trio.Semaphore(max_connections)
-        self.active = 0
-        self.peak = 0
-
-    async def serve(self, address: ListenAddress, *,
-                    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(address.port, host=address.host)
-        async with trio.open_nursery() as nursery:
-            for listener in listeners:
-                nursery.start_soon(self._accept_loop, listener, nursery)
-            task_status.started(listeners)
-
-    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        while True:
-            await self._slots.acquire()
-            try:
-                stream = await listener.accept()
-            except OSError as e:
-                self._slots.release()
-                log.warning("HTTP API cannot accept: %s", e.strerror or e)
-                await trio.sleep(ACCEPT_BACKOFF)
-                continue
-            self.active += 1
-            self.peak = max(self.peak, self.active)
-            nursery.start_soon(self._handle, stream)
+        self.accept = BoundedAccept("HTTP API", max_connections, self._handle)
+        self.serve = self.accept.serve
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         client = _peer(stream)
@@ -106,10 +82,6 @@ class ApiServer:
             pass
         except Exception:
             log.exception("HTTP API request from %s failed", client)
-        finally:
-            self.active -= 1
-            self._slots.release()
-            await trio.aclose_forcefully(stream)
 
     async def _one(self, stream: trio.SocketStream, conn: h11.Connection, client: str) -> bool:
         """One request and its answer; whether the connection may carry another."""

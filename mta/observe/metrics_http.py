@@ -33,13 +33,12 @@ from urllib.parse import unquote
 import trio
 from prometheus_client import make_wsgi_app
 
-from mta.config import ListenAddress
 from mta.observe import readiness
+from mta.observe.bounded_accept import BoundedAccept
 
 log = logging.getLogger("mta.metrics")
 
 MAX_HEAD = 8192  # request line and headers; a scraper sends a few hundred bytes
-ACCEPT_BACKOFF = 0.1  # seconds to wait after a failed accept (EMFILE and the like) before the next
 
 
 class BadRequest(ValueError):
@@ -51,43 +50,15 @@ class BadRequest(ValueError):
 
 
 class MetricsServer:
-    """Serves ``registry`` over HTTP: at most ``max_connections`` at once, ``timeout`` seconds each.
-
-    ``active`` is the number of connections being served and ``peak`` the
-    most there ever were at once (tests read them).
-    """
+    """Serves ``registry`` over HTTP: at most ``max_connections`` at once (``accept``), ``timeout`` seconds each."""
 
     def __init__(self, registry: Any, *, max_connections: int, timeout: float,
                  ready: Callable[[], bool] = lambda: True) -> None:
         self.app = make_wsgi_app(registry)
         self.ready = ready  # ``GET /ready`` (``mta.observe.readiness``)
         self.timeout = timeout
-        self._slots = trio.Semaphore(max_connections)
-        self.active = 0
-        self.peak = 0
-
-    async def serve(self, address: ListenAddress, *,
-                    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(address.port, host=address.host)
-        async with trio.open_nursery() as nursery:
-            for listener in listeners:
-                nursery.start_soon(self._accept_loop, listener, nursery)
-            task_status.started(listeners)
-
-    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        while True:
-            await self._slots.acquire()
-            try:
-                stream = await listener.accept()
-            except OSError as e:
-                # Out of descriptors or memory, or worse: the endpoint waits, the relay goes on.
-                self._slots.release()
-                log.warning("metrics endpoint cannot accept: %s", e.strerror or e)
-                await trio.sleep(ACCEPT_BACKOFF)
-                continue
-            self.active += 1
-            self.peak = max(self.peak, self.active)
-            nursery.start_soon(self._handle, stream)
+        self.accept = BoundedAccept("metrics endpoint", max_connections, self._handle)
+        self.serve = self.accept.serve
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
@@ -97,10 +68,6 @@ class MetricsServer:
             pass  # the scraper went away
         except Exception:
             log.exception("metrics request from %s failed", _peer(stream))
-        finally:
-            self.active -= 1
-            self._slots.release()
-            await trio.aclose_forcefully(stream)
 
     async def _exchange(self, stream: trio.SocketStream) -> None:
         try:

@@ -329,7 +329,7 @@ async def test_the_metrics_endpoint_stays_bounded_under_slow_and_abandoned_conne
                 await stream.send_all(b"GET /metrics HTTP/1.1\r\n\r\n")  # asks, never reads the answer
             streams.append(stream)
         with trio.fail_after(30):
-            while server.active < 3:  # the endpoint has taken all it will take
+            while server.accept.active < 3:  # the endpoint has taken all it will take
                 await trio.sleep(0.01)
         assert threading.active_count() == threads  # no thread per connection
         for stream in streams[::2]:
@@ -337,7 +337,7 @@ async def test_the_metrics_endpoint_stays_bounded_under_slow_and_abandoned_conne
         # A fresh scrape waits behind the slow ones, at most their deadlines, and is answered.
         status, body = await trio.to_thread.run_sync(_scrape, port)
         assert status == 200 and b"logspool_smtp_sessions_total" in body
-        assert server.peak == 3
+        assert server.accept.peak == 3
         for stream in streams:
             await trio.aclose_forcefully(stream)
 
