@@ -30,7 +30,7 @@ from spool.errors import DiskFull, SpoolError, SyncFailed
 from spool.format import checkpoint as ckpt
 from spool.format.cursor import list_cursors
 from spool.format.record import pos_segment
-from spool.format.segment import list_segments, segment_path
+from spool.format.segment import list_segments, segment_path, segment_size
 
 log = logging.getLogger("spool")
 
@@ -147,21 +147,11 @@ class Reclaim(SpoolCore):
         need = min(pos_segment(p) for p in cursors)
         kept, total = limit, 0
         for seg in sorted((s for s in ids if need <= s < limit), reverse=True):
-            total += self._segment_bytes(seg)
+            total += segment_size(self.io, self.log_dir, seg)
             if total > cap:
                 break
             kept = seg
         return kept
-
-    def _segment_bytes(self, seg: int) -> int:
-        try:
-            fd = self.io.open_read(segment_path(self.log_dir, seg))
-        except FileNotFoundError:
-            return 0
-        try:
-            return self.io.size(fd)
-        finally:
-            self.io.close(fd)
 
     def _delete_segments_before(self, limit_seg: int, ids: list[int]) -> list[int]:
         gone = [s for s in ids if s < limit_seg]

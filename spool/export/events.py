@@ -54,7 +54,7 @@ from spool.format.record import (
     pos_offset,
     pos_segment,
 )
-from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, read_frame_at, segment_path
+from spool.format.segment import SEGMENT_HEADER_SIZE, list_segments, read_frame_at, segment_path, segment_size
 from spool.read.anomaly import Anomaly
 from spool.read.reader import LogReader
 
@@ -311,19 +311,9 @@ class EventStream:
         end_seg, total = pos_segment(horizon), 0
         for seg in (s for s in here if pos_segment(begin) <= s <= end_seg):
             lo = pos_offset(begin) if seg == pos_segment(begin) else 0
-            hi = pos_offset(horizon) if seg == end_seg else self._size(seg)
+            hi = pos_offset(horizon) if seg == end_seg else segment_size(self.io, self.log_dir, seg)
             total += max(0, hi - lo)
         return total, lagged
-
-    def _size(self, seg: int) -> int:
-        try:
-            fd = self.io.open_read(segment_path(self.log_dir, seg))
-        except FileNotFoundError:
-            return 0
-        try:
-            return self.io.size(fd)
-        finally:
-            self.io.close(fd)
 
     def _start(self, after: int | None, segments: list[int]) -> tuple[int | None, bool, tuple[int, int] | None]:
         """Where a read after ``after`` begins, and whether the cursor lost records to reclaim."""

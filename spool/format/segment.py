@@ -133,3 +133,15 @@ def read_whole(io: FileIO, path: str) -> bytes:
 
 def segment_path(log_dir: str, segment_id: int) -> str:
     return os.path.join(log_dir, segment_name(segment_id))
+
+
+def segment_size(io: FileIO, log_dir: str, segment_id: int) -> int:
+    """The bytes a segment file holds now; 0 if it is gone (reclaimed while a reader counted)."""
+    try:
+        fd = io.open_read(segment_path(log_dir, segment_id))
+    except FileNotFoundError:
+        return 0
+    try:
+        return io.size(fd)
+    finally:
+        io.close(fd)
