@@ -336,6 +336,7 @@ class _Session:
         # Milters and rspamd of this listener (``mta.milter``); None: none configured.
         self.filters = FilterSession.for_session(self.config.filters, port is not Port.SMTP)
         self._quarantine: str | None = None  # a filter asked to hold the message being accepted
+        self.auth_mechanism: str | None = None  # the SASL mechanism of a successful AUTH (the milters' {auth_type})
 
     @property
     def in_transaction(self) -> bool:
@@ -722,7 +723,7 @@ class _Session:
         tls = self.tls
         return Facts(self.config.server.hostname, self.port.value, str(local[0]), self.client_ip, int(peer[1]),
                      self.conn.helo_name or "", tls.protocol if tls else None, tls.cipher if tls else None,
-                     tls.bits if tls else None, self.conn.authenticated)
+                     tls.bits if tls else None, self.conn.authenticated, self.auth_mechanism)
 
     async def _filter(self, body: BodyWriter) -> Reply | None:
         """The filters' say on the message (``mta.milter.accept``): the reply that ends it unstored, or None to
@@ -840,6 +841,7 @@ class _Session:
             with self._relay_busy():
                 await trio.sleep(verdict.delay)
         if verdict.reply is None:
+            self.auth_mechanism = ev.mechanism
             self.conn.accept()
         else:
             self.conn.reject(verdict.reply, verdict.reason)
