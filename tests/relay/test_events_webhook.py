@@ -172,7 +172,10 @@ webhook_timeout = "5s"
                         want = {e.id for e in (await trio.to_thread.run_sync(stream.read)).events}
                         oks = {f"ok{i}@far.example" for i in range(24)}
                         done = oks <= {r for m in hop.messages for r in m.recipients}
-                        if done and want <= {e["id"] for e in receiver.events()}:
+                        # The shipper stores its cursor after the receiver's 2xx reached it: wait for that too.
+                        stored = load_cursor(relay.aspool.core.io, config.spool.dir, "webhook")
+                        if done and want <= {e["id"] for e in receiver.events()} and stored is not None \
+                                and stored >= max(parse_pos(i.split("/")[0]) for i in want):
                             break
                         await trio.sleep(0.2)  # polling the receiver's and the relay's state, with a deadline
             finally:
