@@ -25,6 +25,7 @@ from typing import Any
 import h11
 import trio
 
+from mta.containment import is_fatal
 from mta.http.idempotency import KeyMismatch
 from mta.http.inject import Injector, Outcome, dumps
 from mta.http.inject_request import BadInjection, check_key
@@ -96,7 +97,9 @@ class ApiServer:
             outcome = _error(exc.error_status_hint, f"bad request: {exc}")
         except _Refused as refused:
             outcome = refused.outcome
-        except Exception:
+        except Exception as exc:
+            if is_fatal(exc):  # a failed fsync ends the relay, as at every other boundary
+                raise
             log.exception("HTTP API request from %s failed", client)
             outcome = _error(500, "internal error; the request may be retried")
         await _send(stream, conn, outcome)
