@@ -131,7 +131,7 @@ class SmtpServer:
         self.ssl_context = ssl_context
         self.disk = DiskCheck(aspool, config.spool.queue_minfree, free_space)
         self.slots = SessionSlots(config)
-        aspool.connected_clients = lambda: self.slots.total  # the inline commit is for a lone client only
+        aspool.count_clients(lambda: self.slots.total)  # the inline commit is for a lone client only
         self.reuse_port = False  # set when several relay processes share the listening addresses
         self.auth = Authenticator(config, metrics)
         self.checks = Checks(config)  # [limits] and [policy]

@@ -19,7 +19,7 @@ async def keep_gauges(aspool: AsyncSpool) -> None:
     """Count the live log once (after recovery, before the relay serves), then keep the counts as it goes."""
     gauges = QueueGauges()
     await trio.to_thread.run_sync(gauges.seed, aspool.core)
-    aspool.core.gauges = gauges
+    aspool.core.keep_gauges(gauges)
 
 
 async def refresh_oldest(aspool: AsyncSpool) -> None:

@@ -159,7 +159,7 @@ class Relay:
                 self.workers = smtp
                 # The deliveries' CPU is in the workers: a lone client's fdatasync may run in the loop's thread
                 # (spool.aio.group_commit, "inline"; +6 % for a lone client: docs/benchmarks.md, "Inline commit ...").
-                self.aspool.inline_sync_max = INLINE_SYNC_FAST
+                self.aspool.inline_sync(INLINE_SYNC_FAST)
                 await nursery.start(smtp.run)  # the worker processes, each ready
             lmtp = outgoing["lmtp"]
             if isinstance(lmtp, LmtpTransport):

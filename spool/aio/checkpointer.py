@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import trio
 
 from spool.aio.group_commit import CHECKPOINT_RETRY_MAX, SPACE_RETRY_MIN, GroupCommit
+from spool.engine.spool import Spool
 from spool.errors import CheckpointFailed, DiskFull
 
 log = logging.getLogger("spool")
@@ -23,6 +25,12 @@ log = logging.getLogger("spool")
 
 class Checkpointer(GroupCommit):
     """Periodic checkpoints through the group commit."""
+
+    def __init__(self, core: Spool) -> None:
+        super().__init__(core)
+        self._last_plan: Any = None  # the plan of the last checkpoint taken (``_checkpoint_due``)
+        self.checkpoint_passes = 0
+        self.checkpoint_failures = 0
 
     async def _checkpointer(self) -> None:
         """Checkpoint when something moved and it is worth three fsyncs (``_checkpoint_due``); else sleep.

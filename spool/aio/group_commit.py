@@ -104,9 +104,10 @@ class GroupCommit(InlineCommit):
         self._sync_tickets: list[int] = []  # what each task in commit() waits to see durable (its ticket)
         self._message_tickets: list[int] = []  # of those, the enqueues' (a sender waits for each: ``_inline``)
         self._sync_seconds: deque[float] = deque(maxlen=INLINE_SYNC_SAMPLES)  # the last sync batches' write+sync
-        self.inline_sync_max = INLINE_SYNC_MAX
-        # How many clients are connected now: set by the SMTP server (its admitted sessions); with more than one,
-        # a session between its greeting and its RCPT (not announced by expect_commit) may be about to need the loop.
+        self._inline_sync_max = INLINE_SYNC_MAX  # off until the owner turns it on (``inline_sync``)
+        # How many clients are connected now: the SMTP server's admitted sessions (``count_clients``); with more
+        # than one, a session between its greeting and its RCPT (not announced by expect_commit) may be about to
+        # need the loop.
         self.connected_clients: Callable[[], int] = lambda: 0
         self.inline_commits = 0  # sync batches written in the event loop's thread
         self.inline_writes = 0  # write-only batches written there (``_inline``)
@@ -115,6 +116,7 @@ class GroupCommit(InlineCommit):
         self.rides = 0  # commit_riding calls that waited for another commit (outcomes)
         self.rides_run_out = 0  # ...of which none came within the bound: committed on their own
         self.claiming = 0  # attempts claimed whose START records are being written (spool.aio.claims.next_due)
+        self.points_waiting = 0  # deliveries waiting for their point of no return (spool.aio.claims): a dot each
         self._enqueue_synced_at: float | None = None  # trio time of the last sync that made new messages durable
         self.enqueue_gap = RIDE_MAX / 2  # moving average of the intervals between such syncs (seconds)
         core.flush_hook = self._kick.set
@@ -132,10 +134,22 @@ class GroupCommit(InlineCommit):
         self._full_since: float | None = None
         self._reserve_lost = trio.Event()
         self.space_failures = 0  # writes that found no room
-        # Checkpoints (spool.aio.checkpointer).
-        self._last_plan: Any = None
-        self.checkpoint_passes = 0
-        self.checkpoint_failures = 0
+
+    def inline_sync(self, max_seconds: float) -> None:
+        """Let a lone commit write and fdatasync in the event loop's thread while the recent syncs took less than
+        ``max_seconds`` (their median; 0: never). Why the caller decides: it pays only when the deliveries' CPU
+        work is elsewhere (``spool.aio.inline_commit``), which the relay knows and the spool does not."""
+        self._inline_sync_max = max_seconds
+
+    def count_clients(self, connected: Callable[[], int]) -> None:
+        """``connected()``: how many clients are connected now (the SMTP server's admitted sessions). The inline
+        commit is for a lone client only, and the lazy committer waits while anyone may be about to commit."""
+        self.connected_clients = connected
+
+    @property
+    def inline_sync_max(self) -> float:
+        """The bound ``inline_sync`` set (0: the inline path is off)."""
+        return self._inline_sync_max
 
     # -- room on disk -----------------------------------------------------------
 
@@ -320,7 +334,7 @@ class GroupCommit(InlineCommit):
         committer, whose retries and refusals then apply as ever.
         """
         writer = self.core.writer
-        if (self._committing or self.inline_sync_max <= 0 or not self._lone_message()
+        if (self._committing or self._inline_sync_max <= 0 or not self._lone_message()
                 or writer.pending_bytes > INLINE_MAX_BYTES or writer.full is not None or writer.io_lock.locked()
                 or self.connected_clients() > 1 or not self._fast_disk()):
             return False

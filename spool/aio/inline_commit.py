@@ -25,7 +25,8 @@ from spool.write.log import Batch
 # overlapped the deliveries' CPU work); with the zeroed room and the deliveries in a worker it is 6 % faster,
 # and at 20 sessions it cost 5 % until it was kept to a lone client (docs/benchmarks.md, "Inline commit for a
 # lone client").
-# So the spool keeps it off (INLINE_SYNC_MAX) and a relay whose deliveries run in worker processes turns it on.
+# So the spool keeps it off (INLINE_SYNC_MAX) and a relay whose deliveries run in worker processes turns it on
+# (``GroupCommit.inline_sync``).
 INLINE_SYNC_FAST = 0.001
 INLINE_SYNC_MAX = 0.0
 INLINE_SYNC_SAMPLES = 5
@@ -36,7 +37,7 @@ class InlineCommit:
     """The inline rule and the writes it allows; the state is ``GroupCommit``'s (set in its ``__init__``)."""
 
     core: Spool
-    inline_sync_max: float
+    _inline_sync_max: float
     connected_clients: Callable[[], int]
     inline_commits: int
     inline_writes: int
@@ -67,7 +68,7 @@ class InlineCommit:
         (no fdatasync: a claim, FINISH records) goes inline under the same
         rule, since it waits for no disk.
         """
-        if self.inline_sync_max <= 0 or batch.size > INLINE_MAX_BYTES or self.connected_clients() > 1:
+        if self._inline_sync_max <= 0 or batch.size > INLINE_MAX_BYTES or self.connected_clients() > 1:
             return False
         if not batch.sync:
             # Written, not synced (a delivery's claim, FINISH records): a write into the page cache, a few
@@ -79,10 +80,10 @@ class InlineCommit:
         return self._fast_disk() and all(off for _, off, _ in batch.chunks)
 
     def _fast_disk(self) -> bool:
-        """Were the recent sync batches' write + fdatasync quick (their median under ``inline_sync_max``)?"""
+        """Were the recent sync batches' write + fdatasync quick (their median under ``_inline_sync_max``)?"""
         recent = self._sync_seconds
         # (A batch that starts a segment also syncs the ones before it and the directory: never inline.)
-        return len(recent) >= INLINE_SYNC_SAMPLES and statistics.median(recent) < self.inline_sync_max
+        return len(recent) >= INLINE_SYNC_SAMPLES and statistics.median(recent) < self._inline_sync_max
 
     def _one_message_waiter(self) -> bool:
         """Does exactly one enqueue wait for records not yet durable? (Those woken by the last sync may not have
@@ -111,7 +112,7 @@ class InlineCommit:
 
     def _write_timed(self, batch: Batch) -> None:
         """``write_batch`` in a worker thread, timing a sync batch for ``_inline``."""
-        if self.inline_sync_max <= 0:  # off: nobody reads the timings
+        if self._inline_sync_max <= 0:  # off: nobody reads the timings
             self.core.writer.write_batch(batch)
             return
         start = time.perf_counter()

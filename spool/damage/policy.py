@@ -37,7 +37,8 @@ import logging
 import os
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Final
 
 from spool.damage.quarantine import CUT, SLUGS, Quarantine, anomaly_note, entry_name
@@ -95,8 +96,20 @@ class DamagePolicy:
         self.lost_named = 0
         self.damaged_bodies = 0
         self.lost_recent: deque[LostMessage] = deque(maxlen=RECENT)
-        # True while recovery runs: then ``refuse`` refuses (and a segment of a newer format always does).
+        # True while recovery runs (``recovering``): then ``refuse`` refuses (and a segment of a newer format
+        # always does).
         self.starting = False
+
+    @contextmanager
+    def recovering(self, context: Callable[[], LogContext | None]) -> Iterator[None]:
+        """While recovery runs: a start that may refuse, and the finder of lost messages told how far the log
+        reaches by recovery itself (``context``), which knows it before the spool has a writer."""
+        saved = self.context
+        self.starting, self.context = True, context
+        try:
+            yield
+        finally:
+            self.starting, self.context = False, saved
 
     # -- the reporters readers are given ---------------------------------------------------
 

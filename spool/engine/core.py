@@ -133,7 +133,7 @@ class SpoolCore:
         self._rr = 0
         self._lock_fd = -1  # spool.engine.spool: the lock taken at open
         self._checkpoint: ckpt.Checkpoint | None = None
-        self.writer: LogWriter  # set by recovery, at the end of the log it found
+        self.writer: LogWriter  # made by open_log, at the end of the log recovery found
         self.runners: list[Runner] = []  # set by recovery, at the checkpoint's positions
         self.flush_hook: Any = None
         # How many segments a live body may lie behind its envelope (see BODY_SLACK); only grows.
@@ -146,21 +146,35 @@ class SpoolCore:
         # position, first position of the envelope and its body). See checkpoint_plan(durable_only=True).
         self._settling: deque[tuple[int, int, int]] = deque()
         self._restore_floor: int | None = None  # restore_message: ids below this position are not this spool's
-        # Damage (spool.damage.policy): quarantined, named, gone past. ``_recovery_end`` is how far the log
-        # reaches while recovery runs (there is no writer yet); the finder of lost messages reads no further.
+        # Damage (spool.damage.policy): quarantined, named, gone past. While recovery runs (no writer yet), the
+        # finder of lost messages is given recovery's own context instead (Recovery.context).
         self.damage = DamagePolicy(io, path, config.on_damage, self.damage_context)
-        self._recovery_end: int | None = None
         # The position of the last ENVELOPE appended (-1: none yet). A batch that becomes durable gives a
         # runner work only if an envelope was appended since the last wake-up (AsyncClaims._signal_change).
         self.envelope_head = -1
         self.fresh = FreshEnvelopes()  # new envelopes until their claim (spool.write.fresh): no decode for the runner
-        self.gauges: QueueGauges | None = None  # kept once the relay seeds them (spool.engine.gauges)
+        self.gauges: QueueGauges | None = None  # kept once the relay seeds them (``keep_gauges``)
+
+    def keep_gauges(self, gauges: QueueGauges) -> None:
+        """Keep ``gauges`` (seeded from the live log: spool.engine.gauges) as records are appended from now on."""
+        self.gauges = gauges
 
     def _now(self) -> float:
         return self.config.clock()
 
     def _now_ms(self) -> int:
         return int(self._now() * 1000)
+
+    def open_log(self, segment: int, offset: int, now: float) -> None:
+        """Begin appending at ``offset`` of ``segment``, the end of the log that recovery found and synced.
+
+        Why here and not in recovery: the writer is this spool's, for as long
+        as it is open; recovery only says where the log ends. Everything up to
+        there is durable, so readers may see all of it at once.
+        """
+        self.writer = LogWriter(self.io, self.log_dir, self.config.segment_size, segment, offset, int(now))
+        self.writer.on_damage = self.damage.reporter("a runner")
+        self.writer.publish_durable()
 
     def _next_position(self) -> int:
         """The log head: the position the next record appended will get, unless it opens a new segment."""
@@ -371,7 +385,7 @@ class SpoolCore:
         """
         seg, off = pos_segment(pos), pos_offset(pos)
         reader = LogReader(self.io, self.log_dir)
-        durable = self.writer.durable_end if hasattr(self, "writer") else self._recovery_end
+        durable = self.writer.durable_end if hasattr(self, "writer") else None
         try:
             size = reader.size(seg)
         except FileNotFoundError:
@@ -382,10 +396,11 @@ class SpoolCore:
 
     def damage_context(self) -> LogContext | None:
         """What the finder of lost messages needs now (``spool.read.lost``): how far to read, the oldest runner,
-        the envelopes in flight. None before recovery knows where the log ends."""
-        end = self.writer.durable_end if hasattr(self, "writer") else self._recovery_end
-        if end is None:
-            return None
+        the envelopes in flight. None before the log has a writer (recovery gives its own: ``Recovery.context``)."""
+        return self.log_context(self.writer.durable_end) if hasattr(self, "writer") else None
+
+    def log_context(self, end: int) -> LogContext:
+        """What the finder of lost messages needs when the log is known to reach ``end``."""
         cp = self._checkpoint
         runners = [r.pos for r in self.runners] or (list(cp.runners) if cp is not None else [])
         live_from = min(runners) if runners else 0
@@ -397,6 +412,16 @@ class SpoolCore:
     def slack(self) -> int:
         """Segments kept behind the garbage-prefix end, for bodies that lie behind their envelopes."""
         return BODY_SLACK + self.body_span
+
+    def start_from(self, cp: ckpt.Checkpoint | None) -> None:
+        """The checkpoint recovery read (None: none, or damaged): its positions, and how far back bodies reach."""
+        self._checkpoint = cp
+        if cp is not None:
+            self.body_span = cp.body_span
+
+    def bodies_reach(self, span: int) -> None:
+        """Bodies were found lying ``span`` segments behind their envelopes (recovery's scan); the reach only grows."""
+        self.body_span = max(self.body_span, span)
 
     def _note_span(self, envelope_pos: int, chunks: tuple[int, ...]) -> None:
         if chunks:

@@ -132,8 +132,8 @@ from spool.format.segment import (
 )
 from spool.read import lost
 from spool.read.anomaly import Anomaly, Kind
+from spool.read.lost import LogContext
 from spool.read.reader import LogReader, Reporter
-from spool.write.log import LogWriter
 
 log = logging.getLogger("spool.engine.recovery")
 
@@ -214,14 +214,21 @@ class Recovery:
         self.on_damage = on_damage if on_damage is not None else sp.damage.reporter("recovery")
         self.stats = RecoveryStats()
         self._reported: set[Anomaly] = set()
+        # How far the log reaches, as far as recovery has found it (None: not yet): until the spool has its writer,
+        # the finder of lost messages reads no further (``context``). It moves while the end of the log is sought
+        # and cut.
+        self.reach: int | None = None
+        self.log_open = False  # the spool appends (``SpoolCore.open_log``): its own context holds from here
 
     def run(self) -> RecoveryStats:
-        sp = self.sp
-        sp.damage.starting = True
-        try:
+        with self.sp.damage.recovering(self.context):
             return self._run()
-        finally:
-            sp.damage.starting = False
+
+    def context(self) -> LogContext | None:
+        """What the finder of lost messages needs while recovery runs: up to ``reach`` until the log is open."""
+        if self.log_open:
+            return self.sp.damage_context()
+        return None if self.reach is None else self.sp.log_context(self.reach)
 
     def _run(self) -> RecoveryStats:
         sp, stats = self.sp, self.stats
@@ -231,19 +238,17 @@ class Recovery:
         last, end_off = self.find_log_end(cp, ids)
         if cp is not None and make_pos(last, end_off) < cp.head:
             last, end_off = self.fresh_segment(cp, ids, make_pos(last, end_off))
-        sp._recovery_end = make_pos(last, end_off)
+        self.reach = make_pos(last, end_off)
         for anomaly in missing:  # reported now that the end of the log is known: what they lost can be named
             self.report(anomaly)
         first = ids[0]
         start, end = working_start(cp, first), make_pos(last, end_off)
-        sp._recovery_end = end
         self.sync_tail(cp, pos_segment(start), end, ids)
-        sp.writer = LogWriter(self.io, self.log_dir, sp.config.segment_size, last, end_off, int(t0))
-        sp.writer.on_damage = sp.damage.reporter("a runner")
-        sp.writer.publish_durable()  # the tail is synced (sync_tail): readers may see all of it
+        sp.open_log(last, end_off, t0)  # the tail is synced (sync_tail): the spool appends from its end
+        self.log_open = True
         reader = self.reader(cp, ids)
         found = self.scan_suffix(reader, start, end)
-        sp.body_span = max(sp.body_span, found.body_span)
+        sp.bodies_reach(found.body_span)
         self.mark_garbage(found.to_mark)
         self.start_runners(cp, first, end)
         self.check_sealed(reader, min(r.pos for r in sp.runners), last)
@@ -300,9 +305,7 @@ class Recovery:
                 os.path.join(sp.path, ckpt.NAME) + ": ")
             sp.damage.checkpoint_damaged(os.path.join(sp.path, ckpt.NAME), reason, sp._now_ms())
             cp = None
-        sp._checkpoint = cp
-        if cp is not None:
-            sp.body_span = cp.body_span
+        sp.start_from(cp)
         return cp
 
     # -- 2. segments ----------------------------------------------------------------------
@@ -377,7 +380,7 @@ class Recovery:
             start = working_start(cp, ids[0])
             reader = self.reader(cp, ids)
             size = reader.size(last)
-            self.sp._recovery_end = make_pos(last, size)
+            self.reach = make_pos(last, size)
             # From where the working suffix begins in it; from its first record when it is shorter than that
             # (it lost durable records: what is left of them is walked and named too).
             from_off = pos_offset(start) if pos_segment(start) == last and pos_offset(start) <= size else None

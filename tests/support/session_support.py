@@ -58,7 +58,7 @@ async def inline_spool(path: Path, io: FileIO, **overrides: Any) -> AsyncIterato
     """A spool over ``io`` with the inline path on (INLINE_SYNC_FAST), as a relay whose deliveries run in
     workers has it."""
     async with running_spool(path, spool_config(**overrides), io) as aspool:
-        aspool.inline_sync_max = INLINE_SYNC_FAST
+        aspool.inline_sync(INLINE_SYNC_FAST)
         yield aspool
 
 

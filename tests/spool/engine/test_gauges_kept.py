@@ -31,8 +31,9 @@ def test_kept_gauges_equal_a_fresh_count_after_every_step(tmp_path: Path, seed: 
     clock = Clock(1000.0)
     sp = Spool.open(str(tmp_path), SpoolConfig(retry_intervals=(1.0, 2.0), clock=clock))
     try:
-        sp.gauges = QueueGauges()
-        sp.gauges.seed(sp)
+        gauges = QueueGauges()
+        gauges.seed(sp)
+        sp.keep_gauges(gauges)
         for step in range(120):
             choice = rnd.random()
             live = [m for m in admin.iter_live(sp) if m.state != "active"]
@@ -54,6 +55,7 @@ def test_kept_gauges_equal_a_fresh_count_after_every_step(tmp_path: Path, seed: 
             fresh = QueueGauges()
             fresh.seed(sp)
             kept = sp.gauges
+            assert kept is gauges
             if kept.stale:  # the oldest left: the relay refreshes it by one walk
                 kept.refreshed(min((admin.arrival_key(m) for m in admin.iter_live(sp)), default=None))
             assert counts(kept) == counts(fresh), (step, attrs.asdict(kept), attrs.asdict(fresh))
