@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from mta.config.dkim import DkimSection
+from mta.config.egress import EgressSection
 from mta.config.events import EventsSection
 from mta.config.filters import FiltersSection
 from mta.config.http import HttpSection
@@ -389,6 +390,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("recipients", RecipientsSection),
     ("http", HttpSection),
     ("events", EventsSection),
+    ("egress", EgressSection),
 )
 
 
