@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from mta.config.bounce_classes import BounceClassesSection
 from mta.config.dkim import DkimKey, DkimSection
 from mta.config.egress import EgressSection
 from mta.config.events import EventsSection
@@ -65,6 +66,7 @@ class Config:
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
     filters: FiltersSection = attrs.field(factory=FiltersSection)
     egress: EgressSection = attrs.field(factory=EgressSection)
+    bounce_classes: BounceClassesSection = attrs.field(factory=BounceClassesSection)
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

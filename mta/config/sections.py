@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from mta.config.bounce_classes import BounceClassesSection
 from mta.config.dkim import DkimSection
 from mta.config.egress import EgressSection
 from mta.config.events import EventsSection
@@ -391,6 +392,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("http", HttpSection),
     ("events", EventsSection),
     ("egress", EgressSection),
+    ("bounce_classes", BounceClassesSection),
 )
 
 

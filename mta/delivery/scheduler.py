@@ -75,6 +75,7 @@ from typing import Any
 import attrs
 import trio
 
+from mta.bounce_class import classifier_for
 from mta.config import Config, DiscardRoute, LmtpRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
 from mta.config.egress import Source
 from mta.containment import is_fatal, local_error
@@ -82,7 +83,7 @@ from mta.delivery import dsn as dsnmod
 from mta.delivery import dsn_notify
 from mta.delivery.egress import AllCapped, Egress
 from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
-from mta.observe.logline import event
+from mta.observe.logline import FieldValue, event
 from mta.observe.metrics import Metrics
 from mta.smtp import dsn_params
 from spool import (
@@ -190,6 +191,8 @@ class Scheduler:
         # log and metrics are two readers; tests wait on it instead of sleeping.
         self.observers: list[Callable[[str, Outcome], None]] = []
         self._riding = 0  # batches whose outcomes wait in _commit_outcomes to ride another commit
+        bc = config.bounce_classes
+        self.classes = classifier_for(bc.rules_file, bc.defaults)  # each outcome's class, in its delivery line
         self.egress = Egress(config.egress)  # the source addresses chosen, and each one's messages today
         self.in_flight = 0  # messages claimed and not yet finished (their FINISH or replacement appended)
         self.delivered = 0  # messages finished since the start (a drain's count at exit)
@@ -714,10 +717,13 @@ class Scheduler:
     def _log(self, qid: str, env: Envelope, o: Outcome, now: float, duration: float, source: str = "") -> None:
         """The delivery line, Postfix's ``to=<...>, relay=..., delay=..., dsn=..., status=...`` as key=value."""
         delay = max(0.0, now - env.arrival_ms / 1000)
+        klass = self.classes.of(o)
         relay, _, tls = (dsn_notify.strip_passed(o.next_hop) or "none").partition(" tls=")
         message_id = env.extra.get("message_id")
-        event(log, "delivery", qid, message_id=message_id if isinstance(message_id, str) else None,
-              to=f"<{o.recipient}>", relay=relay, tls=tls or None, source=source or None, delay=delay,
-              attempts=env.attempts + 1, dsn=o.enhanced or "-", status=STATUS_WORDS[o.status],
-              reply=f"{o.code} {o.reply}" if o.code else o.reply)
-        self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0)
+        fields: dict[str, FieldValue] = {
+            "message_id": message_id if isinstance(message_id, str) else None, "to": f"<{o.recipient}>",
+            "relay": relay, "tls": tls or None, "source": source or None, "delay": delay,
+            "attempts": env.attempts + 1, "dsn": o.enhanced or "-", "status": STATUS_WORDS[o.status],
+            "class": klass, "reply": f"{o.code} {o.reply}" if o.code else o.reply}
+        event(log, "delivery", qid, fields)
+        self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0, klass)

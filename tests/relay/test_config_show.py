@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from process_support import run_mta
 
 from mta.config import Config, ConfigError, parse_config
+from mta.config.bounce_classes import RulesFile
 from mta.config.dkim import HeaderName
 from mta.config.egress import DomainMap, Pools, Sources
 from mta.config.events import ConsumerName, WebhookUrl
@@ -51,6 +52,18 @@ def _secrets_file() -> str:
 
 
 SECRETS_FILE = _secrets_file()
+
+
+def _rules_file() -> str:
+    """A bounce-class rules file with one rule (``RulesFile`` reads and checks it)."""
+    fd, path = tempfile.mkstemp(prefix="classes-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write('[[rule]]\nclass = "policy"\ntext = "greylist"\n')
+    atexit.register(os.unlink, path)
+    return path
+
+
+RULES_FILE = _rules_file()
 
 FULL = """
 [server]
@@ -242,6 +255,8 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
             return st.sampled_from(choices).flatmap(lambda c: st.sampled_from([c, c.upper(), c.title()]))
         case PathKind():
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1, max_size=12)
+        case RulesFile():
+            return st.just(RULES_FILE)
         case ReadableFile():
             return st.just(CA_FILE)
         case SecretsFile():
