@@ -9,17 +9,19 @@ from __future__ import annotations
 import functools
 
 from mta.bounce_class.rules import (
+    CLASSED,
     CLASSES,
     Classifier,
     Rule,
     RulesError,
     default_rules,
+    glob_regex,
     load_file,
     parse_rules,
 )
 
-__all__ = ["CLASSES", "Classifier", "Rule", "RulesError", "classifier_for", "default_rules", "load_file",
-           "parse_rules"]
+__all__ = ["CLASSED", "CLASSES", "Classifier", "Rule", "RulesError", "classifier_for", "default_rules", "glob_regex",
+           "load_file", "parse_rules"]
 
 
 @functools.cache

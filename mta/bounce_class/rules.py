@@ -24,13 +24,14 @@ import attrs
 
 from spool import ConfigError, Outcome, Status
 
-__all__ = ["CLASSES", "Classifier", "Rule", "RulesError", "default_rules", "load_file", "parse_rules"]
+__all__ = ["CLASSED", "CLASSES", "Classifier", "Rule", "RulesError", "default_rules", "glob_regex", "load_file",
+           "parse_rules"]
 
 # Every class there is, in the order the docs and the metrics list them.
 CLASSES = ("bad-mailbox", "mailbox-full", "policy", "rate-limited", "dns", "tls", "connection", "other")
 _KEYS = ("class", "code", "enhanced", "text", "source")
 # Outcomes that get a class: the ones that did not deliver (a deletion is the administrator's, not a reply).
-_CLASSED = frozenset({Status.DEFERRED, Status.BOUNCED, Status.EXPIRED})
+CLASSED = frozenset({Status.DEFERRED, Status.BOUNCED, Status.EXPIRED})
 
 
 class RulesError(ConfigError):
@@ -53,6 +54,26 @@ class Rule:
         if self.enhanced and not fnmatch.fnmatchcase(enhanced, self.enhanced):
             return False
         return self.text is None or self.text.search(text) is not None
+
+
+def glob_regex(pattern: str) -> str:
+    """A rule's code pattern (``?``, ``*``, ``[...]``) as an anchored regular expression that Python's ``re``
+    and Java's (the Spark report's ``rlike``) read alike."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "?":
+            out.append(".")
+        elif c == "*":
+            out.append(".*")
+        elif c == "[" and "]" in pattern[i + 1:]:
+            end = pattern.index("]", i + 1)
+            out.append("[" + "".join("\\" + ch if ch in "\\[]^" else ch for ch in pattern[i + 1:end]) + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "^" + "".join(out) + "$"
 
 
 def parse_rules(text: str, origin: str) -> tuple[Rule, ...]:
@@ -111,6 +132,18 @@ def load_file(path: str) -> tuple[Rule, ...]:
     return parse_rules(text, path)
 
 
+def rules_table(rules: Sequence[Rule]) -> str:
+    """The rules as the markdown table docs/operations.md shows (a test keeps the two the same)."""
+    rows = ["| # | class | code | enhanced | text (regular expression) | source |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for i, r in enumerate(rules, 1):
+        text = r.text.pattern.replace("|", "\\|") if r.text is not None else ""
+        cells = [str(i), r.klass, f"`{r.code}`" if r.code else "", f"`{r.enhanced}`" if r.enhanced else "",
+                 f"`{text}`" if text else "", r.source.replace("|", "\\|")]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
 class Classifier:
     """The class of an outcome: the first of ``rules`` that matches, else ``other``."""
 
@@ -125,6 +158,6 @@ class Classifier:
 
     def of(self, outcome: Outcome) -> str | None:
         """An outcome's class, or None for one that needs none (delivered, deleted)."""
-        if outcome.status not in _CLASSED:
+        if outcome.status not in CLASSED:
             return None
         return self.classify(outcome.code, outcome.enhanced, outcome.reply)

@@ -7,11 +7,14 @@ addresses in them replaced by documentation addresses).
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from pathlib import Path
 
 import pytest
 
-from mta.bounce_class import CLASSES, Classifier, RulesError, classifier_for, default_rules, parse_rules
+from mta.bounce_class import CLASSES, Classifier, RulesError, classifier_for, default_rules, glob_regex, parse_rules
+from mta.bounce_class.rules import rules_table
 from mta.config import ConfigError, parse_config
 from spool import Outcome, Status
 
@@ -112,3 +115,19 @@ def test_the_config_checks_the_rules_file_when_it_is_read(tmp_path: Path) -> Non
     assert "bounce_classes.rules_file" in str(caught.value) and "rule[0].class" in str(caught.value)
     rules.write_text('[[rule]]\nclass = "policy"\ntext = "x"\n')
     assert parse_config(f'[bounce_classes]\nrules_file = "{rules}"\n').bounce_classes.rules_file == str(rules)
+
+
+@pytest.mark.parametrize("code", ["0", "250", "421", "451", "550", "4.7.28", "5.1.10", "4.4.1", "2.0.0", "5.7.650"])
+def test_a_pattern_read_as_a_regular_expression_matches_what_fnmatch_matches(code: str) -> None:
+    """The Spark report classes by ``glob_regex`` (Java's rlike), the relay by fnmatch: they must agree."""
+    patterns = [rule.code or rule.enhanced for rule in default_rules() if rule.code or rule.enhanced]
+    patterns += ["4??", "5.7.*", "?.[14].[234]"]
+    for pattern in patterns:
+        assert bool(re.search(glob_regex(pattern), code)) == fnmatch.fnmatchcase(code, pattern), pattern
+
+
+def test_the_manuals_table_is_the_shipped_rules() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "operations.md").read_text(encoding="utf-8")
+    begin = "<!-- bounce classes: checked by tests/bounce_class/test_bounce_class.py -->\n"
+    table = doc.split(begin, 1)[1].split("<!-- end bounce classes -->", 1)[0]
+    assert table == rules_table(default_rules())
