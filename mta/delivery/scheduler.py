@@ -52,6 +52,13 @@ the destination is backed off (doubling from 2 s up to 5 min); while it is,
 its jobs are deferred at once without a connection attempt, as Postfix's
 qmgr does with a dead site.
 
+Egress. When ``[egress]`` names a pool (or an address) for a recipient's
+route or the message's sender, the message's group for that destination is
+given one address of the pool as it is dispatched (``mta.delivery.egress``):
+the address is part of the destination, so its queue, its connections and
+its backoff are its own. A pool with no room today defers the recipients at
+once, like a routing failure, without a connection.
+
 Containment. An unexpected exception while one message or batch is routed,
 read, handed to its transport, or while its bounce is built, defers those
 messages only: each gets a DEFERRED outcome whose reply says ``local error:``
@@ -304,7 +311,7 @@ class Scheduler:
     def _choose_sources(self, groups: dict[Destination, list[str]],
                         failed: list[Outcome]) -> dict[Destination, list[str]]:
         """One address per message and destination: each group marked with a pool gets its address now (one
-        message counted against it, ``Egress.choose``). A group whose pool filled up meanwhile (an earlier
+        message counted against it, ``Egress.pick``). A group whose pool filled up meanwhile (an earlier
         group of this message took the last room) is deferred into ``failed``."""
         chosen: dict[Destination, list[str]] = {}
         for dest, rcpts in groups.items():
