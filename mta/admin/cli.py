@@ -28,6 +28,7 @@ import click
 
 from mta.admin.queue_ops import MAX_ERRORS_LISTED, MAX_LIMIT
 from mta.admin.shards_merge import check_ids, request
+from mta.bounce_class import Classifier, classifier_for
 from mta.cli_common import EXIT_FAILURE, config_option, json_option
 from mta.config import Config, load_config
 from spool import format_age
@@ -200,8 +201,17 @@ def queue_count(config_path: str | None, domain: str | None, held: bool, as_json
 def queue_show(config_path: str | None, queue_id: str, body: bool, as_json: bool) -> None:
     """Show one message."""
     check_ids((queue_id,))
-    answer = request(load_config(config_path), {"op": "show", "id": queue_id, "body": body})
+    config = load_config(config_path)
+    answer = request(config, {"op": "show", "id": queue_id, "body": body})
+    add_classes(answer, classifier_for(config.bounce_classes.rules_file, config.bounce_classes.defaults))
     _emit(as_json, answer, lambda: print_show(answer, time.time()))
+
+
+def add_classes(m: dict[str, Any], classes: Classifier) -> None:
+    """Each recipient's bounce class, derived from its last reply (none for one delivered, deleted or untried)."""
+    for row in m.get("recipient_status", ()):
+        if row["status"] not in ("delivered", "deleted") and (row["code"] or row["enhanced"] or row["reply"]):
+            row["class"] = classes.classify(int(row["code"]), str(row["enhanced"]), str(row["reply"]))
 
 
 def print_show(m: dict[str, Any], now: float) -> None:
@@ -223,7 +233,7 @@ def print_show(m: dict[str, Any], now: float) -> None:
         words = _RECIPIENT_WORDS.get(row["status"], row["status"])
         if row["status"] == "in_doubt" and m["state"] == "held":  # held at recovery (``in_doubt = "hold"``)
             words = f"in doubt (perhaps delivered before a crash; held: mta queue release {m['id']} sends it again)"
-        text = f"  {row['recipient']}: {words}"
+        text = f"  {row['recipient']}: {words}" + (f" [{row['class']}]" if row.get("class") else "")
         click.echo(text + (f": {reply_text(row)}" if reply_text(row) else ""))
         if row["time"] is not None:  # the reply's time and who gave it
             click.echo(f"      at {when(row['time'], now)}" + (f" from {row['next_hop']}" if row["next_hop"] else ""))

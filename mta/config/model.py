@@ -8,7 +8,9 @@ from collections.abc import Mapping
 
 import attrs
 
+from mta.config.bounce_classes import BounceClassesSection
 from mta.config.dkim import DkimKey, DkimSection
+from mta.config.egress import EgressSection
 from mta.config.events import EventsSection
 from mta.config.filters import FiltersSection
 from mta.config.http import HttpSection
@@ -63,6 +65,8 @@ class Config:
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
     filters: FiltersSection = attrs.field(factory=FiltersSection)
+    egress: EgressSection = attrs.field(factory=EgressSection)
+    bounce_classes: BounceClassesSection = attrs.field(factory=BounceClassesSection)
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

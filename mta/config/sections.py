@@ -20,7 +20,9 @@ from typing import Any
 
 import attrs
 
+from mta.config.bounce_classes import BounceClassesSection
 from mta.config.dkim import DkimSection
+from mta.config.egress import EgressSection
 from mta.config.events import EventsSection
 from mta.config.filters import FiltersSection
 from mta.config.http import HttpSection
@@ -389,6 +391,8 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("recipients", RecipientsSection),
     ("http", HttpSection),
     ("events", EventsSection),
+    ("egress", EgressSection),
+    ("bounce_classes", BounceClassesSection),
 )
 
 

@@ -25,13 +25,15 @@ __all__ = ["show_config", "toml_value"]
 
 
 def toml_value(value: TomlValue) -> str:
-    """One TOML value: a basic string (with escapes), a number, a boolean, or an inline list of them."""
+    """One TOML value: a basic string (with escapes), a number, a boolean, an inline list or table of them."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, str):
         return '"' + "".join(_escape(c) for c in value) + '"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key_name(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     return "[" + ", ".join(toml_value(item) for item in value) + "]"
 
 

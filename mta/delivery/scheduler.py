@@ -52,6 +52,13 @@ the destination is backed off (doubling from 2 s up to 5 min); while it is,
 its jobs are deferred at once without a connection attempt, as Postfix's
 qmgr does with a dead site.
 
+Egress. When ``[egress]`` names a pool (or an address) for a recipient's
+route or the message's sender, the message's group for that destination is
+given one address of the pool as it is dispatched (``mta.delivery.egress``):
+the address is part of the destination, so its queue, its connections and
+its backoff are its own. A pool with no room today defers the recipients at
+once, like a routing failure, without a connection.
+
 Containment. An unexpected exception while one message or batch is routed,
 read, handed to its transport, or while its bounce is built, defers those
 messages only: each gets a DEFERRED outcome whose reply says ``local error:``
@@ -75,12 +82,15 @@ from typing import Any
 import attrs
 import trio
 
+from mta.bounce_class import classifier_for
 from mta.config import Config, DiscardRoute, LmtpRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
+from mta.config.egress import Source
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery import dsn_notify
+from mta.delivery.egress import AllCapped, Egress
 from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
-from mta.observe.logline import event
+from mta.observe.logline import FieldValue, event
 from mta.observe.metrics import Metrics
 from mta.smtp import dsn_params
 from spool import (
@@ -188,6 +198,9 @@ class Scheduler:
         # log and metrics are two readers; tests wait on it instead of sleeping.
         self.observers: list[Callable[[str, Outcome], None]] = []
         self._riding = 0  # batches whose outcomes wait in _commit_outcomes to ride another commit
+        bc = config.bounce_classes
+        self.classes = classifier_for(bc.rules_file, bc.defaults)  # each outcome's class, in its delivery line
+        self.egress = Egress(config.egress)  # the source addresses chosen, and each one's messages today
         self.in_flight = 0  # messages claimed and not yet finished (their FINISH or replacement appended)
         self.delivered = 0  # messages finished since the start (a drain's count at exit)
         self.draining = False
@@ -210,6 +223,10 @@ class Scheduler:
         self.delivered += 1
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.egress.active and any(s.warmup for s in self.config.egress.sources):
+            counted = await trio.to_thread.run_sync(self.egress.rebuild, self.config.spool.dir)
+            event(log, "egress_counts", None, records=counted,
+                  counts=",".join(f"{a}={n}" for a, n in sorted(self.egress.counts.items())) or None)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for _ in range(self.concurrency):
@@ -246,7 +263,7 @@ class Scheduler:
         qid = self.aspool.core.queue_id(env.message_id)
         for rcpt in attempt.remaining:
             try:
-                dest = destination_for(self.config, rcpt)
+                dest = self._egress_for(env.sender, rcpt, destination_for(self.config, rcpt))
             except Exception as exc:
                 if is_fatal(exc, self.aspool.core):
                     raise
@@ -256,8 +273,11 @@ class Scheduler:
                 continue
             if isinstance(dest, NoRoute):
                 unroutable.append(rcpt)
+            elif isinstance(dest, AllCapped):
+                failed.append(Outcome(rcpt, Status.DEFERRED, 0, "4.4.5", dest.text, ""))
             else:
                 groups.setdefault(dest, []).append(rcpt)
+        groups = self._choose_sources(groups, failed)
         tracker.outstanding = len(groups) + (1 if unroutable else 0) + (1 if failed else 0)
         if unroutable:
             outs = [Outcome(r, Status.BOUNCED, 550, "5.1.2", "no route to this domain", "") for r in unroutable]
@@ -268,11 +288,41 @@ class Scheduler:
         if not groups and not unroutable and not failed:
             self._nursery.start_soon(self._finish_only, tracker)
         for dest, rcpts in groups.items():
-            job = Job(qid, env.sender, tuple(rcpts), (), env.body_size, dict(env.extra))
+            job = Job(qid, env.sender, tuple(rcpts), (), env.body_size, dict(env.extra), dest.source)
             state = self.dests.setdefault(dest, DestState())
             state.queue.append((job, tracker))
             self.pending += 1
         self._wake()
+
+    def _egress_for(self, sender: str, rcpt: str, dest: Destination | NoRoute) -> Destination | NoRoute | AllCapped:
+        """``dest`` marked with the pool (or address) ``[egress]`` names for it, or ``AllCapped`` before any
+        choice when that pool has no room today; the address itself is chosen per message
+        (``_choose_sources``)."""
+        if isinstance(dest, NoRoute) or dest.kind not in ("smtp", "mx") or not self.egress.active:
+            return dest
+        target = self.egress.section.target_for(sender, rcpt.rpartition("@")[2].lower())
+        if target is None:
+            return dest
+        members = self.egress.pools.get(target, ((target, 1),))
+        if not any(self.egress.room(address) for address, _ in members):
+            return AllCapped(target)
+        return attrs.evolve(dest, source=f"pool:{target}")
+
+    def _choose_sources(self, groups: dict[Destination, list[str]],
+                        failed: list[Outcome]) -> dict[Destination, list[str]]:
+        """One address per message and destination: each group marked with a pool gets its address now (one
+        message counted against it, ``Egress.pick``). A group whose pool filled up meanwhile (an earlier
+        group of this message took the last room) is deferred into ``failed``."""
+        chosen: dict[Destination, list[str]] = {}
+        for dest, rcpts in groups.items():
+            if dest.source.startswith("pool:"):
+                picked = self.egress.pick(dest.source.removeprefix("pool:"))
+                if not isinstance(picked, Source):
+                    failed.extend(Outcome(r, Status.DEFERRED, 0, "4.4.5", picked.text, "") for r in rcpts)
+                    continue
+                dest = attrs.evolve(dest, source=picked.address, helo=picked.ehlo)
+            chosen.setdefault(dest, []).extend(rcpts)
+        return chosen
 
     def _wake(self) -> None:
         """Wake one idle worker if there is work for it and none is already on its way."""
@@ -532,7 +582,7 @@ class Scheduler:
         if notices:
             self._report_success(tracker, outcomes)
         self._warn_of_delay(tracker, outcomes)
-        self.aspool.append_delivery(attempt, outcomes, duration_ms)
+        self.aspool.append_delivery(attempt, outcomes, duration_ms, job.source)
         tracker.appended_to = self.aspool.core.writer.head
         return outcomes
 
@@ -591,8 +641,10 @@ class Scheduler:
         attempt = tracker.attempt
         env = attempt.envelope
         now = time.time()
+        if job.source and not any(o.code for o in outcomes):
+            self.egress.give_back(job.source)  # no next hop answered: nothing was sent from it
         for o in outcomes:
-            self._log(job.queue_id, env, o, now, duration)
+            self._log(job.queue_id, env, o, now, duration, job.source)
         for dsn_qid, count in [(q, n) for j, q, n in tracker.dsns if j is job]:  # durable with these outcomes
             event(log, "bounce", job.queue_id, to=f"<{env.sender}>", dsn=dsn_qid, nrcpt=count)
         tracker.dsns = [d for d in tracker.dsns if d[0] is not job]
@@ -669,13 +721,16 @@ class Scheduler:
             self.metrics.bounced_dsn.inc()
         return self.aspool.core.queue_id(dsn_id)
 
-    def _log(self, qid: str, env: Envelope, o: Outcome, now: float, duration: float) -> None:
+    def _log(self, qid: str, env: Envelope, o: Outcome, now: float, duration: float, source: str = "") -> None:
         """The delivery line, Postfix's ``to=<...>, relay=..., delay=..., dsn=..., status=...`` as key=value."""
         delay = max(0.0, now - env.arrival_ms / 1000)
+        klass = self.classes.of(o)
         relay, _, tls = (dsn_notify.strip_passed(o.next_hop) or "none").partition(" tls=")
         message_id = env.extra.get("message_id")
-        event(log, "delivery", qid, message_id=message_id if isinstance(message_id, str) else None,
-              to=f"<{o.recipient}>", relay=relay, tls=tls or None, delay=delay,
-              attempts=env.attempts + 1, dsn=o.enhanced or "-", status=STATUS_WORDS[o.status],
-              reply=f"{o.code} {o.reply}" if o.code else o.reply)
-        self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0)
+        fields: dict[str, FieldValue] = {
+            "message_id": message_id if isinstance(message_id, str) else None, "to": f"<{o.recipient}>",
+            "relay": relay, "tls": tls or None, "source": source or None, "delay": delay,
+            "attempts": env.attempts + 1, "dsn": o.enhanced or "-", "status": STATUS_WORDS[o.status],
+            "class": klass, "reply": f"{o.code} {o.reply}" if o.code else o.reply}
+        event(log, "delivery", qid, fields)
+        self.metrics.outcome(o.status, delay if math.isfinite(delay) else 0.0, klass)

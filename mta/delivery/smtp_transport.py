@@ -253,10 +253,11 @@ def client_ssl_context(tls_mode: str, ca_file: str | None = None) -> ssl.SSLCont
 class _Session:
     """One client connection: greeting, EHLO, maybe STARTTLS, then transactions."""
 
-    def __init__(self, stream: trio.abc.Stream, host: str, config: Config) -> None:
+    def __init__(self, stream: trio.abc.Stream, host: str, config: Config, helo: str = "") -> None:
         self.stream = stream
         self.host = host
         self.config = config
+        self.helo = helo or config.server.hostname  # an egress address's own name ([egress.sources])
         self.conn = ClientConnection()
         self.tls = "none"
         self.tls_info: TlsInfo | None = None
@@ -390,12 +391,12 @@ class _Session:
 
     async def _hello(self, timeout: float) -> None:
         self.stage = "sending EHLO"
-        self.conn.ehlo(self.config.server.hostname)
+        self.conn.ehlo(self.helo)
         ev = await self._event(timeout)
         if isinstance(ev, EhloReply) and ev.reply.is_positive:
             return
         self.stage = "sending HELO"
-        self.conn.helo(self.config.server.hostname)
+        self.conn.helo(self.helo)
         ev = await self._event(timeout)
         if not isinstance(ev, EhloReply) or not ev.reply.is_positive:
             raise HopFailed("refused HELO", getattr(ev, "reply", None), "rejected")
@@ -559,25 +560,27 @@ class SmtpTransport:
             self.logins.failed((hop.host.lower(), hop.port), _label(hop), login.user, detail)
             raise HopFailed(detail, cause="auth", enhanced="4.7.0")
         try:
-            return await self._open(hop, hop_tls, qids, login)
+            return await self._open(hop, hop_tls, qids, login, destination)
         except HopFailed as exc:
             if exc.result is None or not hop_tls.testing or hop_tls.report is None:
                 raise
             # MTA-STS testing mode: log what enforce would have done, then deliver as before.
             event(log, "mta_sts_testing", None, qids=qids, domain=hop_tls.report.domain, relay=_label(hop),
                   would="defer", detail=str(exc))
-            return await self._open(hop, hop_tls.relaxed(), qids)
+            return await self._open(hop, hop_tls.relaxed(), qids, None, destination)
 
-    async def _open(self, hop: mx.Hop, hop_tls: HopTls, qids: list[str], login: Login | None = None) -> _Session:
+    async def _open(self, hop: mx.Hop, hop_tls: HopTls, qids: list[str], login: Login | None = None,
+                    destination: Destination | None = None) -> _Session:
         """A new connection to ``hop``, its TLS as ``hop_tls`` says, logged in as ``login`` (``smarthost_login``);
-        a session under a policy is counted."""
+        a session under a policy is counted. From ``destination.source`` with its EHLO name, if it names one."""
         timeout = self.config.delivery.connect_timeout
+        source = destination.source if destination is not None else ""
         try:
             with trio.fail_after(timeout):
-                stream = await trio.open_tcp_stream(hop.address, hop.port)
+                stream = await trio.open_tcp_stream(hop.address, hop.port, local_address=source or None)
         except trio.TooSlowError:
             raise HopFailed(f"connect to {_label(hop)}: timed out after {timeout:g} s", cause="timeout") from None
-        session = _Session(stream, hop.host, self.config)
+        session = _Session(stream, hop.host, self.config, destination.helo if destination is not None else "")
         local = _local_address(stream)
         try:
             await session.open(hop_tls)

@@ -25,11 +25,18 @@ from spool import Outcome, Status
 
 @attrs.frozen
 class Destination:
-    """Where recipients go: ``kind`` is smtp, mx, maildir or discard; ``target`` its next hop."""
+    """Where recipients go: ``kind`` is smtp, mx, maildir or discard; ``target`` its next hop.
+
+    ``source`` and ``helo``: the local address an SMTP connection binds to and the EHLO name it gives
+    (``[egress]``; "" for the system's choice and ``server.hostname``). They are part of the key, so
+    mail from two addresses to one next hop waits in two queues and rides two sets of connections.
+    """
 
     kind: str
     target: str
     tls: str = "opportunistic"
+    source: str = ""
+    helo: str = ""
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.target}" if self.target else self.kind
@@ -45,6 +52,7 @@ class Job:
     body: Iterable[bytes]
     size: int
     extra: dict[str, object] = attrs.field(factory=dict)
+    source: str = ""  # the egress address chosen for it (its DELIVERY record names it)
 
 
 OnOutcome = Callable[[int, list[Outcome]], None]

@@ -147,12 +147,12 @@ def job_from(header: Sequence[Any], body: Any) -> Job:
 
 
 def decode_destination(item: Sequence[Any]) -> Destination:
-    kind, target, tls = item
-    return Destination(str(kind), str(target), str(tls))
+    kind, target, tls, source, helo = item
+    return Destination(str(kind), str(target), str(tls), str(source), str(helo))
 
 
 def destination_item(dest: Destination) -> list[str]:
-    return [dest.kind, dest.target, dest.tls]
+    return [dest.kind, dest.target, dest.tls, dest.source, dest.helo]
 
 
 def encode_outcomes(outcomes: Sequence[Outcome]) -> list[list[Any]]:

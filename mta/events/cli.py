@@ -18,7 +18,7 @@ import trio
 from mta.admin.errors import BadRequest
 from mta.cli_common import config_option, json_option
 from mta.config import load_config
-from mta.events.source import event_dict, open_stream, parse_from
+from mta.events.source import classes_of, event_dict, open_stream, parse_from
 from mta.events.webhook import ship_webhook
 from mta.observe.logline import install as install_logging
 from spool import Event, EventStream, NotARecord, format_pos
@@ -56,12 +56,13 @@ def events(ctx: click.Context, config_path: str | None, from_: str | None, follo
         return
     config = load_config(config_path)
     stream = open_stream(config, shard)
+    classes = classes_of(config)
     since, since_ms = parse_from(from_) if from_ is not None else (None, None)
 
     def show(event: Event) -> None:
         if since_ms is not None and event.time_ms < since_ms:
             return
-        d = event_dict(event, shard)
+        d = event_dict(event, shard, classes)
         click.echo(json.dumps(d, sort_keys=True) if as_json else human(d))
 
     try:

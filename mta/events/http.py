@@ -36,7 +36,7 @@ import trio
 from mta.admin.errors import AdminError
 from mta.config import Config
 from mta.events.cursors import CursorError, Cursors, check_name
-from mta.events.source import event_dict, open_stream
+from mta.events.source import classes_of, event_dict, open_stream
 from mta.observe.bounded_accept import BoundedAccept
 from mta.shards import shard_count
 from spool import EventBatch, EventStream, NotARecord, SpoolError, format_pos, parse_pos
@@ -122,7 +122,7 @@ class EventsServer:
                 continue
             await trio.sleep(min(POLL, max(0.0, deadline - trio.current_time())))
         return {
-            "events": [event_dict(e, shard) for e in batch.events],
+            "events": [event_dict(e, shard, classes_of(self.config)) for e in batch.events],
             "next": None if batch.after is None else format_pos(batch.after),
             "horizon": None if batch.horizon is None else format_pos(batch.horizon),
             "lagged": batch.lagged,

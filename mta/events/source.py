@@ -14,9 +14,12 @@ import time
 from typing import Any
 
 from mta.admin.errors import BadRequest, SpoolNotFound
+from mta.bounce_class import Classifier, classifier_for
 from mta.config import Config
 from mta.shards import id_suffix, shard_config, shard_count
 from spool import Event, EventStream, parse_pos
+
+_CLASSED_KINDS = frozenset({"deferred", "bounced", "expired"})
 
 
 def open_stream(config: Config, shard: int = 0) -> EventStream:
@@ -31,9 +34,18 @@ def open_stream(config: Config, shard: int = 0) -> EventStream:
                        retry_intervals=cfg.spool.engine().retry_intervals)
 
 
-def event_dict(event: Event, shard: int = 0) -> dict[str, Any]:
-    """The event as JSON sends it: the spool's fields, the queue id as the relay names it."""
+def classes_of(config: Config) -> Classifier:
+    """The bounce classes ``config`` asks for (``[bounce_classes]``)."""
+    return classifier_for(config.bounce_classes.rules_file, config.bounce_classes.defaults)
+
+
+def event_dict(event: Event, shard: int = 0, classes: Classifier | None = None) -> dict[str, Any]:
+    """The event as JSON sends it: the spool's fields, the queue id as the relay names it, and an outcome's
+    bounce ``class`` (derived from its recorded reply by ``classes``, the shipped rules if None)."""
     d = event.as_dict()
+    if event.kind in _CLASSED_KINDS:
+        d["class"] = (classes or classifier_for()).classify(int(d.get("code") or 0), str(d.get("enhanced") or ""),
+                                                            str(d.get("reply") or ""))
     if d["queue_id"] is not None and shard:
         d["queue_id"] += id_suffix(shard)
     if shard:

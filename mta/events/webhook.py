@@ -41,7 +41,7 @@ import attrs
 from mta.config import Config, ConfigError
 from mta.events.batching import Batch, Batcher
 from mta.events.cursors import Cursors
-from mta.events.source import event_dict, open_stream
+from mta.events.source import classes_of, event_dict, open_stream
 from spool import format_pos
 
 log = logging.getLogger("mta.events")
@@ -131,6 +131,7 @@ def ship_webhook(config: Config, shard: int = 0, *, sleep: Callable[[float], Non
         raise ConfigError("not set: nowhere to ship to", config.source, "events.webhook_url")
     sender = WebhookSender(cfg.webhook_url, read_secret(cfg.webhook_secret_file), cfg.webhook_timeout)
     stream = open_stream(config, shard)
+    classes = classes_of(config)
     cursors = Cursors(config)
     name = cfg.webhook_consumer
     stored = read_after = cursors.load(name, shard)
@@ -146,7 +147,7 @@ def ship_webhook(config: Config, shard: int = 0, *, sleep: Callable[[float], Non
                 log.warning("consumer %s lags: the log no longer holds %s up to %s (past [spool] cursor_pin_max, "
                             "not archived); those events are lost to it", name, format_pos(got.gap[0]),
                             format_pos(got.gap[1]))
-            batcher.add([event_dict(e, shard) for e in got.events], clock())
+            batcher.add([event_dict(e, shard, classes) for e in got.events], clock())
             moved, read_after = got.after != read_after, got.after
         now = clock()
         if batcher.due(now):

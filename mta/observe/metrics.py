@@ -92,6 +92,10 @@ class Metrics:
         self.rejected = Counter("logspool_rejected_commands", "SMTP commands refused", ["reason"], registry=r)
         self.outcomes = Counter("logspool_recipient_outcomes", "per-recipient delivery outcomes", ["status"],
                                 registry=r)
+        # Labels are bounded: the classes are a fixed set (mta.bounce_class.CLASSES).
+        self.outcome_classes = Counter("logspool_outcome_classes", "per-recipient outcomes that did not deliver "
+                                       "(deferred, bounced, expired), by status and bounce class", ["status", "class"],
+                                       registry=r)
         self.bounced_dsn = Counter("logspool_dsn_sent", "delivery status notifications generated", registry=r)
         self.latency = Histogram("logspool_delivery_latency_seconds", "arrival to final delivery",
                                  buckets=_LATENCY_BUCKETS, registry=r)
@@ -120,10 +124,12 @@ class Metrics:
         self.registry.register(_SpoolCollector(aspool))
         aspool.commit_observers.append(self.batch.observe)
 
-    def outcome(self, status: Status, delay: float) -> None:
+    def outcome(self, status: Status, delay: float, bounce_class: str | None = None) -> None:
         self.outcomes.labels(status.name.lower()).inc()
         if status is Status.DELIVERED:
             self.latency.observe(delay)
+        if bounce_class is not None:
+            self.outcome_classes.labels(status.name.lower(), bounce_class).inc()
 
     def tls_policy_outcome(self, policy: str, result: str) -> None:
         """A ``Planner`` observer (``mta.delivery.tlspolicy.plan``): one session or lookup under a policy."""

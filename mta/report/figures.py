@@ -20,6 +20,8 @@ LATENCY_LABELS: Final = ("<1s", "1-10s", "10s-1m", "1-5m", "5-30m", "30m-1h", "1
 QSHAPE_EDGES_MIN: Final = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
 QSHAPE_LABELS: Final = ("0-5", "5-10", "10-20", "20-40", "40-80", "80-160", "160-320", "320-640", "640-1280", "1280+")
 TOP_N: Final = 10
+CLASSED_NAMES: Final = ("deferred", "bounced", "expired")
+"""The outcomes that get a bounce class (``mta.bounce_class``)."""
 PERCENTILES: Final = (0.5, 0.9, 0.99)
 
 
@@ -60,3 +62,4 @@ class Figures:
     per_hour: tuple[tuple[int, int, int], ...]  # (hour start ms, received, delivered)
     queue_shape: tuple[QueueShapeRow, ...]
     errors: tuple[tuple[str, int, str], ...]  # (file, offset, what)
+    bounce_classes: tuple[tuple[str, int], ...] = ()  # (class, attempts) over the outcomes that did not deliver

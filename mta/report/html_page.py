@@ -93,6 +93,7 @@ def render_html(f: Figures) -> str:
         _table("Attempts per message", ["attempts", "messages"], f.retries),
         _table("Top deferral reasons", ["reason", "count"], f.top_deferrals),
         _table("Top bounce reasons", ["reason", "count"], f.top_bounces),
+        _table("Bounce classes", ["class", "count"], f.bounce_classes),
         _table("Top sender domains", ["domain", "messages", "bytes"], f.top_sender_domains),
         _table("Top recipient domains", ["domain", "recipients"], f.top_recipient_domains),
         _table("Queue age by domain (minutes)", ["domain", "total", *QSHAPE_LABELS],

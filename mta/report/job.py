@@ -37,8 +37,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mta.bounce_class import default_rules, glob_regex
 from mta.report.errors import ReportError
 from mta.report.figures import (
+    CLASSED_NAMES,
     LATENCY_EDGES_S,
     LATENCY_LABELS,
     PERCENTILES,
@@ -120,6 +122,7 @@ def build_tables(spark: Any, records_path: str, since_ms: int | None = None,
         F.col("o.code").alias("code"), F.col("o.enhanced").alias("enhanced"), F.col("o.reply").alias("reply"),
         F.coalesce("duration_ms", F.lit(0)).alias("duration_ms"),
         (F.col("time_ms") - F.col("arrival_ms")).alias("delay_ms"))
+    attempts = attempts.withColumn("class", _bounce_class())
 
     end_ms = until_ms
     if end_ms is None:
@@ -159,6 +162,28 @@ def build_tables(spark: Any, records_path: str, since_ms: int | None = None,
         messages = messages.where(F.col("arrival_ms") >= since_ms)
         attempts = attempts.where(F.col("time_ms") >= since_ms)
     return {"messages": messages, "attempts": attempts, "queue": queue}
+
+
+def _bounce_class() -> Any:
+    """An attempt's bounce class (``mta.bounce_class``, the shipped rules) as a column: the first rule that
+    matches, ``other`` if none, null for an attempt that delivered. The rules' patterns run as Java regular
+    expressions here (``rlike``); the shipped ones read the same in both."""
+    from pyspark.sql import functions as F
+
+    expr = F.lit("other")
+    for rule in reversed(default_rules()):
+        conds = []
+        if rule.code:
+            conds.append(F.col("code").cast("string").rlike(glob_regex(rule.code)))
+        if rule.enhanced:
+            conds.append(F.col("enhanced").rlike(glob_regex(rule.enhanced)))
+        if rule.text is not None:
+            conds.append(F.col("reply").rlike("(?i)" + rule.text.pattern))
+        cond = conds[0]
+        for c in conds[1:]:
+            cond = cond & c
+        expr = F.when(cond, F.lit(rule.klass)).otherwise(expr)
+    return F.when(F.col("status").isin(*CLASSED_NAMES), expr)
 
 
 # -- figures from Parquet ----------------------------------------------------
@@ -255,6 +280,7 @@ def compute_figures(spark: Any, out: str) -> Figures:
         retries=tuple((r[0], r[1]) for r in retries),
         top_deferrals=top(att.where(F.col("status") == "deferred"), reason),
         top_bounces=top(att.where(F.col("status").isin("bounced", "expired")), reason),
+        bounce_classes=top(att.where(F.col("class").isNotNull()), F.col("class")),
         top_sender_domains=tuple((r[0], r[1], r[2]) for r in senders),
         top_recipient_domains=top(msgs.select(F.explode("recipients").alias("r")), _domain(F.col("r"))),
         per_hour=tuple((r[0], r[1] or 0, r[2] or 0) for r in per_hour),

@@ -68,6 +68,7 @@ def render_text(f: Figures) -> str:
     lines += _table("Attempts per message", ["attempts", "messages"], f.retries)
     lines += _table("Top deferral reasons", ["reason", "count"], f.top_deferrals)
     lines += _table("Top bounce reasons", ["reason", "count"], f.top_bounces)
+    lines += _table("Bounce classes", ["class", "count"], f.bounce_classes)
     lines += _table("Top sender domains", ["domain", "messages", "bytes"], f.top_sender_domains)
     lines += _table("Top recipient domains", ["domain", "recipients"], f.top_recipient_domains)
     lines += _table("Volume per hour", ["hour", "received", "delivered"],

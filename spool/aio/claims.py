@@ -175,7 +175,8 @@ class AsyncClaims(GroupCommit):
         """Append the outcomes and wait until they are durable (before the message's next step)."""
         await self.record_deliveries([(attempt, outcomes, duration_ms)])
 
-    def append_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0) -> None:
+    def append_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0,
+                        source: str = "") -> None:
         """Append the outcomes and have them written soon, without waiting and without an fsync.
 
         For outcomes known before the rest of their batch: written, they survive
@@ -183,7 +184,7 @@ class AsyncClaims(GroupCommit):
         restart. They are durable only once a ``commit`` returns, which must come
         before the message's next step (the FINISH).
         """
-        self.core.record_delivery(attempt, outcomes, duration_ms)
+        self.core.record_delivery(attempt, outcomes, duration_ms, source)
         self._kick.set()
 
     async def pass_point_of_no_return(self, attempt: Attempt, recipients: Iterable[str]) -> None:

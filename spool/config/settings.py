@@ -61,8 +61,8 @@ __all__ = [
 
 T = TypeVar("T")
 U = TypeVar("U")
-# What a kind writes for ``mta config show``: a TOML scalar or a list of them.
-TomlValue = str | int | float | bool | list[Any]
+# What a kind writes for ``mta config show``: a TOML scalar, a list of them, or an inline table.
+TomlValue = str | int | float | bool | list[Any] | dict[str, Any]
 METADATA_KEY = "logspool.setting"
 
 

@@ -198,14 +198,17 @@ class Claims(SpoolCore):
         """May another message be claimed, under ``active_limit``?"""
         return len(self.attempts) < self.config.active_limit
 
-    def record_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0) -> int:
-        """Append a DELIVERY delta. The caller must commit before the message's next step."""
+    def record_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0,
+                        source: str = "") -> int:
+        """Append a DELIVERY delta (``source``: the local address it was sent from, if chosen). The caller must
+        commit before the message's next step."""
         outs = tuple(outcomes)
         for o in outs:
             if o.recipient not in attempt.envelope.recipients:
                 raise ValueError(f"{o.recipient!r} is not a recipient of this attempt")
             attempt.outcomes[o.recipient] = o
-        return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), outs, duration_ms))
+        return self._append(RecordType.DELIVERY, Delivery(attempt.start_pos, self._now_ms(), outs, duration_ms,
+                                                             source=source))
 
     def record_sending(self, attempt: Attempt, recipients: Iterable[str]) -> int:
         """Append the attempt's point of no return for ``recipients``: a DELIVERY with ``sending`` and no outcomes.

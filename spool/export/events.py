@@ -177,6 +177,8 @@ class Derivation:
                                       "reply": o.reply, "next_hop": o.next_hop, "duration_ms": d.duration_ms}
             if attempt is not None:
                 fields["attempt"] = attempt
+            if d.source:
+                fields["source"] = d.source
             events.append(Event(frame.pos, STATUS_KINDS[o.status], d.time_ms, qid, fields, i))
         return events
 

@@ -381,7 +381,7 @@ def _outcome_fields(v: Any) -> tuple[Any, ...]:
 
 def _delivery_fields(d: dict[int, Any]) -> tuple[Any, ...]:
     return (_uint(d[0]), _uint(d[1]), tuple(map(_outcome_fields, _array(d[2]))), _uint(_opt(d, 3, 0)),
-            _texts(_opt(d, 4, [])))
+            _texts(_opt(d, 4, [])), _text(_opt(d, 5, "")))
 
 
 def _finish_fields(d: dict[int, Any]) -> tuple[Any, ...]:
@@ -578,6 +578,7 @@ class Delivery:
     outcomes: tuple[Outcome, ...]
     duration_ms: int = 0
     sending: tuple[str, ...] = ()
+    source: str = ""  # the local address the attempt was sent from (``[egress]``), "" for the system's choice
 
     def to_map(self) -> dict[int, Any]:
         d: dict[int, Any] = {0: self.start, 1: self.time_ms, 2: [o.to_list() for o in self.outcomes]}
@@ -585,10 +586,12 @@ class Delivery:
             d[3] = self.duration_ms
         if self.sending:
             d[4] = list(self.sending)
+        if self.source:
+            d[5] = self.source
         return d
 
     def to_payload(self) -> bytes:
-        n = 3 + bool(self.duration_ms) + bool(self.sending)
+        n = 3 + bool(self.duration_ms) + bool(self.sending) + bool(self.source)
         parts = [_MAP_SHORT[n] + b"\x00", _cbor_uint(self.start),
                  b"\x01", _cbor_uint(self.time_ms), b"\x02", _cbor_head(4, len(self.outcomes))]
         parts += [o.to_cbor() for o in self.outcomes]
@@ -596,12 +599,14 @@ class Delivery:
             parts += (b"\x03", _cbor_uint(self.duration_ms))
         if self.sending:
             parts += (b"\x04", _cbor_head(4, len(self.sending)), *map(_cbor_text, self.sending))
+        if self.source:
+            parts += (b"\x05", _cbor_text(self.source))
         return b"".join(parts)
 
     @classmethod
     def from_map(cls, d: dict[int, Any]) -> Delivery:
-        start, time_ms, outcomes, duration_ms, sending = _delivery_fields(d)
-        return cls(start, time_ms, tuple(map(Outcome._from_fields, outcomes)), duration_ms, sending)
+        start, time_ms, outcomes, duration_ms, sending, source = _delivery_fields(d)
+        return cls(start, time_ms, tuple(map(Outcome._from_fields, outcomes)), duration_ms, sending, source)
 
 
 @attrs.frozen

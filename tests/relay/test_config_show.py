@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from process_support import run_mta
 
 from mta.config import Config, ConfigError, parse_config
+from mta.config.bounce_classes import RulesFile
 from mta.config.dkim import HeaderName
+from mta.config.egress import DomainMap, Pools, Sources
 from mta.config.events import ConsumerName, WebhookUrl
 from mta.config.filters import HttpUrl, Milter
 from mta.config.limits import RateKind, SlotCount
@@ -50,6 +52,18 @@ def _secrets_file() -> str:
 
 
 SECRETS_FILE = _secrets_file()
+
+
+def _rules_file() -> str:
+    """A bounce-class rules file with one rule (``RulesFile`` reads and checks it)."""
+    fd, path = tempfile.mkstemp(prefix="classes-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write('[[rule]]\nclass = "policy"\ntext = "greylist"\n')
+    atexit.register(os.unlink, path)
+    return path
+
+
+RULES_FILE = _rules_file()
 
 FULL = """
 [server]
@@ -193,6 +207,17 @@ def _network() -> st.SearchStrategy[str]:
     return st.one_of(v4, v6)
 
 
+EGRESS_ADDRESSES = ["192.0.2.1", "192.0.2.2", "2001:db8::1"]
+
+
+def _source_entry() -> st.SearchStrategy[dict[str, Any]]:
+    """One ``[egress.sources]`` entry: nothing, an EHLO name, or a warm-up schedule with its start."""
+    steps = st.lists(st.tuples(st.integers(1, 3650), st.integers(0, 10**6)), max_size=4, unique_by=lambda t: t[0])
+    warmup = st.builds(lambda d, xs: {"warmup_start": d.isoformat(), "warmup": [list(x) for x in sorted(xs)]},
+                       st.dates(), steps)
+    return st.one_of(st.just({}), st.builds(lambda h: {"ehlo": h}, HOST), warmup)
+
+
 def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
     """TOML values a setting of ``kind`` accepts."""
     match kind:
@@ -230,6 +255,8 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
             return st.sampled_from(choices).flatmap(lambda c: st.sampled_from([c, c.upper(), c.title()]))
         case PathKind():
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1, max_size=12)
+        case RulesFile():
+            return st.just(RULES_FILE)
         case ReadableFile():
             return st.just(CA_FILE)
         case SecretsFile():
@@ -264,6 +291,14 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
         case ConsumerName():
             return st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}", fullmatch=True).filter(
                 lambda n: not n.endswith(".tmp"))
+        case Sources():
+            return st.dictionaries(st.sampled_from(EGRESS_ADDRESSES), _source_entry(), max_size=3)
+        case Pools():
+            members = st.dictionaries(st.sampled_from(EGRESS_ADDRESSES), st.integers(1, 1000), min_size=1)
+            return st.dictionaries(LABEL, members, max_size=3)
+        case DomainMap():
+            return st.dictionaries(st.one_of(st.just("*"), HOST, HOST.map(lambda h: "." + h)),
+                                   st.sampled_from(EGRESS_ADDRESSES), max_size=3)
         case Text(nonempty):
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1 if nonempty else 0,
                            max_size=20)
@@ -298,7 +333,8 @@ def test_show_and_show_n_read_back_as_the_same_config(text: str) -> None:
     try:
         config = parse_config(text, "drawn.toml", base_dir=BASE)
     except ConfigError as e:  # a rule that spans settings (reserved_sessions, no route for the postmaster ...)
-        assert e.key.startswith(("server.reserved_sessions", "relay.", "server.tls", "submission.")), (e, text)
+        assert e.key.startswith(("server.reserved_sessions", "relay.", "server.tls", "submission.", "egress.pools[",
+                                 "egress.routes[", "egress.senders[")), (e, text)
         assume(False)
         return
     same(show_config(config, base_dir=BASE), config)

@@ -159,7 +159,7 @@ def test_show_says_in_words_where_a_message_stands_and_each_recipients_last_repl
                rf"next retry: {ISO} \(in (?:\d+[ms] ?)+\)\n"
                r"last error: 451 4\.7\.1 greylisted, try again later\n"
                r"recipients:\n"
-               r"  dan@far\.example: deferred: 451 4\.7\.1 greylisted, try again later\n"
+               r"  dan@far\.example: deferred \[policy\]: 451 4\.7\.1 greylisted, try again later\n"
                rf"      at {when} from mx\.far\.example\[192\.0\.2\.7\]:25\n"
                r"  erin@near\.example: delivered: 250 2\.0\.0 ok\n"
                rf"      at {when} from mx\.near\.example\[192\.0\.2\.8\]:25\n")
@@ -167,7 +167,7 @@ def test_show_says_in_words_where_a_message_stands_and_each_recipients_last_repl
     assert "class: " not in out and "255" not in ok(tmp_path, "queue", "show", ids["held"], *config)
     held = ok(tmp_path, "queue", "show", ids["held"], *config)
     assert f"    status: held (mta queue release {ids['held']} lets it go)\n" in held
-    assert "next retry" not in held and "  bob@far.example: held: 451 4.7.1 greylisted" in held
+    assert "next retry" not in held and "  bob@far.example: held [policy]: 451 4.7.1 greylisted" in held
     new = ok(tmp_path, "queue", "show", ids["new"], *config)
     assert "    status: new\n" in new and "  attempts: 0\n" in new and "next retry: now\n" in new
     assert new.endswith("recipients:\n  grace@near.example: not tried yet\n")
@@ -226,7 +226,7 @@ def test_a_recipient_in_doubt_after_a_crash_is_marked_in_list_and_show(tmp_path:
     show = ok(tmp_path, "queue", "show", f"{mid:X}", *config)
     assert (f"  b@far.example: in doubt (perhaps delivered before a crash; held: mta queue release {mid:X} sends it "
             "again)\n") in show, show
-    assert re.search(r"\n  c@far\.example: held: 451 4\.3\.0 later\n", show), show
+    assert re.search(r"\n  c@far\.example: held \[other\]: 451 4\.3\.0 later\n", show), show
 
 
 # -- the engine's order: pages by arrival, in a heap of one page ---------------------------------
@@ -392,5 +392,5 @@ async def test_show_gives_the_history_of_mail_received_over_smtp(tmp_path: Path)
         assert [(r["recipient"], r["status"], r["code"]) for r in shown["recipient_status"]] == \
             [("a@far.example", "deferred", 451)], shown
         text = await run_mta(tmp_path, "queue", "show", qid, *args)
-        assert "  a@far.example: deferred: 451 4.3.0 come back later\n" in text, text
+        assert "  a@far.example: deferred [other]: 451 4.3.0 come back later\n" in text, text
         nursery.cancel_scope.cancel()

@@ -66,6 +66,7 @@ deliveries = st.builds(
     time_ms=times_ms,
     outcomes=st.lists(outcomes, min_size=1, max_size=4).map(tuple),
     duration_ms=st.integers(0, 2**32),
+    source=st.sampled_from(["", "192.0.2.10", "2001:db8::1"]),
 )
 finishes = st.builds(Finish, start=positions, time_ms=times_ms, replacement=st.none() | positions)
 data_chunks = st.binary(max_size=300)

@@ -28,7 +28,9 @@ from mta.smtp.server import (
     ConnectionClosed,
     DataAborted,
     DataChunk,
+    Ehlo,
     EndOfData,
+    Helo,
     MailFrom,
     NeedData,
     Quit,
@@ -124,6 +126,8 @@ class Received:
     tls: bool = False
     mail_params: dict[str, str | None] = attrs.field(factory=dict)  # MAIL's ESMTP parameters
     rcpt_params: dict[str, dict[str, str | None]] = attrs.field(factory=dict)  # each accepted RCPT's
+    peer: str = ""  # the client's address, as this hop saw it
+    helo: str = ""  # the name the client gave in EHLO (or HELO)
 
 
 Policy = Callable[[str, Any], Reply | None]
@@ -200,6 +204,7 @@ class NextHop:
         params: dict[str, str | None] = {}
         rcpt_params: dict[str, dict[str, str | None]] = {}
         carried = 0
+        peer, helo = str(tcp.socket.getpeername()[0]), ""
         try:
             while True:
                 out = conn.data_to_send()
@@ -220,6 +225,8 @@ class NextHop:
                     sender, rcpts, data = ev.address, [], bytearray()
                     params, rcpt_params = dict(ev.params), {}
                     conn.accept()
+                elif isinstance(ev, Ehlo | Helo):
+                    helo = ev.name
                 elif isinstance(ev, Rset):
                     self.rsets += 1
                 elif isinstance(ev, RcptTo) and self.stall_at == "rcpt":
@@ -239,7 +246,7 @@ class NextHop:
                 elif isinstance(ev, EndOfData):
                     carried += 1
                     await self.take(conn, Received(sender, rcpts, bytes(data), tls=conn.tls_active, mail_params=params,
-                                                   rcpt_params=rcpt_params))
+                                                   rcpt_params=rcpt_params, peer=peer, helo=helo))
                     if self.hang_up_after_message:
                         await stream.send_all(conn.data_to_send())
                         await stream.aclose()

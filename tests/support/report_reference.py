@@ -17,7 +17,9 @@ from typing import Any
 
 import attrs
 
+from mta.bounce_class import Classifier, default_rules
 from mta.report.figures import (
+    CLASSED_NAMES,
     LATENCY_EDGES_S,
     LATENCY_LABELS,
     PERCENTILES,
@@ -78,6 +80,9 @@ def percentile(values: list[float], p: float) -> float:
 
 def reason(a: dict[str, Any]) -> str:
     return " ".join(p for p in (str(a["code"]) if a["code"] else "", a["enhanced"], a["reply"]) if p)
+
+
+_classes = Classifier(default_rules())
 
 
 def top(counter: Counter[str]) -> tuple[tuple[str, int], ...]:
@@ -203,4 +208,6 @@ def figures(recs: list[Rec], since_ms: int | None = None, until_ms: int | None =
         queue_shape=tuple(sorted((QueueShapeRow(d, sum(c), tuple(c)) for d, c in cells.items()),
                                  key=lambda q: (-q.total, q.domain))),
         errors=(),
+        bounce_classes=top(Counter(_classes.classify(a["code"], a["enhanced"], a["reply"]) for a in att
+                                   if a["status"] in CLASSED_NAMES)),
     )

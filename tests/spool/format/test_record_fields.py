@@ -116,7 +116,7 @@ def test_out_of_range_enums_short_outcomes_data_and_non_maps_are_corrupt(rtype: 
 def test_the_largest_enum_values_decode_as_the_records_do() -> None:
     d = Delivery(7, 8, (Outcome("a@b", Status.DELETED, 550, "5.0.0", "gone", "mx"),), 3)
     assert decode_fields(RecordType.DELIVERY, d.to_payload()) == \
-        (7, 8, (("a@b", 4, 550, "5.0.0", "gone", "mx"),), 3, ())
+        (7, 8, (("a@b", 4, 550, "5.0.0", "gone", "mx"),), 3, (), "")
     assert decode_payload(RecordType.DELIVERY, d.to_payload()) == d
     s = Start(5, 6, StartKind.CARRY)
     assert decode_fields(RecordType.START, s.to_payload()) == (5, 6, 3)
