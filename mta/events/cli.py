@@ -18,6 +18,7 @@ import trio
 from mta.admin.errors import BadRequest
 from mta.cli_common import config_option, json_option
 from mta.config import load_config
+from mta.events.kafka import ship_kafka
 from mta.events.source import event_dict, open_stream, parse_from
 from mta.events.webhook import ship_webhook
 from mta.observe.logline import install as install_logging
@@ -113,5 +114,24 @@ def webhook(config_path: str | None, shard: int) -> None:
     install_logging(config.log.level, config.log.format)
     try:
         ship_webhook(config, shard)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+@ship.command()
+@config_option
+@click.option("--shard", type=click.IntRange(0), default=0, show_default=True, help="Which shard's stream.")
+def kafka(config_path: str | None, shard: int) -> None:
+    """Produce the events to [events] kafka_topic, keyed by queue id, at least once, in order per message.
+
+    Resumes from its consumer's cursor ([events] kafka_consumer), which is
+    stored only after the brokers acknowledged a whole batch (acks=all,
+    idempotent producer); stopping it at any moment (kill -9 included)
+    loses nothing: what was not acknowledged is produced again.
+    """
+    config = load_config(config_path)
+    install_logging(config.log.level, config.log.format)
+    try:
+        ship_kafka(config, shard)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
