@@ -81,6 +81,13 @@ class EventsSection:
         Duration(at_most=3600.0), "the longest a request with `wait=` is held open for new events", 30.0)
     page_records: int = setting(
         Integer(1, 100_000), "records read for one answer at most (their events are sent whole)", 1000)
+    sse_heartbeat: float = setting(
+        Duration(positive=True, at_most=3600.0), "with `Accept: text/event-stream`: a comment line is sent after "
+        "this long with no event, so proxies keep the stream open", 15.0)
+    sse_max_time: float = setting(
+        Duration(positive=True), "with `Accept: text/event-stream`: how long one stream is served before the "
+        "relay ends it (the client reconnects with `Last-Event-ID`); it holds one of `max_connections` meanwhile",
+        3600.0)
     webhook_url: str | None = setting(
         Optional(WebhookUrl()), "where `mta events ship webhook` POSTs batches of events; not set, it refuses to run",
         None)
