@@ -88,6 +88,9 @@ class EventsSection:
         Duration(positive=True), "with `Accept: text/event-stream`: how long one stream is served before the "
         "relay ends it (the client reconnects with `Last-Event-ID`); it holds one of `max_connections` meanwhile",
         3600.0)
+    rejections_max: int = setting(
+        Size(), "bytes of SMTP rejections kept in `<spool.dir>/rejections/` for `mta events --rejections` and "
+        "`GET /events?stream=rejections` (the oldest half goes when it is full); 0: none kept", 64 * 1024 * 1024)
     webhook_url: str | None = setting(
         Optional(WebhookUrl()), "where `mta events ship webhook` POSTs batches of events; not set, it refuses to run",
         None)

@@ -43,6 +43,7 @@ import trio
 from mta.admin.errors import AdminError
 from mta.config import Config
 from mta.events.cursors import CursorError, Cursors, check_name
+from mta.events.rejections import RejectionReader, format_rid, parse_rid
 from mta.events.source import event_dict, open_stream
 from mta.events.sse import (
     CONTENT_TYPE,
@@ -55,7 +56,7 @@ from mta.events.sse import (
     wants_sse,
 )
 from mta.observe.bounded_accept import BoundedAccept
-from mta.shards import shard_count
+from mta.shards import shard_config, shard_count
 from spool import EventBatch, EventStream, NotARecord, SpoolError, format_pos, parse_pos
 
 log = logging.getLogger("mta.events")
@@ -174,10 +175,16 @@ class EventsServer:
     # -- the answer, apart from HTTP ------------------------------------------------------
 
     async def answer(self, query: dict[str, str]) -> dict[str, Any]:
-        """The page for ``query`` (``after``, ``consumer``, ``limit``, ``wait``, ``shard``). Raises BadRequest."""
+        """The page for ``query`` (``after``, ``consumer``, ``limit``, ``wait``, ``shard``, ``stream``). Raises
+        BadRequest."""
         shard = _int(query, "shard", 0, 0, shard_count(self.config) - 1)
         limit = _int(query, "limit", self.page_records, 1, self.page_records)
         wait = _number(query, "wait", 0.0, 0.0, self.max_wait)
+        which = query.get("stream", "messages")
+        if which == "rejections":
+            return await self._rejections(query, shard, limit, wait)
+        if which != "messages":
+            raise BadRequest("400 Bad Request", f"stream: {which!r} is not messages nor rejections")
         consumer = query.get("consumer")
         after = _position(query["after"]) if "after" in query else None
         if consumer is not None:
@@ -205,6 +212,33 @@ class EventsServer:
             "horizon": None if batch.horizon is None else format_pos(batch.horizon),
             "lagged": batch.lagged,
             "gap": None if batch.gap is None else [format_pos(p) for p in batch.gap],
+        }
+
+    async def _rejections(self, query: dict[str, str], shard: int, limit: int, wait: float) -> dict[str, Any]:
+        """A page of the shard's SMTP rejections (``mta.events.rejections``): no consumer cursor (nothing pins
+        them: they are kept up to ``[events] rejections_max``)."""
+        if "consumer" in query:
+            raise BadRequest("400 Bad Request", "consumer: not with stream=rejections (nothing pins them)")
+        after = None
+        if "after" in query:
+            try:
+                after = parse_rid(query["after"])
+            except ValueError as e:
+                raise BadRequest("400 Bad Request", f"after: {e}") from None
+        reader = RejectionReader(shard_config(self.config, shard, shard_count(self.config)).spool.dir)
+        deadline = trio.current_time() + wait
+        while True:
+            page = await trio.to_thread.run_sync(functools.partial(reader.read, after, limit),
+                                                 limiter=self._readers)
+            if page.events or trio.current_time() >= deadline:
+                break
+            await trio.sleep(min(POLL, max(0.0, deadline - trio.current_time())))
+        return {
+            "events": page.events,
+            "next": None if page.after is None else format_rid(page.after),
+            "horizon": format_rid(page.durable),
+            "lagged": page.lagged,
+            "gap": None if page.gap is None else [format_rid(page.gap[0]), format_rid(page.gap[1])],
         }
 
     def _stream(self, shard: int) -> EventStream:
@@ -266,7 +300,7 @@ def _query(head: bytes) -> dict[str, str]:
         parsed = parse_qs(query, strict_parsing=bool(query), max_num_fields=16)
     except ValueError as e:
         raise BadRequest("400 Bad Request", f"the query: {e}") from None
-    known = {"after", "consumer", "limit", "wait", "shard"}
+    known = {"after", "consumer", "limit", "wait", "shard", "stream"}
     for name, values in parsed.items():
         if name not in known:
             raise BadRequest("400 Bad Request", f"unknown parameter {name!r} (known: {', '.join(sorted(known))})")

@@ -30,6 +30,7 @@ from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
 from mta.events.http import EventsServer
+from mta.events.rejections import RejectionLog
 from mta.http.start import HttpApi
 from mta.inbound.listen import bind_error
 from mta.inbound.pickup import Pickup
@@ -137,8 +138,14 @@ class Relay:
             if self.supervisor is not None and self.poll_parent:
                 nursery.start_soon(watch_parent, self.supervisor)
             await nursery.start(self.aspool.run)
+            rejections = None
+            if cfg.events.rejections_max > 0:
+                rejections = RejectionLog(cfg.spool.dir, cfg.events.rejections_max)
+                await trio.to_thread.run_sync(rejections.open)
+                await nursery.start(rejections.run)
             server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg),
-                                dkim=AcceptSigner(signer) if signer else None)
+                                dkim=AcceptSigner(signer) if signer else None,
+                                keep_reject=None if rejections is None else rejections.add)
             server.reuse_port = self.reuse_port
             self.server = server
             self.listeners = await nursery.start(server.serve)
