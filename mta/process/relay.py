@@ -112,6 +112,7 @@ class Relay:
         self.server: SmtpServer | None = None
         self.metrics_listeners: list[trio.SocketListener] = []
         self.api_listeners: list[trio.SocketListener] = []  # [http] listen, shard 0's only
+        self.http_api: HttpApi | None = None  # its tokens are read again on SIGHUP
         self.events_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
         self.workers: DeliveryWorkers | None = None  # with [delivery] processes > 0
@@ -127,6 +128,7 @@ class Relay:
         cfg = self.config
         signer = signer_for(cfg)  # a key that cannot sign stops the start before the spool is touched
         api = HttpApi(cfg) if cfg.http.listen is not None and self.shard == 0 else None  # a bad tokens file: too
+        self.http_api = api
         os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
         check_spool_dir(cfg.spool.dir)
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard), self.io)
