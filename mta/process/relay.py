@@ -184,7 +184,7 @@ class Relay:
                 except OSError as exc:  # taken since check_start tried it
                     raise bind_error(where, "server.metrics_listen", exc) from None
             if api is not None:
-                self.api_listeners = await api.start(nursery, self.aspool, server.disk)
+                self.api_listeners = await api.start(nursery, self.aspool, server.disk, self.metrics.registry)
             if cfg.events.listen is not None and self.shard == 0:  # shard 0 serves every shard's stream
                 await self._serve_events(nursery, cfg.events.listen)
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():
