@@ -41,6 +41,8 @@ from typing import Any
 import attrs
 import trio
 
+from spool import FileIO, OsFileIO
+
 __all__ = ["RejectionLog", "RejectionPage", "RejectionReader", "format_rid", "parse_rid"]
 
 log = logging.getLogger("mta.events")
@@ -86,14 +88,17 @@ def _read_durable(directory: str) -> int:
 class RejectionLog:
     """The writer (in the relay). ``add`` from the event loop; ``run`` is the task that writes and syncs.
 
-    Resource handling: one open file (the newest) and the ``durable`` file,
-    opened by ``open`` (recovery: a torn last line is cut off, what is left
-    is synced and published) and kept for the life of the process.
+    All its file operations go through ``io`` (the relay's ``spool.FileIO``,
+    so a recording of the relay's I/O sees them). Resource handling: one
+    open file (the newest) and the ``durable`` file, opened by ``open``
+    (recovery: a torn last line is cut off, what is left is synced and
+    published) and kept for the life of the process.
     """
 
-    def __init__(self, spool_dir: str, max_bytes: int) -> None:
+    def __init__(self, spool_dir: str, max_bytes: int, io: FileIO | None = None) -> None:
         self.dir = os.path.join(spool_dir, DIRNAME)
         self.max_bytes = max_bytes
+        self.io: FileIO = io if io is not None else OsFileIO()
         self._queue: deque[dict[str, Any]] = deque()
         self._dropped = 0
         self._wake = trio.Event()
@@ -102,25 +107,32 @@ class RejectionLog:
         self._size = 0
         self._durable_fd = -1
 
+    def _files(self) -> list[tuple[int, str]]:
+        names = self.io.listdir(self.dir)
+        return sorted((int(m.group(1)), os.path.join(self.dir, name)) for name in names
+                      if (m := _FILE.fullmatch(name)))
+
     def open(self) -> None:
         """Recover the directory (blocking: call before serving). Raises OSError."""
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        files = _files(self.dir)
-        last = _read_durable(self.dir)
+        io = self.io
+        io.makedirs(self.dir)
+        files = self._files()
+        durable_path = os.path.join(self.dir, "durable")
+        self._durable_fd = io.open(durable_path, create=True)
+        raw = io.read(self._durable_fd, _DURABLE.size, 0)
+        last = _DURABLE.unpack(raw)[0] if len(raw) == _DURABLE.size else 0
         if files:
             first, path = files[-1]
-            with open(path, "rb") as f:
-                data = f.read()
+            self._fd = io.open(path)
+            data = io.read(self._fd, io.size(self._fd), 0)
             keep = data.rfind(b"\n") + 1  # a line torn by a crash is cut off
             lines = data[:keep].splitlines()
             last = max(last, int(json.loads(lines[-1])["seq"]) if lines else first - 1)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-            os.ftruncate(self._fd, keep)
-            os.fdatasync(self._fd)
+            io.truncate(self._fd, keep)
+            io.fdatasync(self._fd)
             self._size = keep
         self._next = last + 1
-        self._durable_fd = os.open(os.path.join(self.dir, "durable"), os.O_WRONLY | os.O_CREAT, 0o600)
-        os.pwrite(self._durable_fd, _DURABLE.pack(last), 0)
+        io.write(self._durable_fd, _DURABLE.pack(last), 0)
 
     def add(self, fields: dict[str, Any]) -> None:
         """Queue one rejection (``time_ms`` is added). Never blocks, never raises."""
@@ -164,27 +176,22 @@ class RejectionLog:
             chunk += data
         self._sync(chunk)
         self._next += len(batch)
-        os.pwrite(self._durable_fd, _DURABLE.pack(self._next - 1), 0)
+        self.io.write(self._durable_fd, _DURABLE.pack(self._next - 1), 0)
 
     def _sync(self, chunk: bytearray) -> None:
         if chunk and self._fd >= 0:
-            os.write(self._fd, chunk)
-            os.fdatasync(self._fd)
+            self.io.write(self._fd, chunk, self._size)
+            self.io.fdatasync(self._fd)
             self._size += len(chunk)
 
     def _rotate(self, first: int) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
-        path = os.path.join(self.dir, f"{first:012d}.jsonl")
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self.io.close(self._fd)
+        self._fd = self.io.open(os.path.join(self.dir, f"{first:012d}.jsonl"), create=True)
         self._size = 0
-        dir_fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        for _, old in _files(self.dir)[:-2]:  # the newest two stay: the one closed at half the cap and this one
-            os.unlink(old)
+        self.io.fsync_dir(self.dir)
+        for _, old in self._files()[:-2]:  # the newest two stay: the one closed at half the cap and this one
+            self.io.unlink(old)
 
 
 @attrs.frozen

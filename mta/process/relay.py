@@ -142,7 +142,7 @@ class Relay:
             await nursery.start(self.aspool.run)
             rejections = None
             if cfg.events.rejections_max > 0:
-                rejections = RejectionLog(cfg.spool.dir, cfg.events.rejections_max)
+                rejections = RejectionLog(cfg.spool.dir, cfg.events.rejections_max, self.io)
                 await trio.to_thread.run_sync(rejections.open)
                 await nursery.start(rejections.run)
             server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg),
