@@ -7,6 +7,7 @@ consumers' cursors live, and where the shippers (``mta events ship``) send.
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 import attrs
@@ -17,6 +18,7 @@ from spool import (
     CursorError,
     Duration,
     Integer,
+    ListOf,
     Optional,
     Path,
     Size,
@@ -26,6 +28,8 @@ from spool import (
 )
 
 __all__ = ["EventsSection"]
+
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")  # Kafka's rule for a topic's name
 
 
 @attrs.frozen
@@ -39,6 +43,18 @@ class WebhookUrl(Text):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"{value!r} is not an http:// or https:// URL with a host")
+
+
+@attrs.frozen
+class TopicName(Text):
+    """A Kafka topic: 1–249 of letters, digits, ``.``, ``_`` and ``-`` (not ``.`` nor ``..``)."""
+
+    def what(self) -> str:
+        return "Kafka topic name"
+
+    def check(self, value: str) -> None:
+        if not _TOPIC.fullmatch(value) or value in (".", ".."):
+            raise ConfigError(f"{value!r} is not a Kafka topic name (1-249 of A-Z a-z 0-9 . _ -)")
 
 
 @attrs.frozen
@@ -65,6 +81,16 @@ class EventsSection:
         Duration(at_most=3600.0), "the longest a request with `wait=` is held open for new events", 30.0)
     page_records: int = setting(
         Integer(1, 100_000), "records read for one answer at most (their events are sent whole)", 1000)
+    sse_heartbeat: float = setting(
+        Duration(positive=True, at_most=3600.0), "with `Accept: text/event-stream`: a comment line is sent after "
+        "this long with no event, so proxies keep the stream open", 15.0)
+    sse_max_time: float = setting(
+        Duration(positive=True), "with `Accept: text/event-stream`: how long one stream is served before the "
+        "relay ends it (the client reconnects with `Last-Event-ID`); it holds one of `max_connections` meanwhile",
+        3600.0)
+    rejections_max: int = setting(
+        Size(), "bytes of SMTP rejections kept in `<spool.dir>/rejections/` for `mta events --rejections` and "
+        "`GET /events?stream=rejections` (the oldest half goes when it is full); 0: none kept", 64 * 1024 * 1024)
     webhook_url: str | None = setting(
         Optional(WebhookUrl()), "where `mta events ship webhook` POSTs batches of events; not set, it refuses to run",
         None)
@@ -81,4 +107,23 @@ class EventsSection:
     webhook_timeout: float = setting(
         Duration(positive=True), "per POST, to connect, send and read the answer; then it is retried", 10.0)
     webhook_retry_max: float = setting(
+        Duration(positive=True), "the longest wait between retries of a batch (the wait doubles from 0.5 s)", 60.0)
+    kafka_bootstrap_servers: tuple[ListenAddress, ...] = setting(
+        ListOf(Listen(default_port=9092)), "the Kafka brokers `mta events ship kafka` first asks for the cluster's "
+        "metadata (plaintext Kafka protocol); none, it refuses to run", ())
+    kafka_topic: str = setting(TopicName(), "the topic the Kafka shipper produces to (created by the operator)",
+                               "logspool-events")
+    kafka_consumer: str = setting(
+        ConsumerName(), "the Kafka shipper's consumer name: its cursor, lag gauge and pinned segments", "kafka")
+    kafka_batch_events: int = setting(
+        Integer(1, 100_000), "events produced before the shipper waits for the brokers' acknowledgement of them "
+        "all and stores its cursor (a record's events are never split)", 500)
+    kafka_batch_bytes: int = setting(Size(positive=True), "a batch's JSON at most, about", 1024 * 1024)
+    kafka_batch_time: float = setting(
+        Duration(at_most=3600.0), "how long a batch that is not full waits for more events before it is produced",
+        1.0)
+    kafka_timeout: float = setting(
+        Duration(positive=True), "per batch, for every event to be acknowledged by all in-sync replicas "
+        "(`message.timeout.ms`); then the batch is produced again", 30.0)
+    kafka_retry_max: float = setting(
         Duration(positive=True), "the longest wait between retries of a batch (the wait doubles from 0.5 s)", 60.0)

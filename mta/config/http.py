@@ -27,6 +27,10 @@ class HttpSection:
     tokens_file: str | None = setting(
         Optional(Path()), "bearer tokens accepted by the API, one a line (`#` starts a comment); mode 0600 or 0400, "
         "or the relay refuses to start; required with `listen`", None)
+    tls_cert: str | None = setting(
+        Optional(Path()), "PEM certificate chain: with `tls_key`, the API speaks HTTPS only (TLS 1.2 or later); "
+        "read again on reload; not set, plain HTTP", None)
+    tls_key: str | None = setting(Optional(Path()), "PEM private key of `tls_cert`", None)
     max_connections: int = setting(
         Integer(1, 1024), "API requests served at once; more wait in the listen backlog", 16)
     timeout: float = setting(

@@ -21,6 +21,13 @@ The query:
   cursor_pin_max``).
 - ``limit``: records at most (``[events] page_records``); ``wait``: seconds;
   ``shard``: which shard's stream.
+
+A request with ``Accept: text/event-stream`` gets the stream as server-sent
+events instead (``mta.events.sse``): one response that goes on, new events
+framed as they become durable, a heartbeat comment every ``[events]
+sse_heartbeat`` when there is nothing, for at most ``sse_max_time``; it
+begins at ``Last-Event-ID`` (a reconnecting client's) or ``after``.
+``consumer`` and ``wait`` are for the long poll only.
 """
 
 from __future__ import annotations
@@ -36,9 +43,20 @@ import trio
 from mta.admin.errors import AdminError
 from mta.config import Config
 from mta.events.cursors import CursorError, Cursors, check_name
+from mta.events.rejections import RejectionReader, format_rid, parse_rid
 from mta.events.source import classes_of, event_dict, open_stream
+from mta.events.sse import (
+    CONTENT_TYPE,
+    HEARTBEAT,
+    BadEventId,
+    Resume,
+    frame,
+    lagged_frame,
+    parse_last_event_id,
+    wants_sse,
+)
 from mta.observe.bounded_accept import BoundedAccept
-from mta.shards import shard_count
+from mta.shards import shard_config, shard_count
 from spool import EventBatch, EventStream, NotARecord, SpoolError, format_pos, parse_pos
 
 log = logging.getLogger("mta.events")
@@ -65,6 +83,8 @@ class EventsServer:
         cfg = config.events
         self.max_wait = cfg.max_wait
         self.page_records = cfg.page_records
+        self.sse_heartbeat = cfg.sse_heartbeat
+        self.sse_max_time = cfg.sse_max_time
         self.cursors = Cursors(config)
         self.accept = BoundedAccept("events endpoint", cfg.max_connections, self._handle)
         self.serve = self.accept.serve
@@ -73,33 +93,98 @@ class EventsServer:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
+            head = b""
+            with trio.move_on_after(GRACE):
+                head = await _read_head(stream)
+            if not head:
+                return
+            if wants_sse(_headers(head).get("accept", "")):
+                with trio.move_on_after(self.sse_max_time):
+                    await self._exchange_sse(stream, head)
+                return
             with trio.move_on_after(self.max_wait + GRACE):
-                await self._exchange(stream)
+                await self._exchange(stream, head)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass
+        except BadRequest as e:
+            with trio.move_on_after(GRACE):
+                await _send_json(stream, e.status, {"error": e.text})
         except Exception:
             log.exception("events request from %s failed", _peer(stream))
 
-    async def _exchange(self, stream: trio.SocketStream) -> None:
+    async def _exchange(self, stream: trio.SocketStream, head: bytes) -> None:
         try:
-            query = _query(await _read_head(stream))
-            status, body = "200 OK", await self.answer(query)
+            status, body = "200 OK", await self.answer(_query(head))
         except BadRequest as e:
             status, body = e.status, {"error": e.text}
         except (SpoolError, AdminError, OSError) as e:
             status, body = "503 Service Unavailable", {"error": " ".join(str(e).split())}
-        payload = (json.dumps(body, sort_keys=True) + "\n").encode()
-        head = (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-                f"Cache-Control: no-store\r\nConnection: close\r\n\r\n")
-        await stream.send_all(head.encode("latin-1") + payload)
+        await _send_json(stream, status, body)
+
+    async def _exchange_sse(self, stream: trio.SocketStream, head: bytes) -> None:
+        """The stream as server-sent events, until the client goes or ``sse_max_time`` ends it.
+        Raises BadRequest (answered as JSON) for what is wrong before the first byte of the stream."""
+        query, headers = _query(head), _headers(head)
+        for name in ("consumer", "wait"):
+            if name in query:
+                raise BadRequest("400 Bad Request", f"{name}: not with Accept: {CONTENT_TYPE} (an event-stream "
+                                 f"client resumes with Last-Event-ID)")
+        shard = _int(query, "shard", 0, 0, shard_count(self.config) - 1)
+        limit = _int(query, "limit", self.page_records, 1, self.page_records)
+        resume: Resume | None = None
+        after = _position(query["after"]) if "after" in query else None
+        if "last-event-id" in headers:
+            try:
+                resume = parse_last_event_id(headers["last-event-id"])
+            except BadEventId as e:
+                raise BadRequest("400 Bad Request", str(e)) from None
+            after = None if resume.index is not None else resume.pos
+        since = resume.pos if resume is not None and resume.index is not None else None
+        events = self._stream(shard)
+        try:
+            batch = await self._read(events, after, limit, since)  # before the head: a bad id is still a 400
+        except (SpoolError, AdminError, OSError) as e:
+            await _send_json(stream, "503 Service Unavailable", {"error": " ".join(str(e).split())})
+            return
+        await stream.send_all(f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nCache-Control: no-store\r\n"
+                              f"X-Accel-Buffering: no\r\nConnection: close\r\n\r\n".encode("latin-1"))
+        quiet_since = trio.current_time()
+        while True:
+            out = b""
+            if batch.lagged and batch.gap is not None:
+                out += lagged_frame(batch.gap)
+            for event in batch.events:
+                d = event_dict(event, shard, classes_of(self.config))
+                if resume is None or resume.keep(d):
+                    out += frame(d)
+            if out:
+                await stream.send_all(out)
+                quiet_since = trio.current_time()
+            moved = batch.after is not None and batch.after != after
+            if batch.after is not None:
+                after = batch.after
+                if resume is not None and after >= resume.pos:
+                    resume = None
+            if not moved:
+                if trio.current_time() - quiet_since >= self.sse_heartbeat:
+                    await stream.send_all(HEARTBEAT)
+                    quiet_since = trio.current_time()
+                await trio.sleep(POLL)
+            batch = await self._read(events, after, limit)
 
     # -- the answer, apart from HTTP ------------------------------------------------------
 
     async def answer(self, query: dict[str, str]) -> dict[str, Any]:
-        """The page for ``query`` (``after``, ``consumer``, ``limit``, ``wait``, ``shard``). Raises BadRequest."""
+        """The page for ``query`` (``after``, ``consumer``, ``limit``, ``wait``, ``shard``, ``stream``). Raises
+        BadRequest."""
         shard = _int(query, "shard", 0, 0, shard_count(self.config) - 1)
         limit = _int(query, "limit", self.page_records, 1, self.page_records)
         wait = _number(query, "wait", 0.0, 0.0, self.max_wait)
+        which = query.get("stream", "messages")
+        if which == "rejections":
+            return await self._rejections(query, shard, limit, wait)
+        if which != "messages":
+            raise BadRequest("400 Bad Request", f"stream: {which!r} is not messages nor rejections")
         consumer = query.get("consumer")
         after = _position(query["after"]) if "after" in query else None
         if consumer is not None:
@@ -129,15 +214,43 @@ class EventsServer:
             "gap": None if batch.gap is None else [format_pos(p) for p in batch.gap],
         }
 
+    async def _rejections(self, query: dict[str, str], shard: int, limit: int, wait: float) -> dict[str, Any]:
+        """A page of the shard's SMTP rejections (``mta.events.rejections``): no consumer cursor (nothing pins
+        them: they are kept up to ``[events] rejections_max``)."""
+        if "consumer" in query:
+            raise BadRequest("400 Bad Request", "consumer: not with stream=rejections (nothing pins them)")
+        after = None
+        if "after" in query:
+            try:
+                after = parse_rid(query["after"])
+            except ValueError as e:
+                raise BadRequest("400 Bad Request", f"after: {e}") from None
+        reader = RejectionReader(shard_config(self.config, shard, shard_count(self.config)).spool.dir)
+        deadline = trio.current_time() + wait
+        while True:
+            page = await trio.to_thread.run_sync(functools.partial(reader.read, after, limit),
+                                                 limiter=self._readers)
+            if page.events or trio.current_time() >= deadline:
+                break
+            await trio.sleep(min(POLL, max(0.0, deadline - trio.current_time())))
+        return {
+            "events": page.events,
+            "next": None if page.after is None else format_rid(page.after),
+            "horizon": format_rid(page.durable),
+            "lagged": page.lagged,
+            "gap": None if page.gap is None else [format_rid(page.gap[0]), format_rid(page.gap[1])],
+        }
+
     def _stream(self, shard: int) -> EventStream:
         if shard not in self._streams:
             self._streams[shard] = open_stream(self.config, shard)
         return self._streams[shard]
 
-    async def _read(self, stream: EventStream, after: int | None, limit: int) -> EventBatch:
+    async def _read(self, stream: EventStream, after: int | None, limit: int,
+                    since: int | None = None) -> EventBatch:
         try:
-            return await trio.to_thread.run_sync(functools.partial(stream.read, after, max_records=limit),
-                                                 limiter=self._readers)
+            return await trio.to_thread.run_sync(functools.partial(stream.read, after, since=since,
+                                                                   max_records=limit), limiter=self._readers)
         except NotARecord as e:
             raise BadRequest("400 Bad Request", f"after: {e}") from None
 
@@ -152,6 +265,24 @@ async def _read_head(stream: trio.SocketStream) -> bytes:
             break
         buf += data
     return bytes(buf[:MAX_HEAD + 4])
+
+
+def _headers(head: bytes) -> dict[str, str]:
+    """The head's fields, names in lower case (a repeated field: its last value)."""
+    lines = head.decode("latin-1").replace("\r\n", "\n").split("\n")[1:]
+    fields = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if colon and name.strip():
+            fields[name.strip().lower()] = value.strip()
+    return fields
+
+
+async def _send_json(stream: trio.SocketStream, status: str, body: dict[str, Any]) -> None:
+    payload = (json.dumps(body, sort_keys=True) + "\n").encode()
+    head = (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+            f"Cache-Control: no-store\r\nConnection: close\r\n\r\n")
+    await stream.send_all(head.encode("latin-1") + payload)
 
 
 def _query(head: bytes) -> dict[str, str]:
@@ -169,7 +300,7 @@ def _query(head: bytes) -> dict[str, str]:
         parsed = parse_qs(query, strict_parsing=bool(query), max_num_fields=16)
     except ValueError as e:
         raise BadRequest("400 Bad Request", f"the query: {e}") from None
-    known = {"after", "consumer", "limit", "wait", "shard"}
+    known = {"after", "consumer", "limit", "wait", "shard", "stream"}
     for name, values in parsed.items():
         if name not in known:
             raise BadRequest("400 Bad Request", f"unknown parameter {name!r} (known: {', '.join(sorted(known))})")

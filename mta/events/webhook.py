@@ -4,13 +4,12 @@ Runs in a process of its own (``mta events ship webhook``), reading the
 spool's files like ``mta events``: a receiver that is down or slow costs
 the relay nothing but the disk its cursor pins (``[spool] cursor_pin_max``).
 
-Delivery. Batches go one at a time, in log order; a batch is retried
-(0.5 s, doubling to ``webhook_retry_max``) until the receiver answers 2xx,
-and only then is the cursor stored (fsynced) and the next batch sent. So
-every event arrives at least once and one message's events arrive in
-order; after a crash of the shipper, what followed the stored cursor is
-sent again, with the same ids (``id``: the record's position and the
-recipient's index), for the receiver to drop what it has.
+Delivery (``mta.events.shipping``): batches go one at a time, in log order;
+a batch is retried (0.5 s, doubling to ``webhook_retry_max``) until the
+receiver answers 2xx, and only then is the cursor stored (fsynced) and the
+next batch sent. After a crash of the shipper, what followed the stored
+cursor is sent again, with the same ids (``id``: the record's position and
+the recipient's index), for the receiver to drop what it has.
 
 The request::
 
@@ -29,25 +28,18 @@ import hashlib
 import hmac
 import http.client
 import json
-import logging
 import os
 import stat
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-import attrs
-
 from mta.config import Config, ConfigError
 from mta.events.batching import Batch, Batcher
 from mta.events.cursors import Cursors
-from mta.events.source import classes_of, event_dict, open_stream
+from mta.events.shipping import Answer, Shipper
+from mta.events.source import classes_of, open_stream
 from spool import format_pos
-
-log = logging.getLogger("mta.events")
-
-POLL = 0.2  # seconds between looks at the durable horizon when nothing is waiting
-RETRY_FIRST = 0.5
 
 
 class UnsafeSecret(ConfigError):
@@ -76,12 +68,6 @@ def signature(secret: bytes, timestamp: str, body: bytes) -> str:
     return "sha256=" + hmac.new(secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
 
 
-@attrs.frozen
-class Answer:
-    ok: bool
-    why: str
-
-
 class WebhookSender:
     """One POST per batch to ``url``; connection errors, timeouts and non-2xx answers are failures."""
 
@@ -99,7 +85,7 @@ class WebhookSender:
         return json.dumps({"events": list(batch.events), "next": format_pos(batch.cursor), "shard": shard},
                           sort_keys=True).encode()
 
-    def post(self, batch: Batch, shard: int) -> Answer:
+    def send(self, batch: Batch, shard: int) -> Answer:
         body = self.body(batch, shard)
         stamp = str(int(time.time()))
         headers = {"Content-Type": "application/json", "User-Agent": "logspool-events",
@@ -130,44 +116,6 @@ def ship_webhook(config: Config, shard: int = 0, *, sleep: Callable[[float], Non
     if cfg.webhook_url is None:
         raise ConfigError("not set: nowhere to ship to", config.source, "events.webhook_url")
     sender = WebhookSender(cfg.webhook_url, read_secret(cfg.webhook_secret_file), cfg.webhook_timeout)
-    stream = open_stream(config, shard)
-    classes = classes_of(config)
-    cursors = Cursors(config)
-    name = cfg.webhook_consumer
-    stored = read_after = cursors.load(name, shard)
-    batcher = Batcher(cfg.webhook_batch_events, cfg.webhook_batch_bytes, cfg.webhook_batch_time)
-    log.info("shipping events of shard %d to %s as consumer %s, from %s", shard, cfg.webhook_url, name,
-             "the oldest record" if stored is None else format_pos(stored))
-    delay, idle_since = 0.0, clock()
-    while True:
-        moved = False
-        if not batcher.full():
-            got = stream.read(read_after, max_records=cfg.webhook_batch_events)
-            if got.lagged and got.gap is not None:
-                log.warning("consumer %s lags: the log no longer holds %s up to %s (past [spool] cursor_pin_max, "
-                            "not archived); those events are lost to it", name, format_pos(got.gap[0]),
-                            format_pos(got.gap[1]))
-            batcher.add([event_dict(e, shard, classes) for e in got.events], clock())
-            moved, read_after = got.after != read_after, got.after
-        now = clock()
-        if batcher.due(now):
-            batch = batcher.take()
-            answer = sender.post(batch, shard)
-            if answer.ok:
-                cursors.store(name, shard, batch.cursor)
-                stored, delay, idle_since = batch.cursor, 0.0, now
-                batcher.acked(batch, clock())
-                continue
-            delay = min(max(RETRY_FIRST, delay * 2), cfg.webhook_retry_max)
-            log.warning("webhook POST of %d events (%s..) to %s failed: %s; again in %.1fs", len(batch.events),
-                        batch.events[0]["id"], cfg.webhook_url, answer.why, delay)
-            sleep(delay)
-            continue
-        if not batcher.waiting and read_after is not None and read_after != stored and \
-                now - idle_since >= cfg.webhook_batch_time:
-            # Caught up past records that make no event (STARTs, FINISHes): the cursor moves too, so it
-            # pins no segment it has no need of.
-            cursors.store(name, shard, read_after)
-            stored, idle_since = read_after, now
-        if not moved:
-            sleep(min(POLL, batcher.wait(now)) if batcher.waiting else POLL)
+    Shipper(open_stream(config, shard), Cursors(config), cfg.webhook_consumer, shard, sender,
+            Batcher(cfg.webhook_batch_events, cfg.webhook_batch_bytes, cfg.webhook_batch_time),
+            cfg.webhook_retry_max, cfg.webhook_url, sleep, clock, classes_of(config)).run()

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from http import HTTPStatus
 from typing import Any
 
@@ -29,6 +30,7 @@ from mta.containment import is_fatal
 from mta.http.idempotency import KeyMismatch
 from mta.http.inject import Injector, Outcome, dumps
 from mta.http.inject_request import BadInjection, check_key
+from mta.http.metrics import ApiMetrics
 from mta.http.tokens import Tokens
 from mta.inbound.disk import DiskCheck
 from mta.observe.bounded_accept import BoundedAccept
@@ -60,8 +62,11 @@ class ApiServer:
     """Serves ``POST /api/inject/v1``, at most ``max_connections`` at once (``accept``)."""
 
     def __init__(self, injector: Injector, tokens: Tokens, disk: DiskCheck, *, max_connections: int,
-                 timeout: float, max_request_size: int) -> None:
+                 timeout: float, max_request_size: int, metrics: ApiMetrics | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.injector = injector
+        self.metrics = metrics if metrics is not None else ApiMetrics(None)
+        self.ssl_context = ssl_context  # replaced on reload (a renewed certificate): new connections take it
         self.tokens = tokens
         self.disk = disk
         self.timeout = timeout
@@ -69,9 +74,17 @@ class ApiServer:
         self.accept = BoundedAccept("HTTP API", max_connections, self._handle)
         self.serve = self.accept.serve
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        client = _peer(stream)
+    async def _handle(self, sock: trio.SocketStream) -> None:
+        client = _peer(sock)
+        stream: trio.abc.Stream = sock
         try:
+            if self.ssl_context is not None:
+                tls = trio.SSLStream(sock, self.ssl_context, server_side=True)
+                with trio.move_on_after(self.timeout) as handshake:
+                    await tls.do_handshake()
+                if handshake.cancelled_caught:
+                    return  # no handshake within the deadline: closed
+                stream = tls
             conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
             while True:
                 with trio.move_on_after(self.timeout):
@@ -80,11 +93,11 @@ class ApiServer:
                     continue
                 return  # the deadline passed: the connection is closed whatever its state
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
-            pass
+            pass  # a TLS client that fails the handshake lands here too: its connection only
         except Exception:
             log.exception("HTTP API request from %s failed", client)
 
-    async def _one(self, stream: trio.SocketStream, conn: h11.Connection, client: str) -> bool:
+    async def _one(self, stream: trio.abc.Stream, conn: h11.Connection, client: str) -> bool:
         """One request and its answer; whether the connection may carry another."""
         try:
             request = await _next(stream, conn)
@@ -102,13 +115,14 @@ class ApiServer:
                 raise
             log.exception("HTTP API request from %s failed", client)
             outcome = _error(500, "internal error; the request may be retried")
+        self.metrics.answered(outcome.status, int(outcome.body.get("success_count", 0) or 0))
         await _send(stream, conn, outcome)
         if conn.our_state is h11.MUST_CLOSE or conn.their_state is not h11.DONE:
             return False
         conn.start_next_cycle()
         return True
 
-    async def _answer(self, stream: trio.SocketStream, conn: h11.Connection, request: h11.Request,
+    async def _answer(self, stream: trio.abc.Stream, conn: h11.Connection, request: h11.Request,
                       client: str) -> Outcome:
         headers = {name.lower(): value for name, value in request.headers}
         path = request.target.split(b"?", 1)[0]
@@ -138,19 +152,19 @@ class ApiServer:
             return _error(503, "insufficient system storage, try again later", ("Retry-After", RETRY_AFTER))
 
 
-async def _next(stream: trio.SocketStream, conn: h11.Connection) -> h11.Request | None:
+async def _next(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
     while True:
         ev = conn.next_event()
         if ev is h11.NEED_DATA:
             data = await stream.receive_some(65536)
-            conn.receive_data(data)
+            conn.receive_data(bytes(data))
             continue
         if isinstance(ev, h11.Request):
             return ev
         return None  # ConnectionClosed, or PAUSED after an answer we sent while they had more
 
 
-async def _body(stream: trio.SocketStream, conn: h11.Connection, limit: int) -> bytes:
+async def _body(stream: trio.abc.Stream, conn: h11.Connection, limit: int) -> bytes:
     if conn.they_are_waiting_for_100_continue:  # curl's Expect: 100-continue for bodies over 1 KiB
         await stream.send_all(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
     parts: list[bytes] = []
@@ -158,7 +172,7 @@ async def _body(stream: trio.SocketStream, conn: h11.Connection, limit: int) -> 
     while True:
         ev = conn.next_event()
         if ev is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(65536))
+            conn.receive_data(bytes(await stream.receive_some(65536)))
         elif isinstance(ev, h11.Data):
             size += len(ev.data)
             if size > limit:
@@ -170,7 +184,7 @@ async def _body(stream: trio.SocketStream, conn: h11.Connection, limit: int) -> 
             raise h11.RemoteProtocolError("the request ended before its body", 400)
 
 
-async def _send(stream: trio.SocketStream, conn: h11.Connection, outcome: Outcome) -> None:
+async def _send(stream: trio.abc.Stream, conn: h11.Connection, outcome: Outcome) -> None:
     if conn.our_state is not h11.SEND_RESPONSE:
         return
     payload = dumps(outcome.body)

@@ -1,4 +1,4 @@
-"""The bearer tokens the HTTP API accepts, read once at start from a private file.
+"""The bearer tokens the HTTP API accepts, read at start from a private file, and again on SIGHUP.
 
 A token is a password: the file must be readable by its owner only (mode
 0600 or 0400), or the relay refuses to start, in one line. Comparison is in
@@ -24,6 +24,10 @@ class Tokens:
 
     def __init__(self, tokens: tuple[bytes, ...]) -> None:
         self._tokens = tokens
+
+    def replace(self, other: Tokens) -> None:
+        """Accept ``other``'s tokens from now on (a reload: the server keeps this object)."""
+        self._tokens = other._tokens
 
     def accepts(self, authorization: bytes | None) -> bool:
         if authorization is None:

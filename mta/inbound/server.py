@@ -118,8 +118,11 @@ class Port(enum.Enum):
 class SmtpServer:
     def __init__(self, config: Config, aspool: AsyncSpool, metrics: Metrics,
                  ssl_context: ssl.SSLContext | None = None,
-                 free_space: Callable[[str], int | None] | None = None, dkim: AcceptSigner | None = None) -> None:
+                 free_space: Callable[[str], int | None] | None = None, dkim: AcceptSigner | None = None,
+                 keep_reject: Callable[[dict[str, Any]], None] | None = None) -> None:
         """``free_space`` (tests inject one) is asked at every disk check (``mta.inbound.disk.DiskCheck``).
+
+        ``keep_reject``: given each rejection's fields as it is logged (``mta.events.rejections``); it must not block.
 
         ``dkim``: signs the mail of trusted clients as it is accepted (``mta.dkim.accept``); None: no keys.
         Raises (with ``[submission]`` on): ``OSError``, ``UsersFileError`` for a users file that cannot be read.
@@ -133,6 +136,7 @@ class SmtpServer:
         self.slots = SessionSlots(config)
         aspool.count_clients(lambda: self.slots.total)  # the inline commit is for a lone client only
         self.reuse_port = False  # set when several relay processes share the listening addresses
+        self.keep_reject = keep_reject
         self.auth = Authenticator(config, metrics)
         self.checks = Checks(config)  # [limits] and [policy]
         self.recipient_check = RecipientCheck(config)  # tables, aliases, verification at RCPT
@@ -213,6 +217,11 @@ class SmtpServer:
     def _proxy_refused(self, balancer: str, reason: str, detail: str) -> None:
         self.metrics.rejected.labels(reason).inc()
         event(log, "reject", level=logging.WARNING, client=balancer, command="PROXY", reason=reason, detail=detail)
+        self.record_reject(client=balancer, command="PROXY", reason=reason, detail=detail)
+
+    def record_reject(self, **fields: str | None) -> None:
+        if self.keep_reject is not None:
+            self.keep_reject({k: v for k, v in fields.items() if v is not None})
 
     async def _serve_connection(self, stream: trio.SocketStream, peer: Any, slot: Slot | Refusal,
                                 port: Port = Port.SMTP, early: bytes = b"") -> None:
@@ -277,11 +286,13 @@ class SmtpServer:
             self.metrics.rejected.labels(over.limit).inc()
             event(log, "reject", level=logging.WARNING, client=client_ip, command="CONNECT", reply=str(reply),
                   reason=over.limit)
+            self.record_reject(client=client_ip, command="CONNECT", reply=str(reply), reason=over.limit)
         elif isinstance(why, Refusal):
             reply = R_TOO_MANY_SESSIONS
             self.metrics.sessions_refused.labels(why.value).inc()
             event(log, "reject", level=logging.WARNING, client=client_ip, command="CONNECT",
                   reply=str(reply), reason="session_limit", limit=why.value)
+            self.record_reject(client=client_ip, command="CONNECT", reply=str(reply), reason="session_limit")
         else:
             reply = R_SHUTTING_DOWN
             self.slots.release(why)
@@ -560,6 +571,9 @@ class _Session:
         event(log, "reject", self.queue_id if command == END_OF_DATA else None, client=self.client_ip,
               helo=self.conn.helo_name, command=command, arg=argument or None,
               from_=f"<{self.mail_from}>" if in_transaction else None, reply=str(reply), reason=reason, phase=phase)
+        self.server.record_reject(client=self.client_ip, helo=self.conn.helo_name, command=command,
+                                  arg=argument or None, sender=f"<{self.mail_from}>" if in_transaction else None,
+                                  reply=str(reply), reason=reason, phase=phase)
 
     def _reset(self) -> None:
         self.abort_body()

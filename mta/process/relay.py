@@ -30,6 +30,7 @@ from mta.delivery.workers import DeliveryWorkers
 from mta.dkim import signer_for
 from mta.dkim.accept import AcceptSigner
 from mta.events.http import EventsServer
+from mta.events.rejections import RejectionLog
 from mta.http.start import HttpApi
 from mta.inbound.listen import bind_error
 from mta.inbound.pickup import Pickup
@@ -111,6 +112,7 @@ class Relay:
         self.server: SmtpServer | None = None
         self.metrics_listeners: list[trio.SocketListener] = []
         self.api_listeners: list[trio.SocketListener] = []  # [http] listen, shard 0's only
+        self.http_api: HttpApi | None = None  # its tokens are read again on SIGHUP
         self.events_listeners: list[trio.SocketListener] = []
         self.scheduler: Scheduler
         self.workers: DeliveryWorkers | None = None  # with [delivery] processes > 0
@@ -126,6 +128,7 @@ class Relay:
         cfg = self.config
         signer = signer_for(cfg)  # a key that cannot sign stops the start before the spool is touched
         api = HttpApi(cfg) if cfg.http.listen is not None and self.shard == 0 else None  # a bad tokens file: too
+        self.http_api = api
         os.makedirs(cfg.spool.dir, mode=0o700, exist_ok=True)
         check_spool_dir(cfg.spool.dir)
         self.aspool = await AsyncSpool.open(cfg.spool.dir, spool_config(cfg, self.shard), self.io)
@@ -137,8 +140,14 @@ class Relay:
             if self.supervisor is not None and self.poll_parent:
                 nursery.start_soon(watch_parent, self.supervisor)
             await nursery.start(self.aspool.run)
+            rejections = None
+            if cfg.events.rejections_max > 0:
+                rejections = RejectionLog(cfg.spool.dir, cfg.events.rejections_max, self.io)
+                await trio.to_thread.run_sync(rejections.open)
+                await nursery.start(rejections.run)
             server = SmtpServer(cfg, self.aspool, self.metrics, ssl_context(cfg),
-                                dkim=AcceptSigner(signer) if signer else None)
+                                dkim=AcceptSigner(signer) if signer else None,
+                                keep_reject=None if rejections is None else rejections.add)
             server.reuse_port = self.reuse_port
             self.server = server
             self.listeners = await nursery.start(server.serve)
@@ -175,7 +184,7 @@ class Relay:
                 except OSError as exc:  # taken since check_start tried it
                     raise bind_error(where, "server.metrics_listen", exc) from None
             if api is not None:
-                self.api_listeners = await api.start(nursery, self.aspool, server.disk)
+                self.api_listeners = await api.start(nursery, self.aspool, server.disk, self.metrics.registry)
             if cfg.events.listen is not None and self.shard == 0:  # shard 0 serves every shard's stream
                 await self._serve_events(nursery, cfg.events.listen)
             if cfg.relay.allow_open_relay and cfg.relay.open_to_all():

