@@ -75,6 +75,7 @@ from mta.smtp.server import (
     ConnectionClosed,
     DataAborted,
     DataChunk,
+    DataCommand,
     DataStart,
     Ehlo,
     EndOfData,
@@ -313,7 +314,7 @@ class _Session:
             s.hostname, max_message_size=s.max_message_size, max_line_length=s.line_length_limit,
             max_recipients=s.max_recipients, max_errors=s.max_errors, normalize_bare_lf=s.normalize_bare_lf,
             tls_available=server.ssl_context is not None, tls_active=port is Port.SUBMISSIONS,
-            auth=submission, require_auth=submission, on_reject=self._rejected)
+            auth=submission, require_auth=submission, decide_data=True, on_reject=self._rejected)
         self.tls: TlsInfo | None = None
         self.queue_id: str | None = None  # decided as DATA begins (the Received: header names it)
         self.mail_from: str | None = None  # the sender of the transaction, once MAIL was accepted
@@ -484,6 +485,8 @@ class _Session:
                 await self._mail(ev)
             elif isinstance(ev, RcptTo):
                 await self._rcpt(ev)
+            elif isinstance(ev, DataCommand):
+                await self._data_command()
             elif isinstance(ev, DataStart):
                 self._data_start()
             elif isinstance(ev, DataChunk):
@@ -641,9 +644,36 @@ class _Session:
         self._transaction(True)
         self.conn.accept()
 
+    async def _data_command(self) -> None:
+        """DATA: the milters' DATA stage (``FilterSession.data``) may refuse it; else ``354``.
+
+        The body is begun first, so that the milters' ``{i}`` is the message's
+        queue id; a refusal drops it, and the transaction keeps its
+        recipients (the client may RSET, or try DATA again).
+        """
+        if self.filters is not None:
+            self._begin_body()
+            assert self.queue_id is not None
+            with self._relay_busy():
+                refusal = await self.filters.data(self.queue_id)
+            if refusal is not None:
+                if self.body is not None:
+                    self.body.abort()
+                    self.body = None
+                self.queue_id = None
+                self.conn.reject(refusal, "filter")
+                return
+        self.conn.accept()
+
     def _data_start(self) -> None:
         self.deadlines.data_start(trio.current_time())
         self._arm()
+        self._begin_body()
+
+    def _begin_body(self) -> None:
+        """The message's body in the spool, once per transaction: its queue id is decided here."""
+        if self.body is not None:
+            return
         core = self.server.aspool.core
         proto = self._protocol()
         user = self.conn.authenticated if self.config.submission.authenticated_header else None
