@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from mta.config.client_certs import ClientCertsSection
 from mta.config.dkim import DkimKey, DkimSection
 from mta.config.events import EventsSection
 from mta.config.filters import FiltersSection
@@ -63,6 +64,7 @@ class Config:
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
     filters: FiltersSection = attrs.field(factory=FiltersSection)
+    client_certs: ClientCertsSection = attrs.field(factory=ClientCertsSection)
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

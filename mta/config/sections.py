@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from mta.config.client_certs import ClientCertsSection
 from mta.config.dkim import DkimSection
 from mta.config.events import EventsSection
 from mta.config.filters import FiltersSection
@@ -389,6 +390,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("recipients", RecipientsSection),
     ("http", HttpSection),
     ("events", EventsSection),
+    ("client_certs", ClientCertsSection),
 )
 
 

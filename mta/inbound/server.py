@@ -53,6 +53,7 @@ from mta.inbound import wire
 from mta.inbound.accept import accept_loop
 from mta.inbound.admission import Refusal, SessionSlots, Slot
 from mta.inbound.checks import Checks, Denial
+from mta.inbound.client_cert import ClientCert, client_cert
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
@@ -316,6 +317,7 @@ class _Session:
             tls_available=server.ssl_context is not None, tls_active=port is Port.SUBMISSIONS,
             auth=submission, require_auth=submission, decide_data=True, on_reject=self._rejected)
         self.tls: TlsInfo | None = None
+        self.client_cert: ClientCert | None = None  # a verified one ([client_certs]), once TLS is up
         self.queue_id: str | None = None  # decided as DATA begins (the Received: header names it)
         self.mail_from: str | None = None  # the sender of the transaction, once MAIL was accepted
         self.sender = ""
@@ -750,10 +752,11 @@ class _Session:
         local: Any = ("", 0)
         if isinstance(inner, trio.SocketStream):
             peer, local = inner.socket.getpeername(), inner.socket.getsockname()
-        tls = self.tls
+        tls, cert = self.tls, self.client_cert
         return Facts(self.config.server.hostname, self.port.value, str(local[0]), self.client_ip, int(peer[1]),
                      self.conn.helo_name or "", tls.protocol if tls else None, tls.cipher if tls else None,
-                     tls.bits if tls else None, self.conn.authenticated, self.auth_mechanism)
+                     tls.bits if tls else None, self.conn.authenticated, self.auth_mechanism,
+                     cert.subject if cert else None, cert.issuer if cert else None)
 
     async def _filter(self, body: BodyWriter) -> Reply | None:
         """The filters' say on the message (``mta.milter.accept``): the reply that ends it unstored, or None to
@@ -851,7 +854,8 @@ class _Session:
         if scope.cancelled_caught:
             event(log, "tls_failed", direction="in", client=self.client_ip, reason="timeout")
             return False
-        self.tls = tls_info(tls)
+        self.tls = tls_info(tls, verified=self.config.client_certs.ca_file is not None)
+        self.client_cert = client_cert(tls)
         event(log, "tls", None, {"direction": "in", "client": self.client_ip, **self.tls.fields()})
         self.stream = tls
         return True

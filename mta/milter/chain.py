@@ -61,6 +61,8 @@ class Facts:
     cipher_bits: int | None = None
     auth_user: str | None = None
     auth_type: str | None = None
+    cert_subject: str | None = None  # a verified client certificate's (``mta.inbound.client_cert``)
+    cert_issuer: str | None = None
 
     def macros(self) -> dict[str, str]:
         values = {"j": self.hostname, "v": "logspool", "daemon_name": self.daemon_name,
@@ -69,6 +71,8 @@ class Facts:
                   "_": f"unknown [{self.client_ip}]"}
         if self.tls_version is not None:
             values.update(tls_version=self.tls_version, cipher=self.cipher or "", cipher_bits=str(self.cipher_bits))
+        if self.cert_subject is not None:
+            values.update(cert_subject=self.cert_subject, cert_issuer=self.cert_issuer or "")
         if self.auth_user is not None:
             values.update(auth_authen=self.auth_user, auth_type=self.auth_type or "")
         return values
