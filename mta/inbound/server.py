@@ -43,17 +43,20 @@ import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import dns.asyncresolver
 import trio
 
 from mta.config import Config, ListenAddress, NoRoute
 from mta.containment import is_fatal, local_error
+from mta.delivery.mx import make_resolver
 from mta.dkim.accept import AcceptSigner
 from mta.dkim.signer import Signature
 from mta.inbound import wire
 from mta.inbound.accept import accept_loop
 from mta.inbound.admission import Refusal, SessionSlots, Slot
-from mta.inbound.checks import Checks, Denial
+from mta.inbound.checks import Checks, Denial, Passed
 from mta.inbound.client_cert import ClientCert, client_cert
+from mta.inbound.client_name import ClientNames, look_up
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
@@ -141,6 +144,7 @@ class SmtpServer:
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
         self.proxy_listeners: list[trio.SocketListener] = []  # ``[proxy] listen``: SMTP behind a balancer
         self.sessions: set[_Session] = set()
+        self._resolvers: dict[tuple[str, int] | None, dns.asyncresolver.Resolver] = {}
         self.draining = False  # a planned stop (``mta.process.lifecycle``): no new connection or transaction
 
     def drain(self) -> None:
@@ -151,6 +155,14 @@ class SmtpServer:
         self.draining = True
         for session in self.sessions:
             session.wake_idle()
+
+    def resolver(self) -> dns.asyncresolver.Resolver:
+        """The relay's resolver (``[delivery] resolver``) for the clients' names (``mta.inbound.client_name``)."""
+        r = self.config.delivery.resolver
+        key = (r.host, r.port) if r is not None else None
+        if key not in self._resolvers:
+            self._resolvers[key] = make_resolver(r.host if r else None, r.port if r else 53)
+        return self._resolvers[key]
 
     def in_transaction(self) -> int:
         """Sessions with a transaction in flight (MAIL accepted, its data not yet answered)."""
@@ -340,10 +352,27 @@ class _Session:
         self.filters = FilterSession.for_session(self.config.filters, port is not Port.SMTP)
         self._quarantine: str | None = None  # a filter asked to hold the message being accepted
         self.auth_mechanism: str | None = None  # the SASL mechanism of a successful AUTH (the milters' {auth_type})
+        self._names: ClientNames | None = None  # looked up once, when first asked for (``client_names``)
 
     @property
     def in_transaction(self) -> bool:
         return self.mail_from is not None or self.body is not None
+
+    async def client_names(self) -> ClientNames:
+        """The client's names from the DNS (``mta.inbound.client_name``), looked up on the first call."""
+        if self._names is None:
+            with self._relay_busy():
+                self._names = await look_up(self.server.resolver(), self.client_ip)
+        return self._names
+
+    def local_address(self) -> tuple[str, int]:
+        """The listener's address and port this client connected to (the policy servers' ``server_*``)."""
+        stream = self.stream
+        inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        if isinstance(inner, trio.SocketStream):
+            local: Any = inner.socket.getsockname()
+            return str(local[0]), int(local[1])
+        return "", 0
 
     def wake_idle(self) -> None:
         """A drain began: a session waiting for a command between transactions stops waiting (``_need_data``)."""
@@ -598,8 +627,9 @@ class _Session:
         self.mail_from = ev.address
         self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
         if self.filters is not None:
+            facts = self._facts(await self.client_names())
             with self._relay_busy():
-                refusal = await self.filters.mail(self._facts(), ev.address, ev.params)
+                refusal = await self.filters.mail(facts, ev.address, ev.params)
             if refusal is not None:
                 self.mail_from = None
                 self.conn.reject(refusal, "filter")
@@ -704,6 +734,14 @@ class _Session:
             body.abort()
             self._deny(checked)
             return
+        if checked.discard is not None:  # a policy server's DISCARD: taken, not stored
+            body.abort()
+            event(log, "discarded", self.queue_id, client=self.client_ip, from_=f"<{self.sender}>", reason="policy",
+                  detail=checked.discard)
+            self.recipients = []
+            self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {self.queue_id}"))
+            return
+        self._policy_envelope(checked)
         for header in checked.headers:
             body.add_header(header.encode("utf-8", "surrogateescape") + b"\r\n")
         extra: dict[str, Any] = {"client": self.client_ip}
@@ -722,6 +760,8 @@ class _Session:
                 if done is not None:
                     self._filtered_out(body, done)
                     return
+                if self._quarantine is None and checked.hold is not None:  # a policy server's HOLD
+                    self._quarantine = f"policy: {checked.hold}"
                 if self._quarantine is not None:
                     extra["quarantine"] = self._quarantine
                 signed = await self._sign(body)
@@ -744,7 +784,18 @@ class _Session:
         self.recipients = []
         self.rcpt_dsn = {}
 
-    def _facts(self) -> Facts:
+    def _policy_envelope(self, checked: Passed) -> None:
+        """A policy server's REDIRECT (its address the one recipient) and BCC (one more), logged."""
+        if checked.redirect is not None:
+            event(log, "redirected", self.queue_id, to=f"<{checked.redirect}>", nrcpt=len(self.recipients),
+                  reason="policy")
+            self.recipients = [checked.redirect]
+            self.rcpt_dsn = {}
+        if checked.bcc is not None and checked.bcc not in self.recipients:
+            event(log, "bcc", self.queue_id, to=f"<{checked.bcc}>", reason="policy")
+            self.recipients.append(checked.bcc)
+
+    def _facts(self, names: ClientNames) -> Facts:
         """The session as the milters' macros tell it (``mta.milter.chain.Facts``)."""
         stream = self.stream
         inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
@@ -756,7 +807,7 @@ class _Session:
         return Facts(self.config.server.hostname, self.port.value, str(local[0]), self.client_ip, int(peer[1]),
                      self.conn.helo_name or "", tls.protocol if tls else None, tls.cipher if tls else None,
                      tls.bits if tls else None, self.conn.authenticated, self.auth_mechanism,
-                     cert.subject if cert else None, cert.issuer if cert else None)
+                     cert.subject if cert else None, cert.issuer if cert else None, names.name, names.reverse)
 
     async def _filter(self, body: BodyWriter) -> Reply | None:
         """The filters' say on the message (``mta.milter.accept``): the reply that ends it unstored, or None to

@@ -63,12 +63,14 @@ class Facts:
     auth_type: str | None = None
     cert_subject: str | None = None  # a verified client certificate's (``mta.inbound.client_cert``)
     cert_issuer: str | None = None
+    client_name: str = "unknown"  # forward-confirmed (``mta.inbound.client_name``)
+    client_ptr: str = "unknown"  # the PTR's, unchecked
 
     def macros(self) -> dict[str, str]:
         values = {"j": self.hostname, "v": "logspool", "daemon_name": self.daemon_name,
                   "daemon_addr": self.daemon_addr, "client_addr": self.client_ip,
-                  "client_port": str(self.client_port), "client_name": "unknown", "client_ptr": "unknown",
-                  "_": f"unknown [{self.client_ip}]"}
+                  "client_port": str(self.client_port), "client_name": self.client_name,
+                  "client_ptr": self.client_ptr, "_": f"{self.client_ptr} [{self.client_ip}]"}
         if self.tls_version is not None:
             values.update(tls_version=self.tls_version, cipher=self.cipher or "", cipher_bits=str(self.cipher_bits))
         if self.cert_subject is not None:
@@ -188,7 +190,7 @@ class FilterSession:
             await client.aclose()
 
     async def _open(self, facts: Facts) -> None:
-        connect = p.connect("unknown", facts.client_ip, facts.client_port)
+        connect = p.connect(facts.client_name, facts.client_ip, facts.client_port)
         helo = p.helo(facts.helo)
         for client in self._pending:
             try:

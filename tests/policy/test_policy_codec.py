@@ -8,12 +8,16 @@ from hypothesis import strategies as st
 
 from mta.policy.codec import (
     MAX_LINE,
+    Bcc,
     DeferIfPermit,
     DeferIfReject,
+    Discard,
     Dunno,
+    Hold,
     Permit,
     PolicyProtocolError,
     Prepend,
+    Redirect,
     Refuse,
     ReplyParser,
     Unsupported,
@@ -99,9 +103,14 @@ def test_a_broken_reply_is_a_protocol_error() -> None:
     ("PREPEND X-Long: " + "x" * 990, Prepend("X-Long: " + "x" * 990)),
     ("WARN odd client", Warn("odd client")),
     ("FILTER smtp:[10.0.0.1]", Unsupported("FILTER smtp:[10.0.0.1]")),
-    ("HOLD", Unsupported("HOLD")),
-    ("DISCARD", Unsupported("DISCARD")),
-    ("REDIRECT a@b", Unsupported("REDIRECT a@b")),
+    ("HOLD", Hold("")),
+    ("hold look at it\x01", Hold("look at it")),
+    ("DISCARD spam", Discard("spam")),
+    ("REDIRECT a@b", Redirect("a@b")),
+    ("BCC archive@dest.test", Bcc("archive@dest.test")),
+    ("REDIRECT a@b, c@d", Unsupported("REDIRECT a@b, c@d")),
+    ("BCC <a@b>", Unsupported("BCC <a@b>")),
+    ("REDIRECT", Unsupported("REDIRECT")),
 ])
 def test_actions(action: str, expected: object) -> None:
     assert parse_action({"action": action}) == expected
