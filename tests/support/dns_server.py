@@ -23,8 +23,8 @@ import dns.message
 import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
-import dns.rrset
 import dns.reversename
+import dns.rrset
 import trio
 
 
