@@ -17,7 +17,7 @@ the SASL mechanism and user, a verified client certificate's names and
 fingerprints (``[client_certs]``; empty without one), and the queue id, known
 only at the end of data.
 
-The actions on the whole message (REDIRECT, BCC, HOLD, DISCARD:
+The actions on the whole message (REDIRECT, BCC, HOLD, DISCARD, FILTER:
 ``mta.policy.gate``) are collected over the transaction, the last of each
 kind winning, and handed to the session at the end of data (``Passed``).
 """
@@ -95,6 +95,7 @@ class Passed:
     bcc: str | None = None
     hold: str | None = None
     discard: str | None = None
+    filter: str | None = None  # the next hop every recipient is delivered to (``extra["filter"]``)
 
 
 class Checks:
@@ -178,7 +179,7 @@ class SessionChecks:
 
     def _keep(self, verdict: Verdict) -> None:
         self.headers += verdict.headers
-        for name in ("redirect", "bcc", "hold", "discard"):
+        for name in ("redirect", "bcc", "hold", "discard", "filter"):
             value = getattr(verdict, name)
             if value is not None:
                 self.message[name] = value

@@ -754,6 +754,9 @@ class _Session:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
         if self.rcpt_dsn:
             extra["dsn_rcpt"] = self.rcpt_dsn
+        if checked.filter is not None:  # a policy server's FILTER: the delivery's next hop for every recipient
+            extra["filter"] = checked.filter
+            event(log, "filter_route", self.queue_id, route=checked.filter, reason="policy")
         try:
             with self._relay_busy():
                 done = await self._filter(body)

@@ -10,9 +10,10 @@ and hands out whole replies (``ReplyParser``), as ``mta.smtp``'s cores do.
 
 The action is read once, here (``parse_action``), into one of a few frozen
 records: what the relay does with each is ``mta.policy.gate``'s. An action
-this relay does not carry out (FILTER, a REDIRECT or BCC without one
-address ...) is ``Unsupported``, never an error: the gate logs it and
-applies its failure default. A reply that breaks the protocol (an over-long line, no ``action``,
+this relay does not carry out (a REDIRECT or BCC without one address ...)
+is ``Unsupported``, never an error: the gate logs it and applies its
+failure default (as it does for a FILTER whose next hop it cannot name:
+``mta.policy.filter_route``). A reply that breaks the protocol (an over-long line, no ``action``,
 no ``=``) is ``PolicyProtocolError``, and the connection it came on is not
 used again.
 """
@@ -35,6 +36,7 @@ __all__ = [
     "DeferIfReject",
     "Discard",
     "Dunno",
+    "Filter",
     "Hold",
     "Permit",
     "PolicyProtocolError",
@@ -140,6 +142,14 @@ class Discard:
 
 
 @attrs.frozen
+class Filter:
+    """``FILTER transport:destination``: the whole message goes to this next hop (a content filter that
+    passes it on), whatever the routes say; ``route`` as the server wrote it (``mta.policy.filter_route``)."""
+
+    route: str
+
+
+@attrs.frozen
 class Unsupported:
     """An action this relay does not carry out, as the server wrote it."""
 
@@ -147,7 +157,7 @@ class Unsupported:
 
 
 Action = (Dunno | Permit | Refuse | DeferIfPermit | DeferIfReject | Prepend | Warn | Redirect | Bcc | Hold | Discard
-          | Unsupported)
+          | Filter | Unsupported)
 # One address for REDIRECT and BCC: a local part, an @, a domain; nothing that could be more than one.
 _ADDRESS = re.compile(r"[^\s@<>,;:\\\"]+@[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
 
@@ -262,6 +272,8 @@ def parse_action(reply: Mapping[str, str]) -> Action:
         return Warn(rest)
     if upper in ("REDIRECT", "BCC") and _ADDRESS.fullmatch(rest) and len(rest) <= 254:
         return Redirect(rest) if upper == "REDIRECT" else Bcc(rest)
+    if upper == "FILTER" and rest:
+        return Filter(rest[:400])
     if upper in ("HOLD", "DISCARD"):
         note = _UNSAFE.sub(" ", rest).strip()[:MAX_TEXT]
         return Hold(note) if upper == "HOLD" else Discard(note)

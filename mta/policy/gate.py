@@ -8,12 +8,13 @@ with that reply; ``DEFER_IF_PERMIT`` defers unless a later server rejects
 rejection into its deferral; ``PREPEND`` adds a header field to the
 message; ``WARN`` is logged. The actions on the whole message: ``REDIRECT
 user@domain`` (it goes to that one address instead), ``BCC user@domain``
-(one more recipient), ``HOLD text`` (stored held, as a quarantine) ask the
+(one more recipient), ``HOLD text`` (stored held, as a quarantine),
+``FILTER transport:destination`` (delivered to that next hop) ask the
 next server, as Postfix's smtpd goes on to its next restriction after
 them, and the last of each kind in a transaction wins; ``DISCARD text``
 ends the asking, accepted (a 250, nothing stored). They are kept for the
 end of the data (``Verdict``), where the session carries them out. Any other
-action (FILTER above all), and every failure to get a reply, is logged and
+action, and every failure to get a reply, is logged and
 costs ``on_failure``: ``tempfail`` (``451 4.3.5``) or ``dunno`` (the next
 server is asked).
 """
@@ -34,6 +35,7 @@ from mta.policy.codec import (
     DeferIfReject,
     Discard,
     Dunno,
+    Filter,
     Hold,
     Permit,
     PolicyProtocolError,
@@ -44,6 +46,7 @@ from mta.policy.codec import (
     Warn,
     parse_action,
 )
+from mta.policy.filter_route import filter_route
 from mta.smtp.common import Reply
 
 __all__ = ["R_POLICY_FAILED", "PolicyChecks", "Verdict"]
@@ -65,6 +68,7 @@ class Verdict:
     bcc: str | None = None
     hold: str | None = None
     discard: str | None = None
+    filter: str | None = None
 
 
 ACCEPTED = Verdict()
@@ -110,6 +114,8 @@ class PolicyChecks:
                 headers.append(action.header)
             elif isinstance(action, Redirect | Bcc):
                 message["redirect" if isinstance(action, Redirect) else "bcc"] = action.address
+            elif isinstance(action, Filter) and (route := filter_route(action.route)) is not None:
+                message["filter"] = route
             elif isinstance(action, Hold):
                 message["hold"] = action.text or "held by a policy server"
             elif isinstance(action, Discard):
@@ -118,9 +124,10 @@ class PolicyChecks:
             elif isinstance(action, Warn):
                 event(log, "policy_warn", queue_id, level=logging.WARNING, server=str(client.address),
                       client=attributes.get("client_address"), text=action.text)
-            elif isinstance(action, Unsupported):
+            elif isinstance(action, Unsupported | Filter):  # a FILTER to no next hop the relay can name
                 event(log, "policy_unsupported", queue_id, level=logging.WARNING, server=str(client.address),
-                      action=action.action, default=self.section.on_failure)
+                      action=action.action if isinstance(action, Unsupported) else f"FILTER {action.route}",
+                      default=self.section.on_failure)
                 if self.section.on_failure == "tempfail":
                     return Verdict(R_POLICY_FAILED, "policy_unavailable")
             else:
@@ -130,7 +137,7 @@ class PolicyChecks:
         if not headers and not message:
             return ACCEPTED
         return Verdict(headers=tuple(headers), redirect=message.get("redirect"), bcc=message.get("bcc"),
-                       hold=message.get("hold"), discard=message.get("discard"))
+                       hold=message.get("hold"), discard=message.get("discard"), filter=message.get("filter"))
 
     def close(self) -> None:
         for client in self.clients:

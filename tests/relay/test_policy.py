@@ -232,7 +232,7 @@ async def test_servers_in_order_at_rcpt_and_end_of_data_over_one_connection(
         rcpt = r["recipient"]
         if r["protocol_state"] == "END-OF-MESSAGE":
             return "REJECT 5.7.0 content refused" if r["sender"] == "spam@example.org" else "DUNNO"
-        return {"ok@dest.test": "OK", "odd@dest.test": "FILTER smtp:[10.0.0.1]", "warn@dest.test": "WARN looked odd",
+        return {"ok@dest.test": "OK", "odd@dest.test": "FILTER maildir:/var/mail", "warn@dest.test": "WARN looked odd",
                 "nobody@dest.test": "DEFER_IF_REJECT 4.7.1 wait"}.get(rcpt, "DUNNO")
 
     def second(r: dict[str, str]) -> str:
@@ -264,7 +264,7 @@ async def test_servers_in_order_at_rcpt_and_end_of_data_over_one_connection(
         assert len({r["instance"] for r in one.requests}) == 2  # one per transaction
         assert (one.connections, two.connections) == (1, 1)  # kept between requests, and between sessions
         messages = [r.getMessage() for r in caplog.records]
-        assert any("event=policy_unsupported" in m and 'action="FILTER smtp:[10.0.0.1]"' in m for m in messages)
+        assert any("event=policy_unsupported" in m and 'action="FILTER maildir:/var/mail"' in m for m in messages)
         assert any("event=policy_warn" in m and 'text="looked odd"' in m for m in messages)
         await hop.wait_messages(1)
         nursery.cancel_scope.cancel()
@@ -403,4 +403,27 @@ async def test_tls_sasl_and_the_client_certificate_reach_the_server(tmp_path: Pa
         assert r["ccert_fingerprint"] == ":".join(f"{b:02X}" for b in der.fingerprint(hashes.SHA256()))
         spki = der.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
         assert r["ccert_pubkey_fingerprint"] == ":".join(f"{b:02X}" for b in hashlib.sha256(spki).digest())
+        nursery.cancel_scope.cancel()
+
+
+async def test_filter_sends_the_whole_message_to_the_named_next_hop(tmp_path: Path) -> None:
+    """``FILTER smtp:[127.0.0.1]:PORT`` (Postfix's transport:destination, as amavis setups write it): every
+    recipient of that message goes to the content filter, whatever the routes say; other mail goes its way."""
+    async with trio.open_nursery() as nursery:
+        hop, content_filter = NextHop(), NextHop()
+        port = await hop.start(nursery)
+        filter_port = await content_filter.start(nursery)
+        server = ScriptedPolicy(lambda r: f"FILTER smtp:[127.0.0.1]:{filter_port}"
+                                if r["sender"] == "scan@example.org" else "DUNNO")
+        await server.start(nursery)
+        relay = await start_relay(nursery, policy_config(tmp_path, port, f'servers = ["inet:127.0.0.1:{server.port}"]'))
+        for sender in ("scan@example.org", "plain@example.org"):
+            code, text = await trio.to_thread.run_sync(_send, relay.ports[0], sender, ["bob@dest.test",
+                                                                                       "carol@dest.test"])
+            assert code == 250, text
+        (filtered,) = await content_filter.wait_messages(1)
+        assert filtered.sender == "scan@example.org"
+        assert sorted(filtered.recipients) == ["bob@dest.test", "carol@dest.test"]
+        (plain,) = await hop.wait_messages(1)
+        assert plain.sender == "plain@example.org"
         nursery.cancel_scope.cancel()
