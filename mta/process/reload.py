@@ -43,9 +43,10 @@ RESTART: frozenset[tuple[str, str]] = frozenset({
     ("delivery", "data_timeout"), ("delivery", "connection_cache_time"), ("delivery", "resolver"),
     ("delivery", "mx_port"), ("delivery", "tls_ca_file"),
     ("log", "level"), ("log", "format"),
+    ("recipients", "verify_cache"),  # opened by the server's verifier, once
 })
 SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "limits", "policy",
-            "filters", "recipients")
+            "filters", "recipients", "client_certs")
 RESTART_SECTIONS = frozenset({"spool", "tls_policy"})  # the engine's and the outgoing transport's, read at start
 LIVE: frozenset[tuple[str, str]] = frozenset({("spool", "queue_minfree")})  # read by the sessions' disk check
 
