@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 from dns_server import DnsServer
+from process_support import RelayProcess
 from relay_support import DeliveryWatch, NextHop, SilentHop, write_relay_config
 
 from mta.config import load_config
@@ -158,3 +159,25 @@ async def test_answers_are_shared_by_relays_and_kept_across_a_restart(tmp_path: 
         assert hop.rsets == 3  # three probes in all, one per address
         nursery.cancel_scope.cancel()
     assert oct(cache.stat().st_mode & 0o777) == "0o600"
+
+
+async def test_a_killed_and_restarted_relay_process_probes_no_address_again(tmp_path: Path) -> None:
+    """``mta serve`` as a child process, killed with SIGKILL and started again on the same spool: the answers
+    in ``verify_cache`` are what the new process goes by (the next hop sees one probe per address)."""
+    hop = NextHop(policy)
+    async with trio.open_nursery() as nursery:
+        port = await hop.start(nursery)
+        path = config_for(tmp_path, {"far.test": f"smtp://127.0.0.1:{port}?tls=none"}, '"far.test"')
+        relay = RelayProcess(path)
+        await relay.start(nursery)
+        replies = await trio.to_thread.run_sync(rcpt_replies, relay.port, ["known@far.test", "nobody@far.test"])
+        assert [code for code, _ in replies] == [250, 550]
+        assert hop.rsets == 2  # one probe each (the client's own RSET is the relay's, not the hop's)
+        await relay.kill()
+        await relay.start(nursery)
+        replies = await trio.to_thread.run_sync(rcpt_replies, relay.port, ["known@far.test", "nobody@far.test",
+                                                                            "new@far.test"])
+        assert [code for code, _ in replies] == [250, 550, 250]
+        assert hop.rsets == 3  # new@ only
+        assert (tmp_path / "spool" / "verify-cache").is_file()
+        nursery.cancel_scope.cancel()
