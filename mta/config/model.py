@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import attrs
 
 from mta.config.bounce_classes import BounceClassesSection
+from mta.config.client_certs import ClientCertsSection
 from mta.config.dkim import DkimKey, DkimSection
 from mta.config.egress import EgressSection
 from mta.config.events import EventsSection
@@ -67,6 +68,7 @@ class Config:
     filters: FiltersSection = attrs.field(factory=FiltersSection)
     egress: EgressSection = attrs.field(factory=EgressSection)
     bounce_classes: BounceClassesSection = attrs.field(factory=BounceClassesSection)
+    client_certs: ClientCertsSection = attrs.field(factory=ClientCertsSection)
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

@@ -12,10 +12,12 @@ next hop at RCPT instead (``mta.recipients.verify``).
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from mta.config.routes import Domain
-from spool import Boolean, Duration, Integer, ListOf, Path, setting
+from spool import Boolean, Derived, Duration, Integer, ListOf, Path, setting
 
 __all__ = ["RecipientsSection"]
 
@@ -50,6 +52,11 @@ class RecipientsSection:
         Duration(positive=True), "how long a next hop's yes to an address is remembered", 86400.0)
     verify_negative_ttl: float = setting(
         Duration(positive=True), "how long a next hop's no (a 5xx to RCPT) is remembered", 3600.0)
+    verify_cache: str = setting(
+        Path(), "the next hops' answers, shared by the relay's processes and kept across restarts (an append-only "
+        "file, rewritten when it grows; see \"Recipient verification for relayed domains\"); made only when `verify` "
+        "names a domain",
+        derived=Derived("`<spool.dir>/verify-cache`", lambda r: os.path.join(r("spool.dir"), "verify-cache")))
     verify_timeout: float = setting(
         Duration(positive=True), "how long a probe may take, connecting included, before the RCPT gets `450 4.1.1`",
         10.0)

@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from mta.config.bounce_classes import BounceClassesSection
+from mta.config.client_certs import ClientCertsSection
 from mta.config.dkim import DkimSection
 from mta.config.egress import EgressSection
 from mta.config.events import EventsSection
@@ -393,6 +394,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("events", EventsSection),
     ("egress", EgressSection),
     ("bounce_classes", BounceClassesSection),
+    ("client_certs", ClientCertsSection),
 )
 
 

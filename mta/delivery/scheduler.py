@@ -85,6 +85,7 @@ import trio
 from mta.bounce_class import classifier_for
 from mta.config import Config, DiscardRoute, LmtpRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
 from mta.config.egress import Source
+from mta.config.routes import parse_route
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery import dsn_notify
@@ -158,9 +159,11 @@ def _lifetime(seconds: float) -> str:
     return f"{seconds:.3g} s"
 
 
-def destination_for(config: Config, recipient: str) -> Destination | NoRoute:
+def destination_for(config: Config, recipient: str, filter_route: str | None = None) -> Destination | NoRoute:
+    """Where ``recipient`` goes: its route, or ``filter_route`` for every recipient of a message a policy server
+    sent through a content filter (``extra["filter"]``, ``mta.policy.gate``)."""
     domain = recipient.rpartition("@")[2].lower()
-    route = config.route_for_recipient(recipient)
+    route = config.route_for_recipient(recipient) if filter_route is None else parse_route(filter_route)
     if isinstance(route, NoRoute):
         return route
     if isinstance(route, SmtpRoute):
@@ -263,7 +266,7 @@ class Scheduler:
         qid = self.aspool.core.queue_id(env.message_id)
         for rcpt in attempt.remaining:
             try:
-                dest = self._egress_for(env.sender, rcpt, destination_for(self.config, rcpt))
+                dest = self._egress_for(env.sender, rcpt, destination_for(self.config, rcpt, env.extra.get("filter")))
             except Exception as exc:
                 if is_fatal(exc, self.aspool.core):
                     raise

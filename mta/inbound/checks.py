@@ -11,10 +11,15 @@ greylisted recipient does not count).
 
 What a policy server is told is what Postfix's smtpd tells it
 (SMTPD_POLICY_README, "Protocol description"), from what this relay knows:
-no reverse DNS is looked up (``client_name`` and ``reverse_client_name`` are
-``unknown``, as Postfix sends them for a client without a name), client
-certificates are never asked for (the ``ccert_*`` are empty), and the
-queue id is known only at the end of data.
+the client's names from the DNS (``mta.inbound.client_name``, looked up the
+first time a server is asked in a session), the listener's address, TLS,
+the SASL mechanism and user, a verified client certificate's names and
+fingerprints (``[client_certs]``; empty without one), and the queue id, known
+only at the end of data.
+
+The actions on the whole message (REDIRECT, BCC, HOLD, DISCARD, FILTER:
+``mta.policy.gate``) are collected over the transaction, the last of each
+kind winning, and handed to the session at the end of data (``Passed``).
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from typing import Protocol
 import attrs
 
 from mta.config import Config
+from mta.inbound.client_cert import ClientCert
+from mta.inbound.client_name import ClientNames
 from mta.limits.limiter import Over, RateLimits
 from mta.observe.tlsinfo import TlsInfo
-from mta.policy.gate import PolicyChecks
+from mta.policy.gate import PolicyChecks, Verdict
 from mta.smtp.common import Reply
 
 __all__ = ["R_LIMIT_CLOSE", "Checks", "Denial", "Passed", "SessionChecks", "SessionView"]
@@ -57,9 +64,15 @@ class SessionView(Protocol):
     sender: str
     recipients: list[str]
     queue_id: str | None
+    client_cert: ClientCert | None
+    auth_mechanism: str | None
 
     @property
     def conn(self) -> _Core: ...
+
+    async def client_names(self) -> ClientNames: ...
+
+    def local_address(self) -> tuple[str, int]: ...
 
 
 @attrs.frozen
@@ -73,9 +86,16 @@ class Denial:
 
 @attrs.frozen
 class Passed:
-    """The end of data may go on; ``headers`` (from PREPEND actions) go on top of the message."""
+    """The end of data may go on; ``headers`` (from PREPEND actions) go on top of the message; the policy
+    servers' ``redirect`` (the one recipient instead), ``bcc`` (one more), ``hold`` (stored held, this the
+    reason) and ``discard`` (250, not stored, this the reason)."""
 
     headers: tuple[str, ...] = ()
+    redirect: str | None = None
+    bcc: str | None = None
+    hold: str | None = None
+    discard: str | None = None
+    filter: str | None = None  # the next hop every recipient is delivered to (``extra["filter"]``)
 
 
 class Checks:
@@ -115,6 +135,7 @@ class SessionChecks:
         self.instance = ""
         self.size = 0
         self.headers: list[str] = []
+        self.message: dict[str, str] = {}  # the transaction's redirect, bcc, hold, discard so far
 
     def mail(self, sender: str, params: Mapping[str, object]) -> Denial | None:
         """A MAIL command the relay would accept: counted on the message limits, or refused."""
@@ -123,6 +144,7 @@ class SessionChecks:
         size = params.get("SIZE")
         self.size = int(size) if isinstance(size, str) and size.isdigit() else 0
         self.headers = []
+        self.message = {}
         v = self.view
         return self._over(self.checks.limits.at_mail(v.client_ip, v.trusted, v.conn.authenticated, sender))
 
@@ -131,11 +153,12 @@ class SessionChecks:
         v = self.view
         policy = self.checks.policy
         if policy.asked("rcpt", self._trusted()):
+            names = await v.client_names()
             with self.busy():
-                verdict = await policy.ask(self._attributes("RCPT", recipient, 0))
+                verdict = await policy.ask(self._attributes("RCPT", recipient, 0, names))
             if verdict.reply is not None:
                 return Denial(verdict.reply, verdict.reason)
-            self.headers += verdict.headers
+            self._keep(verdict)
         return self._over(self.checks.limits.at_rcpt(v.client_ip, v.trusted, v.conn.authenticated, v.sender))
 
     async def end_of_data(self, size: int) -> Denial | Passed:
@@ -145,12 +168,21 @@ class SessionChecks:
         if policy.asked("data", self._trusted()):
             self.size = size
             one = v.recipients[0] if len(v.recipients) == 1 else ""
+            names = await v.client_names()
             with self.busy():
-                verdict = await policy.ask(self._attributes("END-OF-MESSAGE", one, len(v.recipients)), v.queue_id)
+                verdict = await policy.ask(self._attributes("END-OF-MESSAGE", one, len(v.recipients), names),
+                                           v.queue_id)
             if verdict.reply is not None:
                 return Denial(verdict.reply, verdict.reason)
-            self.headers += verdict.headers
-        return Passed(tuple(self.headers))
+            self._keep(verdict)
+        return Passed(tuple(self.headers), **self.message)
+
+    def _keep(self, verdict: Verdict) -> None:
+        self.headers += verdict.headers
+        for name in ("redirect", "bcc", "hold", "discard", "filter"):
+            value = getattr(verdict, name)
+            if value is not None:
+                self.message[name] = value
 
     def _trusted(self) -> bool:
         return self.view.trusted or self.view.conn.authenticated is not None
@@ -164,10 +196,11 @@ class SessionChecks:
             return Denial(R_LIMIT_CLOSE, over.limit, close=True)
         return Denial(over.reply, over.limit)
 
-    def _attributes(self, state: str, recipient: str, count: int) -> dict[str, str]:
+    def _attributes(self, state: str, recipient: str, count: int, names: ClientNames) -> dict[str, str]:
         v = self.view
-        tls = v.tls
+        tls, cert = v.tls, v.client_cert
         user = v.conn.authenticated
+        server_address, server_port = v.local_address()
         return {
             "request": "smtpd_access_policy",
             "protocol_state": state,
@@ -178,17 +211,19 @@ class SessionChecks:
             "recipient": recipient,
             "recipient_count": str(count),
             "client_address": v.client_ip,
-            "client_name": "unknown",
-            "reverse_client_name": "unknown",
+            "client_name": names.name,
+            "reverse_client_name": names.reverse,
+            "server_address": server_address,
+            "server_port": str(server_port),
             "instance": self.instance,
-            "sasl_method": "",  # the session keeps who, not how
+            "sasl_method": (v.auth_mechanism or "") if user is not None else "",
             "sasl_username": user or "",
             "sasl_sender": "",
             "size": str(self.size),
-            "ccert_subject": "",
-            "ccert_issuer": "",
-            "ccert_fingerprint": "",
-            "ccert_pubkey_fingerprint": "",
+            "ccert_subject": cert.subject if cert is not None else "",
+            "ccert_issuer": cert.issuer if cert is not None else "",
+            "ccert_fingerprint": cert.fingerprint if cert is not None else "",
+            "ccert_pubkey_fingerprint": cert.pubkey_fingerprint if cert is not None else "",
             "encryption_protocol": tls.protocol if tls is not None else "",
             "encryption_cipher": tls.cipher if tls is not None else "",
             "encryption_keysize": str(tls.bits) if tls is not None else "0",

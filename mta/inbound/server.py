@@ -43,16 +43,20 @@ import ssl
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import dns.asyncresolver
 import trio
 
 from mta.config import Config, ListenAddress, NoRoute
 from mta.containment import is_fatal, local_error
+from mta.delivery.mx import make_resolver
 from mta.dkim.accept import AcceptSigner
 from mta.dkim.signer import Signature
 from mta.inbound import wire
 from mta.inbound.accept import accept_loop
 from mta.inbound.admission import Refusal, SessionSlots, Slot
-from mta.inbound.checks import Checks, Denial
+from mta.inbound.checks import Checks, Denial, Passed
+from mta.inbound.client_cert import ClientCert, client_cert
+from mta.inbound.client_name import ClientNames, look_up
 from mta.inbound.deadlines import SessionDeadlines
 from mta.inbound.disk import R_DISK_FULL, R_TOO_BIG_FOR_DISK, DiskCheck
 from mta.inbound.listen import open_listeners
@@ -75,6 +79,7 @@ from mta.smtp.server import (
     ConnectionClosed,
     DataAborted,
     DataChunk,
+    DataCommand,
     DataStart,
     Ehlo,
     EndOfData,
@@ -143,6 +148,7 @@ class SmtpServer:
         self.listeners: dict[Port, list[trio.SocketListener]] = {}
         self.proxy_listeners: list[trio.SocketListener] = []  # ``[proxy] listen``: SMTP behind a balancer
         self.sessions: set[_Session] = set()
+        self._resolvers: dict[tuple[str, int] | None, dns.asyncresolver.Resolver] = {}
         self.draining = False  # a planned stop (``mta.process.lifecycle``): no new connection or transaction
 
     def drain(self) -> None:
@@ -153,6 +159,14 @@ class SmtpServer:
         self.draining = True
         for session in self.sessions:
             session.wake_idle()
+
+    def resolver(self) -> dns.asyncresolver.Resolver:
+        """The relay's resolver (``[delivery] resolver``) for the clients' names (``mta.inbound.client_name``)."""
+        r = self.config.delivery.resolver
+        key = (r.host, r.port) if r is not None else None
+        if key not in self._resolvers:
+            self._resolvers[key] = make_resolver(r.host if r else None, r.port if r else 53)
+        return self._resolvers[key]
 
     def in_transaction(self) -> int:
         """Sessions with a transaction in flight (MAIL accepted, its data not yet answered)."""
@@ -324,8 +338,9 @@ class _Session:
             s.hostname, max_message_size=s.max_message_size, max_line_length=s.line_length_limit,
             max_recipients=s.max_recipients, max_errors=s.max_errors, normalize_bare_lf=s.normalize_bare_lf,
             tls_available=server.ssl_context is not None, tls_active=port is Port.SUBMISSIONS,
-            auth=submission, require_auth=submission, on_reject=self._rejected)
+            auth=submission, require_auth=submission, decide_data=True, on_reject=self._rejected)
         self.tls: TlsInfo | None = None
+        self.client_cert: ClientCert | None = None  # a verified one ([client_certs]), once TLS is up
         self.queue_id: str | None = None  # decided as DATA begins (the Received: header names it)
         self.mail_from: str | None = None  # the sender of the transaction, once MAIL was accepted
         self.sender = ""
@@ -348,10 +363,27 @@ class _Session:
         self.filters = FilterSession.for_session(self.config.filters, port is not Port.SMTP)
         self._quarantine: str | None = None  # a filter asked to hold the message being accepted
         self.auth_mechanism: str | None = None  # the SASL mechanism of a successful AUTH (the milters' {auth_type})
+        self._names: ClientNames | None = None  # looked up once, when first asked for (``client_names``)
 
     @property
     def in_transaction(self) -> bool:
         return self.mail_from is not None or self.body is not None
+
+    async def client_names(self) -> ClientNames:
+        """The client's names from the DNS (``mta.inbound.client_name``), looked up on the first call."""
+        if self._names is None:
+            with self._relay_busy():
+                self._names = await look_up(self.server.resolver(), self.client_ip)
+        return self._names
+
+    def local_address(self) -> tuple[str, int]:
+        """The listener's address and port this client connected to (the policy servers' ``server_*``)."""
+        stream = self.stream
+        inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        if isinstance(inner, trio.SocketStream):
+            local: Any = inner.socket.getsockname()
+            return str(local[0]), int(local[1])
+        return "", 0
 
     def wake_idle(self) -> None:
         """A drain began: a session waiting for a command between transactions stops waiting (``_need_data``)."""
@@ -495,6 +527,8 @@ class _Session:
                 await self._mail(ev)
             elif isinstance(ev, RcptTo):
                 await self._rcpt(ev)
+            elif isinstance(ev, DataCommand):
+                await self._data_command()
             elif isinstance(ev, DataStart):
                 self._data_start()
             elif isinstance(ev, DataChunk):
@@ -607,8 +641,9 @@ class _Session:
         self.mail_from = ev.address
         self.mail_params = {k: v for k, v in ev.params.items() if k in ("BODY", "SMTPUTF8", "ENVID", "RET")}
         if self.filters is not None:
+            facts = self._facts(await self.client_names())
             with self._relay_busy():
-                refusal = await self.filters.mail(self._facts(), ev.address, ev.params)
+                refusal = await self.filters.mail(facts, ev.address, ev.params)
             if refusal is not None:
                 self.mail_from = None
                 self.conn.reject(refusal, "filter")
@@ -655,9 +690,36 @@ class _Session:
         self._transaction(True)
         self.conn.accept()
 
+    async def _data_command(self) -> None:
+        """DATA: the milters' DATA stage (``FilterSession.data``) may refuse it; else ``354``.
+
+        The body is begun first, so that the milters' ``{i}`` is the message's
+        queue id; a refusal drops it, and the transaction keeps its
+        recipients (the client may RSET, or try DATA again).
+        """
+        if self.filters is not None:
+            self._begin_body()
+            assert self.queue_id is not None
+            with self._relay_busy():
+                refusal = await self.filters.data(self.queue_id)
+            if refusal is not None:
+                if self.body is not None:
+                    self.body.abort()
+                    self.body = None
+                self.queue_id = None
+                self.conn.reject(refusal, "filter")
+                return
+        self.conn.accept()
+
     def _data_start(self) -> None:
         self.deadlines.data_start(trio.current_time())
         self._arm()
+        self._begin_body()
+
+    def _begin_body(self) -> None:
+        """The message's body in the spool, once per transaction: its queue id is decided here."""
+        if self.body is not None:
+            return
         core = self.server.aspool.core
         proto = self._protocol()
         user = self.conn.authenticated if self.config.submission.authenticated_header else None
@@ -686,6 +748,14 @@ class _Session:
             body.abort()
             self._deny(checked)
             return
+        if checked.discard is not None:  # a policy server's DISCARD: taken, not stored
+            body.abort()
+            event(log, "discarded", self.queue_id, client=self.client_ip, from_=f"<{self.sender}>", reason="policy",
+                  detail=checked.discard)
+            self.recipients = []
+            self.conn.accept(Reply(250, "2.0.0", f"Ok: queued as {self.queue_id}"))
+            return
+        self._policy_envelope(checked)
         for header in checked.headers:
             body.add_header(header.encode("utf-8", "surrogateescape") + b"\r\n")
         extra: dict[str, Any] = {"client": self.client_ip}
@@ -698,12 +768,17 @@ class _Session:
             extra["params"] = {k: (v if isinstance(v, str) else True) for k, v in self.mail_params.items()}
         if self.rcpt_dsn:
             extra["dsn_rcpt"] = self.rcpt_dsn
+        if checked.filter is not None:  # a policy server's FILTER: the delivery's next hop for every recipient
+            extra["filter"] = checked.filter
+            event(log, "filter_route", self.queue_id, route=checked.filter, reason="policy")
         try:
             with self._relay_busy():
                 done = await self._filter(body)
                 if done is not None:
                     self._filtered_out(body, done)
                     return
+                if self._quarantine is None and checked.hold is not None:  # a policy server's HOLD
+                    self._quarantine = f"policy: {checked.hold}"
                 if self._quarantine is not None:
                     extra["quarantine"] = self._quarantine
                 signed = await self._sign(body)
@@ -726,7 +801,18 @@ class _Session:
         self.recipients = []
         self.rcpt_dsn = {}
 
-    def _facts(self) -> Facts:
+    def _policy_envelope(self, checked: Passed) -> None:
+        """A policy server's REDIRECT (its address the one recipient) and BCC (one more), logged."""
+        if checked.redirect is not None:
+            event(log, "redirected", self.queue_id, to=f"<{checked.redirect}>", nrcpt=len(self.recipients),
+                  reason="policy")
+            self.recipients = [checked.redirect]
+            self.rcpt_dsn = {}
+        if checked.bcc is not None and checked.bcc not in self.recipients:
+            event(log, "bcc", self.queue_id, to=f"<{checked.bcc}>", reason="policy")
+            self.recipients.append(checked.bcc)
+
+    def _facts(self, names: ClientNames) -> Facts:
         """The session as the milters' macros tell it (``mta.milter.chain.Facts``)."""
         stream = self.stream
         inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
@@ -734,10 +820,11 @@ class _Session:
         local: Any = ("", 0)
         if isinstance(inner, trio.SocketStream):
             peer, local = inner.socket.getpeername(), inner.socket.getsockname()
-        tls = self.tls
+        tls, cert = self.tls, self.client_cert
         return Facts(self.config.server.hostname, self.port.value, str(local[0]), self.client_ip, int(peer[1]),
                      self.conn.helo_name or "", tls.protocol if tls else None, tls.cipher if tls else None,
-                     tls.bits if tls else None, self.conn.authenticated, self.auth_mechanism)
+                     tls.bits if tls else None, self.conn.authenticated, self.auth_mechanism,
+                     cert.subject if cert else None, cert.issuer if cert else None, names.name, names.reverse)
 
     async def _filter(self, body: BodyWriter) -> Reply | None:
         """The filters' say on the message (``mta.milter.accept``): the reply that ends it unstored, or None to
@@ -835,7 +922,8 @@ class _Session:
         if scope.cancelled_caught:
             event(log, "tls_failed", direction="in", client=self.client_ip, reason="timeout")
             return False
-        self.tls = tls_info(tls)
+        self.tls = tls_info(tls, verified=self.config.client_certs.ca_file is not None)
+        self.client_cert = client_cert(tls)
         event(log, "tls", None, {"direction": "in", "client": self.client_ip, **self.tls.fields()})
         self.stream = tls
         return True

@@ -10,7 +10,10 @@ Verdicts, as Postfix gives them: a reject is ``550 5.7.1 Command rejected``, a
 tempfail ``451 4.7.1 Service unavailable - try again later``, a custom reply
 the milter's own; at RCPT they refuse that recipient, at every other stage
 the transaction (at connect or HELO, every transaction of the session).
-Discard at any message stage answers ``250`` and stores nothing. Accept ends
+Discard at any message stage answers ``250`` and stores nothing. The DATA
+stage is asked when the client sends DATA (``data``), so its refusal is the
+answer to DATA instead of the ``354``; with BDAT there is no such moment
+before the content, and it is asked at the content's end, first. Accept ends
 what that milter is asked about the message (or the session).
 
 Failures (``MilterFailed``, ``RspamdFailed``): ``tempfail`` and ``reject`` give
@@ -58,14 +61,20 @@ class Facts:
     cipher_bits: int | None = None
     auth_user: str | None = None
     auth_type: str | None = None
+    cert_subject: str | None = None  # a verified client certificate's (``mta.inbound.client_cert``)
+    cert_issuer: str | None = None
+    client_name: str = "unknown"  # forward-confirmed (``mta.inbound.client_name``)
+    client_ptr: str = "unknown"  # the PTR's, unchecked
 
     def macros(self) -> dict[str, str]:
         values = {"j": self.hostname, "v": "logspool", "daemon_name": self.daemon_name,
                   "daemon_addr": self.daemon_addr, "client_addr": self.client_ip,
-                  "client_port": str(self.client_port), "client_name": "unknown", "client_ptr": "unknown",
-                  "_": f"unknown [{self.client_ip}]"}
+                  "client_port": str(self.client_port), "client_name": self.client_name,
+                  "client_ptr": self.client_ptr, "_": f"{self.client_ptr} [{self.client_ip}]"}
         if self.tls_version is not None:
             values.update(tls_version=self.tls_version, cipher=self.cipher or "", cipher_bits=str(self.cipher_bits))
+        if self.cert_subject is not None:
+            values.update(cert_subject=self.cert_subject, cert_issuer=self.cert_issuer or "")
         if self.auth_user is not None:
             values.update(auth_authen=self.auth_user, auth_type=self.auth_type or "")
         return values
@@ -108,6 +117,7 @@ class FilterSession:
         self._rspamd_broken = False
         self._in_message = False
         self._discard = False
+        self._data_asked = False  # the message's DATA stage is done (at the DATA command)
         self._facts: Facts | None = None
         self._values: dict[str, str] = {}
 
@@ -120,6 +130,7 @@ class FilterSession:
         """A new transaction: the milters' say on MAIL (after connect and HELO the first time)."""
         self._facts = facts
         self._discard = False
+        self._data_asked = False
         if not self._opened:
             self._opened = True
             self._values = facts.macros()
@@ -143,6 +154,15 @@ class FilterSession:
             return self._session_refusal
         self._values.update(rcpt_addr=address, rcpt_host="", rcpt_mailer="smtp")
         return await self._stage(Stage.RCPT, [p.envelope(p.C_RCPT, address, _params(params))])
+
+    async def data(self, queue_id: str) -> Reply | None:
+        """The milters' DATA stage, at the DATA command: a refusal to give instead of the ``354``, or None."""
+        if self._session_refusal is not None:
+            return self._session_refusal
+        self._values["i"] = queue_id
+        self._data_asked = True
+        return await self._stage(Stage.DATA, [p.packet(p.C_DATA)],
+                                 trio.current_time() + self.settings.milter_message_timeout)
 
     async def message(self, msg: Message, queue_id: str) -> Outcome:
         """The content stages for each milter in turn, then rspamd; ``msg`` is changed as they ask."""
@@ -170,7 +190,7 @@ class FilterSession:
             await client.aclose()
 
     async def _open(self, facts: Facts) -> None:
-        connect = p.connect("unknown", facts.client_ip, facts.client_port)
+        connect = p.connect(facts.client_name, facts.client_ip, facts.client_port)
         helo = p.helo(facts.helo)
         for client in self._pending:
             try:
@@ -188,12 +208,13 @@ class FilterSession:
                     return
         self._pending = []
 
-    async def _stage(self, stage: Stage, packets: list[bytes]) -> Reply | None:
+    async def _stage(self, stage: Stage, packets: list[bytes], deadline: float | None = None) -> Reply | None:
         for client in list(self._clients):
             if self._discard:
                 return None
             try:
-                answer = await client.ask(stage, packets, self._values, trio.current_time() + 3600)
+                answer = await client.ask(stage, packets, self._values,
+                                          trio.current_time() + 3600 if deadline is None else deadline)
             except MilterFailed as exc:
                 reply = self._failed(client, exc)
                 if reply is not None:
@@ -212,7 +233,7 @@ class FilterSession:
     async def _content(self, client: MilterClient, msg: Message) -> Reply | None:
         """One milter's DATA, headers, end of headers, body and end of message; its changes made on ``msg``."""
         deadline = trio.current_time() + self.settings.milter_message_timeout
-        steps: list[tuple[Stage, bytes]] = [(Stage.DATA, p.packet(p.C_DATA))]
+        steps: list[tuple[Stage, bytes]] = [] if self._data_asked else [(Stage.DATA, p.packet(p.C_DATA))]
         negotiated = client.negotiated
         space = " " if negotiated is not None and negotiated.protocol & p.P_HDR_LEADSPC else ""
         steps += [(Stage.HEADER, p.header(f.name, space + f.value)) for f in msg.fields]

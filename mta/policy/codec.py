@@ -10,9 +10,10 @@ and hands out whole replies (``ReplyParser``), as ``mta.smtp``'s cores do.
 
 The action is read once, here (``parse_action``), into one of a few frozen
 records: what the relay does with each is ``mta.policy.gate``'s. An action
-this relay does not carry out (FILTER, REDIRECT, HOLD, DISCARD, BCC ...) is
-``Unsupported``, never an error: the gate logs it and applies its failure
-default. A reply that breaks the protocol (an over-long line, no ``action``,
+this relay does not carry out (a REDIRECT or BCC without one address ...)
+is ``Unsupported``, never an error: the gate logs it and applies its
+failure default (as it does for a FILTER whose next hop it cannot name:
+``mta.policy.filter_route``). A reply that breaks the protocol (an over-long line, no ``action``,
 no ``=``) is ``PolicyProtocolError``, and the connection it came on is not
 used again.
 """
@@ -30,12 +31,17 @@ __all__ = [
     "MAX_LINE",
     "MAX_REPLY",
     "Action",
+    "Bcc",
     "DeferIfPermit",
     "DeferIfReject",
+    "Discard",
     "Dunno",
+    "Filter",
+    "Hold",
     "Permit",
     "PolicyProtocolError",
     "Prepend",
+    "Redirect",
     "Refuse",
     "ReplyParser",
     "Unsupported",
@@ -108,13 +114,52 @@ class Warn:
 
 
 @attrs.frozen
+class Redirect:
+    """``REDIRECT user@domain``: the message goes to this one address instead of its recipients."""
+
+    address: str
+
+
+@attrs.frozen
+class Bcc:
+    """``BCC user@domain``: one more recipient, the message otherwise unchanged."""
+
+    address: str
+
+
+@attrs.frozen
+class Hold:
+    """``HOLD text``: the message is stored held (as a filter's quarantine), for the operator to release."""
+
+    text: str
+
+
+@attrs.frozen
+class Discard:
+    """``DISCARD text``: the client is told the message was taken; it is logged and not stored."""
+
+    text: str
+
+
+@attrs.frozen
+class Filter:
+    """``FILTER transport:destination``: the whole message goes to this next hop (a content filter that
+    passes it on), whatever the routes say; ``route`` as the server wrote it (``mta.policy.filter_route``)."""
+
+    route: str
+
+
+@attrs.frozen
 class Unsupported:
     """An action this relay does not carry out, as the server wrote it."""
 
     action: str
 
 
-Action = Dunno | Permit | Refuse | DeferIfPermit | DeferIfReject | Prepend | Warn | Unsupported
+Action = (Dunno | Permit | Refuse | DeferIfPermit | DeferIfReject | Prepend | Warn | Redirect | Bcc | Hold | Discard
+          | Filter | Unsupported)
+# One address for REDIRECT and BCC: a local part, an @, a domain; nothing that could be more than one.
+_ADDRESS = re.compile(r"[^\s@<>,;:\\\"]+@[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
 def _clean(value: str) -> str:
@@ -225,4 +270,11 @@ def parse_action(reply: Mapping[str, str]) -> Action:
         return Prepend(rest)
     if upper == "WARN":
         return Warn(rest)
+    if upper in ("REDIRECT", "BCC") and _ADDRESS.fullmatch(rest) and len(rest) <= 254:
+        return Redirect(rest) if upper == "REDIRECT" else Bcc(rest)
+    if upper == "FILTER" and rest:
+        return Filter(rest[:400])
+    if upper in ("HOLD", "DISCARD"):
+        note = _UNSAFE.sub(" ", rest).strip()[:MAX_TEXT]
+        return Hold(note) if upper == "HOLD" else Discard(note)
     return Unsupported(text[:200])

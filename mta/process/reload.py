@@ -43,9 +43,10 @@ RESTART: frozenset[tuple[str, str]] = frozenset({
     ("delivery", "data_timeout"), ("delivery", "connection_cache_time"), ("delivery", "resolver"),
     ("delivery", "mx_port"), ("delivery", "tls_ca_file"),
     ("log", "level"), ("log", "format"),
+    ("recipients", "verify_cache"),  # opened by the server's verifier, once
 })
 SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "limits", "policy",
-            "filters", "recipients", "egress", "bounce_classes")
+            "filters", "recipients", "egress", "bounce_classes", "client_certs")
 # The engine's, the outgoing transport's, and the scheduler's choice of address and classes: read at start.
 RESTART_SECTIONS = frozenset({"spool", "tls_policy", "egress", "bounce_classes"})
 LIVE: frozenset[tuple[str, str]] = frozenset({("spool", "queue_minfree")})  # read by the sessions' disk check

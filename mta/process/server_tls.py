@@ -16,4 +16,7 @@ def ssl_context(config: Config) -> ssl.SSLContext | None:
     # Client-initiated renegotiation costs the server a handshake per request (a cheap DoS) and buys nothing.
     ctx.options |= ssl.OP_NO_RENEGOTIATION
     ctx.load_cert_chain(s.tls_cert, s.tls_key)
+    if config.client_certs.ca_file is not None:  # mta.config.client_certs: asking means verifying
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+        ctx.load_verify_locations(cafile=config.client_certs.ca_file)
     return ctx

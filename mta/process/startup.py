@@ -140,6 +140,9 @@ def check_tls(config: Config) -> None:
     """The certificate is PEM, the key is PEM, private, and belongs to the certificate."""
     cert, key = config.server.tls_cert, config.server.tls_key
     if cert is None or key is None:
+        if config.client_certs.ca_file is not None:
+            raise ConfigError("client_certs.ca_file needs TLS on the listeners (server.tls_cert and server.tls_key)",
+                              config.source, "client_certs.ca_file")
         return
     try:
         check_tls_key(key)
@@ -159,6 +162,13 @@ def check_tls(config: Config) -> None:
         context.load_verify_locations(cadata=pem.decode("ascii"))
     except (ssl.SSLError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise _config_error(config, "server.tls_cert", f"{cert} is not a PEM certificate ({_reason(exc)})") from None
+
+    if config.client_certs.ca_file is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=config.client_certs.ca_file)
+        except (ssl.SSLError, ValueError, OSError) as exc:
+            raise _config_error(config, "client_certs.ca_file", f"{config.client_certs.ca_file} holds no PEM CA "
+                                f"certificate ({_reason(exc)})") from None
 
     def encrypted() -> NoReturn:
         raise ConfigError(f"{key} is encrypted; the relay needs a key without a passphrase", config.source,

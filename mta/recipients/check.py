@@ -21,7 +21,7 @@ class RecipientCheck:
 
     def __init__(self, config: Config) -> None:
         self.maps = RecipientMaps(config)
-        self.verifier = Verifier()
+        self.verifier = Verifier(config.recipients.verify_cache)
 
     async def rcpt(self, config: Config, address: str,
                    before_wait: Callable[[], Awaitable[None]] | None = None) -> Expanded | Refused:

@@ -19,17 +19,19 @@ is delivered.
   again.
 
 A failed MX lookup is a temporary failure of the probe (the delivery would
-say more). The cache holds
-at most ``CACHE_LIMIT`` addresses; the oldest answer goes first. It lives in
-the process: a restart asks again.
+say more). The answers are kept in ``[recipients] verify_cache``
+(``mta.recipients.verify_cache``), which every relay process reads and
+appends to, so an address one process probed is not probed again by
+another, nor after a restart, until its answer expires. At most
+``CACHE_LIMIT`` addresses are kept; the oldest answer goes first.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
+import time
 
-import attrs
 import dns.asyncresolver
 import trio
 
@@ -38,6 +40,7 @@ from mta.config.routes import match_domain
 from mta.delivery import mx
 from mta.observe.logline import event
 from mta.recipients.table import Refused
+from mta.recipients.verify_cache import Answer, VerifyCache
 from mta.smtp.client import ClientConnection, CommandReply, EhloReply, Greeting, NeedData, RcptReply
 from mta.smtp.client import Event as ClientEvent
 from mta.smtp.common import LocalProtocolError, RemoteProtocolError, Reply
@@ -58,17 +61,11 @@ class ProbeFailed(Exception):
         self.reply = reply
 
 
-@attrs.frozen
-class _Answer:
-    reply: Reply  # the next hop's reply to RCPT: 2xx or 5xx (4xx answers are not kept)
-    expires: float
-
-
 class Verifier:
     """Cached probes of next hops; one per SMTP server, shared by its sessions."""
 
-    def __init__(self) -> None:
-        self.cache: dict[str, _Answer] = {}
+    def __init__(self, cache_path: str) -> None:
+        self.cache = VerifyCache(cache_path, CACHE_LIMIT)
         self.probes = 0  # how many probes were made (tests)
         self._resolvers: dict[tuple[str, int] | None, dns.asyncresolver.Resolver] = {}
 
@@ -87,9 +84,8 @@ class Verifier:
         if not self.wanted(config, address):
             return None
         key = address.casefold()
-        now = trio.current_time()
         answer = self.cache.get(key)
-        if answer is None or answer.expires <= now:
+        if answer is None:
             r = config.recipients
             try:
                 with trio.fail_after(r.verify_timeout):
@@ -101,11 +97,8 @@ class Verifier:
             if not (reply.is_positive or reply.code >= 500):
                 return self._unknown(address, f"the next hop said {reply}")
             ttl = r.verify_positive_ttl if reply.is_positive else r.verify_negative_ttl
-            answer = _Answer(reply, now + ttl)
-            self.cache.pop(key, None)
-            self.cache[key] = answer
-            while len(self.cache) > CACHE_LIMIT:
-                del self.cache[next(iter(self.cache))]
+            answer = Answer(reply, time.time() + ttl)
+            self.cache.put(key, answer)
         if answer.reply.is_positive:
             return None
         theirs = answer.reply

@@ -12,7 +12,8 @@ command: by the time it is looked at, the state already says "content".
 
 What needs no policy is answered here (NOOP, HELP, VRFY, RSET, QUIT, EHLO/HELO,
 syntax and sequence errors, limits). Five events need a decision from the
-shell — ``MailFrom``, ``RcptTo``, ``EndOfData``, ``StartTls`` and ``AuthRequest`` — and until it
+shell — ``MailFrom``, ``RcptTo``, ``EndOfData``, ``StartTls`` and ``AuthRequest``, and
+``DataCommand`` when the shell asked to decide DATA (``decide_data``) — and until it
 calls ``accept()`` or ``reject(reply)`` the core reads no further input
 (``next_event`` raises ``LocalProtocolError``). That is how the ``250`` after
 DATA waits for the spool's commit. Every 4xx/5xx reply, the core's own and
@@ -115,6 +116,7 @@ from mta.smtp.server_events import (
     ConnectionClosed,
     DataAborted,
     DataChunk,
+    DataCommand,
     DataStart,
     Decision,
     Ehlo,
@@ -133,9 +135,9 @@ from mta.smtp.server_events import (
 
 # The connection and its table; the events are defined in mta.smtp.server_events and offered here too.
 __all__ = [
-    "END_OF_DATA", "TRANSITIONS", "AuthRequest", "ConnectionClosed", "DataAborted", "DataChunk", "DataStart",
-    "Decision", "Ehlo", "EndOfData", "Event", "Helo", "MailFrom", "NeedData", "Quit", "RcptTo", "RejectHook",
-    "Rejection", "Rset", "ServerConnection", "StartTls", "State", "Step", "TransitionHook",
+    "END_OF_DATA", "TRANSITIONS", "AuthRequest", "ConnectionClosed", "DataAborted", "DataChunk", "DataCommand",
+    "DataStart", "Decision", "Ehlo", "EndOfData", "Event", "Helo", "MailFrom", "NeedData", "Quit", "RcptTo",
+    "RejectHook", "Rejection", "Rset", "ServerConnection", "StartTls", "State", "Step", "TransitionHook",
 ]
 
 # ---------------------------------------------------------------- states and steps
@@ -276,6 +278,7 @@ TransitionHook = Callable[[State, Step, State], None]
 _ON_ACCEPT: Final[dict[type[Decision], Step]] = {
     MailFrom: Step.MAIL_ACCEPTED,
     RcptTo: Step.RCPT_ACCEPTED,
+    DataCommand: Step.DATA_STARTED,
     EndOfData: Step.MESSAGE_ACCEPTED,
     StartTls: Step.STARTTLS_ACCEPTED,
     AuthRequest: Step.AUTH_SUCCEEDED,
@@ -294,6 +297,7 @@ class ServerConnection:
     needs STARTTLS and AUTH first: a submission port, ``530 5.7.0``),
     ``auth_without_tls`` (AUTH over plaintext: for tests of this table only),
     ``chunking`` (offer CHUNKING and take BDAT; without it BDAT is ``502``),
+    ``decide_data`` (DATA is a ``DataCommand`` decision: the 354 waits for accept()),
     ``on_transition`` (told of every step; see ``TransitionHook``),
     ``on_reject`` (told of every 4xx/5xx reply; see ``Rejection``).
 
@@ -316,6 +320,7 @@ class ServerConnection:
         require_auth: bool = False,
         auth_without_tls: bool = False,
         chunking: bool = True,
+        decide_data: bool = False,
         greeting: str = "ESMTP logspool",
         on_transition: TransitionHook | None = None,
         on_reject: RejectHook | None = None,
@@ -332,6 +337,7 @@ class ServerConnection:
         self.require_auth = require_auth
         self.auth_without_tls = auth_without_tls
         self.chunking = chunking
+        self.decide_data = decide_data
         self._exchange: SaslExchange | None = None
         self._authenticated: str | None = None
         self._state = State.CONNECTED
@@ -412,6 +418,9 @@ class ServerConnection:
             self._authenticated = ev.username
         elif isinstance(ev, StartTls):
             self._input.clear()  # CVE-2011-0411: nothing sent in plaintext after STARTTLS may be obeyed
+        elif isinstance(ev, DataCommand):
+            self._start_content()
+            self._emit(DataStart())
 
     def reject(self, reply: Reply, reason: str = "policy") -> None:
         """Say no to the pending event with a 4xx/5xx ``reply``; ``reason`` is the ``Rejection``'s."""
@@ -620,10 +629,15 @@ class ServerConnection:
         if self._state is State.MAIL:
             self._refuse(replies.R_NO_RCPT, "no_recipients")
             return None
+        if self.decide_data:
+            return DataCommand()
         self._send(replies.R_DATA_GO)
         self._fire(Step.DATA_STARTED)
-        self._decoder = ContentDecoder(self.max_message_size, self.max_line_length, self.normalize_bare_lf)
+        self._start_content()
         return DataStart()
+
+    def _start_content(self) -> None:
+        self._decoder = ContentDecoder(self.max_message_size, self.max_line_length, self.normalize_bare_lf)
 
     def _bdat(self, arg: str) -> Event | None:
         """``BDAT size [LAST]``: a chunk to read, or (no transaction with a recipient, a size past the limit)

@@ -1,7 +1,8 @@
 """What the SMTP server core (``mta.smtp.server``) hands its shell: one small frozen class per event.
 
-Five of them are decisions (``Decision``): the core reads no further input
-until the shell answers them with ``accept()`` or ``reject()``. The rest are
+Five of them are decisions (``Decision``), six when the shell asked to decide
+DATA (``DataCommand``): the core reads no further input until the shell
+answers them with ``accept()`` or ``reject()``. The rest are
 news, already answered by the core, or requests to send and read
 (``NeedData``) or to close (``Quit``, ``ConnectionClosed``).
 """
@@ -48,6 +49,17 @@ class RcptTo:
 
     address: str
     params: Params = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class DataCommand:
+    """DATA, before its 354 (only with ``decide_data``): needs accept()/reject().
+
+    Why: a filter may refuse the message at DATA (a milter's DATA stage, as
+    Postfix asks it), and that refusal must come instead of the 354, before
+    the client sends the content. accept() sends the 354 and ``DataStart``
+    follows; reject() leaves the transaction as it was, with its recipients.
+    """
 
 
 @attrs.frozen
@@ -125,6 +137,7 @@ Event = (
     | Helo
     | MailFrom
     | RcptTo
+    | DataCommand
     | DataStart
     | DataChunk
     | EndOfData
@@ -136,7 +149,7 @@ Event = (
     | ConnectionClosed
     | NeedData
 )
-Decision = MailFrom | RcptTo | EndOfData | StartTls | AuthRequest
+Decision = MailFrom | RcptTo | DataCommand | EndOfData | StartTls | AuthRequest
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from typing import Final
 
 from mta.smtp.common import R_DATA_BARE_NEWLINE, R_DATA_LONG_LINE, R_DATA_NUL, R_TOO_BIG, Reply
 from mta.smtp.sasl import R_AUTH_OK
-from mta.smtp.server_events import AuthRequest, Decision, EndOfData, MailFrom, RcptTo, StartTls
+from mta.smtp.server_events import AuthRequest, DataCommand, Decision, EndOfData, MailFrom, RcptTo, StartTls
 
 R_OK: Final = Reply(250, "2.0.0", "Ok")
 R_BYE: Final = Reply(221, "2.0.0", "Bye")
@@ -47,6 +47,7 @@ R_AUTH_REQUIRED: Final = Reply(530, "5.7.0", "Authentication required")
 DEFAULT_ACCEPT: Final[dict[type[Decision], Reply]] = {
     MailFrom: Reply(250, "2.1.0", "Ok"),
     RcptTo: Reply(250, "2.1.5", "Ok"),
+    DataCommand: R_DATA_GO,
     EndOfData: Reply(250, "2.0.0", "Ok: queued"),
     StartTls: Reply(220, "2.0.0", "Ready to start TLS"),
     AuthRequest: R_AUTH_OK,

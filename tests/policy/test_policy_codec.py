@@ -8,12 +8,17 @@ from hypothesis import strategies as st
 
 from mta.policy.codec import (
     MAX_LINE,
+    Bcc,
     DeferIfPermit,
     DeferIfReject,
+    Discard,
     Dunno,
+    Filter,
+    Hold,
     Permit,
     PolicyProtocolError,
     Prepend,
+    Redirect,
     Refuse,
     ReplyParser,
     Unsupported,
@@ -21,6 +26,7 @@ from mta.policy.codec import (
     encode_request,
     parse_action,
 )
+from mta.policy.filter_route import filter_route
 from mta.smtp.common import Reply
 
 
@@ -98,10 +104,16 @@ def test_a_broken_reply_is_a_protocol_error() -> None:
     ("PREPEND X-Long: " + "x" * 991, Unsupported(("PREPEND X-Long: " + "x" * 991)[:200])),
     ("PREPEND X-Long: " + "x" * 990, Prepend("X-Long: " + "x" * 990)),
     ("WARN odd client", Warn("odd client")),
-    ("FILTER smtp:[10.0.0.1]", Unsupported("FILTER smtp:[10.0.0.1]")),
-    ("HOLD", Unsupported("HOLD")),
-    ("DISCARD", Unsupported("DISCARD")),
-    ("REDIRECT a@b", Unsupported("REDIRECT a@b")),
+    ("FILTER smtp:[10.0.0.1]", Filter("smtp:[10.0.0.1]")),
+    ("FILTER", Unsupported("FILTER")),
+    ("HOLD", Hold("")),
+    ("hold look at it\x01", Hold("look at it")),
+    ("DISCARD spam", Discard("spam")),
+    ("REDIRECT a@b", Redirect("a@b")),
+    ("BCC archive@dest.test", Bcc("archive@dest.test")),
+    ("REDIRECT a@b, c@d", Unsupported("REDIRECT a@b, c@d")),
+    ("BCC <a@b>", Unsupported("BCC <a@b>")),
+    ("REDIRECT", Unsupported("REDIRECT")),
 ])
 def test_actions(action: str, expected: object) -> None:
     assert parse_action({"action": action}) == expected
@@ -112,3 +124,19 @@ def test_a_servers_text_reaches_the_client_as_one_printable_line() -> None:
     assert isinstance(action, Refuse)
     assert action.reply.text.startswith("caf  bad [31m")
     assert len(action.reply.to_bytes()) <= 512
+
+
+@pytest.mark.parametrize(("text", "route"), [
+    ("smtp:[10.0.0.1]:10025", "smtp://10.0.0.1:10025"),
+    ("smtp:filter.example:10025", "smtp://filter.example:10025"),
+    ("smtp:[::1]:10025", "smtp://[::1]:10025"),
+    ("smtp://127.0.0.1:10025", "smtp://127.0.0.1:10025"),
+    ("lmtp:unix:/run/filter.sock", "lmtp:/run/filter.sock"),
+    ("lmtp:inet:127.0.0.1:24", "lmtp://127.0.0.1:24"),
+    ("lmtp:relative/sock", None),
+    ("maildir:/var/mail", None),
+    ("discard", None),
+    ("smtp:", None),
+])
+def test_filter_routes(text: str, route: str | None) -> None:
+    assert filter_route(text) == route

@@ -10,6 +10,7 @@ configured default; a session beside it is not held up.
 
 from __future__ import annotations
 
+import smtplib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -215,4 +216,38 @@ async def test_a_milter_that_is_down_gets_the_failure_default(tmp_path: Path, ac
         if delivered:
             (m,) = await hop.wait_messages(1)
             assert b"X-Test-Milter" not in m.data
+        nursery.cancel_scope.cancel()
+
+
+def _refused_at_data(port: int, sender: str) -> dict[str, tuple[int, bytes]]:
+    """MAIL, RCPT, DATA by hand (smtplib's ``data`` would send the content whatever DATA was answered); then a
+    clean message in the same session, after RSET."""
+    got: dict[str, tuple[int, bytes]] = {}
+    with smtplib.SMTP("127.0.0.1", port, timeout=60) as s:
+        s.ehlo("client.test")
+        s.mail(sender)
+        s.rcpt("bob@dest.test")
+        got["data"] = s.docmd("DATA")
+        got["rset"] = s.rset()
+        s.mail("alice@example.com")
+        s.rcpt("bob@dest.test")
+        got["next"] = s.data(message("after a refused DATA"))
+    return got
+
+
+@pytest.mark.parametrize(("sender", "reply"), [
+    ("reject-data@example.com", (550, b"5.7.1 Command rejected")),
+    ("tempfail-data@example.com", (451, b"4.7.1 Service unavailable - try again later")),
+    ("custom-data@example.com", (550, b"5.7.2 refused at data")),
+])
+async def test_a_refusal_at_data_is_the_answer_to_data_instead_of_354(tmp_path: Path, milter: int, sender: str,
+                                                                      reply: tuple[int, bytes]) -> None:
+    async with trio.open_nursery() as nursery:
+        relay, hop = await relay_with(nursery, tmp_path, milter)
+        got = await trio.to_thread.run_sync(_refused_at_data, relay.ports[0], sender)
+        assert got["data"] == reply
+        assert got["rset"][0] == 250
+        assert got["next"][0] == 250
+        (m,) = await hop.wait_messages(1)
+        assert m.sender == "alice@example.com" and b"Subject: after a refused DATA" in m.data
         nursery.cancel_scope.cancel()

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import email
 import functools
+import hashlib
 import logging
 import shutil
 import smtplib
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -22,9 +24,17 @@ from pathlib import Path
 
 import pytest
 import trio
+import trustme
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from cryptography.x509.oid import NameOID
+from dns_server import DnsServer
 from relay_support import NextHop, relay_config, start_relay
 
+from mta.auth.users import add_user
 from mta.config import Config
+from mta.inbound.server import Port
 
 OUTSIDE = "127.0.0.5"  # a client outside mynetworks
 BODY = b"From: a@example.org\r\nTo: bob@dest.test\r\nSubject: policy\r\n\r\nhello\r\n"
@@ -222,7 +232,7 @@ async def test_servers_in_order_at_rcpt_and_end_of_data_over_one_connection(
         rcpt = r["recipient"]
         if r["protocol_state"] == "END-OF-MESSAGE":
             return "REJECT 5.7.0 content refused" if r["sender"] == "spam@example.org" else "DUNNO"
-        return {"ok@dest.test": "OK", "odd@dest.test": "FILTER smtp:[10.0.0.1]", "warn@dest.test": "WARN looked odd",
+        return {"ok@dest.test": "OK", "odd@dest.test": "FILTER maildir:/var/mail", "warn@dest.test": "WARN looked odd",
                 "nobody@dest.test": "DEFER_IF_REJECT 4.7.1 wait"}.get(rcpt, "DUNNO")
 
     def second(r: dict[str, str]) -> str:
@@ -254,7 +264,7 @@ async def test_servers_in_order_at_rcpt_and_end_of_data_over_one_connection(
         assert len({r["instance"] for r in one.requests}) == 2  # one per transaction
         assert (one.connections, two.connections) == (1, 1)  # kept between requests, and between sessions
         messages = [r.getMessage() for r in caplog.records]
-        assert any("event=policy_unsupported" in m and 'action="FILTER smtp:[10.0.0.1]"' in m for m in messages)
+        assert any("event=policy_unsupported" in m and 'action="FILTER maildir:/var/mail"' in m for m in messages)
         assert any("event=policy_warn" in m and 'text="looked odd"' in m for m in messages)
         await hop.wait_messages(1)
         nursery.cancel_scope.cancel()
@@ -271,4 +281,149 @@ async def test_a_server_on_a_unix_socket(tmp_path: Path) -> None:
         relay = await start_relay(nursery, policy_config(tmp_path, port, 'servers = ["unix:policy.sock"]'))
         got = await attempt(relay.ports[0], "a@example.org", ["bob@dest.test"])
         assert got == [(554, "5.7.1 not from 127.0.0.5")]
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_clients_names_from_the_dns_and_the_listener_reach_the_server(tmp_path: Path) -> None:
+    """``client_name`` is the PTR's name only if it resolves back to the client; ``reverse_client_name`` is the
+    PTR's name whatever it resolves to; without a PTR both are ``unknown``."""
+    dns_server = DnsServer()
+    dns_server.ptr("127.0.0.5", "mail.client.test")
+    dns_server.a("mail.client.test", "127.0.0.5")
+    dns_server.ptr("127.0.0.6", "forged.client.test")
+    dns_server.a("forged.client.test", "10.9.9.9")
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        dns_port = await nursery.start(dns_server.serve)
+        server = ScriptedPolicy(lambda r: "DUNNO")
+        await server.start(nursery)
+        relay = await start_relay(nursery, policy_config(
+            tmp_path, port, f'servers = ["inet:127.0.0.1:{server.port}"]\n'
+                            f'[delivery]\nresolver = "127.0.0.1:{dns_port}"'))
+        for source in ("127.0.0.5", "127.0.0.6", "127.0.0.7"):
+            got = await attempt(relay.ports[0], "a@example.org", ["bob@dest.test"], source=source)
+            assert [code for code, _ in got] == [250, 250]
+        names = [(r["client_address"], r["client_name"], r["reverse_client_name"]) for r in server.requests]
+        assert names == [("127.0.0.5", "mail.client.test", "mail.client.test"),
+                         ("127.0.0.6", "unknown", "forged.client.test"),
+                         ("127.0.0.7", "unknown", "unknown")]
+        assert {(r["server_address"], r["server_port"]) for r in server.requests} == {
+            ("127.0.0.1", str(relay.ports[0]))}
+        nursery.cancel_scope.cancel()
+
+
+def _send(port: int, sender: str, rcpts: list[str]) -> tuple[int, str]:
+    """One message from outside mynetworks: the reply to its end of data, with its queue id."""
+    with smtplib.SMTP("127.0.0.1", port, timeout=30, source_address=(OUTSIDE, 0)) as s:
+        s.ehlo("client.example")
+        s.mail(sender)
+        for r in rcpts:
+            assert s.rcpt(r)[0] == 250
+        code, text = s.data(BODY)
+        return code, text.decode()
+
+
+async def test_redirect_bcc_hold_and_discard_act_on_the_whole_message(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    actions = {"redirect@example.org": "REDIRECT trap@dest.test", "bcc@example.org": "BCC archive@dest.test",
+               "hold@example.org": "HOLD looks odd", "discard@example.org": "DISCARD not wanted"}
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        server = ScriptedPolicy(lambda r: actions.get(r["sender"], "DUNNO"))
+        await server.start(nursery)
+        relay = await start_relay(nursery, policy_config(tmp_path, port, f'servers = ["inet:127.0.0.1:{server.port}"]'))
+        rcpts = ["bob@dest.test", "carol@dest.test"]
+        ids = {}
+        for sender in actions:
+            code, text = await trio.to_thread.run_sync(_send, relay.ports[0], sender, rcpts)
+            assert code == 250, text
+            ids[sender] = int(text.rsplit(" ", 1)[1], 16)
+        delivered = {m.sender: m for m in await hop.wait_messages(2)}
+        assert sorted(delivered) == ["bcc@example.org", "redirect@example.org"]
+        assert delivered["redirect@example.org"].recipients == ["trap@dest.test"]
+        assert sorted(delivered["bcc@example.org"].recipients) == ["archive@dest.test", *rcpts]
+        held = await relay.aspool.find(ids["hold@example.org"])
+        assert held.held and held.envelope.extra["quarantine"] == "policy: looks odd"
+        with pytest.raises(LookupError):
+            await relay.aspool.find(ids["discard@example.org"])
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("event=discarded" in m and "reason=policy" in m and 'detail="not wanted"' in m for m in messages)
+        assert len(hop.messages) == 2
+        nursery.cancel_scope.cancel()
+
+
+def _submit_with_cert(port: int, ca: trustme.CA, client: trustme.LeafCert) -> tuple[int, bytes]:
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    client.configure_cert(ctx)
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        s.ehlo("client.example")
+        s.starttls(context=ctx)
+        s.ehlo("client.example")
+        s.login("alice", "correct horse battery staple")
+        s.mail("alice@example.org")
+        s.rcpt("bob@dest.test")
+        return s.data(BODY)
+
+
+async def test_tls_sasl_and_the_client_certificate_reach_the_server(tmp_path: Path, ca: trustme.CA) -> None:
+    """On the submission port, with ``skip_trusted = false``: STARTTLS with a client certificate, AUTH PLAIN."""
+    relay_cert = ca.issue_cert("127.0.0.1")
+    relay_cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    relay_cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    (tmp_path / "key.pem").chmod(0o600)
+    ca.cert_pem.write_to_path(str(tmp_path / "clients-ca.pem"))
+    add_user(str(tmp_path / "users"), "alice", "correct horse battery staple")
+    client = ca.issue_cert("client.test", common_name="laptop.client.test")
+    der = x509.load_pem_x509_certificate(client.cert_chain_pems[0].bytes())
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        server = ScriptedPolicy(lambda r: "DUNNO")
+        await server.start(nursery)
+        extra = (f'tls_cert = "{tmp_path}/cert.pem"\ntls_key = "{tmp_path}/key.pem"\n'
+                 f'[submission]\nlisten = ["127.0.0.1:0"]\nusers_file = "{tmp_path}/users"\n'
+                 f'[client_certs]\nca_file = "{tmp_path}/clients-ca.pem"\n'
+                 f'[policy]\nservers = ["inet:127.0.0.1:{server.port}"]\nskip_trusted = false\n')
+        relay = await start_relay(nursery, relay_config(str(tmp_path), {"dest.test": f"smtp://127.0.0.1:{port}"},
+                                                        extra=extra))
+        submission = relay.ports_of(Port.SUBMISSION)[0]
+        got = await trio.to_thread.run_sync(_submit_with_cert, submission, ca, client)
+        assert got[0] == 250
+        (r,) = server.requests
+        assert (r["server_address"], r["server_port"]) == ("127.0.0.1", str(submission))
+        assert r["encryption_protocol"] == "TLSv1.3" and r["encryption_cipher"] == "TLS_AES_256_GCM_SHA384"
+        assert r["encryption_keysize"] == "256"
+        assert (r["sasl_method"], r["sasl_username"]) == ("PLAIN", "alice")
+        assert r["ccert_subject"] == "laptop.client.test"
+        assert r["ccert_issuer"] == der.issuer.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value
+        assert r["ccert_fingerprint"] == ":".join(f"{b:02X}" for b in der.fingerprint(hashes.SHA256()))
+        spki = der.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+        assert r["ccert_pubkey_fingerprint"] == ":".join(f"{b:02X}" for b in hashlib.sha256(spki).digest())
+        nursery.cancel_scope.cancel()
+
+
+async def test_filter_sends_the_whole_message_to_the_named_next_hop(tmp_path: Path) -> None:
+    """``FILTER smtp:[127.0.0.1]:PORT`` (Postfix's transport:destination, as amavis setups write it): every
+    recipient of that message goes to the content filter, whatever the routes say; other mail goes its way."""
+    async with trio.open_nursery() as nursery:
+        hop, content_filter = NextHop(), NextHop()
+        port = await hop.start(nursery)
+        filter_port = await content_filter.start(nursery)
+        server = ScriptedPolicy(lambda r: f"FILTER smtp:[127.0.0.1]:{filter_port}"
+                                if r["sender"] == "scan@example.org" else "DUNNO")
+        await server.start(nursery)
+        relay = await start_relay(nursery, policy_config(tmp_path, port, f'servers = ["inet:127.0.0.1:{server.port}"]'))
+        for sender in ("scan@example.org", "plain@example.org"):
+            code, text = await trio.to_thread.run_sync(_send, relay.ports[0], sender, ["bob@dest.test",
+                                                                                       "carol@dest.test"])
+            assert code == 250, text
+        (filtered,) = await content_filter.wait_messages(1)
+        assert filtered.sender == "scan@example.org"
+        assert sorted(filtered.recipients) == ["bob@dest.test", "carol@dest.test"]
+        (plain,) = await hop.wait_messages(1)
+        assert plain.sender == "plain@example.org"
         nursery.cancel_scope.cancel()

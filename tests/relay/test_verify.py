@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 from dns_server import DnsServer
+from process_support import RelayProcess
 from relay_support import DeliveryWatch, NextHop, SilentHop, write_relay_config
 
 from mta.config import load_config
@@ -121,3 +122,62 @@ async def test_an_mx_routed_domain_is_verified_at_its_mail_hosts_in_preference_o
     assert replies[1][1].startswith(b"5.1.1 <nobody@mx.test>: Recipient address rejected: undeliverable address: "
                                     b"550 5.1.1 No such user here")
     assert hop.messages == []
+
+
+async def test_answers_are_shared_by_relays_and_kept_across_a_restart(tmp_path: Path) -> None:
+    """Two relays with their own spools and one ``verify_cache`` file, then both gone and a third started (a
+    restart's state: nothing in memory, the file on disk): the next hop is probed once per address, whichever
+    relay asks. (A relay stopped inside this process keeps its spool's lock, so the third has a spool of its
+    own; the cache file is what carries over.)"""
+    hop = NextHop(policy)
+    cache = tmp_path / "verify-cache"
+    async with trio.open_nursery() as nursery:
+        port = await hop.start(nursery)
+        configs = []
+        for name in ("one", "two", "three"):
+            (tmp_path / name).mkdir()
+            path = config_for(tmp_path / name, {"far.test": f"smtp://127.0.0.1:{port}?tls=none"}, '"far.test"')
+            path.write_text(path.read_text() + f'verify_cache = "{cache}"\n')
+            configs.append(load_config(str(path)))
+        async with trio.open_nursery() as first_life:
+            one: Relay = await first_life.start(Relay(configs[0]).run)
+            replies = await trio.to_thread.run_sync(rcpt_replies, one.ports[0], ["known@far.test", "nobody@far.test"])
+            assert [code for code, _ in replies] == [250, 550]
+            assert one.server is not None and one.server.recipient_check.verifier.probes == 2
+            two: Relay = await first_life.start(Relay(configs[1]).run)
+            replies = await trio.to_thread.run_sync(rcpt_replies, two.ports[0], ["KNOWN@far.test", "nobody@far.test",
+                                                                                  "new@far.test"])
+            assert [code for code, _ in replies] == [250, 550, 250]
+            assert two.server is not None and two.server.recipient_check.verifier.probes == 1  # new@ only
+            first_life.cancel_scope.cancel()
+        again: Relay = await nursery.start(Relay(configs[2]).run)  # nothing in memory, the same file
+        replies = await trio.to_thread.run_sync(rcpt_replies, again.ports[0], ["known@far.test", "nobody@far.test",
+                                                                                "new@far.test"])
+        assert [code for code, _ in replies] == [250, 550, 250]
+        assert replies[1][1].endswith(b"550 5.1.1 No such user here")  # the next hop's words, from the file
+        assert again.server is not None and again.server.recipient_check.verifier.probes == 0
+        assert hop.rsets == 3  # three probes in all, one per address
+        nursery.cancel_scope.cancel()
+    assert oct(cache.stat().st_mode & 0o777) == "0o600"
+
+
+async def test_a_killed_and_restarted_relay_process_probes_no_address_again(tmp_path: Path) -> None:
+    """``mta serve`` as a child process, killed with SIGKILL and started again on the same spool: the answers
+    in ``verify_cache`` are what the new process goes by (the next hop sees one probe per address)."""
+    hop = NextHop(policy)
+    async with trio.open_nursery() as nursery:
+        port = await hop.start(nursery)
+        path = config_for(tmp_path, {"far.test": f"smtp://127.0.0.1:{port}?tls=none"}, '"far.test"')
+        relay = RelayProcess(path)
+        await relay.start(nursery)
+        replies = await trio.to_thread.run_sync(rcpt_replies, relay.port, ["known@far.test", "nobody@far.test"])
+        assert [code for code, _ in replies] == [250, 550]
+        assert hop.rsets == 2  # one probe each (the client's own RSET is the relay's, not the hop's)
+        await relay.kill()
+        await relay.start(nursery)
+        replies = await trio.to_thread.run_sync(rcpt_replies, relay.port, ["known@far.test", "nobody@far.test",
+                                                                            "new@far.test"])
+        assert [code for code, _ in replies] == [250, 550, 250]
+        assert hop.rsets == 3  # new@ only
+        assert (tmp_path / "spool" / "verify-cache").is_file()
+        nursery.cancel_scope.cancel()

@@ -185,6 +185,21 @@ def test_data_with_only_rejected_recipients_gets_554() -> None:
     assert codes(conn) == [(250, "2.1.0"), (550, "5.1.1"), (554, "5.5.1")]
 
 
+def test_with_decide_data_the_354_waits_for_the_shell_and_a_refusal_keeps_the_transaction() -> None:
+    conn = greeted(decide_data=True)
+    refuse = Reply(550, "5.7.1", "refused at data")
+    events = run(conn, b"MAIL FROM:<a@x.example>\r\nRCPT TO:<b@y.example>\r\nDATA\r\n",
+                 lambda c, e: c.reject(refuse) if isinstance(e, S.DataCommand) else accept_all(c, e))
+    assert events == [S.MailFrom("a@x.example"), S.RcptTo("b@y.example"), S.DataCommand()]
+    assert codes(conn) == [(250, "2.1.0"), (250, "2.1.5"), (550, "5.7.1")]
+    assert conn.state is S.State.RCPT  # the recipients stand: DATA may come again
+    events = run(conn, b"DATA\r\nhi\r\n.\r\n",
+                 lambda c, e: c.accept() if isinstance(e, S.DataCommand) else accept_all(c, e))
+    assert events[:2] == [S.DataCommand(), S.DataStart()]
+    assert body_of(events) == b"hi\r\n" and isinstance(events[-1], S.EndOfData)
+    assert codes(conn) == [(354, None), (250, "2.0.0")]
+
+
 def test_decision_methods_check_their_arguments() -> None:
     conn = greeted()
     with pytest.raises(LocalProtocolError):

@@ -23,6 +23,7 @@ import dns.message
 import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
+import dns.reversename
 import dns.rrset
 import trio
 
@@ -54,6 +55,10 @@ class DnsServer:
 
     def aaaa(self, host: str, address: str) -> None:
         self._add(host, "AAAA", address)
+
+    def ptr(self, address: str, host: str) -> None:
+        """The reverse name of ``address`` (``5.0.0.127.in-addr.arpa``) pointing at ``host``."""
+        self._add(dns.reversename.from_address(address).to_text(), "PTR", f"{_key(host)}.")
 
     def txt(self, name: str, text: str) -> None:
         self._add(name, "TXT", '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"')

@@ -8,13 +8,16 @@ What it does is chosen by the sender's or a recipient's local part (at MAIL
 and RCPT) and by the Subject: (at the end of the message):
 
 - sender ``reject-mail``: REJECT at MAIL; ``tempfail-mail``: TEMPFAIL at MAIL;
+- sender ``reject-data``, ``tempfail-data``, ``custom-data``: REJECT, TEMPFAIL or
+  ``550 5.7.2 refused at data`` at DATA;
 - recipient ``reject-rcpt``: REJECT that recipient; ``custom-rcpt``: ``550 5.1.1 no such user here``;
 - Subject ``reject``, ``tempfail``, ``custom`` (``554 5.7.0 custom words``), ``discard``, ``accept``,
   ``quarantine``, ``headers`` (add, insert at 0, change, delete), ``body`` (replaced),
   ``envelope`` (sender changed, ``added@dest.test`` added, ``gone@dest.test`` removed),
   ``slow`` (no answer for 30 s), ``progress`` (3 s of progress notes, then an answer);
 - every message it lets through otherwise gets ``X-Test-Milter: seen`` and ``X-Macros:`` with the
-  macros it was given (``i``, ``j``, ``{client_addr}``, ``{daemon_name}``, ``{mail_addr}``).
+  macros it was given (``i``, ``j``, ``{client_addr}``, ``{daemon_name}``, ``{mail_addr}``);
+  with Subject ``macros`` also ``X-Session-Macros:``, the TLS and AUTH macros (``name=value;...``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import Milter
 class TestFilter(Milter.Base):  # type: ignore[misc]
     def __init__(self) -> None:
         self.subject = ""
+        self.sender = ""
 
     def connect(self, hostname: str, family: int, hostaddr: object) -> int:
         return int(Milter.CONTINUE)
@@ -37,7 +41,8 @@ class TestFilter(Milter.Base):  # type: ignore[misc]
 
     def envfrom(self, sender: str, *params: str) -> int:
         self.subject = ""
-        if sender.strip("<>").startswith("reject-mail@"):
+        self.sender = sender.strip("<>")
+        if self.sender.startswith("reject-mail@"):
             return int(Milter.REJECT)
         if sender.strip("<>").startswith("tempfail-mail@"):
             return int(Milter.TEMPFAIL)
@@ -49,6 +54,17 @@ class TestFilter(Milter.Base):  # type: ignore[misc]
             return int(Milter.REJECT)
         if local == "custom-rcpt":
             self.setreply("550", "5.1.1", "no such user here")
+            return int(Milter.REJECT)
+        return int(Milter.CONTINUE)
+
+    def data(self) -> int:
+        local = self.sender.partition("@")[0]
+        if local == "reject-data":
+            return int(Milter.REJECT)
+        if local == "tempfail-data":
+            return int(Milter.TEMPFAIL)
+        if local == "custom-data":
+            self.setreply("550", "5.7.2", "refused at data")
             return int(Milter.REJECT)
         return int(Milter.CONTINUE)
 
@@ -90,6 +106,10 @@ class TestFilter(Milter.Base):  # type: ignore[misc]
             self.delrcpt("<gone@dest.test>")
         macros = ",".join(f"{n}={self.getsymval(n)}" for n in ("i", "j", "{client_addr}", "{daemon_name}",
                                                                  "{mail_addr}"))
+        if s == "macros":
+            names = ("{tls_version}", "{cipher}", "{cipher_bits}", "{cert_subject}", "{cert_issuer}",
+                     "{auth_authen}", "{auth_type}", "{auth_author}")
+            self.addheader("X-Session-Macros", ";".join(f"{n}={self.getsymval(n)}" for n in names))
         self.addheader("X-Test-Milter", "seen")
         self.addheader("X-Macros", macros)
         return int(Milter.CONTINUE)

@@ -6,7 +6,10 @@ needs Redis), DNS pointed at a closed local port (no outside network), the
 test patterns on (GTUBE gets ``reject``), greylisting off (it needs Redis
 too), and the milter_headers module adding ``X-Spamd-Result`` and
 ``X-Rspamd-Server`` to local mail as well, so a clean message shows that
-rspamd saw it. Its first start compiles the regexps (about 15 s on the
+rspamd saw it. Two symbols of our own trigger rspamd's other actions
+whatever the scores of Debian's rules: a multimap rule on the test header
+``X-Test-Action: rewrite`` or ``add``, which force_actions turns into
+"rewrite subject" (``[rspamd says] SUBJECT``) or "add header". Its first start compiles the regexps (about 15 s on the
 shared build machine): one instance per test module.
 """
 
@@ -58,8 +61,18 @@ modules {{
 _LOCAL = {
     "milter_headers.conf": 'use = ["x-spamd-result", "x-rspamd-server"];\nskip_local = false;\n'
                            "skip_authenticated = false;\n",
-    "actions.conf": "greylist = null;\nrewrite_subject = null;\nadd_header = 6;\nreject = 15;\n",
+    "actions.conf": "greylist = null;\nrewrite_subject = 12;\nadd_header = 6;\nreject = 15;\n",
+    "multimap.conf": 'TEST_ACTION_REWRITE { type = "header"; header = "X-Test-Action"; map = "{dir}/rewrite.map"; '
+                     'score = 0.0; }\n'
+                     'TEST_ACTION_ADD { type = "header"; header = "X-Test-Action"; map = "{dir}/add.map"; '
+                     'score = 0.0; }\n',
+    "force_actions.conf": 'rules {\n'
+                          '  TEST_FORCE_REWRITE { action = "rewrite subject"; expression = "TEST_ACTION_REWRITE"; '
+                          'subject = "[rspamd says] %s"; }\n'
+                          '  TEST_FORCE_ADD { action = "add header"; expression = "TEST_ACTION_ADD"; }\n'
+                          '}\n',
 }
+_MAPS = {"rewrite.map": "rewrite\n", "add.map": "add\n"}
 
 
 @attrs.define
@@ -78,7 +91,9 @@ def start_rspamd(where: Path) -> Rspamd:
     local = where / "local" / "local.d"
     local.mkdir(parents=True)
     for name, text in _LOCAL.items():
-        (local / name).write_text(text)
+        (local / name).write_text(text.replace("{dir}", str(where)))
+    for name, text in _MAPS.items():
+        (where / name).write_text(text)
     conf = where / "rspamd.conf"
     conf.write_text(_TOP.format(dir=where, http=http, milter=milter))
     user = getpass.getuser()
