@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 20, 100])
     ap.add_argument("--messages", type=int, default=20000)
     ap.add_argument("--json", help="write the table here too")
+    ap.add_argument("--svg", help="draw msgs/s against the default today (needs matplotlib)")
     args = ap.parse_args(argv)
     rows = []
     for sessions in args.sessions:
@@ -241,7 +242,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": vars(args), "rows": rows}, f, indent=1)
+    if args.svg:
+        draw(rows, args.svg, f"model: {args.cpu_ms} ms CPU, {args.fsync_ms} ms fdatasync a message; "
+                             "msgs/s against one process with delivery workers")
     return 0
+
+
+def draw(rows: list[dict[str, object]], path: str, title: str) -> None:
+    from mta.report.charts import Series, bar_chart
+
+    groups = sorted({(int(str(r["sessions"])), int(str(r["processes"]))) for r in rows
+                     if r["design"] != "one-process" and r["sessions"] != 1})
+    labels = [f"{n} cores\n{s} sess" for s, n in groups]
+
+    def ratio(design: str) -> list[float]:
+        found = {(r["sessions"], r["processes"]): float(str(r["vs_one_process"])) for r in rows
+                 if r["design"] == design}
+        return [found.get(g, 0.0) for g in groups]
+
+    series = [Series("shards (processes = cores)", ratio("shards"), "#dd8452"),
+              Series("one commit stream (modelled)", ratio("shared"), "#4c72b0")]
+    bar_chart(title, labels, series, ylabel="× one process", values=False, width_in=9.0, height_in=3.6,
+              title_pt=9).write(path)
 
 
 if __name__ == "__main__":
