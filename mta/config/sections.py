@@ -45,6 +45,7 @@ from mta.config.values import (
     Processes,
     ReadableFile,
     default_hostname,
+    usable_cpus,
 )
 from mta.smtp.common import DEFAULT_MAX_ERRORS, DEFAULT_MAX_MESSAGE_SIZE, DEFAULT_MAX_RECIPIENTS
 from spool import (
@@ -251,7 +252,7 @@ def delivery_workers(processes: int, relay_processes: int, cpus: int | None = No
     the relay processes leave, shared among them (1 relay process on 2 CPUs: 1; 2 on 2: 0; 2 on 8: 3 each)."""
     if processes != AUTO_DELIVERY_PROCESSES:
         return processes
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    cpus = cpus if cpus is not None else usable_cpus()
     return max(0, min((cpus - relay_processes) // max(1, relay_processes), MAX_DELIVERY_PROCESSES))
 
 

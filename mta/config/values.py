@@ -32,6 +32,7 @@ __all__ = [
     "default_hostname",
     "parse_listen_address",
     "text_of",
+    "usable_cpus",
 ]
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -209,16 +210,29 @@ class ReadableFile(Kind[str]):
 MAX_PROCESSES = 256
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), which is what "auto" counts.
+
+    Why not ``os.cpu_count()``: that is the host's, and a relay in a container
+    or a cpuset (``taskset``, systemd's ``CPUAffinity=``) given 2 of 64 CPUs
+    would start 64 processes to share 2 of them.
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call here (not Linux)
+        return max(1, os.cpu_count() or 1)
+
+
 @attrs.frozen
 class Processes(Kind[int]):
-    """An integer, or ``"auto"``: one per CPU, as this machine counts them when the config is read."""
+    """An integer, or ``"auto"``: one per CPU this process may run on, counted when the config is read."""
 
     def what(self) -> str:
-        return f'integer 1–{MAX_PROCESSES}, or "auto" (one per CPU)'
+        return f'integer 1–{MAX_PROCESSES}, or "auto" (one per CPU this process may run on)'
 
     def convert(self, raw: object, base_dir: str | None) -> int:
         if raw == "auto":
-            return max(1, min(os.cpu_count() or 1, MAX_PROCESSES))
+            return max(1, min(usable_cpus(), MAX_PROCESSES))
         if isinstance(raw, str):
             raise ConfigError(f"expected an integer or 'auto', got {raw!r}")
         return expect(raw, int, "an integer")

@@ -39,6 +39,7 @@ from mta.observe.events_lag import ConsumerLag
 from mta.observe.metrics import Metrics
 from mta.observe.queue_gauges import keep_gauges, refresh_oldest
 from mta.process.lifecycle import Lifecycle, notify
+from mta.process.presence import Presence, SharedSlots, presence_path
 from mta.process.security import check_spool_dir
 from mta.process.server_tls import ssl_context
 from mta.process.startup import check_start, unwrapped
@@ -149,6 +150,10 @@ class Relay:
                                 dkim=AcceptSigner(signer) if signer else None,
                                 keep_reject=None if rejections is None else rejections.add)
             server.reuse_port = self.reuse_port
+            if self.shards > 1:  # outcomes ride a commit while a client is connected to any shard (presence)
+                presence = Presence(presence_path(cfg.spool.dir, self.shard), self.shard, self.shards)
+                server.slots = SharedSlots(cfg, presence)
+                self.aspool.connected_clients = presence.total
             self.server = server
             self.listeners = await nursery.start(server.serve)
             if self.shard == 0:  # one shard takes the drop directory in, so no file is taken twice

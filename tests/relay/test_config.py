@@ -493,7 +493,7 @@ def test_missing_explicit_file_is_an_error_naming_it(tmp_path: Path) -> None:
 def test_processes_default_number_and_auto() -> None:
     assert parse_config("").server.processes == 1
     assert parse_config("[server]\nprocesses = 3").server.processes == 3
-    assert parse_config('[server]\nprocesses = "auto"').server.processes == (os.cpu_count() or 1)
+    assert parse_config('[server]\nprocesses = "auto"').server.processes == len(os.sched_getaffinity(0))
 
 
 def test_delivery_processes_default_auto_is_resolved_by_mta_serve_from_cpus_and_relay_processes() -> None:
@@ -504,7 +504,7 @@ def test_delivery_processes_default_auto_is_resolved_by_mta_serve_from_cpus_and_
     # One relay process: one worker per CPU beyond the first; several: the CPUs they leave, shared.
     assert [delivery_workers(AUTO_DELIVERY_PROCESSES, 1, cpus) for cpus in (1, 2, 4)] == [0, 1, 3]
     assert [delivery_workers(AUTO_DELIVERY_PROCESSES, 2, cpus) for cpus in (2, 4, 8)] == [0, 1, 3]
-    assert delivery_workers(AUTO_DELIVERY_PROCESSES, 1) == (os.cpu_count() or 1) - 1
+    assert delivery_workers(AUTO_DELIVERY_PROCESSES, 1) == len(os.sched_getaffinity(0)) - 1
     assert delivery_workers(0, 1, 8) == 0 and delivery_workers(5, 2, 2) == 5  # a number is taken as it is
     with pytest.raises(ConfigError, match=r"delivery\.processes"):
         parse_config("[delivery]\nprocesses = -1")

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import smtplib
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -338,4 +339,57 @@ async def test_sigterm_and_sighup_to_the_supervisor_reach_every_shard(tmp_path: 
             assert relay.proc.returncode == 0, relay.lines
             assert sum("event=drain_end" in line for line in relay.lines) == 2, relay.lines
             assert not any("restarting in" in line for line in relay.lines), relay.lines
+            nursery.cancel_scope.cancel()
+
+
+def page_total(spool: Path) -> int:
+    """The connected clients the shards' page holds, read as another process reads it (``mta.process.presence``)."""
+    data = (spool / "shards" / "sessions").read_bytes()
+    return sum(max(0, n) for n in struct.unpack(f"{len(data) // 4}i", data))
+
+
+async def wait_page(spool: Path, want: int, timeout: float = 60) -> None:
+    with trio.fail_after(timeout):
+        while page_total(spool) != want:
+            await trio.sleep(0.05)  # the shards write it from their own processes: nothing to wait on here
+
+
+def alive_session(s: smtplib.SMTP) -> bool:
+    try:
+        return s.noop()[0] == 250
+    except (smtplib.SMTPException, OSError):
+        return False
+
+
+async def test_the_shards_count_each_others_clients_and_a_killed_one_starts_from_none(tmp_path: Path) -> None:
+    """Every shard sees the relay's clients (its outcomes ride a commit while any is connected), through
+    admissions, releases and a kill -9."""
+    with trio.fail_after(500):
+        async with trio.open_nursery() as nursery:
+            hop = NextHop()
+            await hop.start(nursery)
+            config = write_config(tmp_path, hop.port, processes=2)
+            relay = Supervised(config)
+            pids = await relay.start(nursery, shards=2)
+            spool = tmp_path / "spool"
+            await wait_page(spool, 0)
+            held = [smtplib.SMTP("127.0.0.1", relay.port, timeout=60) for _ in range(6)]
+            try:
+                for s in held:
+                    assert s.ehlo("idle.test")[0] == 250
+                await wait_page(spool, 6)
+                ids = {await trio.to_thread.run_sync(send, relay.port, i): i for i in range(8)}  # a lone client
+                await hop.wait_messages(len(ids), timeout=300)
+                await wait_page(spool, 6)
+
+                os.kill(pids[1], signal.SIGKILL)
+                await wait_dead([pids[1]])
+                await relay.wait_up(2, old={1: pids[1]})
+                left = [s for s in held if alive_session(s)]  # shard 1's were cut by the kill
+                await wait_page(spool, len(left))
+            finally:
+                for s in held:
+                    s.close()
+            await wait_page(spool, 0)
+            assert set(received_ids(hop)) == {f"m{i}@test" for i in ids.values()}
             nursery.cancel_scope.cancel()
