@@ -27,6 +27,7 @@ from mta.config.sections import (
     TlsPolicyConfig,
 )
 from mta.config.sendmail import SendmailSection
+from mta.config.shaping import ShapingSection
 from mta.config.smarthost_auth import SmarthostAuthSection
 from mta.config.values import IPAddress
 
@@ -63,6 +64,7 @@ class Config:
     source: str = DEFAULTS_SOURCE
     dkim_keys: tuple[DkimKey, ...] = ()  # ``[[dkim.key]]``, in the file's order
     filters: FiltersSection = attrs.field(factory=FiltersSection)
+    shaping: ShapingSection = attrs.field(factory=ShapingSection)
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

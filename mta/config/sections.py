@@ -30,6 +30,7 @@ from mta.config.proxy import ProxySection
 from mta.config.recipients import RecipientsSection
 from mta.config.routes import Domain
 from mta.config.sendmail import SendmailSection
+from mta.config.shaping import ShapingSection
 from mta.config.smarthost_auth import SmarthostAuthSection
 from mta.config.values import (
     Address,
@@ -389,6 +390,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("recipients", RecipientsSection),
     ("http", HttpSection),
     ("events", EventsSection),
+    ("shaping", ShapingSection),
 )
 
 

@@ -45,8 +45,9 @@ RESTART: frozenset[tuple[str, str]] = frozenset({
     ("log", "level"), ("log", "format"),
 })
 SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "limits", "policy",
-            "filters", "recipients")
-RESTART_SECTIONS = frozenset({"spool", "tls_policy"})  # the engine's and the outgoing transport's, read at start
+            "filters", "recipients", "shaping")
+# The engine's, the outgoing transport's and the shaping table (its adaptive state is rebuilt at start): read at start.
+RESTART_SECTIONS = frozenset({"spool", "tls_policy", "shaping"})
 LIVE: frozenset[tuple[str, str]] = frozenset({("spool", "queue_minfree")})  # read by the sessions' disk check
 
 

@@ -60,6 +60,10 @@ def check_start(config: Config, *, listen: bool = True) -> None:
     check_control_socket(config)
     check_users_file(config)
     check_recipient_tables(config)
+    if config.shaping.enabled:
+        from mta.shaping.setup import table_of
+
+        table_of(config)  # a shaping table that cannot be used: one line (ShapingError, exit 2)
     if config.http.listen is not None:
         read_tokens(config.http.tokens_file, config.source)  # the API's tokens: private, and there
     addresses: list[tuple[int | str, ListenAddress]] = list(enumerate(config.server.listen)) if listen else []
