@@ -301,6 +301,7 @@ class Scheduler:
             now = time.time()
             wake = shaper.next_wake(now)
             await trio.sleep(min(max(0.005, wake - now), 1.0))
+            shaper.adaptive.expire(time.time())  # what is gone costs nothing more
             shaper.wake_at = math.inf
             self._wake()
 

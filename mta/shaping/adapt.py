@@ -100,6 +100,7 @@ class Adaptive:
         self.overrides: dict[tuple[str, str], Override] = {}  # (rule name, scope) -> override
         self._by_scope: dict[str, list[Override]] = {}
         # Rules grouped by what they apply to, so a reply is tested against its own rules only.
+        self._named = {rule.name: rule for rule in self.rules}
         self._for: dict[str, list[Rule]] = {}
         for rule in self.rules:
             self._for.setdefault(rule.applies_to, []).append(rule)
@@ -151,7 +152,7 @@ class Adaptive:
                 else:
                     self._by_scope.pop(override.scope, None)
         for key, window in list(self._windows.items()):
-            rule = next(r for r in self.rules if r.name == key[0])
+            rule = self._named[key[0]]
             while window and window[0].time <= now - rule.window:
                 window.popleft()
             if not window:

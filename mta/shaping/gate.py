@@ -53,6 +53,9 @@ class DestShape:
     provider: Group | None  # None: the domain belongs to no provider
     domain: Group
     settled: float = 0.0  # when its MX hosts were looked up
+    own: float = math.inf  # the table's connection limits (domain, provider total), for the usual case's quick test
+    total: float = math.inf
+    rated: bool = False  # the table sets a rate for it (its tokens are counted)
 
 
 @attrs.frozen
@@ -109,6 +112,8 @@ class Shaper:
     def settle(self, resolution: Resolution) -> DestShape:
         provider = self._group(resolution.provider_key) if resolution.provider is not None else None
         shape = DestShape(resolution, provider, self._group(resolution.domain_key), clock.monotonic())
+        shape.own, shape.total = self.connections(shape, math.inf)  # no override lasts for ever: the table's
+        shape.rated = bool(resolution.domain_limits.rate or (provider is not None and resolution.provider_limits.rate))
         self.shapes[resolution.domain] = shape
         return shape
 
@@ -121,6 +126,8 @@ class Shaper:
     # -- limits in force ---------------------------------------------------
 
     def _limit(self, name: str, normal: float | None, scope: str, now: float) -> float | None:
+        if not self.adaptive.overrides:
+            return normal  # the usual case: nothing the replies changed
         value = normal
         for o in self.adaptive.active((scope,), now):
             if o.rule.action != "limit":
@@ -170,6 +177,8 @@ class Shaper:
 
     def verdict(self, shape: DestShape, now: float) -> Verdict | None:
         """A suspension or bounce in force on the destination's provider or domain, else None."""
+        if not self.adaptive.overrides:
+            return None
         r = shape.resolution
         for o in self.adaptive.active((r.provider_key, r.domain_key), now):
             if o.rule.action in ("suspend", "bounce") and now < o.ends:
@@ -178,6 +187,8 @@ class Shaper:
 
     def admits(self, shape: DestShape, active: int, now: float) -> bool:
         """May one more connection start for this destination (``active`` open now)?"""
+        if not self.adaptive.overrides and not shape.rated:  # the usual case: the table's limits, no rate
+            return active < shape.own and (shape.provider is None or shape.provider.active < shape.total)
         own, total = self.connections(shape, now)
         if active >= own or (shape.provider is not None and shape.provider.active >= total):
             return False

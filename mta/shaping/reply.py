@@ -34,8 +34,8 @@ class RemoteReply:
 
 def remote_reply(code: int, enhanced: str, text: str, next_hop: str) -> RemoteReply | None:
     """What the next hop said in this outcome, or None if it said nothing (the relay's own deferral)."""
-    if code:
-        return RemoteReply(code, enhanced, text, next_hop) if next_hop else None
+    if code:  # a 2xx or 3xx is no complaint: rules match refusals (4xx, 5xx) only
+        return RemoteReply(code, enhanced, text, next_hop) if next_hop and code >= 400 else None
     m = _QUOTED.match(text)
     if m is None:
         return None

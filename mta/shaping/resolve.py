@@ -104,7 +104,7 @@ def resolve(table: ShapingTable, domain: str, mx_hosts: Sequence[str]) -> Resolu
                 break
     if provider is None:
         matched = "no provider's domains or MX suffixes match" + (f" (MX: {', '.join(mx_hosts)})" if mx_hosts else "")
-    rules = tuple(r for r in table.rules if r.applies_to == "*" or r.applies_to == f"domain:{domain}"
-                  or (provider is not None and r.applies_to == f"provider:{provider.name}"))
+    rules = table.rules_for.get("*", ()) + table.rules_for.get(f"domain:{domain}", ()) + \
+        (table.rules_for.get(f"provider:{provider.name}", ()) if provider is not None else ())
     return Resolution(domain, provider, matched, provider.limits if provider else Limits(),
                       table.domains.get(domain, Limits()), rules)

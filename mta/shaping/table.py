@@ -164,6 +164,14 @@ class ShapingTable:
     providers: tuple[Provider, ...] = ()
     domains: Mapping[str, Limits] = attrs.field(factory=dict)
     rules: tuple[Rule, ...] = ()
+    # The rules by what they apply to ("*", "provider:NAME", "domain:D"): a domain's are found without a scan.
+    rules_for: Mapping[str, tuple[Rule, ...]] = attrs.field(init=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        index: dict[str, list[Rule]] = {}
+        for rule in self.rules:
+            index.setdefault(rule.applies_to, []).append(rule)
+        object.__setattr__(self, "rules_for", {k: tuple(v) for k, v in index.items()})
 
     @property
     def span(self) -> float:
@@ -354,10 +362,10 @@ def _rule(entry: object, where: str, source: str) -> Rule:
     if kind == "domain":
         applies_to = f"domain:{_domain(target, where)}"
     code = entry.get("code")
-    if code is not None and (isinstance(code, bool) or not isinstance(code, int) or not 200 <= code <= 599):
-        raise ShapingError(f"{where}: code must be an SMTP reply code (200 to 599)")
+    if code is not None and (isinstance(code, bool) or not isinstance(code, int) or not 400 <= code <= 599):
+        raise ShapingError(f"{where}: code must be a refusal's SMTP reply code (400 to 599)")
     enhanced = entry.get("enhanced")
-    if enhanced is not None and (not isinstance(enhanced, str) or not re.fullmatch(r"[245]\.\d{1,3}\.\d{1,3}",
+    if enhanced is not None and (not isinstance(enhanced, str) or not re.fullmatch(r"[45]\.\d{1,3}\.\d{1,3}",
                                                                                   enhanced)):
         raise ShapingError(f"{where}: enhanced must be an enhanced status code (\"4.7.28\")")
     text = entry.get("text")

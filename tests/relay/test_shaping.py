@@ -20,9 +20,10 @@ import trio
 from click.testing import CliRunner
 from dns_server import DnsServer
 from process_support import RelayProcess
-from relay_support import NextHop, write_relay_config
+from relay_support import NextHop, start_relay, write_relay_config
 
 from mta.cli import main
+from mta.config import load_config
 from mta.smtp.common import Reply
 
 SUSPEND = 20.0  # seconds the rule suspends the provider for: long enough for a kill -9 and a restart
@@ -170,3 +171,93 @@ async def test_resolve_names_the_matched_suffix_and_the_source_of_each_limit(tmp
         bad = CliRunner().invoke(main, ["shape", "resolve", "not a domain", "--config", str(config_path)])
         assert bad.exit_code == 2 and "is not a domain" in bad.output and "Traceback" not in bad.output
         nursery.cancel_scope.cancel()
+
+
+RAMP_TABLE = """
+[provider.provc]
+mx_suffix = [".prov-c.test"]
+rate = "10/s"
+messages_per_connection = 1
+
+[[rule]]
+name = "slow-down"
+applies_to = "provider:provc"
+code = 451
+enhanced = "4.7.1"
+threshold = 1
+window = "60s"
+action = "limit"
+limit = { rate = "20%" }
+duration = "3s"
+ramp_steps = 2
+ramp_step = "2s"
+"""
+
+
+class TimedHop(NextHop):
+    """Says ``451 4.7.1`` to the first recipient; notes when each connection opened and each message came."""
+
+    def __init__(self) -> None:
+        super().__init__(self._answer)
+        self.opened: list[float] = []
+        self.taken: list[float] = []
+        self.refused = False
+
+    def _answer(self, stage: str, value: Any) -> Reply | None:
+        if stage == "rcpt" and not self.refused:
+            self.refused = True
+            return Reply(451, "4.7.1", "slow down, please")
+        if stage == "data":
+            self.taken.append(time.time())
+        return None
+
+    async def _handle(self, tcp: trio.SocketStream) -> None:
+        self.opened.append(time.time())
+        await super()._handle(tcp)
+
+
+def _send_many(port: int, rcpts: list[str]) -> None:
+    with smtplib.SMTP("127.0.0.1", port, timeout=30) as s:
+        for rcpt in rcpts:
+            s.sendmail("alice@localhost", [rcpt], f"Subject: to {rcpt}\r\n\r\nbody\r\n")
+
+
+def per_second(times: list[float], begin: float, end: float) -> float:
+    return sum(1 for t in times if begin <= t < end) / (end - begin)
+
+
+async def test_a_relative_decrease_then_a_step_wise_ramp_up_in_connections_and_messages(tmp_path: Path) -> None:
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            dns = DnsServer()
+            dns_port = await nursery.start(dns.serve)
+            hop = TimedHop()
+            port = await hop.start(nursery)
+            dns.mx("c.test", 10, "mx.prov-c.test")
+            dns.a("mx.prov-c.test", "127.0.0.1")
+            (tmp_path / "shaping.toml").write_text(RAMP_TABLE)
+            extra = (f'[delivery]\nresolver = "127.0.0.1:{dns_port}"\nmx_port = {port}\nconnection_cache_time = "0s"\n'
+                     f'[shaping]\nbuiltin = false\nfile = "shaping.toml"\n')
+            config_path = write_relay_config(tmp_path, {"localhost": "maildir:maildir", "*": "mx"}, extra=extra,
+                                             retry='["60s"]')
+            relay = await start_relay(nursery, load_config(str(config_path)))
+            shaper = relay.scheduler.shaper
+            assert shaper is not None
+            await trio.to_thread.run_sync(_send_many, relay.ports[0], ["trigger@c.test"])
+            await wait_until(lambda: bool(shaper.adaptive.overrides))
+            (override,) = shaper.adaptive.overrides.values()
+            began, ends = override.began, override.ends
+            # Far more mail than the limits let through in the test's time: the rate alone paces it.
+            await trio.to_thread.run_sync(_send_many, relay.ports[0], [f"u{i}@c.test" for i in range(120)])
+            await wait_until(lambda: time.time() > ends + 4 + 2, timeout=30)
+            nursery.cancel_scope.cancel()
+
+    step = override.rule.ramp_step
+    phases = [(began + 1, ends), (ends, ends + step), (ends + step, ends + 2 * step)]
+    messages = [per_second(hop.taken, a, b) for a, b in phases]
+    connections = [per_second(hop.opened, a, b) for a, b in phases]
+    # 10/s cut to 20 % (2/s) for 3 s, then 2 + 8/3 (4.7/s) and 2 + 16/3 (7.3/s): one second's worth of burst each.
+    assert messages[0] <= 2 + 2 / (ends - began - 1) + 0.5, messages
+    assert messages[0] < messages[1] < messages[2], messages
+    assert messages[2] <= 7.34 + 7.34 / step + 0.5, messages
+    assert connections[0] < connections[1] < connections[2], connections

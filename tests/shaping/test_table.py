@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mta.shaping.table import BUILTIN, Rate, ShapingError, load_table, parse_rate
 from mta.shaping.resolve import provider_of_reply, resolve
+from mta.shaping.table import BUILTIN, Rate, ShapingError, load_table, parse_rate
 
 
 def test_the_shipped_table_carries_the_big_providers() -> None:
@@ -66,7 +66,7 @@ def test_a_bad_entry_is_one_line_naming_the_file_and_the_entry(tmp_path: Path, t
 
 
 def test_a_missing_file_is_one_line() -> None:
-    with pytest.raises(ShapingError, match="shaping file /nonexistent/shaping.toml: No such file"):
+    with pytest.raises(ShapingError, match=r"shaping file /nonexistent/shaping\.toml: No such file"):
         load_table(True, "/nonexistent/shaping.toml")
 
 
