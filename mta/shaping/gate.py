@@ -55,7 +55,7 @@ class DestShape:
     settled: float = 0.0  # when its MX hosts were looked up
     own: float = math.inf  # the table's connection limits (domain, provider total), for the usual case's quick test
     total: float = math.inf
-    rated: bool = False  # the table sets a rate for it (its tokens are counted)
+    rates: tuple[tuple[Group, float], ...] = ()  # the table's rates (messages per second) and whose tokens
 
 
 @attrs.frozen
@@ -113,7 +113,10 @@ class Shaper:
         provider = self._group(resolution.provider_key) if resolution.provider is not None else None
         shape = DestShape(resolution, provider, self._group(resolution.domain_key), clock.monotonic())
         shape.own, shape.total = self.connections(shape, math.inf)  # no override lasts for ever: the table's
-        shape.rated = bool(resolution.domain_limits.rate or (provider is not None and resolution.provider_limits.rate))
+        rates = [(shape.domain, resolution.domain_limits.rate)]
+        if provider is not None:
+            rates.append((provider, resolution.provider_limits.rate))
+        shape.rates = tuple((group, rate.per_second) for group, rate in rates if rate is not None)
         self.shapes[resolution.domain] = shape
         return shape
 
@@ -187,8 +190,18 @@ class Shaper:
 
     def admits(self, shape: DestShape, active: int, now: float) -> bool:
         """May one more connection start for this destination (``active`` open now)?"""
-        if not self.adaptive.overrides and not shape.rated:  # the usual case: the table's limits, no rate
-            return active < shape.own and (shape.provider is None or shape.provider.active < shape.total)
+        if not self.adaptive.overrides:  # the usual case: the table's limits alone
+            if active >= shape.own or (shape.provider is not None and shape.provider.active >= shape.total):
+                return False
+            for group, per_second in shape.rates:
+                bucket = group.bucket
+                if bucket is None or bucket.per_second != per_second:
+                    bucket = self._bucket(group, Rate(per_second, 1.0), now)
+                assert bucket is not None
+                if bucket.available(now) < 1:
+                    self.wake_at = min(self.wake_at, bucket.ready_at(now))
+                    return False
+            return True
         own, total = self.connections(shape, now)
         if active >= own or (shape.provider is not None and shape.provider.active >= total):
             return False
