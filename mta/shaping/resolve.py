@@ -64,20 +64,23 @@ def host_of(next_hop: str) -> str:
 
 
 def _by_domain(table: ShapingTable, domain: str) -> Provider | None:
+    """The provider that lists ``domain`` or its nearest parent."""
     labels = domain.split(".")
     for i in range(len(labels)):
-        parent = ".".join(labels[i:])
-        for provider in table.providers:
-            if parent in provider.domains:
-                return provider
+        provider = table.provider_of_domain.get(".".join(labels[i:]))
+        if provider is not None:
+            return provider
     return None
 
 
 def _by_host(table: ShapingTable, host: str) -> tuple[Provider, str] | None:
-    for provider in table.providers:
-        for suffix in provider.mx_suffixes:
-            if host.endswith(suffix):
-                return provider, suffix
+    """The provider whose longest MX suffix ``host`` ends with."""
+    labels = host.split(".")
+    for i in range(1, len(labels)):
+        suffix = "." + ".".join(labels[i:])
+        provider = table.provider_of_suffix.get(suffix)
+        if provider is not None:
+            return provider, suffix
     return None
 
 

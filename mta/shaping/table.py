@@ -166,12 +166,24 @@ class ShapingTable:
     rules: tuple[Rule, ...] = ()
     # The rules by what they apply to ("*", "provider:NAME", "domain:D"): a domain's are found without a scan.
     rules_for: Mapping[str, tuple[Rule, ...]] = attrs.field(init=False, eq=False)
+    # The providers by a domain they list and by an MX suffix they name (the first provider to name it wins).
+    provider_of_domain: Mapping[str, Provider] = attrs.field(init=False, eq=False)
+    provider_of_suffix: Mapping[str, Provider] = attrs.field(init=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         index: dict[str, list[Rule]] = {}
         for rule in self.rules:
             index.setdefault(rule.applies_to, []).append(rule)
         object.__setattr__(self, "rules_for", {k: tuple(v) for k, v in index.items()})
+        domains: dict[str, Provider] = {}
+        suffixes: dict[str, Provider] = {}
+        for provider in self.providers:
+            for domain in provider.domains:
+                domains.setdefault(domain, provider)
+            for suffix in provider.mx_suffixes:
+                suffixes.setdefault(suffix, provider)
+        object.__setattr__(self, "provider_of_domain", domains)
+        object.__setattr__(self, "provider_of_suffix", suffixes)
 
     @property
     def span(self) -> float:

@@ -261,3 +261,13 @@ async def test_a_relative_decrease_then_a_step_wise_ramp_up_in_connections_and_m
     assert messages[0] < messages[1] < messages[2], messages
     assert messages[2] <= 7.34 + 7.34 / step + 0.5, messages
     assert connections[0] < connections[1] < connections[2], connections
+
+
+def test_a_bad_shaping_table_stops_config_check_and_serve_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "shaping.toml").write_text('[[rule]]\nname = "r"\ncode = 421\naction = "nap"\nduration = "1h"\n')
+    config_path = write_relay_config(tmp_path, {"*": "mx"}, extra='[shaping]\nfile = "shaping.toml"\n')
+    for args in (["config", "check"], ["serve"]):
+        r = CliRunner().invoke(main, [*args, "--config", str(config_path)])
+        assert r.exit_code == 2, (args, r.output)
+        assert "shaping.toml: rule r: action must be one of suspend, bounce, limit" in r.output
+        assert "Traceback" not in r.output
