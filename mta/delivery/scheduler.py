@@ -594,7 +594,8 @@ class Scheduler:
                 for override in self.shaper.record(pos, now, o.recipient, o.code, o.enhanced, o.reply, o.next_hop):
                     event(log, "shaping_override", self.aspool.core.queue_id(attempt.envelope.message_id),
                           level=logging.WARNING, rule=override.rule.name, scope=override.scope,
-                          action=override.rule.action, until=round(override.ends, 3), reply=f"{o.code} {o.reply}")
+                          action=override.rule.action, until=round(override.ends, 3),
+                          reply=override.hits[-1].describe())
         return outcomes
 
     def _warn_of_delay(self, tracker: Tracker, outcomes: list[Outcome]) -> None:
