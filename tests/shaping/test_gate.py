@@ -86,3 +86,18 @@ def test_tls_required_keeps_the_policies() -> None:
     assert require_tls("opportunistic") == "require"
     assert require_tls("dane,mta-sts") == "dane,mta-sts,require"
     assert require_tls("verify") == "verify"
+
+
+def test_a_bounce_rule_on_a_domain_bounces_that_domain_only(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text('[provider.p]\nmx_suffix = [".p.test"]\n\n[[rule]]\nname = "gone"\napplies_to = "provider:p"\n'
+                    'code = 550\ntext = "blocked"\nscope = "domain"\naction = "bounce"\nduration = "1h"\n')
+    table = load_table(False, str(path))
+    s = Shaper(table, Adaptive(table.rules), per_destination=5, batch=10, mx_lookup=no_lookup)
+    one = s.settle(resolve(table, "one.test", ["mx.p.test"]))
+    two = s.settle(resolve(table, "two.test", ["mx.p.test"]))
+    assert [o.scope for o in s.record(1, 0.0, "u@one.test", 550, "5.7.1", "you are blocked",
+                                      "mx.p.test[127.0.0.1]:25")] == ["domain:one.test"]
+    verdict = s.verdict(one, 1.0)
+    assert verdict is not None and verdict.action == "bounce" and "domain one.test bounced" in verdict.reply()
+    assert s.verdict(two, 1.0) is None
