@@ -41,6 +41,7 @@ from mta.dkim.cli import dkim as dkim_command
 from mta.events.cli import events
 from mta.observe.logline import install as install_logging
 from mta.process.config_cli import config as config_command
+from mta.shaping.cli import shape
 from spool import SpoolError, SpoolLocked
 
 _ARGV = "mta.argv"
@@ -235,3 +236,4 @@ _register_report()
 main.add_command(config_command)
 main.add_command(dkim_command)
 main.add_command(events)
+main.add_command(shape)

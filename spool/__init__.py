@@ -93,7 +93,7 @@ if TYPE_CHECKING:
         pos_offset,
         pos_segment,
     )
-    from spool.format.segment import parse_segment_name, read_frame_at, segment_path
+    from spool.format.segment import SEGMENT_HEADER_SIZE, parse_segment_name, read_frame_at, segment_path
     from spool.read import listing
 
 # Each name on the face and the module it lives in.
@@ -166,6 +166,7 @@ _HOMES: Final[dict[str, str]] = {
     "parse_pos": "spool.format.record",
     # segments: their files and one frame read at a position
     "segment_path": "spool.format.segment",
+    "SEGMENT_HEADER_SIZE": "spool.format.segment",
     "parse_segment_name": "spool.format.segment",
     "read_frame_at": "spool.format.segment",
     # file I/O, the one interface every write goes through
@@ -193,6 +194,7 @@ __all__ = [
     "INLINE_SYNC_FAST",
     "LOG_DIR",
     "NEVER",
+    "SEGMENT_HEADER_SIZE",
     "AsyncSpool",
     "Attempt",
     "BodyWriter",

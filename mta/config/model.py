@@ -30,6 +30,7 @@ from mta.config.sections import (
     TlsPolicyConfig,
 )
 from mta.config.sendmail import SendmailSection
+from mta.config.shaping import ShapingSection
 from mta.config.smarthost_auth import SmarthostAuthSection
 from mta.config.values import IPAddress
 
@@ -69,6 +70,7 @@ class Config:
     egress: EgressSection = attrs.field(factory=EgressSection)
     bounce_classes: BounceClassesSection = attrs.field(factory=BounceClassesSection)
     client_certs: ClientCertsSection = attrs.field(factory=ClientCertsSection)
+    shaping: ShapingSection = attrs.field(factory=ShapingSection)
 
     def route_for(self, domain: str) -> Route | NoRoute:
         """The route for a recipient domain: exact key, then ``.parent`` keys, then ``"*"``."""

@@ -33,6 +33,7 @@ from mta.config.proxy import ProxySection
 from mta.config.recipients import RecipientsSection
 from mta.config.routes import Domain
 from mta.config.sendmail import SendmailSection
+from mta.config.shaping import ShapingSection
 from mta.config.smarthost_auth import SmarthostAuthSection
 from mta.config.values import (
     Address,
@@ -396,6 +397,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("egress", EgressSection),
     ("bounce_classes", BounceClassesSection),
     ("client_certs", ClientCertsSection),
+    ("shaping", ShapingSection),
 )
 
 

@@ -93,6 +93,7 @@ from mta.delivery.egress import AllCapped, Egress
 from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
 from mta.observe.logline import FieldValue, event
 from mta.observe.metrics import Metrics
+from mta.shaping.gate import DestShape, Shaper, require_tls
 from mta.smtp import dsn_params
 from spool import (
     DAMAGED_BODY,
@@ -141,6 +142,7 @@ class DestState:
     backoff_until: float = 0.0
     last_error: str = ""
     last_enhanced: str = "4.4.1"  # the last failure's code: a postponed try says the same (a TLS or login fault)
+    shape: DestShape | None = None  # its provider and limits ([shaping]); None while its MX hosts are looked up
 
 
 def last_error(o: Outcome) -> str:
@@ -181,11 +183,12 @@ def destination_for(config: Config, recipient: str, filter_route: str | None = N
 
 class Scheduler:
     def __init__(self, aspool: AsyncSpool, config: Config, transports: Mapping[str, Transport],
-                 metrics: Metrics, clock: trio.abc.Clock | None = None) -> None:
+                 metrics: Metrics, clock: trio.abc.Clock | None = None, shaper: Shaper | None = None) -> None:
         self.aspool = aspool
         self.config = config
         self.transports = transports
         self.metrics = metrics
+        self.shaper = shaper  # [shaping]: per-provider limits and adaptive rules (mta.shaping); None: off
         self.dests: dict[Destination, DestState] = {}
         self.pending = 0
         d = config.delivery
@@ -235,6 +238,8 @@ class Scheduler:
             for _ in range(self.concurrency):
                 nursery.start_soon(self._worker)
             nursery.start_soon(self._feeder)
+            if self.shaper is not None:
+                nursery.start_soon(self._shaping_clock, self.shaper)
             task_status.started()
 
     # -- feeding ------------------------------------------------------------
@@ -295,6 +300,8 @@ class Scheduler:
             state = self.dests.setdefault(dest, DestState())
             state.queue.append((job, tracker))
             self.pending += 1
+            if self.shaper is not None and state.shape is None and dest.kind == "mx":
+                self._shape(dest, state, self.shaper)
         self._wake()
 
     def _egress_for(self, sender: str, rcpt: str, dest: Destination | NoRoute) -> Destination | NoRoute | AllCapped:
@@ -326,6 +333,30 @@ class Scheduler:
                 dest = attrs.evolve(dest, source=picked.address, helo=picked.ehlo)
             chosen.setdefault(dest, []).extend(rcpts)
         return chosen
+
+    def _shape(self, dest: Destination, state: DestState, shaper: Shaper) -> None:
+        """Give the destination its shape: known, or once its MX hosts are looked up (it waits until then)."""
+        state.shape = shaper.known(dest.target)
+        if state.shape is None and not shaper.looking_up(dest.target):
+            assert self._nursery is not None
+            self._nursery.start_soon(self._classify, dest.target, shaper)
+
+    async def _classify(self, domain: str, shaper: Shaper) -> None:
+        shape = await shaper.classify(domain)
+        for dest, state in self.dests.items():
+            if dest.kind == "mx" and dest.target == domain:
+                state.shape = shape
+        self._wake()
+
+    async def _shaping_clock(self, shaper: Shaper) -> None:
+        """Look again when a destination held back by its rate, or an override's effect, changes."""
+        while True:
+            now = time.time()
+            wake = shaper.next_wake(now)
+            await trio.sleep(min(max(0.005, wake - now), 1.0))
+            shaper.adaptive.expire(time.time())  # what is gone costs nothing more
+            shaper.wake_at = math.inf
+            self._wake()
 
     def _wake(self) -> None:
         """Wake one idle worker if there is work for it and none is already on its way."""
@@ -377,8 +408,14 @@ class Scheduler:
     def _pick(self) -> tuple[Destination, DestState] | None:
         """The destination below its limit whose oldest waiting job is the oldest."""
         best: tuple[Destination, DestState] | None = None
+        shaper, now = self.shaper, time.time()
         for dest, state in self.dests.items():
-            if not state.queue or state.active >= self.per_destination:
+            if not state.queue:
+                continue
+            if shaper is not None and dest.kind == "mx":
+                if state.shape is None or not shaper.admits(state.shape, state.active, now):
+                    continue
+            elif state.active >= self.per_destination:
                 continue
             if best is None or state.queue[0][1].attempt.envelope.arrival_ms < \
                     best[1].queue[0][1].attempt.envelope.arrival_ms:
@@ -396,20 +433,37 @@ class Scheduler:
                 await self.aspool.wait_for_space()
                 continue
             dest, state = picked
-            batch = [state.queue.popleft() for _ in range(min(self.batch, len(state.queue)))]
+            shape = state.shape if self.shaper is not None and dest.kind == "mx" else None
+            size = self.batch if shape is None or self.shaper is None else \
+                self.shaper.take(shape, len(state.queue), time.time())
+            batch = [state.queue.popleft() for _ in range(min(size, len(state.queue)))]
             self.pending -= len(batch)
             self._make_room()
             state.active += 1
+            if shape is not None and self.shaper is not None:
+                self.shaper.opened(shape)
             self._wake()  # more work than this batch: the next worker takes it
             try:
                 await self._deliver(dest, state, batch)
             finally:
                 state.active -= 1
+                if shape is not None and self.shaper is not None:
+                    self.shaper.closed(shape)
                 if not state.queue and not state.active:
                     self.dests.pop(dest, None)
 
     async def _deliver(self, dest: Destination, state: DestState, batch: list[tuple[Job, Tracker]]) -> None:
         now = time.time()
+        if state.shape is not None and self.shaper is not None:
+            verdict = self.shaper.verdict(state.shape, now)
+            if verdict is not None:  # no connection: these outcomes carry no reply code, so no rule counts them
+                status, code = (Status.DEFERRED, "4.7.0") if verdict.action == "suspend" else (Status.BOUNCED, "5.7.0")
+                await self._complete_all([(tracker, job, [Outcome(r, status, 0, code, verdict.reply(), "")
+                                                          for r in job.recipients]) for job, tracker in batch],
+                                         in_batch=True)
+                return
+            if self.shaper.tls_required(state.shape):
+                dest = attrs.evolve(dest, tls=require_tls(dest.tls))
         if now < state.backoff_until:
             reply = f"destination {dest} not reachable, retry postponed: {state.last_error}"
             await self._complete_all([(tracker, job, [Outcome(r, Status.DEFERRED, 0, state.last_enhanced, reply,
@@ -585,8 +639,16 @@ class Scheduler:
         if notices:
             self._report_success(tracker, outcomes)
         self._warn_of_delay(tracker, outcomes)
-        self.aspool.append_delivery(attempt, outcomes, duration_ms, job.source)
+        pos = self.aspool.append_delivery(attempt, outcomes, duration_ms, job.source)
         tracker.appended_to = self.aspool.core.writer.head
+        if self.shaper is not None:
+            now = time.time()
+            for o in outcomes:
+                for override in self.shaper.record(pos, now, o.recipient, o.code, o.enhanced, o.reply, o.next_hop):
+                    event(log, "shaping_override", self.aspool.core.queue_id(attempt.envelope.message_id),
+                          level=logging.WARNING, rule=override.rule.name, scope=override.scope,
+                          action=override.rule.action, until=round(override.ends, 3),
+                          reply=override.hits[-1].describe())
         return outcomes
 
     def _warn_of_delay(self, tracker: Tracker, outcomes: list[Outcome]) -> None:

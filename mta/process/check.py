@@ -41,6 +41,7 @@ from mta.process.startup import (
     check_control_socket,
     check_dkim_keys,
     check_recipient_tables,
+    check_shaping,
     check_tls,
     check_users_file,
 )
@@ -102,6 +103,12 @@ def _users_file(config: Config) -> Iterator[Finding]:
 def _recipient_tables(config: Config) -> Iterator[Finding]:
     """``[recipients] tables``, read as ``mta serve`` reads them (``check_start``)."""
     check_recipient_tables(config)
+    yield from ()
+
+
+def _shaping(config: Config) -> Iterator[Finding]:
+    """The shaping table, read as ``mta serve`` reads it (``check_start``)."""
+    check_shaping(config)
     yield from ()
 
 
@@ -177,4 +184,5 @@ def _archive_dir(config: Config) -> Iterator[Finding]:
 
 
 CHECKS: tuple[Callable[[Config], Iterator[Finding]], ...] = (_tls, _dkim_keys, _users_file, _recipient_tables,
-                                                              _control_sockets, _spool_dir, _free_space, _archive_dir)
+                                                              _shaping, _control_sockets, _spool_dir, _free_space,
+                                                              _archive_dir)

@@ -178,7 +178,9 @@ class Relay:
             lmtp = outgoing["lmtp"]
             if isinstance(lmtp, LmtpTransport):
                 await nursery.start(lmtp.run)  # its connection cache
-            self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics)
+            from mta.shaping.setup import make_shaper
+
+            self.scheduler = Scheduler(self.aspool, cfg, outgoing, self.metrics, shaper=await make_shaper(cfg))
             await nursery.start(self.scheduler.run)
             if cfg.server.metrics_listen is not None:
                 where = cfg.server.metrics_listen

@@ -46,9 +46,10 @@ RESTART: frozenset[tuple[str, str]] = frozenset({
     ("recipients", "verify_cache"),  # opened by the server's verifier, once
 })
 SECTIONS = ("server", "spool", "relay", "delivery", "submission", "tls_policy", "log", "dkim", "limits", "policy",
-            "filters", "recipients", "egress", "bounce_classes", "client_certs")
-# The engine's, the outgoing transport's, and the scheduler's choice of address and classes: read at start.
-RESTART_SECTIONS = frozenset({"spool", "tls_policy", "egress", "bounce_classes"})
+            "filters", "recipients", "egress", "bounce_classes", "client_certs", "shaping")
+# The engine's, the outgoing transport's, the scheduler's choice of address and classes, and the shaping table
+# (its adaptive state is rebuilt at start): read at start.
+RESTART_SECTIONS = frozenset({"spool", "tls_policy", "egress", "bounce_classes", "shaping"})
 LIVE: frozenset[tuple[str, str]] = frozenset({("spool", "queue_minfree")})  # read by the sessions' disk check
 
 

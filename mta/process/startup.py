@@ -60,6 +60,7 @@ def check_start(config: Config, *, listen: bool = True) -> None:
     check_control_socket(config)
     check_users_file(config)
     check_recipient_tables(config)
+    check_shaping(config)
     if config.http.listen is not None:
         read_tokens(config.http.tokens_file, config.source)  # the API's tokens: private, and there
     addresses: list[tuple[int | str, ListenAddress]] = list(enumerate(config.server.listen)) if listen else []
@@ -183,6 +184,14 @@ def check_tls(config: Config) -> None:
         raise _config_error(config, "server.tls_key", f"{key} is not a PEM private key ({_reason(exc)})") from None
     except OSError as exc:
         raise _config_error(config, "server.tls_key", f"cannot read {key}: {exc.strerror or exc}") from None
+
+
+def check_shaping(config: Config) -> None:
+    """The shaping table ``[shaping]`` names, loaded. Raises ShapingError (a ConfigError: one line, exit 2)."""
+    if config.shaping.enabled:
+        from mta.shaping.setup import table_of
+
+        table_of(config)
 
 
 def check_dkim_keys(config: Config) -> None:

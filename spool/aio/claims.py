@@ -176,16 +176,17 @@ class AsyncClaims(GroupCommit):
         await self.record_deliveries([(attempt, outcomes, duration_ms)])
 
     def append_delivery(self, attempt: Attempt, outcomes: Iterable[Outcome], duration_ms: int = 0,
-                        source: str = "") -> None:
+                        source: str = "") -> int:
         """Append the outcomes and have them written soon, without waiting and without an fsync.
 
         For outcomes known before the rest of their batch: written, they survive
         the process being killed, so the message is not delivered again after a
         restart. They are durable only once a ``commit`` returns, which must come
-        before the message's next step (the FINISH).
+        before the message's next step (the FINISH). Returns the record's position.
         """
-        self.core.record_delivery(attempt, outcomes, duration_ms, source)
+        pos = self.core.record_delivery(attempt, outcomes, duration_ms, source)
         self._kick.set()
+        return pos
 
     async def pass_point_of_no_return(self, attempt: Attempt, recipients: Iterable[str]) -> None:
         """Make the attempt's point of no return for ``recipients`` durable; the caller then writes the final dot.
