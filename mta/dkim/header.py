@@ -46,17 +46,13 @@ def body_hash(body: bytes, relaxed: bool) -> tuple[bytes, int]:
 
 def selected(fields: tuple[Field, ...], include: tuple[bytes, ...]) -> list[Field]:
     """The fields ``h=`` signs, in its order: each name's instances from the last one up."""
-    left: dict[bytes, int] = {}  # per name: the index below which its next instance is looked for
-    chosen: list[Field] = []
-    for name in include:
-        i = left.get(name, len(fields))
-        while i > 0:
-            i -= 1
-            if fields[i].name.lower() == name:
-                chosen.append(fields[i])
-                break
-        left[name] = i
-    return chosen
+    wanted = set(include)
+    left: dict[bytes, list[Field]] = {}  # per name: its fields not yet chosen, the last one at the end
+    for f in fields:
+        name = f.name.lower()
+        if name in wanted:
+            left.setdefault(name, []).append(f)
+    return [left[name].pop() for name in include if left.get(name)]
 
 
 def signature_field(key: SigningKey, fields: tuple[Field, ...], include: tuple[bytes, ...],

@@ -29,7 +29,7 @@ from mta.config.dkim import DkimSection
 from mta.dkim.canon import header_canonical, split
 from mta.dkim.header import body_hash, signature_field
 from mta.dkim.keys import SigningKey, signing_key
-from mta.dkim.signer import Signature, Signer
+from mta.dkim.signer import Signature, Signer, from_domain, parsed_domain
 
 _RSA = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 RSA_KEY = signing_key(_RSA, "example.com", "rsa1")
@@ -168,3 +168,18 @@ def test_a_changed_body_fails_both_references(tmp_path: Path) -> None:
     d = dkim.DKIM(signed)
     with pytest.raises(dkim.ValidationError):  # a body hash mismatch is raised, not returned
         d.verify(idx=0, dnsfunc=_lookup)
+
+
+_atom = st.text(st.sampled_from("abcXYZ09._-+="), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.one_of(st.none(), st.text(st.sampled_from("Al ice.\t_-\"(),;:<@"), max_size=10)), local=_atom,
+       domain=st.text(st.sampled_from("abc.-EXAMPLE0"), min_size=1, max_size=12),
+       space=st.sampled_from(["", " ", "  ", "\t"]))
+def test_the_from_fast_path_names_the_domain_the_address_parser_does(name: str | None, local: str, domain: str,
+                                                                     space: str) -> None:
+    """``from_domain`` reads plain ``Name <a@b>`` values without the email package: it must agree with it."""
+    address = f"{local}@{domain}"
+    value = (f"{space}{address}{space}\r\n" if name is None else f"{space}{name}<{address}>{space}\r\n").encode()
+    assert from_domain([(b"From", value)]) == parsed_domain(value)
