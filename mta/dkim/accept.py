@@ -7,14 +7,14 @@ DATA record of its own, listed second in the body, after the ``Received:``
 header (``spool.write.bodies.BodyWriter.add_header``); the client's data is never
 changed. The enqueue's commit makes it durable with the envelope.
 
-The message is read whole for dkimpy (it has no streaming interface): from
+The message is read whole for the signer (canonicalisation works on the whole body): from
 the chunks the body writer kept for the body cache when the message is small
 (up to a quarter of ``spool.body_cache``), else read back from the log once
 it is written (``write_through``, no fsync). Signing runs in a worker thread,
-at most ``SIGNING_THREADS`` at once, so the event loop keeps serving (it
-still shares the GIL with dkimpy's pure-Python RSA: the measured cost per
-message is in docs/benchmarks.md, "DKIM signing"), and the memory of
-messages read whole for signing stays bounded by that many.
+at most ``SIGNING_THREADS`` at once, so the event loop keeps serving while
+a 100 KB body is canonicalised and hashed and the RSA signature is made (the
+measured cost per message is in docs/benchmarks.md, "DKIM signing"), and the
+memory of messages read whole for signing stays bounded by that many.
 
 A message that cannot be signed is accepted unsigned and logged, as
 OpenDKIM's default does: a signer fault must not stop the mail.

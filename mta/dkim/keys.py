@@ -6,8 +6,8 @@ Files an operator may already have are read as they are: an RSA key in PEM
 writes it), an Ed25519 key in PEM (PKCS#8, ``openssl genpkey -algorithm
 ed25519``), or an Ed25519 key as the base64 of its 32 bytes (dkimpy's own
 format). ``cryptography`` reads them, once, at start: the loaded key signs
-every message of the process (RSA PKCS#1 v1.5 or Ed25519 in OpenSSL, which
-releases the GIL while it works). Every key is tried once at load: a message
+every message of the process (RSA PKCS#1 v1.5 or Ed25519, in OpenSSL).
+Every key is tried once at load: a message
 is signed with it by the relay's own signer and the signature verified by
 dkimpy against the record this module would publish, so a key the relay
 cannot sign with stops the start, not the first message.

@@ -26,8 +26,7 @@ the signatures to (and the verifier of the key check at start); its own
 signer does RSA in pure Python, several milliseconds a signature.
 
 ``sign`` is blocking and CPU-bound (the RSA signature, and hashing that
-scales with the body): the relay calls it in a worker thread, where OpenSSL
-works without the GIL.
+scales with the body): the relay calls it in a worker thread.
 """
 
 from __future__ import annotations

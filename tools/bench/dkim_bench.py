@@ -18,8 +18,7 @@ What is measured:
 - ``loop``: what signing in the worker thread (``mta.dkim.accept``) costs the
   event loop: a trio task sleeps 1 ms at a time and records how late each
   wake-up is, while ``--messages`` messages are signed one after another
-  through ``trio.to_thread.run_sync`` (as the relay does; OpenSSL releases
-  the GIL while it signs, the canonicalisation in Python holds it). Reported:
+  through ``trio.to_thread.run_sync`` (as the relay does). Reported:
   the worst and the 99th-percentile lateness, against the same ticker with
   nothing signed.
 
