@@ -28,14 +28,26 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from typing import Protocol
 
 from mta.dkim.canon import Field, body_canonical, header_canonical
-from mta.dkim.keys import SigningKey
 
-__all__ = ["LINE", "body_hash", "selected", "signature_field"]
+__all__ = ["LINE", "Key", "body_hash", "selected", "signature_field"]
 
 LINE = 78  # RFC 5322 §2.1.1: lines SHOULD be at most 78 characters
 _NAME = b"DKIM-Signature"
+
+
+class Key(Protocol):
+    """What a signature needs of a key (``mta.dkim.keys.SigningKey``, which checks itself with this module)."""
+
+    @property
+    def domain(self) -> str: ...
+    @property
+    def selector(self) -> str: ...
+    @property
+    def algorithm(self) -> bytes: ...
+    def sign_digest(self, digest: bytes, /) -> bytes: ...
 
 
 def body_hash(body: bytes, relaxed: bool) -> tuple[bytes, int]:
@@ -55,7 +67,7 @@ def selected(fields: tuple[Field, ...], include: tuple[bytes, ...]) -> list[Fiel
     return [left[name].pop() for name in include if left.get(name)]
 
 
-def signature_field(key: SigningKey, fields: tuple[Field, ...], include: tuple[bytes, ...],
+def signature_field(key: Key, fields: tuple[Field, ...], include: tuple[bytes, ...],
                     canonicalize: tuple[bytes, bytes], bh: bytes, now: int, length: int | None = None) -> bytes:
     """The whole DKIM-Signature field of ``key``, CRLF-ended, ready to go above the message.
 
@@ -75,7 +87,7 @@ def signature_field(key: SigningKey, fields: tuple[Field, ...], include: tuple[b
     return text + _fold_value(signature, len(text) - text.rfind(b"\n") - 1) + b"\r\n"
 
 
-def _unsigned_field(key: SigningKey, include: tuple[bytes, ...], canonicalize: tuple[bytes, bytes], bh: bytes,
+def _unsigned_field(key: Key, include: tuple[bytes, ...], canonicalize: tuple[bytes, bytes], bh: bytes,
                     now: int, length: int | None) -> bytes:
     """The field's text up to and including ``b=``, folded: what the verifier hashes of it."""
     domain = key.domain.encode()

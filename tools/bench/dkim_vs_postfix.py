@@ -131,7 +131,7 @@ def write_key(where: str) -> tuple[str, str]:
         f.write(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
                                       serialization.NoEncryption()))
     os.chmod(path, 0o600)
-    return path, signing_key(private, DOMAIN, SELECTOR).record_text()  # type: ignore[arg-type]
+    return path, signing_key(private, DOMAIN, SELECTOR).record_text()
 
 
 def relay(base: str, sink_port: int, key_file: str, sessions: int) -> Logspool:
