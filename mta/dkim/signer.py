@@ -26,7 +26,8 @@ the signatures to (and the verifier of the key check at start); its own
 signer does RSA in pure Python, several milliseconds a signature.
 
 ``sign`` is blocking and CPU-bound (the RSA signature, and hashing that
-scales with the body): the relay calls it in a worker thread.
+scales with the body): the relay calls it on the event loop for a small
+message and in a worker thread for a large one (``mta.dkim.accept``).
 """
 
 from __future__ import annotations
