@@ -7,13 +7,16 @@ DATA record of its own, listed second in the body, after the ``Received:``
 header (``spool.write.bodies.BodyWriter.add_header``); the client's data is never
 changed. The enqueue's commit makes it durable with the envelope.
 
-The message is read whole for dkimpy (it has no streaming interface): from
+The message is read whole for the signer (canonicalisation works on the whole body): from
 the chunks the body writer kept for the body cache when the message is small
 (up to a quarter of ``spool.body_cache``), else read back from the log once
-it is written (``write_through``, no fsync). Signing runs in a worker thread,
-at most ``SIGNING_THREADS`` at once, so the event loop keeps serving (it
-still shares the GIL with dkimpy's pure-Python RSA: the measured cost per
-message is in docs/benchmarks.md, "DKIM signing"), and the memory of
+it is written (``write_through``, no fsync). A message in memory of at most
+``INLINE_BYTES`` is signed on the event loop: its signature is OpenSSL's,
+about half a millisecond, and handing it to a thread and back cost more CPU
+than that per message in the relay (benchmarks.md, "Signed mail"). Larger
+ones, and every one read back from the log (blocking reads), are signed in a
+worker thread, at most ``SIGNING_THREADS`` at once, so the event loop keeps
+serving while a large body is canonicalised and hashed, and the memory of
 messages read whole for signing stays bounded by that many.
 
 A message that cannot be signed is accepted unsigned and logged, as
@@ -30,10 +33,11 @@ from mta.dkim.signer import Signature, Signer, Unsigned
 from mta.observe.logline import event
 from spool import AsyncSpool, BodyWriter
 
-__all__ = ["SIGNING_THREADS", "AcceptSigner"]
+__all__ = ["INLINE_BYTES", "SIGNING_THREADS", "AcceptSigner"]
 
 log = logging.getLogger("mta.dkim")
 SIGNING_THREADS = 2
+INLINE_BYTES = 16 * 1024  # a message in memory up to this size is signed on the event loop: well under a millisecond
 
 
 class AcceptSigner:
@@ -69,7 +73,10 @@ class AcceptSigner:
         def work() -> Signature | Unsigned:
             return signer.sign(read())
 
-        result = await trio.to_thread.run_sync(work, limiter=self.limiter)
+        if kept is not None and body.size <= INLINE_BYTES:
+            result = work()  # cheaper than the hand-off to a thread and back (benchmarks.md, "Signed mail")
+        else:
+            result = await trio.to_thread.run_sync(work, limiter=self.limiter)
         if isinstance(result, Signature):
             body.add_header(result.header)
         elif result.reason == "error":

@@ -1,15 +1,16 @@
-"""DKIM keys: read a key file into what dkimpy signs with, and write the DNS TXT record that publishes it.
+"""DKIM keys: read a key file into a signer of digests (OpenSSL), and write the DNS TXT record that publishes it.
 
 Files an operator may already have are read as they are: an RSA key in PEM
 (PKCS#1 ``BEGIN RSA PRIVATE KEY``, as OpenDKIM's ``opendkim-genkey`` and
 ``openssl genrsa`` wrote it, or PKCS#8 ``BEGIN PRIVATE KEY``, as OpenSSL 3
 writes it), an Ed25519 key in PEM (PKCS#8, ``openssl genpkey -algorithm
 ed25519``), or an Ed25519 key as the base64 of its 32 bytes (dkimpy's own
-format). ``cryptography`` reads them; dkimpy is given the forms it takes
-(PKCS#1 PEM, base64 seed). Every key is tried once at load: a message is
-signed with it and the signature verified against the record this module
-would publish, so a key the relay cannot sign with stops the start, not the
-first message.
+format). ``cryptography`` reads them, once, at start: the loaded key signs
+every message of the process (RSA PKCS#1 v1.5 or Ed25519, in OpenSSL).
+Every key is tried once at load: a message
+is signed with it by the relay's own signer and the signature verified by
+dkimpy against the record this module would publish, so a key the relay
+cannot sign with stops the start, not the first message.
 
 Errors are ``ConfigError`` (exit 2: the config names a file the relay cannot
 use) and name the setting, the domain, the selector and the file.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import textwrap
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -45,12 +47,12 @@ class KeyProblem(ConfigError):
 
 @attrs.frozen
 class SigningKey:
-    """One key, ready for dkimpy: ``private`` in the form dkimpy reads for ``algorithm``."""
+    """One key, ready to sign: ``sign_digest`` turns a SHA-256 digest into the ``b=`` bytes of ``algorithm``."""
 
     domain: str
     selector: str
     algorithm: bytes  # b"rsa-sha256" or b"ed25519-sha256"
-    private: bytes = attrs.field(repr=False)
+    sign_digest: Callable[[bytes], bytes] = attrs.field(repr=False, eq=False)
     public: str  # the p= value: base64 of the SubjectPublicKeyInfo (RSA) or of the 32-byte key (Ed25519)
     active: bool = True
     bits: int = 0  # RSA modulus size; 0 for Ed25519
@@ -114,20 +116,27 @@ def _parse(data: bytes) -> rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey:
 
 def signing_key(key: rsa.RSAPrivateKey | ed25519.Ed25519PrivateKey, domain: str, selector: str,
                 active: bool = True) -> SigningKey:
-    """A parsed key in the forms dkimpy and the DNS record take."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
+    """A parsed key as a signer of digests, with the ``p=`` of its DNS record.
+
+    RSA signs the digest as it is (PKCS#1 v1.5 over a SHA-256 that is already
+    computed: ``Prehashed``); Ed25519 signs the 32 bytes of the digest, as
+    RFC 8463 §3 has it.
+    """
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import padding, rsa, utils
 
     if isinstance(key, rsa.RSAPrivateKey):
-        private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-                                    serialization.NoEncryption())
+        pad, prehashed = padding.PKCS1v15(), utils.Prehashed(hashes.SHA256())
+        rsa_key = key
+
+        def sign_rsa(digest: bytes) -> bytes:
+            return rsa_key.sign(digest, pad, prehashed)
+
         spki = key.public_key().public_bytes(serialization.Encoding.DER,
                                              serialization.PublicFormat.SubjectPublicKeyInfo)
-        return SigningKey(domain, selector, RSA, private, base64.b64encode(spki).decode(), active, key.key_size)
-    seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                             serialization.NoEncryption())
+        return SigningKey(domain, selector, RSA, sign_rsa, base64.b64encode(spki).decode(), active, key.key_size)
     raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return SigningKey(domain, selector, ED25519, base64.b64encode(seed), base64.b64encode(raw).decode(), active)
+    return SigningKey(domain, selector, ED25519, key.sign, base64.b64encode(raw).decode(), active)
 
 
 def load_key(entry: DkimKey, where: str = "dkim.key", source: str = "") -> SigningKey:
@@ -157,23 +166,31 @@ def load_key(entry: DkimKey, where: str = "dkim.key", source: str = "") -> Signi
 
 
 def _try(key: SigningKey, problem: Callable[[str], KeyProblem]) -> None:
-    """Sign a probe message and verify it against the key's own record: a key that cannot sign stops the start."""
+    """Sign a probe message as the relay does and have dkimpy verify it against the key's own record.
+
+    A key that cannot sign stops the start; so does a signer whose output
+    the reference verifier does not accept.
+    """
     import dkim
+
+    from mta.dkim.canon import split
+    from mta.dkim.header import body_hash, signature_field
 
     def own_record(name: bytes, timeout: int = 5) -> bytes:
         return key.record_text().encode()
 
+    parsed = split(_PROBE)
+    relaxed = (b"relaxed", b"relaxed")
     try:
-        header = dkim.sign(_PROBE, key.selector.encode(), key.domain.encode(), key.private,
-                           signature_algorithm=key.algorithm, canonicalize=(b"relaxed", b"relaxed"),
-                           include_headers=[b"from", b"subject", b"date"])
+        header = signature_field(key, parsed.fields, (b"from", b"subject", b"date"), relaxed,
+                                 body_hash(parsed.body, True)[0], int(time.time()))
         ok = dkim.verify(header + _PROBE, dnsfunc=own_record)
-    except dkim.DKIMException as exc:
+    except (ValueError, dkim.DKIMException) as exc:  # cryptography's refusals are ValueErrors
         ok, why = False, str(exc)
     else:
         why = "its signature does not verify"
     if not ok:
-        raise problem(f"dkimpy cannot sign with it ({why})")
+        raise problem(f"it does not sign ({why})")
 
 
 def load_keys(entries: tuple[DkimKey, ...], source: str = "") -> tuple[SigningKey, ...]:

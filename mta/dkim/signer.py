@@ -1,4 +1,4 @@
-"""Which keys sign a message, and the DKIM-Signature header fields they make (dkimpy does the cryptography).
+"""Which keys sign a message, and the DKIM-Signature header fields they make.
 
 Theory of operation
 -------------------
@@ -19,24 +19,37 @@ over-signed field once more, so that a copy added in transit makes the
 signature fail (RFC 6376 §8.15). No ``l=`` (a body length would let anyone
 append to the message).
 
-``sign`` is blocking and CPU-bound (an RSA-2048 signature in pure Python
-is a few milliseconds, hashing scales with the body): the relay calls it in
-a worker thread.
+The message is read by ``mta.dkim.canon`` and the field made by
+``mta.dkim.header``; the signature itself is OpenSSL's (``cryptography``),
+with the key loaded once at start. dkimpy is the reference the tests hold
+the signatures to (and the verifier of the key check at start); its own
+signer does RSA in pure Python, several milliseconds a signature.
+
+``sign`` is blocking and CPU-bound (the RSA signature, and hashing that
+scales with the body): the relay calls it on the event loop for a small
+message and in a worker thread for a large one (``mta.dkim.accept``).
 """
 
 from __future__ import annotations
 
 import email.utils
+import re
 import time
 
 import attrs
 
 from mta.config.dkim import DkimSection
+from mta.dkim.canon import Malformed, split
+from mta.dkim.header import body_hash, signature_field
 from mta.dkim.keys import SigningKey
 
 __all__ = ["Signature", "Signer", "Unsigned"]
 
 CANONICALIZE = (b"relaxed", b"relaxed")
+# ``Name <local@domain>`` or ``local@domain`` with nothing in them that RFC 5322 reads specially (quotes,
+# comments, groups, lists): the domain without the email package's parser, which costs more than the signature.
+_ADDRESS = rb"[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@([A-Za-z0-9.-]+)"
+_PLAIN_FROM = re.compile(rb"[ \t]*(?:[A-Za-z0-9 \t._-]*<" + _ADDRESS + rb">|" + _ADDRESS + rb")[ \t]*\r\n")
 
 
 @attrs.frozen
@@ -51,7 +64,7 @@ class Signature:
 @attrs.frozen
 class Unsigned:
     """Why a message was not signed: ``no_key`` (its From: domain has none), ``no_from``, ``several_from``,
-    ``mixed_from``, or ``error`` (dkimpy refused the message: ``detail`` says why)."""
+    ``mixed_from``, or ``error`` (the message cannot be read or signed: ``detail`` says why)."""
 
     reason: str
     domain: str = ""
@@ -75,38 +88,32 @@ class Signer:
     def sign(self, message: bytes) -> Signature | Unsigned:
         """The signatures for ``message`` (CRLF line ends, as the spool keeps it), or why there are none.
 
-        Never raises: the message is a client's bytes, and whatever dkimpy
-        makes of them (its own refusals, or an exception it did not mean to
-        raise) leaves the message unsigned, not refused.
+        Never raises: the message is a client's bytes, and whatever the
+        parser makes of them (its refusal, or an exception nobody meant)
+        leaves the message unsigned, not refused.
         """
         try:
-            return self._sign(message)
-        except Exception as exc:  # dkimpy on a peer's bytes: the mail goes on unsigned
+            return self._sign(message, int(time.time()))
+        except Exception as exc:  # a peer's bytes: the mail goes on unsigned
             return Unsigned("error", detail=f"{type(exc).__name__}: {exc}")
 
-    def _sign(self, message: bytes) -> Signature | Unsigned:
-        """``sign``; dkimpy's own refusals (DKIMException) are an Unsigned, anything else is raised."""
-        import dkim  # here, not at the top: a relay with no keys never loads dkimpy (docs/design.md, "DKIM signing")
-
+    def _sign(self, message: bytes, now: int) -> Signature | Unsigned:
+        """``sign``; a malformed message is an Unsigned, anything else is raised."""
         start = time.perf_counter()
         try:
-            parsed = dkim.DKIM(message, linesep=b"\r\n")
-        except dkim.DKIMException as exc:
+            parsed = split(message)
+        except Malformed as exc:
             return Unsigned("error", detail=str(exc))
-        domain = from_domain(parsed.headers)
+        pairs = [(f.name, f.value) for f in parsed.fields]
+        domain = from_domain(pairs)
         if isinstance(domain, Unsigned):
             return domain
         keys = self.by_domain.get(domain)
         if not keys:
             return Unsigned("no_key", domain)
-        include = self.include_headers(parsed.headers)
-        try:
-            fields = [parsed.sign(key.selector.encode(), key.domain.encode(), key.private,
-                                  signature_algorithm=key.algorithm, canonicalize=CANONICALIZE,
-                                  include_headers=list(include))
-                      for key in keys]
-        except dkim.DKIMException as exc:
-            return Unsigned("error", domain, str(exc))
+        include = self.include_headers(pairs)
+        bh = body_hash(parsed.body, CANONICALIZE[1] == b"relaxed")[0]  # SHA-256 for both algorithms
+        fields = [signature_field(key, parsed.fields, include, CANONICALIZE, bh, now) for key in keys]
         return Signature(b"".join(fields), tuple(f"{k.domain}/{k.selector}" for k in keys),
                          time.perf_counter() - start)
 
@@ -126,7 +133,15 @@ def from_domain(headers: list[tuple[bytes, bytes]]) -> str | Unsigned:
         return Unsigned("no_from")
     if len(values) > 1:
         return Unsigned("several_from")
-    text = values[0].decode("utf-8", "replace").replace("\r\n", "")
+    simple = _PLAIN_FROM.fullmatch(values[0])
+    if simple is not None:
+        return (simple.group(1) or simple.group(2)).rstrip(b".").lower().decode("ascii") or Unsigned("no_from")
+    return parsed_domain(values[0])
+
+
+def parsed_domain(value: bytes) -> str | Unsigned:
+    """The one domain of a From: value, read by the email package's address parser."""
+    text = value.decode("utf-8", "replace").replace("\r\n", "")
     domains = {addr.rpartition("@")[2].strip().rstrip(".").lower()
                for _, addr in email.utils.getaddresses([text]) if "@" in addr}
     domains.discard("")

@@ -90,7 +90,7 @@ def test_whatever_a_client_sends_is_signed_or_left_unsigned_never_an_exception(
         assert result.header.startswith(b"DKIM-Signature: ") and result.header.endswith(b"\r\n")
 
 
-def test_a_message_dkimpy_trips_over_is_left_unsigned() -> None:
-    """A message opening with a continuation line makes dkimpy raise IndexError (not one of its own errors)."""
+def test_a_message_opening_with_a_continuation_line_is_left_unsigned() -> None:
+    """A continuation line with no field before it (dkimpy's parser raised IndexError on it)."""
     result = Signer((_ED,), DkimSection()).sign(b" folded\r\nFrom: a@example.com\r\n\r\nbody\r\n")
-    assert isinstance(result, Unsigned) and result.reason == "error" and "IndexError" in result.detail
+    assert isinstance(result, Unsigned) and result.reason == "error" and "continuation line" in result.detail

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import email
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,3 +98,25 @@ async def verified(data: bytes, port: int) -> list[bool]:
         return [one(d, i) for i in range(len(signatures(data)))]
 
     return await trio.to_thread.run_sync(check)
+
+
+def opendkim_verdicts(data: bytes, records: dict[str, str], where: Path) -> list[str]:
+    """Each DKIM-Signature of ``data`` as Debian's ``opendkim`` judges it: ``pass``, ``fail``, ... in header order.
+
+    ``opendkim -t`` runs the daemon's own verifier (its library and its
+    configuration) on one message; ``TestDNSData`` gives it ``records``
+    (``NAME`` -> TXT text) instead of a resolver. The verdicts are read from
+    the Authentication-Results field it would add, one ``dkim=`` per signature.
+    """
+    where.mkdir(parents=True, exist_ok=True)
+    keys, conf, msg = where / "keys.txt", where / "verify.conf", where / "message.eml"
+    keys.write_text("".join(f"{name} {text}\n" for name, text in records.items()))
+    conf.write_text(f"Syslog no\nMode v\nBackground no\nTestDNSData file:{keys}\nAlwaysAddARHeader yes\n")
+    msg.write_bytes(data)
+    run = subprocess.run(["opendkim", "-x", str(conf), "-vv", "-t", str(msg)], capture_output=True, timeout=60,
+                         check=False)
+    out = run.stdout.decode(errors="replace") + run.stderr.decode(errors="replace")
+    assert run.returncode == 0, out
+    match = re.search(r"hname='Authentication-Results' hvalue='(.*?)'", out, re.DOTALL)
+    assert match, out
+    return re.findall(r"\bdkim=(\w+)", match.group(1))
