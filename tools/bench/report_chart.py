@@ -84,9 +84,9 @@ def chart(runs: dict[str, list[dict[str, Any]]], path: str, title: str) -> None:
     for i, label in enumerate(labels):
         by = {r["config"]: r for r in runs[label]}
         xs = [k + i * width for k in range(len(names))]
-        ys = [(by[c]["report_s"] or 0.0) if c in by else 0.0 for c in names]
-        bars = right.bar(xs, ys, width, color=f"C{i}", label=label)
-        right.bar_label(bars, fmt="%.0f", fontsize=7)
+        got = [by[c]["report_s"] if c in by else None for c in names]
+        bars = right.bar(xs, [v or 0.0 for v in got], width, color=f"C{i}", label=label)
+        right.bar_label(bars, labels=["not run" if v is None else f"{v:.0f}" for v in got], fontsize=7)
     right.set_xticks([k + width * (len(labels) - 1) / 2 for k in range(len(names))], names)
     right.set_ylabel("whole report, s")
     right.set_title("10-relay fleet, whole report (wall)", fontsize=9)
