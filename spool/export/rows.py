@@ -546,8 +546,9 @@ def segment_parts(task: SegmentTask, relay: str, batch_rows: int = DEFAULT_BATCH
     """The rows of ``segment_batches``, each batch of one record type (or of error rows), not in file order.
 
     Why: a writer of a table needs no file order, and putting the types' parts
-    back in it (a concatenation, a sort and a copy of every column) was a
-    fifth of building a batch. A batch of one type is also what a Parquet row
+    back in it costs a concatenation, a sort and a copy of every column (some
+    0.2-0.3 µs of the 1.3-1.5 a row takes to build, timed in process on a loaded
+    machine). A batch of one type is also what a Parquet row
     group of one type is made of, so a reader that filters on ``rtype`` skips
     the other types' row groups by their statistics.
     """
