@@ -1,11 +1,12 @@
 """The job's first stage: segments → ``records/`` (Parquet), written by the Python tasks themselves.
 
 Theory of operation. The driver plans the inputs (``spool.export.rows.plan``: it
-only lists), packs the segment files into runs of consecutive ones
-(``mta.report.spark_source.group_tasks``: a few a core) and makes one Spark
-task per run, an RDD of ``(index, run, relays)`` with one element per
-partition. Each task walks its segments into Arrow record batches
-(``spool.export.rows.segment_batches``, the data source's own code) and writes them
+only lists), packs the segment files into runs by their sizes, the largest
+runs first and ever smaller ones after (:func:`balanced_runs`), and makes one
+Spark task per run, an RDD of ``(index, run, relays)`` with one element per
+partition. Each task walks its segments into Arrow record batches of one
+record type each (``spool.export.rows.segment_parts``: the data source's rows,
+from its own code, not put back in file order) and writes them
 with pyarrow's Parquet writer to a file of its own attempt under
 ``records/_temporary/JOB/``; what comes back to the driver is the file's
 name, the run's index and the row count. The driver then **commits**: it
@@ -48,9 +49,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final
 
 from mta.report.errors import ReportError
-from mta.report.spark_source import freeze_worker_heap, group_tasks
+from mta.report.spark_source import MAX_FILES_PER_PARTITION, freeze_worker_heap
 from spool.export import remote
-from spool.export.rows import DEFAULT_BATCH_ROWS, SegmentTask, arrow_schema, plan, relay_name_for, segment_batches
+from spool.export.remote import PlaceError
+from spool.export.rows import DEFAULT_BATCH_ROWS, SegmentTask, arrow_schema, plan, relay_name_for, segment_parts
 
 __all__ = ["decode_records", "write_run"]
 
@@ -70,6 +72,15 @@ PARQUET_OPTIONS: Final[dict[str, Any]] = {
 """pyarrow's Parquet writer options for ``records/`` (snappy, as Spark's own default). Measured on 4
 segments of the benchmark fleet, writing alone, medians of 7: pyarrow's defaults 0.53 µs a record, these
 0.45; without compression 0.39, but files 2.8x as large (docs/benchmarks.md, "The report on a fleet")."""
+
+GUIDED_SHARE: Final = 2
+"""A run takes about 1/(GUIDED_SHARE × cores) of the bytes not yet packed (see :func:`balanced_runs`)."""
+MIN_RUN_BYTES: Final = 4 << 20
+"""No run is made smaller than this while files are left to add: Spark's cost of a task (about 10 ms of
+CPU, ``mta.report.spark_source.group_tasks``) is what reading some 2 MiB of segments costs."""
+MAX_RUN_BYTES: Final = 128 << 20
+"""No run grows past this (Spark's own ``spark.sql.files.maxPartitionBytes``): a failed task repeats at
+most this much."""
 
 Item = tuple[int, Sequence[SegmentTask], Sequence[str]]  # (index of the run, its segment files, their relays)
 Written = tuple[int, str, int]  # (index of the run, the file this attempt wrote, rows)
@@ -116,9 +127,10 @@ def _touch(place: str) -> None:
 
 def write_run(tasks: Iterable[SegmentTask], relays: Iterable[str], dest: str,
               batch_rows: int = DEFAULT_BATCH_ROWS) -> int:
-    """Write the rows of ``tasks`` (in order, each file's in file order) to the Parquet file ``dest``;
-    returns how many. The file is written even with no row (the schema alone), so a table of an empty
-    input still reads. Spark-free: it is what each task runs, and tests call it in process."""
+    """Write the rows of ``tasks`` to the Parquet file ``dest`` (file after file, each file's by record
+    type in row groups of one type each); returns how many. The file is written even with no row (the
+    schema alone), so a table of an empty input still reads. Spark-free: it is what each task runs,
+    and tests call it in process."""
     import pyarrow.parquet as pq
 
     _makedirs(remote.dirname(dest))
@@ -130,7 +142,7 @@ def write_run(tasks: Iterable[SegmentTask], relays: Iterable[str], dest: str,
     try:
         with pq.ParquetWriter(sink, arrow_schema(), **PARQUET_OPTIONS) as writer:
             for task, relay in zip(tasks, relays, strict=True):
-                for batch in segment_batches(task, relay, batch_rows):
+                for batch in segment_parts(task, relay, batch_rows):
                     writer.write_batch(batch)
                     rows += batch.num_rows
     finally:
@@ -155,6 +167,59 @@ def _write_partition(items: Iterator[Item], staging: str, batch_rows: int) -> It
 # -- on the driver -----------------------------------------------------------
 
 
+def _task_bytes(task: SegmentTask) -> int:
+    """The size of a task's file, as the packing weighs it: 0 for a segment missing from its log (one error
+    row) or a file that cannot be asked its size here (its task names why, where it runs)."""
+    if task.missing is not None:
+        return 0
+    try:
+        if remote.is_remote(task.path):
+            with remote.store_errors(task.path, OSError):
+                return int(remote.filesystem(task.path).size(task.path))
+        return os.path.getsize(remote.local_path(task.path))
+    except (OSError, PlaceError):
+        return 0
+
+
+def balanced_runs(tasks: Sequence[SegmentTask], cores: int, sizes: Sequence[int] | None = None
+                  ) -> list[list[SegmentTask]]:
+    """The tasks packed into runs for ``cores`` cores, the largest runs first (guided self-scheduling).
+
+    Why: the stage ends when its last task does, and Spark hands the tasks to
+    the cores in the order of their partitions. Runs of consecutive files of
+    equal count (the data source's packing, ``group_tasks``) leave one core
+    idle while the other reads a whole run at the end, a run that may hold
+    three full segments where another held one and two tails: on a fleet of
+    10 relays and 2 cores, about a run's time in eight. Here files are taken
+    largest first, and each run takes files until it holds about
+    ``1/(GUIDED_SHARE × cores)`` of the bytes not yet packed (at least
+    :data:`MIN_RUN_BYTES`, at most :data:`MAX_RUN_BYTES` and
+    ``MAX_FILES_PER_PARTITION`` files): a few large tasks, then ever smaller
+    ones, so the cores finish within a small file of each other, whatever
+    the load that slows one of them meanwhile. Within a run the files keep
+    the plan's order. ``sizes`` (bytes per task, by default each file's size)
+    is for tests.
+    """
+    weights = list(sizes) if sizes is not None else [_task_bytes(t) for t in tasks]
+    order = sorted(range(len(tasks)), key=lambda i: -weights[i])  # stable: the plan's order among equals
+    left = sum(weights)
+    runs: list[list[SegmentTask]] = []
+    i = 0
+    while i < len(order):
+        target = min(MAX_RUN_BYTES, max(MIN_RUN_BYTES, left / (GUIDED_SHARE * max(1, cores))))
+        run: list[int] = []
+        held = 0
+        while i < len(order) and len(run) < MAX_FILES_PER_PARTITION and (
+                not run or (held < target and held + weights[order[i]] <= MAX_RUN_BYTES)):
+            run.append(order[i])
+            held += weights[order[i]]
+            i += 1
+        left -= held
+        runs.append([tasks[j] for j in sorted(run)])
+    return runs
+
+
+
 def decode_records(spark: Any, inputs: Sequence[str], out: str, relay: str | None = None,
                    batch_rows: int = DEFAULT_BATCH_ROWS) -> str:
     """Decode the segments that ``inputs`` name into ``out/records`` (Parquet, the data source's schema:
@@ -163,7 +228,7 @@ def decode_records(spark: Any, inputs: Sequence[str], out: str, relay: str | Non
     Raises ReportError if Spark returns other than one result per run (it never should).
     """
     sc = spark.sparkContext
-    runs = group_tasks(plan(inputs), sc.defaultParallelism)
+    runs = balanced_runs(plan(inputs), sc.defaultParallelism)
     items: list[Item] = [(i, run, [relay or relay_name_for(t.path) for t in run]) for i, run in enumerate(runs)]
     if not items:
         items = [(0, [], [])]  # one empty file: the table still has its schema

@@ -464,7 +464,8 @@ def _part(pa: Any, schema: Any, n: int, given: dict[str, Any]) -> Any:
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def _to_batch(pa: Any, schema: Any, chunk: _Chunk, relay: str, path: str) -> Any:
+def _to_parts(pa: Any, schema: Any, chunk: _Chunk, relay: str, path: str) -> list[Any]:
+    """The chunk's rows as batches of one record type each (the error rows last), each in file order."""
     import pyarrow.compute as pc
 
     parts = []
@@ -485,11 +486,17 @@ def _to_batch(pa: Any, schema: Any, chunk: _Chunk, relay: str, path: str) -> Any
     if chunk.errors:
         pos, message = zip(*chunk.errors)
         parts.append(_part(pa, schema, len(pos), {"pos": pos, "rtype": [ERROR_TYPE] * len(pos), "error": message}))
+    relay_value, path_value = pa.scalar(relay, pa.string()), pa.scalar(path, pa.string())
+    return [b.set_column(0, "relay", pa.repeat(relay_value, b.num_rows))
+            .set_column(1, "file", pa.repeat(path_value, b.num_rows)) for b in parts]
+
+
+def _to_batch(pa: Any, schema: Any, chunk: _Chunk, relay: str, path: str) -> Any:
+    import pyarrow.compute as pc
+
+    parts = _to_parts(pa, schema, chunk, relay, path)
     batch = parts[0] if len(parts) == 1 else pa.concat_batches(parts)
-    batch = batch.take(pc.sort_indices(batch.column("pos")))
-    n = batch.num_rows
-    batch = batch.set_column(0, "relay", pa.repeat(pa.scalar(relay, pa.string()), n))
-    return batch.set_column(1, "file", pa.repeat(pa.scalar(path, pa.string()), n))
+    return batch.take(pc.sort_indices(batch.column("pos")))
 
 
 @contextlib.contextmanager
@@ -533,6 +540,31 @@ def segment_batches(path: str | SegmentTask, relay: str, batch_rows: int = DEFAU
             batch = _to_batch(pa, schema, chunk, relay, task.path)
             del chunk  # its tuples go now, by reference counting, while the collector is still paused
         yield batch
+
+
+def segment_parts(task: SegmentTask, relay: str, batch_rows: int = DEFAULT_BATCH_ROWS) -> Generator[Any, None, None]:
+    """The rows of ``segment_batches``, each batch of one record type (or of error rows), not in file order.
+
+    Why: a writer of a table needs no file order, and putting the types' parts
+    back in it costs a concatenation, a sort and a copy of every column (some
+    0.2-0.3 µs of the 1.3-1.5 a row takes to build, timed in process on a loaded
+    machine). A batch of one type is also what a Parquet row
+    group of one type is made of, so a reader that filters on ``rtype`` skips
+    the other types' row groups by their statistics.
+    """
+    import pyarrow as pa
+
+    schema = arrow_schema()
+    walk = _SegmentWalk(task)
+    while True:
+        with _collector_paused():
+            chunk = walk.take(batch_rows)
+            if chunk is None:
+                return
+            parts = _to_parts(pa, schema, chunk, relay, task.path)
+            del chunk
+        yield from parts
+        del parts
 
 
 def segment_rows(path: str | SegmentTask, relay: str = "") -> Iterator[dict[str, Any]]:

@@ -9,6 +9,7 @@ the output is a bucket reached through the same file-system layer as the inputs.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -23,10 +24,10 @@ import pyarrow.parquet as pq
 import pytest
 import s3_server
 
-from mta.report.decode import decode_records
+from mta.report.decode import MAX_RUN_BYTES, MIN_RUN_BYTES, balanced_runs, decode_records
 from mta.report.job import read_records
-from mta.report.spark_source import group_tasks
-from spool.export.rows import arrow_schema, plan
+from mta.report.spark_source import MAX_FILES_PER_PARTITION
+from spool.export.rows import SegmentTask, arrow_schema, plan
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -49,7 +50,7 @@ def test_records_are_the_data_sources_rows_once_in_one_file_per_run(spark: Any, 
         f.write(b"old")
     path = decode_records(spark, inputs, out)
     assert path == os.path.join(out, "records")
-    runs = group_tasks(plan(inputs), spark.sparkContext.defaultParallelism)
+    runs = balanced_runs(plan(inputs), spark.sparkContext.defaultParallelism)
     assert len(runs) > 1
     names = sorted(os.listdir(path))
     assert names[0] == "_SUCCESS" and len(names) == 1 + len(runs)
@@ -58,11 +59,18 @@ def test_records_are_the_data_sources_rows_once_in_one_file_per_run(spark: Any, 
     assert table.schema == arrow_schema()
     got = [r.asDict(recursive=True) for r in spark.read.parquet(path).collect()]
     assert keyed(got) == source_rows(spark, inputs)
-    # Each file holds its run's segments, in file order.
+    # Each file holds its run's segments, each row group rows of one record type (so a reader's filter on
+    # rtype skips the others by their statistics), each type's rows in file order.
     for name, run in zip(names[1:], runs, strict=True):
-        part = pq.read_table(os.path.join(path, name), columns=["file", "pos"]).to_pylist()
-        assert [(r["file"], r["pos"]) for r in part] == sorted((r["file"], r["pos"]) for r in part)
+        meta = pq.ParquetFile(os.path.join(path, name)).metadata
+        rtype = meta.schema.names.index("rtype")
+        stats = [meta.row_group(g).column(rtype).statistics for g in range(meta.num_row_groups)]
+        assert all(s is not None and s.min == s.max for s in stats)
+        part = pq.read_table(os.path.join(path, name), columns=["file", "pos", "rtype"]).to_pylist()
         assert {r["file"] for r in part} <= {t.path for t in run}
+        for t in {r["rtype"] for r in part}:
+            keys = [(r["file"], r["pos"]) for r in part if r["rtype"] == t]
+            assert keys == sorted(keys)
 
 
 def test_records_in_a_bucket_go_through_the_inputs_file_system_layer(spark: Any, fleet: dict[str, str]) -> None:
@@ -83,7 +91,7 @@ def test_records_in_a_bucket_go_through_the_inputs_file_system_layer(spark: Any,
 
 WRITER = """
 import json, sys
-from mta.report.decode import decode_records
+from mta.report.decode import MAX_RUN_BYTES, MIN_RUN_BYTES, balanced_runs, decode_records
 from mta.report.session import make_session
 spark = make_session(sys.argv[1], app="decode-retry")
 decode_records(spark, json.loads(sys.argv[2]), sys.argv[3], batch_rows=1)
@@ -141,7 +149,7 @@ def test_a_task_whose_worker_dies_while_writing_runs_again_and_its_file_stays_ou
     assert stdout.strip().endswith("done")
     assert not os.path.exists(staging)
     path = os.path.join(out, "records")
-    assert len([n for n in os.listdir(path) if n.endswith(".parquet")]) == len(group_tasks(plan(inputs), 1))
+    assert len([n for n in os.listdir(path) if n.endswith(".parquet")]) == len(balanced_runs(plan(inputs), 1))
     got = keyed(pq.read_table(path).to_pylist())
     want = keyed([r for p in plan(inputs) for r in _rows(p)])
     assert got == want
@@ -151,3 +159,46 @@ def _rows(task: Any) -> list[dict[str, Any]]:
     from spool.export.rows import relay_name_for, segment_batches
 
     return [r for b in segment_batches(task, relay_name_for(task.path)) for r in b.to_pylist()]
+
+
+def _tasks(n: int) -> list[SegmentTask]:
+    return [SegmentTask(f"/fleet/mx{i // 3:02d}/log/{i % 3 + 1:016x}.seg", i % 3 + 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("cores", [1, 2, 8])
+def test_runs_are_packed_by_size_largest_first_and_the_cores_finish_together(cores: int) -> None:
+    """24 files of a fleet (full segments and small tails, as fleet_sim makes them): every file in one
+    run, the runs' sizes never growing, and with the runs handed out in order to the first free core
+    the cores end within the last run's size of each other."""
+    tasks = _tasks(24)
+    sizes = [16 << 20 if i % 3 < 2 else (i * 37_000) % (3 << 20) for i in range(24)]
+    weight = dict(zip((t.path for t in tasks), sizes, strict=True))
+    runs = balanced_runs(tasks, cores, sizes)
+    assert sorted(t.path for r in runs for t in r) == sorted(t.path for t in tasks)
+    held = [sum(weight[t.path] for t in r) for r in runs]
+    assert all(a >= b for a, b in itertools.pairwise(held)) and max(held) <= MAX_RUN_BYTES
+    assert all(len(r) <= MAX_FILES_PER_PARTITION for r in runs)
+    assert all([t.path for t in r] == sorted(t.path for t in r) for r in runs)  # the plan's order within
+    assert len(runs) >= cores
+    busy = [0] * cores
+    for h in held:
+        busy[busy.index(min(busy))] += h
+    assert max(busy) - min(busy) <= max(held[-1], MIN_RUN_BYTES)
+
+
+def test_runs_of_a_few_small_files_or_none() -> None:
+    """Small files share a run up to MIN_RUN_BYTES; no task, no run."""
+    tasks = _tasks(6)
+    runs = balanced_runs(tasks, 2, [1 << 20] * 6)
+    assert [len(r) for r in runs] == [4, 2]
+    assert balanced_runs([], 2, []) == []
+
+
+def test_runs_weigh_each_file_by_its_size_on_disk(tmp_path: Any) -> None:
+    big, small = tmp_path / "0000000000000001.seg", tmp_path / "0000000000000002.seg"
+    big.write_bytes(b"x" * (MAX_RUN_BYTES // 2 + 1))
+    small.write_bytes(b"x")
+    tasks = [SegmentTask(str(big), 1, False, str(small)), SegmentTask(str(small), 2)]
+    assert balanced_runs(tasks, 1) == [[tasks[0]], [tasks[1]]]  # the big one is past a quarter of the bytes
+    gone = SegmentTask(str(tmp_path / "0000000000000009.seg"), 9)
+    assert balanced_runs([gone, *tasks], 4)[0][0] == tasks[0]  # the largest first; one not there weighs 0

@@ -13,7 +13,15 @@ from report_reference import plain_records
 
 from mta.report.job import read_records
 from mta.report.spark_source import MAX_FILES_PER_PARTITION, TASKS_PER_CORE
-from spool.export.rows import ERROR_TYPE, expand_paths, relay_name_for, segment_batches, segment_rows
+from spool.export.rows import (
+    ERROR_TYPE,
+    SegmentTask,
+    expand_paths,
+    relay_name_for,
+    segment_batches,
+    segment_parts,
+    segment_rows,
+)
 from spool.format.record import HEADER_SIZE, Delivery, Envelope, Finish, Start, pos_offset
 
 # Run alone, the first test here pays for the shared SparkSession's start (see test_report.py).
@@ -180,6 +188,29 @@ def test_batches_give_rows_in_file_order_with_every_field(fleet: dict[str, str])
             assert isinstance(rec, Finish)
             assert (r["ref"], r["time_ms"], r["replacement"], r["kind"]) == (rec.start, rec.time_ms,
                                                                              rec.replacement, None)
+
+
+def test_parts_are_the_batches_rows_one_record_type_a_batch(fleet: dict[str, str], tmp_path: Any) -> None:
+    """The decode stage's batches: every row of ``segment_batches`` once, error rows included (a segment
+    with a damaged record), each batch of one type, each type's rows in file order."""
+    files = all_segments(fleet["mx1"])
+    damaged = str(tmp_path / os.path.basename(files[0]))
+    with open(files[0], "rb") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0xFF
+    with open(damaged, "wb") as f:
+        f.write(data)
+    for path in (*files, damaged):
+        task = SegmentTask.alone(path)
+        whole = [r for b in segment_batches(task, "mx1", batch_rows=7) for r in b.to_pylist()]
+        parts = list(segment_parts(task, "mx1", batch_rows=7))
+        assert all(len(set(b.column("rtype").to_pylist())) == 1 for b in parts)
+        rows = [r for b in parts for r in b.to_pylist()]
+        assert sorted(rows, key=lambda r: r["pos"]) == whole
+        for t in {r["rtype"] for r in rows}:
+            assert [r["pos"] for r in rows if r["rtype"] == t] == [r["pos"] for r in whole if r["rtype"] == t]
+        if path == damaged:
+            assert any(r["rtype"] == ERROR_TYPE for r in rows)
 
 
 def test_the_garbage_collector_runs_again_between_batches_and_after_an_error(fleet: dict[str, str],
