@@ -116,7 +116,6 @@ class GroupCommit(InlineCommit):
         self.rides = 0  # commit_riding calls that waited for another commit (outcomes)
         self.rides_run_out = 0  # ...of which none came within the bound: committed on their own
         self.claiming = 0  # attempts claimed whose START records are being written (spool.aio.claims.next_due)
-        self.points_waiting = 0  # deliveries waiting for their point of no return (spool.aio.claims): a dot each
         self._enqueue_synced_at: float | None = None  # trio time of the last sync that made new messages durable
         self.enqueue_gap = RIDE_MAX / 2  # moving average of the intervals between such syncs (seconds)
         core.flush_hook = self._kick.set
