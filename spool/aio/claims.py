@@ -201,11 +201,7 @@ class AsyncClaims(GroupCommit):
         followed by the deferral's outcomes).
         """
         self.core.record_sending(attempt, recipients)
-        self.points_waiting += 1
-        try:
-            await self.commit()
-        finally:
-            self.points_waiting -= 1
+        await self.commit()
 
     async def record_deliveries(self, results: Iterable[tuple[Attempt, Iterable[Outcome], int]]) -> None:
         """``record_delivery`` for several attempts (attempt, outcomes, duration in ms), under one commit.

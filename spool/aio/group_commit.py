@@ -116,7 +116,6 @@ class GroupCommit(InlineCommit):
         self.rides = 0  # commit_riding calls that waited for another commit (outcomes)
         self.rides_run_out = 0  # ...of which none came within the bound: committed on their own
         self.claiming = 0  # attempts claimed whose START records are being written (spool.aio.claims.next_due)
-        self.points_waiting = 0  # deliveries waiting for their point of no return (spool.aio.claims): a dot each
         self._enqueue_synced_at: float | None = None  # trio time of the last sync that made new messages durable
         self.enqueue_gap = RIDE_MAX / 2  # moving average of the intervals between such syncs (seconds)
         core.flush_hook = self._kick.set
@@ -276,13 +275,11 @@ class GroupCommit(InlineCommit):
                 # sync below), they were a batch in memory that no longer counted against the threshold.
                 del batch
                 self._batch_done(before, messages)
-                if messages or self.points_waiting:
-                    # The sessions whose messages are now durable answer 250, and the deliveries whose point of
-                    # no return is now durable write their final dot, before the runners are woken: trio runs
-                    # the tasks woken here in a batch of its choosing, and a runner's pass (reading the new
-                    # envelopes, claiming them, starting their deliveries) would stand between a lone client
-                    # and its reply, or between a point and its dot, the window a crash holds in doubt
-                    # (docs/design.md, "The point of no return"). One step later it overlaps them.
+                if messages:
+                    # The sessions whose messages are now durable answer 250 before the runners are woken:
+                    # trio runs the tasks woken here in a batch of its choosing, and a runner's pass
+                    # (reading the new envelopes, claiming them, starting their deliveries) would stand
+                    # between a lone client and its reply. One step later it overlaps the client's next command.
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 self._signal_change()
                 if not writer.has_pending and writer.room_wanted():

@@ -194,31 +194,3 @@ async def test_admin_operations(tmp_path: Path, mock_clock: trio.testing.MockClo
         assert all(m.klass != HELD_CLASS for m in admin.iter_live(sp))
     finally:
         sp.close()
-
-
-
-async def test_a_point_of_no_return_returns_before_the_runners_are_woken_by_its_commit(tmp_path: Path) -> None:
-    """The dot is written in the wake-up that follows its record's commit, before a runner's pass (which claims
-    in the loop's thread) can stand between the two: that gap is the window a crash holds in doubt
-    (docs/design.md, "The point of no return"). trio runs the tasks one step wakes in an order of its choosing,
-    so the order is tried many times."""
-    clock = Clock()
-    async with running_spool(tmp_path, spool_config(clock)) as aspool:
-        for round_ in range(24):
-            mid = await aspool.enqueue("s@src.example", ["r@dest.example"], b"m%d" % round_)
-            [attempt] = await aspool.next_due()
-            assert attempt.message_id == mid
-            claimed_at_dot: list[bool] = []
-
-            def claimed(message_id: int) -> bool:
-                return any(a.message_id == message_id for a in aspool.core.attempts.values())
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(aspool.next_due)  # woken by the commit that makes the next envelope durable
-                await trio.testing.wait_all_tasks_blocked()
-                # Appended, not yet durable: the runner sees it with the commit of the point's record.
-                nid = aspool.core.enqueue("s@src.example", ["next@dest.example"], b"next %d" % round_)
-                await aspool.pass_point_of_no_return(attempt, ["r@dest.example"])
-                claimed_at_dot.append(claimed(nid))
-            assert claimed(nid), "the runner claimed the next message after the commit"
-            assert claimed_at_dot == [False], f"round {round_}: the runner's pass ran between the commit and the dot"
