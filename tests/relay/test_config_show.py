@@ -24,7 +24,7 @@ from mta.config import Config, ConfigError, parse_config
 from mta.config.bounce_classes import RulesFile
 from mta.config.dkim import HeaderName
 from mta.config.egress import DomainMap, Pools, Sources
-from mta.config.events import ConsumerName, WebhookUrl
+from mta.config.events import ConsumerName, TopicName, WebhookUrl
 from mta.config.filters import HttpUrl, Milter
 from mta.config.limits import RateKind, SlotCount
 from mta.config.loader import definitions
@@ -288,6 +288,8 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
         case WebhookUrl():
             return st.builds(lambda scheme, h, port: f"{scheme}://{h}:{port}/hook", st.sampled_from(["http", "https"]),
                              HOST, st.integers(1, 65535))
+        case TopicName():
+            return st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,30}", fullmatch=True)
         case ConsumerName():
             return st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}", fullmatch=True).filter(
                 lambda n: not n.endswith(".tmp"))
