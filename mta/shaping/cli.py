@@ -14,25 +14,25 @@ import datetime as dt
 import json
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import trio
 
-from mta.admin.errors import BadRequest
 from mta.cli_common import config_option, json_option
-from mta.config import load_config
-from mta.events.source import open_stream
-from mta.shaping.adapt import Override
-from mta.shaping.rebuild import rebuild
-from mta.shaping.resolve import Resolution, resolve
-from mta.shaping.setup import mx_hosts, resolver_of, table_of
-from spool import format_pos
+
+if TYPE_CHECKING:
+    from mta.shaping.adapt import Override
+    from mta.shaping.resolve import Resolution
+
+# The rest is imported by the commands that need it: ``mta`` starts for every command (``mta queue``
+# among them), and the resolver and the event stream are not what they need.
 
 _DOMAIN = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")
 
 
 def _domain(text: str) -> str:
+    from mta.admin.errors import BadRequest
+
     domain = text.strip().lower().rstrip(".").rpartition("@")[2]
     if not _DOMAIN.fullmatch(domain) or len(domain) > 253:
         raise BadRequest(f"{text!r} is not a domain")
@@ -40,6 +40,11 @@ def _domain(text: str) -> str:
 
 
 def _resolution(config: Any, domain: str) -> Resolution:
+    import trio
+
+    from mta.shaping.resolve import resolve
+    from mta.shaping.setup import mx_hosts, resolver_of, table_of
+
     table = table_of(config)
     hosts = trio.run(mx_hosts, resolver_of(config), domain)
     return resolve(table, domain, hosts)
@@ -50,6 +55,8 @@ def _when(seconds: float) -> str:
 
 
 def _override_dict(o: Override, now: float) -> dict[str, Any]:
+    from spool import format_pos
+
     return {"rule": o.rule.name, "scope": o.scope, "action": o.rule.action, "began": _when(o.began),
             "ends": _when(o.ends), "ends_unix": round(o.ends, 3), "ramp_ends": _when(o.gone),
             "ramping": now >= o.ends, "hits": [{"id": format_pos(h.pos), "time": _when(h.time),
@@ -68,6 +75,8 @@ def shape() -> None:
 @json_option
 def resolve_command(domain: str, config_path: str | None, as_json: bool) -> None:
     """Which provider DOMAIN belongs to (and why), its limits with the file that set each, and its rules."""
+    from mta.config import load_config
+
     name = _domain(domain)
     config = load_config(config_path)
     r = _resolution(config, name)
@@ -86,6 +95,11 @@ def resolve_command(domain: str, config_path: str | None, as_json: bool) -> None
 @json_option
 def explain_command(domain: str, config_path: str | None, shard: int, as_json: bool) -> None:
     """The overrides in force on DOMAIN (and its provider): the replies that fired each, and when it ends."""
+    from mta.config import load_config
+    from mta.events.source import open_stream
+    from mta.shaping.rebuild import rebuild
+    from mta.shaping.setup import table_of
+
     name = _domain(domain)
     config = load_config(config_path)
     r = _resolution(config, name)
