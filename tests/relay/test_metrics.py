@@ -251,6 +251,11 @@ CASES: dict[str, Callable[[Scrapes], bool]] = {
     "logspool_recipient_outcomes": lambda s: all(
         grew(f'logspool_recipient_outcomes_total{{status="{st}"}}')(s) for st in ("delivered", "bounced", "deferred")),
     "logspool_dsn_sent": grew("logspool_dsn_sent_total"),
+    # The scenario's bounce and deferrals, each counted under its class (whichever the shipped rules give).
+    "logspool_outcome_classes": lambda s: all(
+        sum(v for k, v in s.end.samples.items() if k.startswith("logspool_outcome_classes_total") and st in k)
+        > sum(v for k, v in s.start.samples.items() if k.startswith("logspool_outcome_classes_total") and st in k)
+        for st in ('status="bounced"', 'status="deferred"')),
     "logspool_delivery_latency_seconds": grew("logspool_delivery_latency_seconds_count"),
     "logspool_commit_batch_messages": lambda s: grew("logspool_commit_batch_messages_count")(s)
     and s.end("logspool_commit_batch_messages_sum") == 3,  # the three messages taken over SMTP (not the DSN)

@@ -347,8 +347,8 @@ async def test_a_tls_failure_under_a_policy_is_deferred_with_a_security_code_in_
         assert (logged["<carol@bad.test>"]["dsn"], logged["<dave@none.test>"]["dsn"]) == ("4.7.5", "4.7.4")
         await watch.wait_for(Status.DELIVERED, 2, recipient="alice@localhost")  # the two delay notices
         qids = {e["to"]: e["qid"] for e in logged.values()}
-        assert "carol@bad.test: deferred: 4.7.5 " in await show(tmp_path, qids["<carol@bad.test>"])
-        assert "dave@none.test: deferred: 4.7.4 " in await show(tmp_path, qids["<dave@none.test>"])
+        assert "carol@bad.test: deferred [tls]: 4.7.5 " in await show(tmp_path, qids["<carol@bad.test>"])
+        assert "dave@none.test: deferred [tls]: 4.7.4 " in await show(tmp_path, qids["<dave@none.test>"])
     assert sorted(delay_status(tmp_path / "maildir" / "alice" / "new")) == ["4.7.4", "4.7.5"]
 
 
