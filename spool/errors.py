@@ -95,6 +95,11 @@ class MessageBusy(SpoolError, RuntimeError):
     """The message is being delivered right now; admin changes wait for the attempt to end."""
 
 
+class MessageMoved(MessageBusy):
+    """The envelope found is no longer the message's live one (a runner carried it forward or an attempt
+    ended in between): looking it up again finds where it is now."""
+
+
 class SyncFailed(SpoolError, OSError):
     """fsync failed. The process must not retry and carry on (fsyncgate): it crashes and recovers."""
 

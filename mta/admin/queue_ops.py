@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 
 from mta.shards import Cursor, format_cursor, format_queue_id, parse_cursor, parse_queue_id
-from spool import DamagedBody, NotFound, SpoolConfig, SpoolError, Status
+from spool import DamagedBody, MessageMoved, NotFound, SpoolConfig, SpoolError, Status
 from spool import listing as admin
 from spool.engine.core import SpoolCore
 
@@ -312,12 +312,26 @@ async def change_op(req: Request, apply: Callable[[str, int], Awaitable[bool]], 
     errors: dict[str, str] = {}
     for mid in targets:
         try:
-            (done if await apply(op, mid) else skipped).append(format_queue_id(mid, shard))
+            (done if await _apply_found(apply, op, mid) else skipped).append(format_queue_id(mid, shard))
         except NotFound:
             errors[format_queue_id(mid, shard)] = f"no queued message with id {format_queue_id(mid, shard)}"
         except (SpoolError, OSError) as exc:  # MessageBusy, a disk error: reported per id
             errors[format_queue_id(mid, shard)] = str(exc)
     return {"done": done, "skipped": skipped, "errors": errors}
+
+
+MOVED_RETRIES = 3  # looks again for a message that moved between the look and the change
+
+
+async def _apply_found(apply: Callable[[str, int], Awaitable[bool]], op: str, mid: int) -> bool:
+    """``apply``, looked up again when the envelope moved in between: the operator named a message, not a
+    place, so a carried-forward envelope is no reason to refuse."""
+    for _ in range(MOVED_RETRIES):
+        try:
+            return await apply(op, mid)
+        except MessageMoved:
+            continue
+    return await apply(op, mid)
 
 
 async def _change_selected(op: str, flt: admin.Filter, matching: Batches, apply_batch: ApplyBatch,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from spool.engine.claims import Claims
 from spool.engine.core import Attempt
-from spool.errors import CorruptRecord, MessageBusy, SpoolError
+from spool.errors import CorruptRecord, MessageBusy, MessageMoved, SpoolError
 from spool.format.record import HELD_CLASS, Outcome, RecordType, StartKind, Status
 from spool.read import listing as admin
 from spool.read.reader import Reporter
@@ -53,7 +53,7 @@ class AdminChanges(Claims):
             raise CorruptRecord(f"the message's envelope is damaged: {anomaly.message()}", anomaly.path,
                                 anomaly.offset) from None
         if frame.garbage or frame.rtype != RecordType.ENVELOPE:
-            raise MessageBusy("the message changed while we looked; list it again")
+            raise MessageMoved("the message changed while we looked; list it again")
         return self._claim(frame, self._now(), StartKind.ADMIN)
 
     def admin_replace(self, attempt: Attempt, *, klass: int, held: bool) -> int:

@@ -29,8 +29,8 @@ from spool.fileio import FileIO, read_exact
 from spool.format.record import HEADER, HEADER_SIZE, Frame, decode_frame
 
 MAGIC: Final = b"LSPOOLSG"
-FORMAT_VERSION: Final = 4  # what the writer writes: 4 is 3 plus DELIVERY's `sending` (the point of no return)
-READABLE_VERSIONS: Final = frozenset({2, 3, 4})  # 2 (no zeroed room) and 3 (no `sending`) still open and read
+FORMAT_VERSION: Final = 5  # what the writer writes: 5 is 4 plus DELIVERY's `source` (the egress address)
+READABLE_VERSIONS: Final = frozenset({2, 3, 4, 5})  # 2 (no zeroed room), 3 (no `sending`), 4 (no `source`) still read
 SEGMENT_HEADER = struct.Struct("<8sHHIQII")
 SEGMENT_HEADER_SIZE: Final = SEGMENT_HEADER.size  # 32
 SECTOR: Final = 512  # torn-write rules count sector boundaries from the start of the file
