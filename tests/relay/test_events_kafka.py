@@ -11,6 +11,7 @@ confluent-kafka's consumer and compared with the stream itself
 
 from __future__ import annotations
 
+import os
 import signal
 import smtplib
 import subprocess
@@ -226,9 +227,15 @@ async def test_a_broker_that_is_down_holds_the_cursor_and_the_shipper_delivers_o
                     while not {f"ok{i}@far.example" for i in range(8)} <= \
                             {r for m in hop.messages for r in m.recipients}:
                         await trio.sleep(0.1)  # polling the hop's state, with a deadline
-                await trio.to_thread.run_sync(down.start)
+                # The shipper waits (SIGSTOP) while the broker starts and the topic is made: its next try
+                # would otherwise have the broker make the topic itself, with the broker's own partitions.
+                os.kill(proc.pid, signal.SIGSTOP)
                 try:
-                    await trio.to_thread.run_sync(down.create_topic, topic, PARTITIONS)
+                    try:
+                        await trio.to_thread.run_sync(down.start)
+                        await trio.to_thread.run_sync(down.create_topic, topic, PARTITIONS)
+                    finally:
+                        os.kill(proc.pid, signal.SIGCONT)
                     reader = TopicReader(down.address, topic)
                     want = await until_shipped(EventStream(config.spool.dir), reader, config, hop,
                                                {f"ok{i}@far.example" for i in range(8)}, 60)
