@@ -71,7 +71,6 @@ shared state, where a bug ends the process.
 
 from __future__ import annotations
 
-import collections
 import datetime as dt
 import logging
 import math
@@ -83,17 +82,18 @@ import attrs
 import trio
 
 from mta.bounce_class import classifier_for
-from mta.config import Config, DiscardRoute, LmtpRoute, MaildirRoute, MxRoute, NoRoute, SmtpRoute, tls_text
+from mta.config import Config, NoRoute
 from mta.config.egress import Source
-from mta.config.routes import parse_route
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery import dsn_notify
 from mta.delivery.egress import AllCapped, Egress
+from mta.delivery.routing import destination_for
+from mta.delivery.scheduler_state import DestState, Tracker, last_error, lifetime_text
 from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
 from mta.observe.logline import FieldValue, event
 from mta.observe.metrics import Metrics
-from mta.shaping.gate import DestShape, Shaper, require_tls
+from mta.shaping.gate import Shaper, require_tls
 from mta.smtp import dsn_params
 from spool import (
     DAMAGED_BODY,
@@ -115,70 +115,6 @@ BACKOFF_MAX = 300.0
 # An outcome as the delivery line says it (Postfix's words).
 STATUS_WORDS = {Status.DELIVERED: "sent", Status.DEFERRED: "deferred", Status.BOUNCED: "bounced",
                 Status.EXPIRED: "expired", Status.DELETED: "deleted"}
-
-
-@attrs.define(eq=False)
-class Tracker:
-    """One claimed message: how many of its jobs are still out."""
-
-    attempt: Attempt
-    outstanding: int = 0
-    last_error: str = ""
-    hold: bool = False  # its data is damaged and on_damaged_body = "hold": it goes to the held class
-    appended_to: int = 0  # the log's head after its last DELIVERY (and DSN) was appended: durable before FINISH
-    # Recipients past the point of no return whose outcome was lost with the process sending them (a delivery
-    # worker killed): in doubt, held with in_doubt = "hold", as recovery does after the relay's own crash.
-    in_doubt: tuple[str, ...] = ()
-    # DSNs appended and not yet logged: (the job whose outcomes they report, the DSN's queue id, recipients).
-    dsns: list[tuple[Job, str, int]] = attrs.field(factory=list)
-    delay_warned: bool = False  # a delay notice was appended in this attempt (the replacement envelope says so)
-
-
-@attrs.define(eq=False)
-class DestState:
-    queue: collections.deque[tuple[Job, Tracker]] = attrs.field(factory=collections.deque)
-    active: int = 0
-    failures: int = 0
-    backoff_until: float = 0.0
-    last_error: str = ""
-    last_enhanced: str = "4.4.1"  # the last failure's code: a postponed try says the same (a TLS or login fault)
-    shape: DestShape | None = None  # its provider and limits ([shaping]); None while its MX hosts are looked up
-
-
-def last_error(o: Outcome) -> str:
-    """A deferral as ``mta queue list`` and ``show`` give it: the reply with its codes, and the host that sent it."""
-    text = " ".join(part for part in (str(o.code) if o.code else "", o.enhanced, o.reply) if part)
-    relay = o.next_hop.partition(" tls=")[0]
-    return f"{text} (from {relay})" if relay and o.code else text
-
-
-def _lifetime(seconds: float) -> str:
-    """``5 days``, ``6 hours``, ``90 s``: the queue lifetime as an expiry's reply names it."""
-    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
-        if (seconds >= size and seconds % size == 0) or seconds >= 2 * size:
-            count = f"{seconds / size:.3g}"
-            return f"{count} {unit}" if count == "1" else f"{count} {unit}s"
-    return f"{seconds:.3g} s"
-
-
-def destination_for(config: Config, recipient: str, filter_route: str | None = None) -> Destination | NoRoute:
-    """Where ``recipient`` goes: its route, or ``filter_route`` for every recipient of a message a policy server
-    sent through a content filter (``extra["filter"]``, ``mta.policy.gate``)."""
-    domain = recipient.rpartition("@")[2].lower()
-    route = config.route_for_recipient(recipient) if filter_route is None else parse_route(filter_route)
-    if isinstance(route, NoRoute):
-        return route
-    if isinstance(route, SmtpRoute):
-        return Destination("smtp", f"{route.host}:{route.port}", tls_text(route.tls, route.policies))
-    if isinstance(route, MxRoute):
-        return Destination("mx", domain, tls_text(route.tls, route.policies))
-    if isinstance(route, MaildirRoute):
-        return Destination("maildir", route.path)
-    if isinstance(route, DiscardRoute):
-        return Destination("discard", "")
-    if isinstance(route, LmtpRoute):
-        return Destination("lmtp", route.target, "none")
-    raise TypeError(f"unknown route {route!r}")
 
 
 class Scheduler:
@@ -375,7 +311,7 @@ class Scheduler:
         env = tracker.attempt.envelope
         rcpts = tuple(tracker.attempt.remaining)
         lifetime = self.config.spool.max_queue_lifetime
-        text = f"message expired after {_lifetime(lifetime)} in the queue"
+        text = f"message expired after {lifetime_text(lifetime)} in the queue"
         if tracker.attempt.envelope.extra.get("last_error"):
             text += f"; last error: {tracker.attempt.envelope.extra['last_error']}"
         outs = [Outcome(r, Status.EXPIRED, 0, "4.4.7", text, "") for r in rcpts]

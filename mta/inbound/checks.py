@@ -1,6 +1,6 @@
 """The rate limits and the policy servers, as one session meets them: at MAIL, at RCPT, at the end of data.
 
-The session (``mta.inbound.server``) makes one ``SessionChecks`` and calls it
+The session (``mta.inbound.session``) makes one ``SessionChecks`` and calls it
 once per stage; what it returns is a refusal to send (``Denial``) or leave
 to go on. A rate limit's refusal is ``450 4.7.1``; the one that makes
 ``[limits] refusals_before_close`` in a session is ``421 4.7.0`` instead
@@ -56,7 +56,7 @@ class _Core(Protocol):
 
 
 class SessionView(Protocol):
-    """What the checks read of a session (``mta.inbound.server._Session``)."""
+    """What the checks read of a session (``mta.inbound.session._Session``)."""
 
     client_ip: str
     trusted: bool

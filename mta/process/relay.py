@@ -34,7 +34,8 @@ from mta.events.rejections import RejectionLog
 from mta.http.start import HttpApi
 from mta.inbound.listen import bind_error
 from mta.inbound.pickup import Pickup
-from mta.inbound.server import Port, SmtpServer
+from mta.inbound.server import SmtpServer
+from mta.inbound.session import Port
 from mta.observe.events_lag import ConsumerLag
 from mta.observe.metrics import Metrics
 from mta.observe.queue_gauges import keep_gauges, refresh_oldest

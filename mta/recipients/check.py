@@ -1,7 +1,7 @@
 """What the SMTP server asks about each RCPT: the tables and aliases first, then the next hop if verified.
 
 One object and one call, so that the session's RCPT hook stays one line
-(``mta.inbound.server``): ``await check.rcpt(config, address, before_wait)``.
+(``mta.inbound.session``): ``await check.rcpt(config, address, before_wait)``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ a ``Step`` looked up in ``TRANSITIONS`` (state -> step -> next state), by
 ``_fire``, the one place that assigns the state (h11's ``_state.py`` does the
 same). A step the table does not list from the current state raises
 ``LocalProtocolError``: it is a bug here or in the shell, never the peer's
-doing, since the peer's commands are first checked against ``_ALLOWED`` (the
+doing, since the peer's commands are first checked against ``ALLOWED`` (the
 states a command is heard in; elsewhere it gets ``503 5.5.1``). In short::
 
     CONNECTED -HELLO-> IDLE -MAIL_ACCEPTED-> MAIL -RCPT_ACCEPTED-> RCPT -DATA_STARTED-> DATA
@@ -48,8 +48,8 @@ decision. A successful AUTH lasts the session (EHLO and RSET keep it). No
 part of an AUTH argument after the mechanism, and no response line, is kept
 in a ``Rejection``: they carry credentials.
 
-A step also decides what the session forgets (``_FORGETS_SESSION``,
-``_FORGETS_TRANSACTION``), wherever it fires. Beside this machine runs a
+A step also decides what the session forgets (``FORGETS_SESSION``,
+``FORGETS_TRANSACTION``), wherever it fires. Beside this machine runs a
 smaller one, kept apart as h11 keeps its keep-alive flag: whether a decision
 is pending (``_pending``). While it is, no step can happen except through
 ``accept()`` or ``reject()``.
@@ -84,9 +84,6 @@ short (``mta.smtp.common.printable``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Final
-
 from mta.smtp import server_replies as replies
 from mta.smtp.chunking import BdatCommand, ChunkDecoder, parse_bdat
 from mta.smtp.common import (
@@ -101,7 +98,6 @@ from mta.smtp.common import (
     LocalProtocolError,
     RemoteProtocolError,
     Reply,
-    TableKey,
     has_control,
 )
 from mta.smtp.input_buffer import Cut, InputBuffer
@@ -132,158 +128,23 @@ from mta.smtp.server_events import (
     Rset,
     StartTls,
 )
+from mta.smtp.server_states import (
+    ALLOWED,
+    FORGETS_SESSION,
+    FORGETS_TRANSACTION,
+    ON_ACCEPT,
+    TRANSITIONS,
+    State,
+    Step,
+    TransitionHook,
+)
 
-# The connection and its table; the events are defined in mta.smtp.server_events and offered here too.
+# The connection; its table (mta.smtp.server_states) and its events (mta.smtp.server_events) are offered here too.
 __all__ = [
     "END_OF_DATA", "TRANSITIONS", "AuthRequest", "ConnectionClosed", "DataAborted", "DataChunk", "DataCommand",
     "DataStart", "Decision", "Ehlo", "EndOfData", "Event", "Helo", "MailFrom", "NeedData", "Quit", "RcptTo",
     "RejectHook", "Rejection", "Rset", "ServerConnection", "StartTls", "State", "Step", "TransitionHook",
 ]
-
-# ---------------------------------------------------------------- states and steps
-
-
-class State(TableKey):
-    """Where the session is: the rows of ``TRANSITIONS``."""
-
-    CONNECTED = "connected"  # greeted (or TLS just started), no HELO/EHLO yet
-    IDLE = "idle"  # HELO/EHLO done, no transaction
-    MAIL = "mail"  # sender accepted, no recipient yet
-    RCPT = "rcpt"  # at least one recipient accepted
-    DATA = "data"  # reading content
-    TLS = "tls"  # STARTTLS accepted, waiting for tls_started()
-    AUTH = "auth"  # in an AUTH exchange: lines are SASL responses (mta.smtp.sasl), or an AuthRequest is pending
-    CHUNKS = "chunks"  # a BDAT transaction: a chunk's octets, or between chunks a command
-    CLOSED = "closed"  # nothing more is read or answered
-
-
-class Step(TableKey):
-    """What moves the session between states: the columns of ``TRANSITIONS``."""
-
-    HELLO = "HELO or EHLO answered 250"
-    MAIL_ACCEPTED = "accept() of MailFrom"
-    RCPT_ACCEPTED = "accept() of RcptTo"
-    DATA_STARTED = "DATA answered 354"
-    BDAT_STARTED = "the first BDAT of a transaction with a recipient"
-    MESSAGE_ACCEPTED = "accept() of EndOfData"
-    MESSAGE_REJECTED = "reject() of EndOfData"
-    MESSAGE_REFUSED = "the core refused the content at its end (size, long line, bare CR/LF, NUL)"
-    RSET = "RSET answered 250"
-    STARTTLS_ACCEPTED = "accept() of StartTls"
-    TLS_STARTED = "tls_started() after the handshake"
-    AUTH_STARTED = "AUTH answered 334, or its initial response completed the credentials"
-    AUTH_SUCCEEDED = "accept() of AuthRequest, 235 sent"
-    AUTH_FAILED = "reject() of AuthRequest"
-    AUTH_ABORTED = "the exchange ended without credentials: cancel, not base64, too long, malformed"
-    QUIT = "QUIT answered 221"
-    TOO_MANY_ERRORS = "the error limit reached, 421 sent"
-    EOF = "the peer closed its side"
-
-
-# The state machine, whole: the only way the state changes (ServerConnection._fire).
-TRANSITIONS: Final[Mapping[State, Mapping[Step, State]]] = {
-    State.CONNECTED: {
-        Step.HELLO: State.IDLE,
-        Step.RSET: State.CONNECTED,  # no HELO yet, and RSET is no substitute for one
-        Step.QUIT: State.CLOSED,
-        Step.TOO_MANY_ERRORS: State.CLOSED,
-        Step.EOF: State.CLOSED,
-    },
-    State.IDLE: {
-        Step.HELLO: State.IDLE,
-        Step.MAIL_ACCEPTED: State.MAIL,
-        Step.STARTTLS_ACCEPTED: State.TLS,
-        Step.AUTH_STARTED: State.AUTH,
-        Step.RSET: State.IDLE,
-        Step.QUIT: State.CLOSED,
-        Step.TOO_MANY_ERRORS: State.CLOSED,
-        Step.EOF: State.CLOSED,
-    },
-    State.MAIL: {
-        Step.HELLO: State.IDLE,
-        Step.RCPT_ACCEPTED: State.RCPT,
-        Step.RSET: State.IDLE,
-        Step.QUIT: State.CLOSED,
-        Step.TOO_MANY_ERRORS: State.CLOSED,
-        Step.EOF: State.CLOSED,
-    },
-    State.RCPT: {
-        Step.HELLO: State.IDLE,
-        Step.RCPT_ACCEPTED: State.RCPT,
-        Step.DATA_STARTED: State.DATA,
-        Step.BDAT_STARTED: State.CHUNKS,
-        Step.RSET: State.IDLE,
-        Step.QUIT: State.CLOSED,
-        Step.TOO_MANY_ERRORS: State.CLOSED,
-        Step.EOF: State.CLOSED,
-    },
-    State.DATA: {  # only the end of the content, or of the connection, leaves it: no command is read here
-        Step.MESSAGE_ACCEPTED: State.IDLE,
-        Step.MESSAGE_REJECTED: State.IDLE,
-        Step.MESSAGE_REFUSED: State.IDLE,
-        Step.EOF: State.CLOSED,
-    },
-    State.CHUNKS: {  # the end of the content, or a command between chunks that ends the transaction
-        Step.MESSAGE_ACCEPTED: State.IDLE,
-        Step.MESSAGE_REJECTED: State.IDLE,
-        Step.MESSAGE_REFUSED: State.IDLE,
-        Step.HELLO: State.IDLE,
-        Step.RSET: State.IDLE,
-        Step.QUIT: State.CLOSED,
-        Step.TOO_MANY_ERRORS: State.CLOSED,
-        Step.EOF: State.CLOSED,
-    },
-    State.TLS: {  # input is ignored until the handshake is done
-        Step.TLS_STARTED: State.CONNECTED,
-    },
-    State.AUTH: {  # no command is read here: each line is a response, until the exchange ends
-        Step.AUTH_SUCCEEDED: State.IDLE,
-        Step.AUTH_FAILED: State.IDLE,
-        Step.AUTH_ABORTED: State.IDLE,
-        Step.EOF: State.CLOSED,
-    },
-    State.CLOSED: {},
-}
-# What a step makes the session forget, from whichever state it fires: the
-# transaction (recipient count, SMTPUTF8), or the whole session (also the
-# HELO name and ESMTP). RFC 5321 §4.1.4: HELO/EHLO reset like RSET; RFC 3207
-# §4.2: after the handshake the client starts again with EHLO.
-_FORGETS_SESSION: Final = frozenset({Step.HELLO, Step.TLS_STARTED})
-_FORGETS_TRANSACTION: Final = frozenset(
-    {Step.RSET, Step.MESSAGE_ACCEPTED, Step.MESSAGE_REJECTED, Step.MESSAGE_REFUSED}
-)
-
-_COMMAND_STATES: Final = frozenset({State.CONNECTED, State.IDLE, State.MAIL, State.RCPT, State.CHUNKS})
-# Commands and the states they are heard in; elsewhere they get 503 5.5.1.
-_ALLOWED: Final[dict[str, frozenset[State]]] = {
-    "EHLO": _COMMAND_STATES,
-    "HELO": _COMMAND_STATES,
-    "MAIL": frozenset({State.IDLE}),
-    "RCPT": frozenset({State.MAIL, State.RCPT}),
-    "DATA": frozenset({State.MAIL, State.RCPT}),  # in MAIL: 554, no recipient was accepted
-    "BDAT": _COMMAND_STATES,  # without a recipient: refused, and its octets dropped
-    "RSET": _COMMAND_STATES,
-    "NOOP": _COMMAND_STATES,
-    "HELP": _COMMAND_STATES,
-    "VRFY": _COMMAND_STATES,
-    "QUIT": _COMMAND_STATES,
-    "STARTTLS": frozenset({State.IDLE}),
-    "AUTH": frozenset({State.IDLE}),
-}
-# Told of every step taken: (from, step, to). For tests and tracing; it must not call back into the connection.
-TransitionHook = Callable[[State, Step, State], None]
-
-
-# The step an accepted decision takes.
-_ON_ACCEPT: Final[dict[type[Decision], Step]] = {
-    MailFrom: Step.MAIL_ACCEPTED,
-    RcptTo: Step.RCPT_ACCEPTED,
-    DataCommand: Step.DATA_STARTED,
-    EndOfData: Step.MESSAGE_ACCEPTED,
-    StartTls: Step.STARTTLS_ACCEPTED,
-    AuthRequest: Step.AUTH_SUCCEEDED,
-}
-
 
 class ServerConnection:
     """One SMTP server session. The greeting is queued by the constructor.
@@ -411,7 +272,7 @@ class ServerConnection:
         if not reply.is_positive:
             raise LocalProtocolError(f"accept() with a negative reply {reply}")
         self._send(reply)
-        self._fire(_ON_ACCEPT[type(ev)])
+        self._fire(ON_ACCEPT[type(ev)])
         if isinstance(ev, RcptTo):
             self._rcpt_count += 1
         elif isinstance(ev, AuthRequest):
@@ -454,9 +315,9 @@ class ServerConnection:
         if new is None:
             raise LocalProtocolError(f"no step {step.name} ({step.value}) from state {old.name}")
         self._state = new
-        if step in _FORGETS_SESSION:
+        if step in FORGETS_SESSION:
             self._reset_session()
-        elif step in _FORGETS_TRANSACTION:
+        elif step in FORGETS_TRANSACTION:
             self._reset_transaction()
         if self._on_transition is not None:
             self._on_transition(old, step, new)
@@ -526,7 +387,7 @@ class ServerConnection:
         verb = verb.upper()
         # AUTH's argument after the mechanism is a credential: never kept for the log.
         self._command, self._argument = verb[:16], (arg.split(" ")[0] if verb == "AUTH" else arg)[:ARGUMENT_SHOWN]
-        allowed = _ALLOWED.get(verb)
+        allowed = ALLOWED.get(verb)
         if allowed is None:
             if verb == "EXPN":
                 self._error(replies.R_NOT_IMPLEMENTED, "not_implemented")

@@ -16,7 +16,7 @@ from relay_support import NextHop, RawClient, relay_config, start_relay, tls_fil
 
 from mta.auth.users import add_user
 from mta.config import Config, load_config, parse_config
-from mta.inbound.server import Port
+from mta.inbound.session import Port
 from mta.limits.limiter import RateLimits
 from mta.process.reload import reload
 from mta.shards import parse_queue_id

@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from relay_support import DeliveryWatch, NextHop, RawClient, SilentHop, relay_config, start_relay, tls_files
 
 from mta.auth.users import add_user
-from mta.inbound.server import Port
+from mta.inbound.session import Port
 from mta.shards import spool_config
 from mta.smtp.common import Reply
 from spool.engine.spool import Spool

@@ -21,7 +21,7 @@ from milter_support import message, start_test_milter
 from relay_support import NextHop, relay_config, start_relay
 
 from mta.auth.users import add_user
-from mta.inbound.server import Port
+from mta.inbound.session import Port
 
 PASSWORD = "correct horse battery staple"
 

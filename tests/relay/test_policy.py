@@ -34,7 +34,7 @@ from relay_support import NextHop, relay_config, start_relay
 
 from mta.auth.users import add_user
 from mta.config import Config
-from mta.inbound.server import Port
+from mta.inbound.session import Port
 
 OUTSIDE = "127.0.0.5"  # a client outside mynetworks
 BODY = b"From: a@example.org\r\nTo: bob@dest.test\r\nSubject: policy\r\n\r\nhello\r\n"

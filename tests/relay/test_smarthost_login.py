@@ -25,7 +25,7 @@ from relay_support import DeliveryWatch, NextHop, relay_config, start_relay
 
 from mta.auth.users import add_user
 from mta.config import ConfigError, parse_config
-from mta.inbound.server import Port
+from mta.inbound.session import Port
 from spool.format.record import Status
 
 PASSWORD = "correct horse battery staple"

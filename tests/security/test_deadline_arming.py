@@ -1,4 +1,4 @@
-"""The client's command deadline is armed lazily (``mta.inbound.server._Session._arm``): never early, at most
+"""The client's command deadline is armed lazily (``mta.inbound.session._Session._arm``): never early, at most
 the slack late, however many commands moved it on.
 
 A real SmtpServer over TCP on the autojump clock: no message is sent, so no commit runs in a worker thread
@@ -15,7 +15,8 @@ import trio.testing
 from spool_support import running_spool, spool_config
 
 from mta.config import parse_config
-from mta.inbound.server import DEADLINE_SLACK, SmtpServer
+from mta.inbound.server import SmtpServer
+from mta.inbound.session import DEADLINE_SLACK
 from mta.observe.metrics import Metrics
 
 SERVER_TOML = """

@@ -22,7 +22,7 @@ from logfmt import events
 from relay_support import DeliveryWatch, NextHop, RawClient, relay_config, start_relay, tls_files
 
 from mta.auth.users import add_user
-from mta.inbound.server import Port
+from mta.inbound.session import Port
 from mta.process.relay import Relay
 from mta.smtp.common import Reply
 from spool.format.record import Status

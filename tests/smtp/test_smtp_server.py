@@ -473,7 +473,8 @@ async def test_smtplib_against_the_core_behind_a_trio_shell() -> None:
 async def test_shell_answers_a_pipelined_group_in_one_write_and_never_holds_a_reply(tmp_path: Path) -> None:
     from relay_support import CountingStream, relay_config, start_relay
 
-    from mta.inbound.server import SmtpServer, _Session
+    from mta.inbound.server import SmtpServer
+    from mta.inbound.session import _Session
 
     async with trio.open_nursery() as nursery:
         relay = await start_relay(nursery, relay_config(str(tmp_path), {"localhost": "maildir:maildir"}))

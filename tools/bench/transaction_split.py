@@ -62,6 +62,7 @@ from relay_vs_postfix import LOGSPOOL_TOML, RECIPIENT, SENDER, Sink, free_port, 
 sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 from mta.config.loader import parse_config  # noqa: E402  (after the code tree to measure is first)
 from mta.inbound import server as inbound  # noqa: E402
+from mta.inbound import session as inbound_session  # noqa: E402
 from mta.process.relay import Relay  # noqa: E402
 from spool.aio import group_commit  # noqa: E402
 from spool.write.log import Batch, LogWriter  # noqa: E402
@@ -239,9 +240,9 @@ def instrument(line: Timeline) -> Callable[[], None]:
         return wrapper
 
     wrap(inbound.SmtpServer, "handle", handle)
-    wrap(inbound._Session, "_data_start", before("data"))
-    wrap(inbound._Session, "_end_of_data", async_before("eod"))
-    wrap(inbound._Session, "_flush", flush)
+    wrap(inbound_session._Session, "_data_start", before("data"))
+    wrap(inbound_session._Session, "_end_of_data", async_before("eod"))
+    wrap(inbound_session._Session, "_flush", flush)
     wrap(group_commit.GroupCommit, "enqueue", enqueue)
     wrap(group_commit.GroupCommit, "commit", commit)
     # The batch's work itself, in whichever thread runs it (a lone commit writes in the event loop's);
