@@ -7,6 +7,7 @@ count, bounded in time.
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 from collections.abc import AsyncIterator
@@ -179,7 +180,13 @@ async def test_a_connection_on_a_descriptor_above_1023_is_still_reused(tmp_path:
     if soft < need:
         assert hard >= need, "the test needs 1,200 open files"  # never skipped: it fails where it cannot run
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    # Every descriptor below 1,100 taken: the hop's socket gets one above 1023. Garbage from earlier tests is
+    # collected first and no collection runs meanwhile, so no descriptor below is freed under the test.
+    gc.collect()
+    gc.disable()
+    filler = [os.open(os.devnull, os.O_RDONLY)]
+    while filler[-1] < 1100:
+        filler.append(os.open(os.devnull, os.O_RDONLY))
     try:
         async with transport_to_hop(tmp_path, 'connection_cache_time = "60s"') as (transport, dest, hop):
             transport.cache.probe_after = 60.0
@@ -191,4 +198,5 @@ async def test_a_connection_on_a_descriptor_above_1023_is_still_reused(tmp_path:
     finally:
         for fd in filler:
             os.close(fd)
+        gc.enable()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
