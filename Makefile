@@ -7,7 +7,6 @@ PIP := $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 REPORT_STAMP := $(VENV)/.installed-report
 DEV_STAMP := $(VENV)/.installed-dev
-SYS_STAMP := .sysdeps-installed
 SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless unbound ldnsutils chromium \
 	rspamd redis-server opendkim opendkim-tools dovecot-core dovecot-lmtpd postgrey haproxy python3-milter \
 	libidn12
