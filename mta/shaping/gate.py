@@ -18,6 +18,7 @@ import time as clock
 from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
+import dns.exception
 
 from mta.config import TlsMode, parse_tls, tls_text
 from mta.shaping.adapt import Adaptive, Override
@@ -103,8 +104,8 @@ class Shaper:
         self._looking.add(domain)
         try:
             hosts = list(await self.mx_lookup(domain))
-        except Exception:  # the transport meets (and reports) the same failure; shaping goes by the domain alone
-            hosts = []
+        except (dns.exception.DNSException, OSError):  # the transport meets (and reports) the same failure
+            hosts = []  # shaping goes by the domain alone
         finally:
             self._looking.discard(domain)
         return self.settle(resolve(self.table, domain, hosts))

@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import dns.exception
+import pytest
+
 from mta.shaping.adapt import Adaptive
 from mta.shaping.gate import Shaper, require_tls
 from mta.shaping.resolve import resolve
@@ -101,3 +104,20 @@ def test_a_bounce_rule_on_a_domain_bounces_that_domain_only(tmp_path: Path) -> N
     verdict = s.verdict(one, 1.0)
     assert verdict is not None and verdict.action == "bounce" and "domain one.test bounced" in verdict.reply()
     assert s.verdict(two, 1.0) is None
+
+
+async def test_a_failed_lookup_shapes_by_the_domain_and_a_fault_in_the_lookup_is_not_hidden(tmp_path: Path) -> None:
+    async def times_out(domain: str) -> Sequence[str]:
+        raise dns.exception.Timeout
+
+    async def faulty(domain: str) -> Sequence[str]:
+        raise KeyError(domain)
+
+    s = shaper(tmp_path)
+    s.mx_lookup = times_out
+    shape = await s.classify("small.test")
+    assert shape.resolution.provider is None and not s.looking_up("small.test")
+    s.mx_lookup = faulty
+    with pytest.raises(KeyError):
+        await s.classify("other.test")
+    assert not s.looking_up("other.test")
