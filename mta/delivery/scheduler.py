@@ -88,6 +88,7 @@ from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery import dsn_notify
 from mta.delivery.egress import AllCapped, Egress
+from mta.delivery.retry_class import class_after_suspension
 from mta.delivery.routing import destination_for
 from mta.delivery.scheduler_state import DestState, Tracker, last_error, lifetime_text
 from mta.delivery.transport import Destination, Job, Transport, TransportLost, passes_dot
@@ -394,6 +395,9 @@ class Scheduler:
             verdict = self.shaper.verdict(state.shape, now)
             if verdict is not None:  # no connection: these outcomes carry no reply code, so no rule counts them
                 status, code = (Status.DEFERRED, "4.7.0") if verdict.action == "suspend" else (Status.BOUNCED, "5.7.0")
+                if verdict.action == "suspend":  # the message's class is chosen to return after the end
+                    for job, tracker in batch:
+                        tracker.suspended.update(dict.fromkeys(job.recipients, verdict.override.ends))
                 await self._complete_all([(tracker, job, [Outcome(r, status, 0, code, verdict.reply(), "")
                                                           for r in job.recipients]) for job, tracker in batch],
                                          in_batch=True)
@@ -665,8 +669,18 @@ class Scheduler:
             extra: dict[str, Any] = {"last_error": tracker.last_error} if tracker.last_error else {}
             if tracker.delay_warned:
                 extra["delay_warned"] = True
-            self._finish(tracker, extra=extra or None, next_class=HELD_CLASS if tracker.hold else None,
-                         in_doubt=tracker.in_doubt)
+            self._finish(tracker, extra=extra or None, next_class=self._next_class(tracker), in_doubt=tracker.in_doubt)
+
+    def _next_class(self, tracker: Tracker) -> int | None:
+        """The held class for a damaged body held; for mail of a suspended provider, the class that brings it
+        back at the first runner pass after the suspension's end (``retry_class``); else None, the spool's own."""
+        if tracker.hold:
+            return HELD_CLASS
+        if not tracker.suspended:
+            return None
+        attempt = tracker.attempt
+        return class_after_suspension(self.aspool.core.config.retry_intervals, time.time(), attempt.remaining,
+                                      tracker.suspended, self.aspool.core.retry_class(attempt))
 
     def _lost_in_doubt(self, batch: list[tuple[Job, Tracker]], lost: dict[int, tuple[str, ...]]) -> None:
         """The process sending ``batch`` died (a delivery worker killed): its jobs ``lost`` were past their point

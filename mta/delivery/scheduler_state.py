@@ -31,6 +31,9 @@ class Tracker:
     # DSNs appended and not yet logged: (the job whose outcomes they report, the DSN's queue id, recipients).
     dsns: list[tuple[Job, str, int]] = attrs.field(factory=list)
     delay_warned: bool = False  # a delay notice was appended in this attempt (the replacement envelope says so)
+    # Recipients deferred without a connection because their provider is suspended: recipient -> the
+    # suspension's end (unix time), from which the message's retry class is chosen (mta.delivery.retry_class).
+    suspended: dict[str, float] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)

@@ -171,6 +171,12 @@ class Claims(SpoolCore):
             return min(attempt.envelope.attempts, self.config.classes - 1)
         return attempt.klass
 
+    def retry_class(self, attempt: Attempt) -> int:
+        """The class ``finish`` gives the attempt's remaining recipients when its caller names none: the class
+        after the one its backoff has reached (``_backoff_of``), so that a caller choosing a class of its own
+        (the relay, for a suspended provider's mail) can compare the two."""
+        return self.config.next_class(self._backoff_of(attempt))
+
     def next_wake(self) -> float | None:
         """Earliest time a runner may find something new (None: only new appends wake them).
 
@@ -239,7 +245,7 @@ class Claims(SpoolCore):
         remaining = attempt.remaining
         replacement = None
         if remaining:
-            klass = self.config.next_class(self._backoff_of(attempt)) if next_class is None else next_class
+            klass = self.retry_class(attempt) if next_class is None else next_class
             merged = {**attempt.envelope.extra, **(extra or {})}
             doubt = [r for r in in_doubt if r in remaining]
             hold = bool(doubt) and self.config.in_doubt == "hold"
