@@ -52,6 +52,11 @@ the destination is backed off (doubling from 2 s up to 5 min); while it is,
 its jobs are deferred at once without a connection attempt, as Postfix's
 qmgr does with a dead site.
 
+Suspended providers. A destination whose provider a shaping rule has
+suspended has its jobs deferred at once, without a connection (no reply code,
+so no rule counts them); the message goes into the retry class that brings it
+back at the first runner pass after the suspension's end (``retry_class``).
+
 Egress. When ``[egress]`` names a pool (or an address) for a recipient's
 route or the message's sender, the message's group for that destination is
 given one address of the pool as it is dispatched (``mta.delivery.egress``):

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 import smtplib
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from relay_support import NextHop, start_relay, write_relay_config
 
 from mta.cli import main
 from mta.config import load_config
+from mta.delivery.retry_class import class_reaching
 from mta.smtp.common import Reply
 
 SUSPEND = 20.0  # seconds the rule suspends the provider for: long enough for a kill -9 and a restart
@@ -149,6 +153,87 @@ async def test_two_421_suspend_the_provider_across_a_restart_and_only_its_own_ma
             await hop.wait_messages(4, timeout=SUSPEND + 30)
             assert min(hop.rcpts["a.test"][2:]) >= ends
             assert (await explain(config_path, "a.test"))["overrides"] == []
+            nursery.cancel_scope.cancel()
+
+
+HOLD_SUSPEND = 8.0  # seconds: within the second class (10 s) from any moment of it but its first second
+HOLD_RETRY = (1.0, 10.0, 60.0)
+HOLD_TABLE = TABLE.replace(f'duration = "{SUSPEND}s"', f'duration = "{HOLD_SUSPEND}s"')
+
+
+class RecipientHop(ProviderHop):
+    """ProviderHop that also keeps when each recipient was offered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_rcpt: dict[str, list[float]] = {}
+
+    def _answer(self, stage: str, value: Any) -> Reply | None:
+        if stage == "rcpt":
+            self.by_rcpt.setdefault(str(value).strip("<>").lower(), []).append(time.time())
+        return super()._answer(stage, value)
+
+
+async def spool_records(spool: Path) -> list[dict[str, Any]]:
+    """Every record of the spool's log as ``spoolctl dump --json`` decodes it."""
+    spoolctl = os.path.join(os.path.dirname(sys.executable), "spoolctl")
+    done = await trio.run_process([spoolctl, "dump", "--json", str(spool)], capture_stdout=True,
+                                  capture_stderr=True)
+    return [json.loads(line) for line in done.stdout.decode().splitlines()]
+
+
+async def test_a_suspended_providers_mail_waits_in_the_class_reaching_the_end_and_comes_back_after_it(
+        tmp_path: Path) -> None:
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            dns = DnsServer()
+            dns_port = await nursery.start(dns.serve)
+            hop = RecipientHop()
+            port = await hop.start(nursery)
+            dns.mx("a.test", 10, "mx.prov-a.test")
+            dns.a("mx.prov-a.test", "127.0.0.1")
+            (tmp_path / "shaping.toml").write_text(HOLD_TABLE)
+            extra = (f'[delivery]\nresolver = "127.0.0.1:{dns_port}"\nmx_port = {port}\n'
+                     f'[shaping]\nbuiltin = false\nfile = "shaping.toml"\n')
+            retry = "[" + ", ".join(f'"{i:g}s"' for i in HOLD_RETRY) + "]"
+            config_path = write_relay_config(tmp_path, {"localhost": "maildir:maildir", "*": "mx"}, extra=extra,
+                                             retry=retry)
+            relay = RelayProcess(config_path)
+            await relay.start(nursery)
+            for n, rcpt in enumerate(("u1@a.test", "u2@a.test"), 1):
+                await trio.to_thread.run_sync(_send, relay.port, rcpt)
+                await wait_until(lambda n=n: len(hop.rcpts.get("a.test", [])) >= n)
+            await relay.wait_output(lambda: any("event=shaping_override" in line for line in relay.lines), 30,
+                                    "the override")
+            until = [m for line in relay.lines if "event=shaping_override" in line
+                     and (m := re.search(r"until=([0-9.]+)", line))]
+            ends = float(until[0].group(1))
+            hop.throttle = False  # after the end prova takes the mail; during it no connection is made
+
+            await trio.to_thread.run_sync(_send, relay.port, "u3@a.test")
+            await relay.wait_output(lambda: internal(relay, "u3@a.test") >= 1, 30, "u3 deferred by the relay")
+            await relay.wait_output(lambda: any("event=delivery" in line and "to=<u3@a.test>" in line
+                                                and "status=sent" in line for line in relay.lines),
+                                    HOLD_SUSPEND + 30, "u3 delivered after the suspension")
+            assert internal(relay, "u3@a.test") == 1  # deferred once by the relay, not at every 1 s pass
+            assert hop.by_rcpt["u3@a.test"] and min(hop.by_rcpt["u3@a.test"]) >= ends
+
+            records = await spool_records(tmp_path / "spool")
+            envelopes = [r for r in records if r["type"] == "ENVELOPE" and r["payload"]["recipients"] == ["u3@a.test"]]
+            first, replacement = envelopes[0], envelopes[1]
+            assert first["class"] == 0 and replacement["payload"]["replaces"] == first["position"]
+            assert replacement["time"] < ends - 1, "the test machine was too slow: u3 deferred late in the suspension"
+            starts = [r for r in records if r["type"] == "START"
+                      and r["payload"]["envelope"] in (first["position"], replacement["position"])]
+            assert [s["payload"]["envelope"] for s in starts] == [first["position"], replacement["position"]]
+            finish = next(r for r in records
+                          if r["type"] == "FINISH" and r["payload"]["start"] == starts[0]["position"])
+            # The FINISH names the replacement, whose class is the smallest whose interval reaches the end...
+            assert finish["payload"]["replacement"] == replacement["position"]
+            assert replacement["class"] == 2 == class_reaching(HOLD_RETRY, replacement["time"], ends)
+            # ...so its one claim is after the end, and at the pass that class makes, not a longer class's.
+            again = starts[1]["payload"]["time_ms"] / 1000
+            assert ends <= again < replacement["time"] + HOLD_RETRY[1] + 5 < replacement["time"] + HOLD_RETRY[2]
             nursery.cancel_scope.cancel()
 
 
