@@ -173,8 +173,8 @@ class Claims(SpoolCore):
 
     def retry_class(self, attempt: Attempt) -> int:
         """The class ``finish`` gives the attempt's remaining recipients when its caller names none: the class
-        after the one its backoff has reached (``_backoff_of``), so that a caller choosing a class of its own
-        (the relay, for a suspended provider's mail) can compare the two."""
+        after the one its backoff has reached (``_backoff_of``), so that a caller with a class of its own in
+        mind can take the earlier of the two."""
         return self.config.next_class(self._backoff_of(attempt))
 
     def next_wake(self) -> float | None:
