@@ -15,8 +15,10 @@ first message to a domain waits for its MX lookup (a local function: DNS is
 not what is measured). The transport answers at once: 95 %
 ``250``, 5 % ``451 4.3.0`` (deferred to a retry class past the run), so the
 rules' matching runs on every refusal. The producers enqueue with the real
-spool (fsync, group commit). The last line is one JSON object with the
-medians and the ratios against ``off``.
+spool (fsync, group commit). The variants take turns at going first. The last line is one JSON object
+with the medians, their ratios against ``off``, and the median of each
+run's ratios (``pair_median_full_vs_empty``: the rules' and destinations'
+cost over a shaper with no rules).
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def main() -> None:
         f"{args.producers} producers; {common.cpu_model()}; load {common.load_average()}; code {common.ROOT}")
     res: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(args.runs):
-        for v in variants:
+        for v in variants[r % 3:] + variants[:r % 3]:  # each variant first, second and third in turn
             with common.temp_dir(f"shaping-{v}") as d:
                 out = trio.run(cycle, d, v, args.messages, args.producers, not args.cold)
             res[v].append(out)
@@ -162,6 +164,11 @@ def main() -> None:
             result[f"{k}_{v}"] = round(median([o[k] for o in outs]), 3)
     for v in ("empty", "full"):
         result[f"ratio_{v}_vs_off"] = round(result[f"mps_{v}"] / result["mps_off"], 3)
+    # Per run, the variants ran side by side: the median of those ratios is what a shared machine cannot blur.
+    for a, b in (("empty", "off"), ("full", "off"), ("full", "empty")):
+        pairs = [x["mps"] / y["mps"] for x, y in zip(res[a], res[b], strict=True)]
+        result[f"pair_median_{a}_vs_{b}"] = round(median(pairs), 3)
+        say(f"  {a}/{b} per run: {', '.join(f'{p:.2f}' for p in pairs)}; median {median(pairs):.2f}")
     common.emit_json(result)
 
 
