@@ -220,6 +220,8 @@ class Scheduler:
             return []
         env, mx = attempt.envelope, []
         for rcpt in attempt.remaining:
+            if not self.egress.section.needs_provider(env.sender, rcpt.rpartition("@")[2].lower()):
+                continue  # a sender or route rule decides: no route to look at
             try:
                 dest = destination_for(self.config, rcpt, env.extra.get("filter"))
             except Exception as exc:
