@@ -327,7 +327,7 @@ class Scheduler:
             self._lookup(dest.target, shaper)
 
     def _lookup(self, domain: str, shaper: Shaper) -> trio.Event:
-        """The MX lookup of ``domain`` under way, started now if none is: set once its shape is settled."""
+        """The MX lookup of ``domain`` under way (started here if none is): set once its shape is settled."""
         done = self._lookups.get(domain)
         if done is None:
             assert self._nursery is not None
