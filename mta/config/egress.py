@@ -2,7 +2,7 @@
 
 Why a section of its own and not keys on ``[routes]``: the same address or
 pool serves many routes and senders, and a warm-up schedule belongs to an
-address, not to a route. Four tables::
+address, not to a route. Five tables::
 
     [egress.sources."192.0.2.10"]           # one local address: its EHLO name, its warm-up
     ehlo = "out1.example.com"
@@ -21,17 +21,26 @@ address, not to a route. Four tables::
     [egress.senders]                         # sender domain (as [routes]) -> a pool or one address
     "news.example.com" = "bulk"
 
-A sender match wins over a recipient-domain match. Only ``smtp`` and ``mx``
-routes use them (``mta.delivery.egress`` chooses; docs/operations.md,
-"Egress addresses"). Rules that span tables (a pool or route naming an
-address that is not a source, a route naming no pool) are ``problems``.
+    [egress.providers]                       # shaping provider ([provider.NAME]) -> a pool or one address
+    google = "192.0.2.11"
+
+The first that matches decides: the sender's domain, the recipient's domain
+(exact or ``.suffix``), the recipient's provider, ``routes``' ``*``, then
+``senders``' ``*``. A provider is the shaping table's (``mta.shaping``): it
+needs ``[shaping]`` on, and it applies to ``mx`` routes alone, where the
+table's domain list or the domain's MX hosts name it (``target_for`` is
+given the name; the scheduler finds it). Only ``smtp`` and ``mx`` routes use
+these tables (``mta.delivery.egress`` chooses; docs/operations.md, "Egress
+addresses"). Rules that span tables (a pool or route naming an address that
+is not a source, a route naming no pool, providers with shaping off) are
+``problems``; whether each provider is in the shaping table is checked where
+the table is loaded (``mta.process.startup.check_shaping``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -212,6 +221,22 @@ class DomainMap(Kind[tuple[tuple[str, str], ...]]):
         return dict(value)
 
 
+@attrs.frozen
+class ProviderMap(Kind[tuple[tuple[str, str], ...]]):
+    """Shaping provider name -> a pool's name or one address. The names are checked against the shaping table
+    when it is loaded: this module does not read it (``mta.shaping`` builds on ``mta.config``)."""
+
+    def what(self) -> str:
+        return "table: shaping provider (`[provider.NAME]`) -> a pool's name or an IP address"
+
+    def convert(self, raw: object, base_dir: str | None) -> tuple[tuple[str, str], ...]:
+        table = expect(raw, dict, "a table of provider = pool")
+        return tuple((name, text_of(target)) for name, target in table.items())
+
+    def write(self, value: tuple[tuple[str, str], ...]) -> TomlValue:
+        return dict(value)
+
+
 @attrs.frozen(kw_only=True)
 class EgressSection:
     """``[egress]``: source addresses for outgoing SMTP (see "Egress addresses" in docs/operations.md)."""
@@ -228,33 +253,50 @@ class EgressSection:
         "send from; no match: the system's choice of address", ())
     senders: tuple[tuple[str, str], ...] = setting(
         DomainMap(), "envelope sender domain -> pool or source address; wins over `routes`", ())
+    providers: tuple[tuple[str, str], ...] = setting(
+        ProviderMap(), "shaping provider (a `[provider.NAME]` of the shaping table) -> pool or source address for "
+        "`mx` routes to its domains (its `domains`, or MX hosts ending in its `mx_suffix`); after the exact and "
+        "`.suffix` matches of `routes` and `senders`, before their `*`; needs `[shaping]` on", ())
 
-    def problems(self) -> list[ConfigError]:
-        """What no single table can check: every name a pool or route uses must be defined."""
+    def problems(self, *, shaping: bool) -> list[ConfigError]:
+        """What no single table can check: every name a pool or route uses must be defined, and providers need
+        ``shaping`` (``[shaping] enabled``): without the shaper no recipient has a provider."""
         addresses = {s.address for s in self.sources}
         pools = {p.name for p in self.pools}
         found = [ConfigError(f"{address} is not in [egress.sources]", key=f"pools[{p.name}][{address}]")
                  for p in self.pools for address, _ in p.members if address not in addresses]
         if len(addresses) != len(self.sources):
             found.append(ConfigError("an address is given twice", key="sources"))
-        for table, entries in (("routes", self.routes), ("senders", self.senders)):
+        if self.providers and not shaping:
+            found.append(ConfigError("providers are the shaping table's: set [shaping] enabled = true, or remove "
+                                     "[egress.providers]", key="providers"))
+        for table, entries in (("routes", self.routes), ("senders", self.senders), ("providers", self.providers)):
             for domain, target in entries:
                 if target not in pools and target not in addresses:
                     found.append(ConfigError(f"{target!r} is neither a pool in [egress.pools] nor an address in "
                                              "[egress.sources]", key=f"{table}[{domain}]"))
         return found
 
-    def target_for(self, sender: str, recipient_domain: str) -> str | None:
-        """The pool name or address for a message from ``sender`` to ``recipient_domain``, None for none."""
-        sender_domain = sender.rpartition("@")[2]
-        if sender_domain:
-            found: str | None = match_domain(sender_domain, dict(self.senders))
-            if found is not None:
-                return found
-        routes: Mapping[str, str] = dict(self.routes)
-        found = match_domain(recipient_domain, routes)
+    def _explicit(self, sender_domain: str, recipient_domain: str) -> str | None:
+        """The sender's domain's exact or ``.suffix`` match, else the recipient's: what wins over a provider."""
+        found: str | None = match_domain(sender_domain, dict(self.senders)) if sender_domain else None
         if found is None:
-            found = routes.get("*")
+            found = match_domain(recipient_domain, dict(self.routes))
+        return found
+
+    def needs_provider(self, sender: str, recipient_domain: str) -> bool:
+        """Would the recipient's provider decide this message's target (no sender or route match wins first)?"""
+        return bool(self.providers) and self._explicit(sender.rpartition("@")[2], recipient_domain) is None
+
+    def target_for(self, sender: str, recipient_domain: str, provider: str | None = None) -> str | None:
+        """The pool name or address for a message from ``sender`` to ``recipient_domain`` (whose shaping provider
+        is ``provider``, None for none), None for no rule."""
+        sender_domain = sender.rpartition("@")[2]
+        found = self._explicit(sender_domain, recipient_domain)
+        if found is None and provider is not None:
+            found = dict(self.providers).get(provider)
+        if found is None:
+            found = dict(self.routes).get("*")
         if found is None and sender_domain:
             found = dict(self.senders).get("*")
         return found

@@ -252,7 +252,7 @@ class _Reader:
     def rules(self, config: Config, explicit: Mapping[str, Any]) -> None:
         """What no single setting can check."""
         server, relay = config.server, config.relay
-        for problem in config.egress.problems():
+        for problem in config.egress.problems(shaping=config.shaping.enabled):
             self.problem(ConfigError(problem.problem), f"egress.{problem.key}")
         if (server.tls_cert is None) != (server.tls_key is None):
             self.problem(ConfigError("tls_cert and tls_key must be set together"),

@@ -2,13 +2,22 @@
 
 Theory of operation. The scheduler asks ``Egress.choose`` once per message
 and destination, when it groups a message's recipients: the sender's domain,
-else the recipient's, names a pool (or one address); among the pool's
+else the recipient's, else the recipient's shaping provider, names a pool
+(or one address; ``EgressSection.target_for``); among the pool's
 addresses not at their warm-up cap for the day, the smooth weighted
 round-robin (nginx's: every candidate gains its weight, the richest is
 chosen and pays the candidates' total) gives each its share, in a fixed
 order that tests can predict. A pool whose every address is at its cap gives
 ``AllCapped``: the message is deferred and waits for its next retry (the
 next day brings room), it is never sent from an address outside its pool.
+
+Providers. ``[egress.providers]`` names a pool by the recipient's shaping
+provider, for ``mx`` routes: the table's domain lists name it at once, else
+the domain's MX hosts as the shaper last looked them up
+(``provider_of``). A message that a provider could decide (no sender or
+route match wins first) to a domain with neither waits for the lookup
+before it is dispatched (``lookups_wanted``); a failed lookup leaves the
+domain with no provider, and the message goes on to the ``*`` rules.
 
 Counting. A message counts against its address the moment it is chosen
 (so a burst cannot overshoot the cap while its deliveries are in flight),
@@ -28,11 +37,13 @@ from __future__ import annotations
 import datetime as dt
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 
 from mta.config.egress import EgressSection, Source, warmup_cap
+from mta.shaping.gate import Shaper
+from mta.shaping.resolve import provider_by_domain
 from spool import LOG_DIR, EventStream, NotARecord, Status, make_pos, parse_segment_name
 
 __all__ = ["AllCapped", "Egress"]
@@ -60,11 +71,14 @@ def _utc_day(now: float) -> dt.date:
 class Egress:
     """The choice of source address, and each address's messages today (``counts``).
 
-    ``clock``: seconds since the epoch (tests move the day).
+    ``clock``: seconds since the epoch (tests move the day). ``shaper``: whose table and MX lookups name the
+    recipients' providers (None: shaping off, no providers).
     """
 
-    def __init__(self, section: EgressSection, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, section: EgressSection, clock: Callable[[], float] = time.time,
+                 shaper: Shaper | None = None) -> None:
         self.section = section
+        self.shaper = shaper
         self.clock = clock
         self.sources = {s.address: s for s in section.sources}
         self.pools = {p.name: p.members for p in section.pools}
@@ -74,7 +88,7 @@ class Egress:
 
     @property
     def active(self) -> bool:
-        return bool(self.section.routes or self.section.senders)
+        return bool(self.section.routes or self.section.senders or self.section.providers)
 
     def _today(self) -> dt.date:
         day = _utc_day(self.clock())
@@ -82,16 +96,41 @@ class Egress:
             self._day, self.counts = day, {}
         return day
 
+    def provider_of(self, domain: str) -> str | None:
+        """The shaping provider of an ``mx`` recipient's ``domain``: by the table's domain lists, else by its MX
+        hosts as last looked up; None for none (or no ``[egress.providers]`` to use it)."""
+        if self.shaper is None or not self.section.providers:
+            return None
+        found = provider_by_domain(self.shaper.table, domain)
+        shape = self.shaper.shapes.get(domain) if found is None else None
+        if shape is not None and shape.resolution.provider is not None:
+            found = shape.resolution.provider.name
+        return found
+
+    def lookups_wanted(self, sender: str, mx_domains: Iterable[str]) -> list[str]:
+        """Those of a message's ``mx`` recipient domains whose MX hosts must be looked up before its egress is
+        chosen: a provider could decide it, and neither the table's domain lists nor a lookup within
+        ``RELOOK`` names the domain's provider yet."""
+        shaper = self.shaper
+        if shaper is None or not self.section.providers:
+            return []
+        wanted: list[str] = []
+        for domain in mx_domains:
+            if domain not in wanted and self.section.needs_provider(sender, domain) and shaper.known(domain) is None \
+                    and provider_by_domain(shaper.table, domain) is None:
+                wanted.append(domain)
+        return wanted
+
     def room(self, address: str) -> bool:
         """May ``address`` carry one more message today?"""
         source = self.sources.get(address)
         cap = warmup_cap(source, self._today()) if source is not None else None
         return cap is None or self.counts.get(address, 0) < cap
 
-    def choose(self, sender: str, recipient_domain: str) -> Source | AllCapped | None:
+    def choose(self, sender: str, recipient_domain: str, provider: str | None = None) -> Source | AllCapped | None:
         """The address for this message (counted against it now), ``AllCapped``, or None: no ``[egress]`` rule
-        applies (the system chooses, as without the section)."""
-        target = self.section.target_for(sender, recipient_domain)
+        applies (the system chooses, as without the section). ``provider``: the recipient's shaping provider."""
+        target = self.section.target_for(sender, recipient_domain, provider)
         return None if target is None else self.pick(target)
 
     def pick(self, target: str) -> Source | AllCapped:

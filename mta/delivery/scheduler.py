@@ -62,7 +62,11 @@ route or the message's sender, the message's group for that destination is
 given one address of the pool as it is dispatched (``mta.delivery.egress``):
 the address is part of the destination, so its queue, its connections and
 its backoff are its own. A pool with no room today defers the recipients at
-once, like a routing failure, without a connection.
+once, like a routing failure, without a connection. A message whose
+egress a shaping provider may name first waits (a task of its own) for its
+``mx`` domains' MX lookups (``Egress.lookups_wanted``), the same lookups
+their shapes wait for; it counts against ``max_pending`` meanwhile, so a
+slow DNS server holds the feeder back.
 
 Containment. An unexpected exception while one message or batch is routed,
 read, handed to its transport, or while its bounce is built, defers those
@@ -142,13 +146,15 @@ class Scheduler:
         self._waking = 0  # workers unparked that have not yet looked for work
         self._room = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._lookups: dict[str, trio.Event] = {}  # domain -> set once the shaper's MX lookup of it is done
+        self.waiting_lookup = 0  # messages claimed that wait for a lookup before they are dispatched
         # Called with (queue id, outcome) once an outcome is durable: the delivery
         # log and metrics are two readers; tests wait on it instead of sleeping.
         self.observers: list[Callable[[str, Outcome], None]] = []
         self._riding = 0  # batches whose outcomes wait in _commit_outcomes to ride another commit
         bc = config.bounce_classes
         self.classes = classifier_for(bc.rules_file, bc.defaults)  # each outcome's class, in its delivery line
-        self.egress = Egress(config.egress)  # the source addresses chosen, and each one's messages today
+        self.egress = Egress(config.egress, shaper=shaper)  # the source addresses chosen, and each one's messages today
         self.in_flight = 0  # messages claimed and not yet finished (their FINISH or replacement appended)
         self.delivered = 0  # messages finished since the start (a drain's count at exit)
         self.draining = False
@@ -188,7 +194,7 @@ class Scheduler:
 
     async def _feeder(self) -> None:
         while not self.draining:
-            room = self.max_pending - self.pending
+            room = self.max_pending - self.pending - self.waiting_lookup
             if room <= 0:
                 await self._room.wait()
                 continue
@@ -207,6 +213,48 @@ class Scheduler:
         if damaged:
             self._nursery.start_soon(self._damaged, tracker, str(damaged))
             return
+        domains = self._lookups_wanted(attempt)
+        if domains:
+            self.waiting_lookup += 1
+            self._nursery.start_soon(self._dispatch_after, tracker, domains)
+            return
+        self._route(tracker)
+
+    def _lookups_wanted(self, attempt: Attempt) -> list[str]:
+        """The domains of the message's ``mx`` recipients that must be looked up before its egress is chosen."""
+        if self.shaper is None or not self.egress.section.providers:
+            return []
+        env, mx = attempt.envelope, []
+        for rcpt in attempt.remaining:
+            if not self.egress.section.needs_provider(env.sender, rcpt.rpartition("@")[2].lower()):
+                continue  # a sender or route rule decides: no route to look at
+            try:
+                dest = destination_for(self.config, rcpt, env.extra.get("filter"))
+            except Exception as exc:
+                if is_fatal(exc, self.aspool.core):
+                    raise
+                continue  # _route meets the same failure and defers the recipient with its reason
+            if isinstance(dest, Destination) and dest.kind == "mx":
+                mx.append(dest.target)
+        return self.egress.lookups_wanted(env.sender, mx)
+
+    async def _dispatch_after(self, tracker: Tracker, domains: list[str]) -> None:
+        """Dispatch the message once the MX lookups of ``domains`` are done (each shared with its shape's)."""
+        assert self.shaper is not None
+        try:
+            events = [self._lookup(domain, self.shaper) for domain in domains]
+            for done in events:
+                await done.wait()
+        finally:
+            self.waiting_lookup -= 1
+            self._make_room()
+        self._route(tracker)
+
+    def _route(self, tracker: Tracker) -> None:
+        """Group the message's recipients by destination (each marked with its egress) and queue each group."""
+        assert self._nursery is not None
+        attempt = tracker.attempt
+        env = attempt.envelope
         groups: dict[Destination, list[str]] = {}
         unroutable: list[str] = []
         failed: list[Outcome] = []  # routing raised: deferred, with the reason
@@ -252,7 +300,9 @@ class Scheduler:
         (``_choose_sources``)."""
         if isinstance(dest, NoRoute) or dest.kind not in ("smtp", "mx") or not self.egress.active:
             return dest
-        target = self.egress.section.target_for(sender, rcpt.rpartition("@")[2].lower())
+        domain = rcpt.rpartition("@")[2].lower()
+        provider = self.egress.provider_of(domain) if dest.kind == "mx" else None
+        target = self.egress.section.target_for(sender, domain, provider)
         if target is None:
             return dest
         members = self.egress.pools.get(target, ((target, 1),))
@@ -279,12 +329,24 @@ class Scheduler:
     def _shape(self, dest: Destination, state: DestState, shaper: Shaper) -> None:
         """Give the destination its shape: known, or once its MX hosts are looked up (it waits until then)."""
         state.shape = shaper.known(dest.target)
-        if state.shape is None and not shaper.looking_up(dest.target):
-            assert self._nursery is not None
-            self._nursery.start_soon(self._classify, dest.target, shaper)
+        if state.shape is None:
+            self._lookup(dest.target, shaper)
 
-    async def _classify(self, domain: str, shaper: Shaper) -> None:
-        shape = await shaper.classify(domain)
+    def _lookup(self, domain: str, shaper: Shaper) -> trio.Event:
+        """The MX lookup of ``domain`` under way (started here if none is): set once its shape is settled."""
+        done = self._lookups.get(domain)
+        if done is None:
+            assert self._nursery is not None
+            done = self._lookups[domain] = trio.Event()
+            self._nursery.start_soon(self._classify, domain, shaper, done)
+        return done
+
+    async def _classify(self, domain: str, shaper: Shaper, done: trio.Event) -> None:
+        try:
+            shape = await shaper.classify(domain)
+        finally:
+            del self._lookups[domain]
+            done.set()
         for dest, state in self.dests.items():
             if dest.kind == "mx" and dest.target == domain:
                 state.shape = shape

@@ -187,11 +187,20 @@ def check_tls(config: Config) -> None:
 
 
 def check_shaping(config: Config) -> None:
-    """The shaping table ``[shaping]`` names, loaded. Raises ShapingError (a ConfigError: one line, exit 2)."""
+    """The shaping table ``[shaping]`` names, loaded, and each ``[egress.providers]`` name one of its providers.
+
+    Raises ShapingError or ConfigError (one line, exit 2). The provider names are checked here, not by the
+    loader: only the table knows them, and ``mta.config`` does not import ``mta.shaping``.
+    """
     if config.shaping.enabled:
         from mta.shaping.setup import table_of
 
-        table_of(config)
+        table = table_of(config)
+        known = {p.name for p in table.providers}
+        for name, _ in config.egress.providers:
+            if name not in known:
+                raise ConfigError(f"{name!r} is not a provider of the shaping table (its providers: "
+                                  f"{', '.join(sorted(known)) or 'none'})", config.source, f"egress.providers[{name}]")
 
 
 def check_dkim_keys(config: Config) -> None:

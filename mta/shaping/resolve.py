@@ -16,7 +16,7 @@ import attrs
 
 from mta.shaping.table import LIMIT_NAMES, Limits, Provider, Rule, ShapingTable
 
-__all__ = ["Resolution", "host_of", "provider_of_reply", "resolve"]
+__all__ = ["Resolution", "host_of", "provider_by_domain", "provider_of_reply", "resolve"]
 
 
 @attrs.frozen
@@ -82,6 +82,12 @@ def _by_host(table: ShapingTable, host: str) -> tuple[Provider, str] | None:
         if provider is not None:
             return provider, suffix
     return None
+
+
+def provider_by_domain(table: ShapingTable, domain: str) -> str | None:
+    """The provider ``domain`` belongs to by the table's domain lists alone (its MX hosts unknown), None for none."""
+    provider = _by_domain(table, domain.lower().rstrip("."))
+    return provider.name if provider else None
 
 
 def provider_of_reply(table: ShapingTable, domain: str, next_hop: str) -> str | None:

@@ -23,7 +23,7 @@ from process_support import run_mta
 from mta.config import Config, ConfigError, parse_config
 from mta.config.bounce_classes import RulesFile
 from mta.config.dkim import HeaderName
-from mta.config.egress import DomainMap, Pools, Sources
+from mta.config.egress import DomainMap, Pools, ProviderMap, Sources
 from mta.config.events import ConsumerName, TopicName, WebhookUrl
 from mta.config.filters import HttpUrl, Milter
 from mta.config.limits import RateKind, SlotCount
@@ -301,6 +301,8 @@ def raw_values(kind: Kind[Any]) -> st.SearchStrategy[Any]:
         case DomainMap():
             return st.dictionaries(st.one_of(st.just("*"), HOST, HOST.map(lambda h: "." + h)),
                                    st.sampled_from(EGRESS_ADDRESSES), max_size=3)
+        case ProviderMap():
+            return st.dictionaries(LABEL, st.sampled_from(EGRESS_ADDRESSES), max_size=3)
         case Text(nonempty):
             return st.text(st.characters(exclude_characters="\0", codec="utf-8"), min_size=1 if nonempty else 0,
                            max_size=20)
@@ -336,7 +338,7 @@ def test_show_and_show_n_read_back_as_the_same_config(text: str) -> None:
         config = parse_config(text, "drawn.toml", base_dir=BASE)
     except ConfigError as e:  # a rule that spans settings (reserved_sessions, no route for the postmaster ...)
         assert e.key.startswith(("server.reserved_sessions", "relay.", "server.tls", "submission.", "egress.pools[",
-                                 "egress.routes[", "egress.senders[")), (e, text)
+                                 "egress.routes[", "egress.senders[", "egress.providers")), (e, text)
         assume(False)
         return
     same(show_config(config, base_dir=BASE), config)
