@@ -41,10 +41,12 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
+from mta.config import NoRoute
 from mta.config.egress import EgressSection, Source, warmup_cap
+from mta.delivery.transport import Destination
 from mta.shaping.gate import Shaper
 from mta.shaping.resolve import provider_by_domain
-from spool import LOG_DIR, EventStream, NotARecord, Status, make_pos, parse_segment_name
+from spool import LOG_DIR, EventStream, NotARecord, Outcome, Status, make_pos, parse_segment_name
 
 __all__ = ["AllCapped", "Egress"]
 
@@ -120,6 +122,38 @@ class Egress:
                     and provider_by_domain(shaper.table, domain) is None:
                 wanted.append(domain)
         return wanted
+
+    def mark(self, sender: str, rcpt: str, dest: Destination | NoRoute) -> Destination | NoRoute | AllCapped:
+        """``dest`` marked with the pool (or address) ``[egress]`` names for it, or ``AllCapped`` before any
+        choice when that pool has no room today; the address itself is chosen per message
+        (``choose_sources``)."""
+        if isinstance(dest, NoRoute) or dest.kind not in ("smtp", "mx") or not self.active:
+            return dest
+        domain = rcpt.rpartition("@")[2].lower()
+        provider = self.provider_of(domain) if dest.kind == "mx" else None
+        target = self.section.target_for(sender, domain, provider)
+        if target is None:
+            return dest
+        members = self.pools.get(target, ((target, 1),))
+        if not any(self.room(address) for address, _ in members):
+            return AllCapped(target)
+        return attrs.evolve(dest, source=f"pool:{target}")
+
+    def choose_sources(self, groups: dict[Destination, list[str]],
+                       failed: list[Outcome]) -> dict[Destination, list[str]]:
+        """One address per message and destination: each group ``mark`` gave a pool gets its address now (one
+        message counted against it, ``pick``). A group whose pool filled up meanwhile (an earlier group of
+        this message took the last room) is deferred into ``failed``."""
+        chosen: dict[Destination, list[str]] = {}
+        for dest, rcpts in groups.items():
+            if dest.source.startswith("pool:"):
+                picked = self.pick(dest.source.removeprefix("pool:"))
+                if not isinstance(picked, Source):
+                    failed.extend(Outcome(r, Status.DEFERRED, 0, "4.4.5", picked.text, "") for r in rcpts)
+                    continue
+                dest = attrs.evolve(dest, source=picked.address, helo=picked.ehlo)
+            chosen.setdefault(dest, []).extend(rcpts)
+        return chosen
 
     def room(self, address: str) -> bool:
         """May ``address`` carry one more message today?"""

@@ -92,7 +92,6 @@ import trio
 
 from mta.bounce_class import classifier_for
 from mta.config import Config, NoRoute
-from mta.config.egress import Source
 from mta.containment import is_fatal, local_error
 from mta.delivery import dsn as dsnmod
 from mta.delivery import dsn_notify
@@ -261,7 +260,7 @@ class Scheduler:
         qid = self.aspool.core.queue_id(env.message_id)
         for rcpt in attempt.remaining:
             try:
-                dest = self._egress_for(env.sender, rcpt, destination_for(self.config, rcpt, env.extra.get("filter")))
+                dest = self.egress.mark(env.sender, rcpt, destination_for(self.config, rcpt, env.extra.get("filter")))
             except Exception as exc:
                 if is_fatal(exc, self.aspool.core):
                     raise
@@ -275,7 +274,7 @@ class Scheduler:
                 failed.append(Outcome(rcpt, Status.DEFERRED, 0, "4.4.5", dest.text, ""))
             else:
                 groups.setdefault(dest, []).append(rcpt)
-        groups = self._choose_sources(groups, failed)
+        groups = self.egress.choose_sources(groups, failed)
         tracker.outstanding = len(groups) + (1 if unroutable else 0) + (1 if failed else 0)
         if unroutable:
             outs = [Outcome(r, Status.BOUNCED, 550, "5.1.2", "no route to this domain", "") for r in unroutable]
@@ -293,38 +292,6 @@ class Scheduler:
             if self.shaper is not None and state.shape is None and dest.kind == "mx":
                 self._shape(dest, state, self.shaper)
         self._wake()
-
-    def _egress_for(self, sender: str, rcpt: str, dest: Destination | NoRoute) -> Destination | NoRoute | AllCapped:
-        """``dest`` marked with the pool (or address) ``[egress]`` names for it, or ``AllCapped`` before any
-        choice when that pool has no room today; the address itself is chosen per message
-        (``_choose_sources``)."""
-        if isinstance(dest, NoRoute) or dest.kind not in ("smtp", "mx") or not self.egress.active:
-            return dest
-        domain = rcpt.rpartition("@")[2].lower()
-        provider = self.egress.provider_of(domain) if dest.kind == "mx" else None
-        target = self.egress.section.target_for(sender, domain, provider)
-        if target is None:
-            return dest
-        members = self.egress.pools.get(target, ((target, 1),))
-        if not any(self.egress.room(address) for address, _ in members):
-            return AllCapped(target)
-        return attrs.evolve(dest, source=f"pool:{target}")
-
-    def _choose_sources(self, groups: dict[Destination, list[str]],
-                        failed: list[Outcome]) -> dict[Destination, list[str]]:
-        """One address per message and destination: each group marked with a pool gets its address now (one
-        message counted against it, ``Egress.pick``). A group whose pool filled up meanwhile (an earlier
-        group of this message took the last room) is deferred into ``failed``."""
-        chosen: dict[Destination, list[str]] = {}
-        for dest, rcpts in groups.items():
-            if dest.source.startswith("pool:"):
-                picked = self.egress.pick(dest.source.removeprefix("pool:"))
-                if not isinstance(picked, Source):
-                    failed.extend(Outcome(r, Status.DEFERRED, 0, "4.4.5", picked.text, "") for r in rcpts)
-                    continue
-                dest = attrs.evolve(dest, source=picked.address, helo=picked.ehlo)
-            chosen.setdefault(dest, []).extend(rcpts)
-        return chosen
 
     def _shape(self, dest: Destination, state: DestState, shaper: Shaper) -> None:
         """Give the destination its shape: known, or once its MX hosts are looked up (it waits until then)."""
