@@ -27,6 +27,7 @@ transit breaks the signature.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 from typing import Protocol
 
@@ -76,27 +77,56 @@ def signature_field(key: Key, fields: tuple[Field, ...], include: tuple[bytes, .
     (the whole body signed, no ``l=``).
     """
     relaxed = canonicalize[0] == b"relaxed"
-    text = _unsigned_field(key, include, canonicalize, bh, now, length)
-    digest = hashlib.sha256()
-    for f in selected(fields, include):
-        digest.update(header_canonical(f, relaxed))
-    own = Field(_NAME, text[len(_NAME) + 1:])
+    t = b"%d" % now
+    text, hashed, column = _layout(key.domain, key.selector, key.algorithm, include, canonicalize, len(t),
+                                   len(bh), length)
     # The field itself comes last and without its CRLF (§3.7); its b= is empty in ``text``.
-    digest.update(header_canonical(own, relaxed).removesuffix(b"\r\n"))
-    signature = base64.b64encode(key.sign_digest(digest.digest()))
-    return text + _fold_value(signature, len(text) - text.rfind(b"\n") - 1) + b"\r\n"
+    signed = [header_canonical(f, relaxed) for f in selected(fields, include)]
+    signed.append(hashed[0] + t + hashed[1] + bh + hashed[2])
+    signature = base64.b64encode(key.sign_digest(hashlib.sha256(b"".join(signed)).digest()))
+    return text[0] + t + text[1] + bh + text[2] + _fold_value(signature, column) + b"\r\n"
 
 
-def _unsigned_field(key: Key, include: tuple[bytes, ...], canonicalize: tuple[bytes, bytes], bh: bytes,
-                    now: int, length: int | None) -> bytes:
+Pieces = tuple[bytes, bytes, bytes]  # what goes before t='s value, between it and bh='s, and after bh='s
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(domain: str, selector: str, algorithm: bytes, include: tuple[bytes, ...],
+            canonicalize: tuple[bytes, bytes], t_width: int, bh_width: int, length: int | None
+            ) -> tuple[Pieces, Pieces, int]:
+    """The field's text up to ``b=`` and its canonical form (what is hashed of it), around t= and bh=.
+
+    Folding depends on the widths of t= and bh= only, not on their digits, so
+    the text is laid out once per key, ``h=`` and widths (with placeholders
+    that no tag holds), and a message's values are put in between: the
+    layout is most of the Python a signature costs. The third value is the
+    column the text ends at, where the ``b=`` value begins.
+    """
+    t, bh = b"\x00" * t_width, b"\x01" * bh_width
+    text = _unsigned_field(domain.encode(), selector.encode(), algorithm, include, canonicalize, bh, t, length)
+    hashed = header_canonical(Field(_NAME, text[len(_NAME) + 1:]), canonicalize[0] == b"relaxed")
+    return _around(text, t, bh), _around(hashed.removesuffix(b"\r\n"), t, bh), len(text) - text.rfind(b"\n") - 1
+
+
+def _around(text: bytes, t: bytes, bh: bytes) -> Pieces:
+    """``text`` cut at its one ``t`` and its one ``bh`` (placeholders: a domain with a NUL is refused here)."""
+    before, t_found, rest = text.partition(t)
+    between, bh_found, after = rest.partition(bh)
+    others = before + between + after
+    if not (t_found and bh_found) or b"\x00" in others or b"\x01" in others:
+        raise ValueError("a DKIM-Signature tag holds a NUL or a \\x01 byte")
+    return before, between, after
+
+
+def _unsigned_field(domain: bytes, selector: bytes, algorithm: bytes, include: tuple[bytes, ...],
+                    canonicalize: tuple[bytes, bytes], bh: bytes, t: bytes, length: int | None) -> bytes:
     """The field's text up to and including ``b=``, folded: what the verifier hashes of it."""
-    domain = key.domain.encode()
-    tags = [b"v=1", b"a=" + key.algorithm, b"c=" + b"/".join(canonicalize), b"d=" + domain, b"i=@" + domain]
+    tags = [b"v=1", b"a=" + algorithm, b"c=" + b"/".join(canonicalize), b"d=" + domain, b"i=@" + domain]
     if length is not None:
         tags.append(b"l=%d" % length)
-    tags += [b"q=dns/txt", b"s=" + key.selector.encode(), b"t=%d" % now]
+    tags += [b"q=dns/txt", b"s=" + selector, b"t=" + t]
     # Words, each with what joins it to the one before when they share a line.
-    words: list[tuple[bytes, bytes]] = [(t + b";", b" ") for t in tags]
+    words: list[tuple[bytes, bytes]] = [(tag + b";", b" ") for tag in tags]
     names = [b"h=" + include[0], *include[1:]] if include else [b"h="]
     words += [(n + (b";" if i == len(names) - 1 else b":"), b" " if i == 0 else b"")
               for i, n in enumerate(names)]

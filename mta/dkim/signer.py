@@ -104,31 +104,36 @@ class Signer:
             parsed = split(message)
         except Malformed as exc:
             return Unsigned("error", detail=str(exc))
-        pairs = [(f.name, f.value) for f in parsed.fields]
-        domain = from_domain(pairs)
+        names = [f.name.lower() for f in parsed.fields]
+        domain = _one_domain([f.value for f, name in zip(parsed.fields, names, strict=True) if name == b"from"])
         if isinstance(domain, Unsigned):
             return domain
         keys = self.by_domain.get(domain)
         if not keys:
             return Unsigned("no_key", domain)
-        include = self.include_headers(pairs)
+        include = self.include_headers(names)
         bh = body_hash(parsed.body, CANONICALIZE[1] == b"relaxed")[0]  # SHA-256 for both algorithms
         fields = [signature_field(key, parsed.fields, include, CANONICALIZE, bh, now) for key in keys]
         return Signature(b"".join(fields), tuple(f"{k.domain}/{k.selector}" for k in keys),
                          time.perf_counter() - start)
 
-    def include_headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, ...]:
-        """``h=``: each configured field as many times as present, then each over-signed field once more."""
+    def include_headers(self, names: list[bytes]) -> tuple[bytes, ...]:
+        """``h=`` for the message's field names (lower case): each configured field as many times as present,
+        then each over-signed field once more."""
         count: dict[bytes, int] = {}
-        for name, _ in headers:
-            count[name.lower()] = count.get(name.lower(), 0) + 1
-        include = [h for h in self.headers for _ in range(count.get(h, 0))]
-        return tuple(include + list(self.oversign))
+        for name in names:
+            count[name] = count.get(name, 0) + 1
+        include = [h for h in self.headers if h in count for _ in range(count[h])]
+        return (*include, *self.oversign)
 
 
 def from_domain(headers: list[tuple[bytes, bytes]]) -> str | Unsigned:
     """The one domain of the message's From: field, in lower case, or why there is none."""
-    values = [value for name, value in headers if name.lower() == b"from"]
+    return _one_domain([value for name, value in headers if name.lower() == b"from"])
+
+
+def _one_domain(values: list[bytes]) -> str | Unsigned:
+    """``from_domain`` of the values of the message's From: fields."""
     if not values:
         return Unsigned("no_from")
     if len(values) > 1:

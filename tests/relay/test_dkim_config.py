@@ -90,6 +90,20 @@ def test_whatever_a_client_sends_is_signed_or_left_unsigned_never_an_exception(
         assert result.header.startswith(b"DKIM-Signature: ") and result.header.endswith(b"\r\n")
 
 
+@pytest.mark.parametrize(("head", "outcome"), [
+    (b"FROM: a@Example.com\r\nSubject: x\r\n", "example.com/s1"),
+    (b"From: a@example.com\r\nfrom: b@example.com\r\n", "several_from"),
+    (b"Subject: x\r\n", "no_from"),
+    (b"From: a@example.org\r\n", "no_key"),
+    (b"From: a@example.com, b@example.org\r\n", "mixed_from"),
+])
+def test_the_signer_signs_for_the_one_from_domain_whatever_the_names_case(head: bytes, outcome: str) -> None:
+    result = Signer((_ED,), DkimSection()).sign(head + b"\r\nbody\r\n")
+    assert (result.signed_by[0] if isinstance(result, Signature) else result.reason) == outcome
+    if isinstance(result, Signature):  # h= counts the fields whatever the case of their names
+        assert b"h=from:subject:from;" in result.header.replace(b"\r\n\t", b"")
+
+
 def test_a_message_opening_with_a_continuation_line_is_left_unsigned() -> None:
     """A continuation line with no field before it (dkimpy's parser raised IndexError on it)."""
     result = Signer((_ED,), DkimSection()).sign(b" folded\r\nFrom: a@example.com\r\n\r\nbody\r\n")

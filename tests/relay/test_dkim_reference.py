@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mta.config.dkim import DkimSection
-from mta.dkim.canon import header_canonical, split
+from mta.dkim.canon import body_canonical, header_canonical, split
 from mta.dkim.header import body_hash, signature_field
 from mta.dkim.keys import SigningKey, signing_key
 from mta.dkim.signer import Signature, Signer, from_domain, parsed_domain
@@ -112,6 +112,23 @@ def test_what_is_hashed_is_what_dkimpy_hashes(message: bytes, c: tuple[bytes, by
     fields, bh = _dkimpy_canonical(message, c)
     assert b"".join(header_canonical(f, relaxed) for f in parsed.fields) == fields
     assert body_hash(parsed.body, c[1] == b"relaxed")[0] == bh
+
+
+# Pieces of a body: words, runs of WSP, every kind of line end (a bare CR is data, a bare LF is read as CRLF).
+_body_piece = st.sampled_from([b"a", b"word", b"\xc3\xa9", b".", b" ", b"  ", b"   ", b"\t", b" \t", b"\t\t ",
+                               b"\r", b"\n", b"\r\n", b"\r\r\n", b" \r\n", b"\t\n", b"\r\n\r\n"])
+_body_end = st.sampled_from([b"", b" ", b"\t", b"\r", b"\n", b"\r\n", b"\n\n", b"\r\n\r\n", b" \r\n",
+                             b"\t\r\n\r\n", b"\r\n \t\r\n", b"\r\n\r\n\r\n"])
+
+
+@pytest.mark.parametrize("relaxed", [True, False], ids=["relaxed", "simple"])
+@settings(max_examples=400, deadline=None)
+@given(pieces=st.lists(_body_piece, max_size=40), end=_body_end)
+def test_the_canonical_body_is_dkimpys(pieces: list[bytes], end: bytes, relaxed: bool) -> None:
+    """The body as hashed, byte for byte: bare CR and LF, CRLF, tabs, runs and trailing WSP, empty lines at the end."""
+    message = b"From: alice@example.com\r\n\r\n" + b"".join(pieces) + end
+    policy = CanonicalizationPolicy.from_c_value(b"relaxed/relaxed" if relaxed else b"simple/simple")
+    assert body_canonical(split(message).body, relaxed) == policy.canonicalize_body(dkim.rfc822_parse(message)[1])
 
 
 @pytest.mark.parametrize("body_length", [False, True], ids=["whole body", "l="])
