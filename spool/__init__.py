@@ -14,6 +14,11 @@ segments, checkpoints); the log is read through ``spool.read.reader``, its
 anomalies classified by ``spool.read.anomaly``. The report reads segments
 through ``spool.export``, the one other package that ``mta`` imports.
 
+A delivery worker makes its point of no return durable in a marks file of its
+own (``spool.format.marks``, written by ``spool.write.marks``); recovery reads
+those files and the relay collects them (``spool.read.marks``), all through
+the names here.
+
 Two modules are on the face as namespaces, for their many small names:
 ``listing`` (the queue as listed, counted and shown, read side) and
 ``remote`` (paths that may be URLs of an object store).
@@ -76,6 +81,7 @@ if TYPE_CHECKING:
     from spool.export.events import Event, EventBatch, EventStream, NotARecord
     from spool.fileio import FileIO, OsFileIO, write_all
     from spool.format.cursor import CursorError, check_cursor_name, list_cursors, load_cursor, store_cursor
+    from spool.format.marks import MARKS_DIR, Mark, MarksRead, marks_dir
     from spool.format.record import (
         HELD_CLASS,
         Delivery,
@@ -96,6 +102,8 @@ if TYPE_CHECKING:
     )
     from spool.format.segment import SEGMENT_HEADER_SIZE, parse_segment_name, read_frame_at, segment_path
     from spool.read import listing
+    from spool.read.marks import MarksCollector, marks_of, read_marks_dir
+    from spool.write.marks import MarksWriter
 
 # Each name on the face and the module it lives in.
 _HOMES: Final[dict[str, str]] = {
@@ -185,6 +193,15 @@ _HOMES: Final[dict[str, str]] = {
     "list_cursors": "spool.format.cursor",
     "load_cursor": "spool.format.cursor",
     "store_cursor": "spool.format.cursor",
+    # workers' marks: their files, written by a delivery worker, read by recovery, collected by the relay
+    "MARKS_DIR": "spool.format.marks",
+    "marks_dir": "spool.format.marks",
+    "Mark": "spool.format.marks",
+    "MarksRead": "spool.format.marks",
+    "MarksWriter": "spool.write.marks",
+    "MarksCollector": "spool.read.marks",
+    "read_marks_dir": "spool.read.marks",
+    "marks_of": "spool.read.marks",
     # namespaces
     "listing": "spool.read.listing",
     "remote": "spool.export.remote",
@@ -195,6 +212,7 @@ __all__ = [
     "HELD_CLASS",
     "INLINE_SYNC_FAST",
     "LOG_DIR",
+    "MARKS_DIR",
     "NEVER",
     "SEGMENT_HEADER_SIZE",
     "AsyncSpool",
@@ -221,6 +239,10 @@ __all__ = [
     "Integer",
     "Kind",
     "ListOf",
+    "Mark",
+    "MarksCollector",
+    "MarksRead",
+    "MarksWriter",
     "MessageBusy",
     "MessageMoved",
     "NotARecord",
@@ -255,6 +277,8 @@ __all__ = [
     "listing",
     "load_cursor",
     "make_pos",
+    "marks_dir",
+    "marks_of",
     "oldest_live",
     "parse_duration",
     "parse_id",
@@ -264,6 +288,7 @@ __all__ = [
     "pos_offset",
     "pos_segment",
     "read_frame_at",
+    "read_marks_dir",
     "remote",
     "resolve_path",
     "segment_path",

@@ -29,8 +29,11 @@ from spool.fileio import FileIO, read_exact
 from spool.format.record import HEADER, HEADER_SIZE, Frame, decode_frame
 
 MAGIC: Final = b"LSPOOLSG"
-FORMAT_VERSION: Final = 5  # what the writer writes: 5 is 4 plus DELIVERY's `source` (the egress address)
-READABLE_VERSIONS: Final = frozenset({2, 3, 4, 5})  # 2 (no zeroed room), 3 (no `sending`), 4 (no `source`) still read
+# What the writer writes: 6 is 5 plus the workers' marks files (spool.format.marks), refused by a version-5
+# reader, which would ignore the marks and send in-doubt mail again.
+FORMAT_VERSION: Final = 6
+# 2 (no zeroed room), 3 (no `sending`), 4 (no `source`), 5 (no marks) still read.
+READABLE_VERSIONS: Final = frozenset({2, 3, 4, 5, 6})
 SEGMENT_HEADER = struct.Struct("<8sHHIQII")
 SEGMENT_HEADER_SIZE: Final = SEGMENT_HEADER.size  # 32
 SECTOR: Final = 512  # torn-write rules count sector boundaries from the start of the file

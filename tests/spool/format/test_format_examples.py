@@ -115,7 +115,8 @@ def example() -> Example:
 
 def test_doc_has_exactly_the_examples_the_code_builds(doc_blocks: Blocks, example: Example) -> None:
     _, pieces, _ = example
-    assert set(doc_blocks) == set(pieces) | {"checkpoint"}
+    # "marks" is the workers' marks file, asserted by tests/spool/format/test_marks.py.
+    assert set(doc_blocks) == set(pieces) | {"checkpoint", "marks"}
 
 
 def example_checkpoint() -> Checkpoint:
