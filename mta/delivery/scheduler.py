@@ -509,6 +509,8 @@ class Scheduler:
                 results = [[Outcome(r, Status.DEFERRED, 0, "4.3.0", local_error(exc), str(dest))
                             for r in job.recipients] for job in jobs]
                 if isinstance(exc, TransportLost):
+                    for i, rcpts in exc.marked.items():  # marked in a dead worker's own file
+                        passed[i] = tuple(dict.fromkeys(passed.get(i, ()) + rcpts))
                     self._lost_in_doubt(batch, {i: r for i, r in passed.items() if i not in early})
         results = [early.get(i, outs) for i, outs in enumerate(results)]  # what was recorded stands
         duration = time.monotonic() - started

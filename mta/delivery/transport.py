@@ -73,7 +73,15 @@ batch as any local error does."""
 
 class TransportLost(RuntimeError):
     """A transport's own process went away mid-batch (a delivery worker died). Its cause is logged where it
-    was seen, so the scheduler defers the batch with a one-line reason and no traceback."""
+    was seen, so the scheduler defers the batch with a one-line reason and no traceback.
+
+    ``marked``: the batch's jobs (by index) whose point of no return that process had made durable itself (a
+    worker's own marks), and for which recipients: in doubt, as if ``before_dot`` had returned for them.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.marked: dict[int, tuple[str, ...]] = {}
 
 
 class Transport(Protocol):

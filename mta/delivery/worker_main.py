@@ -8,9 +8,11 @@ The first frame is the relay's config; then every ``batch`` frame is handed
 to one ``SmtpTransport`` (its connection cache, MX lookups, TLS policies and
 TLS-RPT journal are this process's), each outcome is sent back the moment
 the next hop answers, and the batch ends with ``done`` or ``failed``. Before
-each final dot the worker asks the relay for the job's point of no return
-(``dot``) and sends the dot only once the relay answered that it is durable
-(``dot_ok``): the same rule as the relay's own transport. A
+each final dot the job's point of no return is made durable: in this
+worker's own marks file when the job's START is durable (the relay says how
+far the log is, in ``durable`` frames and in each batch and ``dot_ok``;
+``mta.delivery.worker_marks``), else asked of the relay (``dot``, answered
+``dot_ok`` once its record is durable); the dot goes only after either. A
 stored body comes as its DATA records' positions and is read here from the
 spool's segment files as it is sent (``mta.delivery.worker_body``).
 
@@ -44,6 +46,7 @@ import trio
 
 from mta.config import Config
 from mta.delivery.worker_body import SegmentBody, SegmentReader
+from mta.delivery.worker_marks import WorkerMarks
 from mta.delivery.worker_protocol import (
     FrameReader,
     ProtocolError,
@@ -52,8 +55,10 @@ from mta.delivery.worker_protocol import (
     encode,
     encode_outcomes,
     job_from,
+    marks_prefix,
 )
 from mta.observe import logline
+from spool import MarksWriter
 
 log = logging.getLogger("mta.worker")
 
@@ -122,6 +127,15 @@ class Worker:
         self._chunks: dict[tuple[int, int, int], tuple[bytes | None, str | None]] = {}
         self._dots: dict[tuple[int, int], trio.Event] = {}  # (batch, job) -> its point of no return answered
         self._dot_errors: dict[tuple[int, int], str | None] = {}
+        # Own marks (mta.delivery.worker_marks): each batch's jobs' START positions, the log's durable end as the
+        # relay last said, and the writer (None until the first batch names the spool's marks directory; False
+        # once it failed: every point of no return is then asked of the relay).
+        self._starts: dict[int, list[int | None]] = {}
+        self.durable = 0
+        self.marks: WorkerMarks | bool | None = None
+        self._marks_opening: trio.Event | None = None
+        self.own_marks = 0  # points of no return marked here
+        self.relay_marks = 0  # ...asked of the relay
         self._token: trio.lowlevel.TrioToken | None = None
         self.format = "text"  # the relay's [log] format, for the one line written here
 
@@ -168,10 +182,23 @@ class Worker:
         return data
 
     async def before_dot(self, batch: int, index: int, recipients: Sequence[str]) -> None:
-        """Ask the relay to make the point of no return of job ``index``'s ``recipients`` durable, and wait
-        until it says it is.
+        """Make the point of no return of job ``index``'s ``recipients`` durable: in this worker's own marks
+        when the job's START is durable, else asked of the relay (and wait until it says it is).
 
         Raises PointNotRecorded when it could not (the final dot must not go)."""
+        starts = self._starts.get(batch)
+        start = starts[index] if starts is not None and 0 <= index < len(starts) else None
+        if start is not None and start < self.durable and isinstance(self.marks, WorkerMarks):
+            try:
+                await self.marks.mark(start, recipients)
+            except OSError as exc:  # the relay's log still can: every later point goes there
+                log.error("delivery worker %d: its own marks failed (%s); each point of no return is asked of the "
+                          "relay from now on", self.index, exc)
+                self.marks = False
+            else:
+                self.own_marks += 1
+                return
+        self.relay_marks += 1
         key = (batch, index)
         self._dots[key] = done = trio.Event()
         self.send(["dot", batch, index, list(recipients)])
@@ -211,8 +238,11 @@ class Worker:
             if done is not None:
                 self._chunks[key] = (data, error)
                 done.set()
+        elif kind == "durable":
+            self.durable = max(self.durable, int(message[1]))
         elif kind == "dot_ok":
-            _, batch, index, error = message
+            _, batch, index, error, durable = message
+            self.durable = max(self.durable, int(durable))
             dot_key = (int(batch), int(index))
             waiting = self._dots.get(dot_key)
             if waiting is not None:
@@ -236,6 +266,23 @@ class Worker:
         self.transport = transport
         self.send(["ready", os.getpid()])
 
+    async def _open_marks(self, directory: str) -> None:
+        """This life's marks file under ``directory`` (once; the batches that come meanwhile wait for it)."""
+        if self._marks_opening is not None:
+            await self._marks_opening.wait()
+            return
+        self._marks_opening = trio.Event()
+        try:
+            writer = await trio.to_thread.run_sync(MarksWriter, directory, marks_prefix(self.index, os.getpid()))
+        except OSError as exc:
+            log.error("delivery worker %d: no marks file of its own in %s (%s); each point of no return is asked "
+                      "of the relay", self.index, directory, exc)
+            self.marks = False
+        else:
+            self.marks = WorkerMarks(writer)
+        finally:
+            self._marks_opening.set()
+
     def _body(self, batch: int, index: int, header: list[Any], body: Any, log_dir: str | None) -> Any:
         """A job's body as the batch frame gave it: chunks inline, positions in the segment files (read here,
         ``worker_body``), or None (the relay gives it chunk by chunk)."""
@@ -250,7 +297,13 @@ class Worker:
         return body
 
     async def _deliver(self, message: list[Any]) -> None:
-        _, batch, dest_item, jobs_items, log_dir = message
+        _, batch, dest_item, jobs_items, log_dir, marks = message
+        if marks is not None:
+            directory, starts, durable = marks
+            self.durable = max(self.durable, int(durable))
+            self._starts[batch] = [None if s is None else int(s) for s in starts]
+            if self.marks is None:
+                await self._open_marks(str(directory))
         dest = decode_destination(dest_item)
         jobs = [job_from(header, self._body(batch, i, header, body, log_dir))
                 for i, (header, body) in enumerate(jobs_items)]
@@ -270,6 +323,8 @@ class Worker:
             self.send(["failed", batch, f"{type(exc).__name__}: {exc}",
                        "".join(traceback.format_exception(exc))])
             return
+        finally:
+            self._starts.pop(batch, None)
         # A job's outcomes already sent as they came are not sent again (None in their place).
         self.send(["done", batch, [None if i in sent else encode_outcomes(r) for i, r in enumerate(results)],
                    self.transport.cache.reused - before])

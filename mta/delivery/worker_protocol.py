@@ -165,3 +165,9 @@ def decode_outcomes(items: Sequence[Any]) -> list[Outcome]:
         return [Outcome(str(r), Status(int(s)), int(c), str(e), str(t), str(h)) for r, s, c, e, t, h in items]
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"an outcome that is not one: {exc}") from None
+
+
+def marks_prefix(index: int, pid: int) -> str:
+    """The name every marks file of worker ``index`` in its life as ``pid`` begins with (``spool.write.marks``):
+    the relay reads a dead worker's marks by it."""
+    return f"w{index}-{pid}"

@@ -9,8 +9,10 @@ each running the ordinary ``SmtpTransport`` in its own loop, and gives the
 scheduler back their outcomes as they come, as Postfix's qmgr hands
 deliveries to smtp(8) processes. The spool, the claims, the group commit and
 every record stay in the relay: a worker writes nothing but its log lines
-(sent back here) and the TLS-RPT journal (lines appended with O_APPEND,
-safe between processes; the daily roll-up runs here, once).
+(sent back here), the TLS-RPT journal (lines appended with O_APPEND,
+safe between processes; the daily roll-up runs here, once) and its own
+marks of the points of no return (``mta.delivery.worker_marks``), for
+attempts whose START the relay has said is durable (``durable`` frames).
 
 Bodies. A stored body (``StoredBody``: every body the scheduler hands over)
 goes to the worker as the positions of its DATA records, with the spool's
@@ -40,7 +42,8 @@ reaches EOF, and every batch it had in flight ends with ``WorkerLost``,
 which the scheduler defers as a local error (no destination backoff), like
 any deferral retried at its next interval. Outcomes already sent back stand
 (they were recorded as they came); a job past its point of no return (its
-``dot`` answered) with no outcome is in doubt and held with ``in_doubt =
+``dot`` answered, or marked in the worker's own file, read here once the
+worker is gone) with no outcome is in doubt and held with ``in_doubt =
 "hold"``, exactly as after a relay crash mid-delivery; a job before it is
 simply due again. The worker is started
 again after a back-off (0.5 s, doubling to 30 s while it dies within 10 s of
@@ -82,9 +85,10 @@ from mta.delivery.worker_protocol import (
     destination_item,
     encode,
     job_header,
+    marks_prefix,
 )
 from mta.observe.logline import LogEvent, event
-from spool import Outcome, StoredBody
+from spool import Outcome, StoredBody, marks_dir, marks_of
 
 log = logging.getLogger("mta.workers")
 
@@ -94,6 +98,11 @@ RESTART_MIN = 0.5
 RESTART_MAX = 30.0
 # A worker that lived this long before dying is restarted after RESTART_MIN again.
 STABLE_AFTER = 10.0
+# A ``durable`` frame goes to a worker once this many of its jobs' STARTs became durable since it last heard (the
+# batch frames and ``dot_ok`` answers carry the durable end too). One job alone (a lone client's message) asks the
+# relay at its dot instead: the frame's wake-ups in both loops cost that client more than the relay's commit it
+# saves (docs/benchmarks.md, "The point of no return: its cost").
+DURABLE_FRAME_JOBS = 2
 # How long a batch waits for a worker to be running before it is deferred.
 WAIT_FOR_WORKER = 30.0
 
@@ -141,6 +150,8 @@ class _Worker:
         self.ready = False
         self.batches: dict[int, _Batch] = {}
         self.send_lock = trio.Lock()
+        self.told_durable = 0  # the log's durable end as last sent to this worker (``durable`` frames)
+        self.durable_changed = trio.Event()
 
     async def send(self, frame: bytes) -> None:
         """``frame`` to the worker: written at once when the socket buffer takes it (a batch frame nearly always:
@@ -214,9 +225,33 @@ class DeliveryWorkers:
         self.deaths = 0
         self.served = 0  # body chunks read here for a worker (a body not given by position, or its fallback)
         self.workers = [_Worker(i) for i in range(count)]
+        self.durable_end = 0  # the spool log's durable end, as the group commit last told it (``durable``)
         self._next_batch = 0
         self._ready_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+
+    def durable(self, end: int) -> None:
+        """The log is durable up to ``end`` (``GroupCommit.durable_observers``): the workers with batches out are
+        told, so that each marks the point of no return of an attempt whose START is durable in its own file
+        (``mta.delivery.worker_marks``) instead of asking for it here."""
+        self.durable_end = end
+        for worker in self.workers:
+            newly = sum(1 for batch in worker.batches.values() for start in _starts(batch.jobs)
+                        if start is not None and worker.told_durable <= start < end)
+            if newly >= DURABLE_FRAME_JOBS:
+                worker.durable_changed.set()
+
+    async def _tell_durable(self, worker: _Worker, scope: trio.CancelScope) -> None:
+        """One ``durable`` frame per wake-up, with the newest end: commits that come while one is sent coalesce.
+        Ends with the worker's life (``scope``), or when its socket is gone (its death path follows)."""
+        with scope, contextlib.suppress(WorkerLost):
+            while True:
+                await worker.durable_changed.wait()
+                worker.durable_changed = trio.Event()
+                end = self.durable_end
+                if end > worker.told_durable and worker.ready:
+                    worker.told_durable = end
+                    await worker.send(encode(["durable", end]))
 
     @property
     def pids(self) -> list[int]:
@@ -267,14 +302,19 @@ class DeliveryWorkers:
         worker.pid = process.pid
         ours.setblocking(False)
         worker.sock = ours
+        worker.told_durable = 0
+        telling = trio.CancelScope()  # this life's ``durable`` frames
         try:
             await worker.send(encode(["config", dump_config(self.config), logging.getLogger().getEffectiveLevel()]))
+            assert self._nursery is not None
+            self._nursery.start_soon(self._tell_durable, worker, telling)
             await self._converse(worker, task_status)
         except (WorkerLost, ProtocolError) as exc:
             if isinstance(exc, ProtocolError):
                 event(log, "worker_protocol", None, level=logging.ERROR, worker=worker.index, worker_pid=worker.pid,
                       error=str(exc))
         finally:
+            telling.cancel()
             worker.ready = False
             worker.sock = None
             trio.lowlevel.notify_closing(ours)  # a sender waiting for room gets ClosedResourceError: WorkerLost
@@ -283,14 +323,29 @@ class DeliveryWorkers:
                 if process.returncode is None:
                     process.kill()  # the socket is gone or garbled: this worker is of no use
                 await process.wait()
-            lost = worker.batches
-            worker.batches = {}
+                lost = worker.batches
+                worker.batches = {}
+                marks = await self._marks_of(worker, lost) if lost else {}
             for batch in lost.values():
-                batch.error = batch.error or WorkerLost(
-                    f"delivery worker {worker.index} (pid {worker.pid}) died during the delivery "
-                    f"({_status(process.returncode)}); the message may have been delivered")
+                if batch.error is None:
+                    died = WorkerLost(f"delivery worker {worker.index} (pid {worker.pid}) died during the delivery "
+                                      f"({_status(process.returncode)}); the message may have been delivered")
+                    died.marked = {i: marks[start] for i, start in enumerate(_starts(batch.jobs))
+                                   if start is not None and start in marks}
+                    batch.error = died
                 batch.done.set()
         return _status(process.returncode)
+
+    async def _marks_of(self, worker: _Worker, lost: dict[int, _Batch]) -> dict[int, tuple[str, ...]]:
+        """The points of no return the dead ``worker`` marked in its own files, by START position (read once it
+        is gone: nobody writes them any more)."""
+        dirs = {marks_dir(job.body.spool_path) for batch in lost.values() for job in batch.jobs
+                if isinstance(job.body, StoredBody)}
+        found: dict[int, tuple[str, ...]] = {}
+        for directory in dirs:
+            for mark in await trio.to_thread.run_sync(marks_of, directory, marks_prefix(worker.index, worker.pid)):
+                found[mark.start_pos] = tuple(dict.fromkeys(found.get(mark.start_pos, ()) + mark.recipients))
+        return found
 
     async def _spawn(self, worker: _Worker, theirs: socket.socket) -> trio.Process:
         """Worker ``worker`` on ``theirs``, as a new interpreter."""
@@ -411,7 +466,8 @@ class DeliveryWorkers:
                 batch.error = batch.error or exc
                 error = f"{type(exc).__name__}: {exc}"
         try:
-            await worker.send(encode(["dot_ok", bid, index, error]))
+            worker.told_durable = max(worker.told_durable, self.durable_end)
+            await worker.send(encode(["dot_ok", bid, index, error, self.durable_end]))
         except WorkerLost:
             pass  # its death fails the batch
 
@@ -463,11 +519,13 @@ class DeliveryWorkers:
         """
         items: list[list[Any]] = []
         log_dir: str | None = None
+        own_marks = ""  # where the worker marks each job's point of no return itself (mta.delivery.worker_marks)
         for job in jobs:
             if isinstance(job.body, StoredBody):  # its DATA records' positions: the worker reads them (worker_body)
                 items.append([job_header(job), list(job.body.positions)])
                 if log_dir is None:  # absolute: a spool dir may be given relative to the relay's cwd
                     log_dir = os.path.abspath(job.body.log_dir)  # noqa: ASYNC240 -- getcwd, no file access
+                    own_marks = os.path.abspath(marks_dir(job.body.spool_path))  # noqa: ASYNC240 -- getcwd
             else:
                 items.append([job_header(job), await _inline(job)])
         worker = await self._pick()
@@ -476,7 +534,11 @@ class DeliveryWorkers:
         batch = _Batch(jobs, on_outcome, before_dot)
         worker.batches[bid] = batch
         try:
-            frame = encode(["batch", bid, destination_item(destination), items, log_dir])
+            marks = None
+            if own_marks:
+                marks = [own_marks, _starts(jobs), self.durable_end]
+                worker.told_durable = max(worker.told_durable, self.durable_end)
+            frame = encode(["batch", bid, destination_item(destination), items, log_dir, marks])
             del items  # an inline body is not held here for the batch's whole delivery
             await worker.send(frame)
             del frame
@@ -487,6 +549,11 @@ class DeliveryWorkers:
             raise batch.error
         assert batch.results is not None
         return batch.results
+
+
+def _starts(jobs: Sequence[Job]) -> list[int | None]:
+    """Each job's START position (what a worker's mark names), None for a body not from the spool."""
+    return [job.body.start_pos if isinstance(job.body, StoredBody) else None for job in jobs]
 
 
 async def _inline(job: Job) -> list[bytes] | None:

@@ -44,6 +44,7 @@ class StoredBody:
     def __init__(self, core: Spool, attempt: Attempt) -> None:
         self._core = core
         self.positions = attempt.envelope.body
+        self.start_pos = attempt.start_pos  # the attempt's START: what a delivery worker's mark names
         self.size = attempt.envelope.body_size
         self._cached = core.cached_body(attempt.envelope)
         self.damaged: DamagedBody | None = None  # set when a read found the data damaged
@@ -56,6 +57,16 @@ class StoredBody:
     def log_dir(self) -> str:
         """Where the segment files holding ``positions`` are (a delivery worker reads them there)."""
         return self._core.log_dir
+
+    @property
+    def spool_path(self) -> str:
+        """The spool's directory (a delivery worker writes its marks under it: ``spool.format.marks``)."""
+        return self._core.path
+
+    @property
+    def start_durable(self) -> bool:
+        """Is the attempt's START durable in the log (so that a worker's own mark may name it)?"""
+        return self.start_pos < self._core.writer.durable_end
 
     def _read(self, pos: int) -> bytes:
         try:

@@ -94,6 +94,10 @@ class GroupCommit(InlineCommit):
         # Told, after each commit that made new messages durable, how many (the relay's
         # logspool_commit_batch_messages). Called in the event loop; must not block.
         self.commit_observers: list[Callable[[int], None]] = []
+        # Told the log's new durable end after each batch that moved it (a delivery worker writes its own mark
+        # for an attempt whose START is durable: mta.delivery.workers). Called in the event loop; must not block.
+        self.durable_observers: list[Callable[[int], None]] = []
+        self._told_durable = 0
         self._unsynced_messages = 0  # enqueued since the last sync batch was taken
         self.lazy_commits = 0  # lazy batches that were synced (a replacement envelope, a checkpoint waited)
         self.lazy_writes = 0  # lazy batches only written: FINISH records that nothing waits to see durable
@@ -296,6 +300,11 @@ class GroupCommit(InlineCommit):
             del self.batch_sizes[:512]
         if messages:
             self._enqueue_synced(messages)
+        durable = self.core.writer.durable_end
+        if durable != self._told_durable:
+            self._told_durable = durable
+            for observe in self.durable_observers:
+                observe(durable)
         synced, self._synced = self._synced, trio.Event()
         synced.set()
 

@@ -220,6 +220,22 @@ class DamagePolicy:
 
     # -- the checkpoint ----------------------------------------------------------------------------
 
+    def marks_damaged(self, path: str, reason: str, now_ms: int) -> None:
+        """A delivery worker's marks file that fails its checks: refused, or moved to the quarantine. Either way
+        the recovery that found it holds every recipient of every attempt in flight without an outcome in doubt
+        (it cannot tell which final dots went). Raises the refusal in ``refuse`` mode, OSError when it cannot be
+        moved."""
+        if self.mode == REFUSE:
+            raise refusal(None, self.spool_dir, f"{path}: {reason}")
+        with self._lock:
+            name = f"marks-{now_ms:013d}-{os.path.basename(path)}"
+            self.quarantine.move_in(path, name, {"kind": "damaged marks file", "file": os.path.basename(path),
+                                                 "reason": reason, "found_by": "recovery",
+                                                 "action": "moved here; every attempt in flight held in doubt"})
+            self.found["marks"] += 1
+            log.error("damaged marks file %s (%s): moved to %s.bin; every attempt in flight is held in doubt", path,
+                      reason, os.path.join(self.quarantine.path, name))
+
     def checkpoint_damaged(self, path: str, reason: str, now_ms: int) -> None:
         """A checkpoint that fails its checks: refused, or moved to the quarantine (the start scans the
         whole log). Raises the refusal in ``refuse`` mode, OSError when it cannot be moved."""

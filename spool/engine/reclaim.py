@@ -25,12 +25,16 @@ import os
 
 import attrs
 
+from spool.config.engine import SpoolConfig
 from spool.engine.core import BODY_SLACK, SpoolCore
 from spool.errors import DiskFull, SpoolError, SyncFailed
+from spool.fileio import FileIO
 from spool.format import checkpoint as ckpt
 from spool.format.cursor import list_cursors
+from spool.format.marks import marks_dir
 from spool.format.record import pos_segment
 from spool.format.segment import list_segments, segment_path, segment_size
+from spool.read.marks import MarksCollector
 
 log = logging.getLogger("spool")
 
@@ -43,6 +47,10 @@ class CheckpointPlan:
 
 class Reclaim(SpoolCore):
     """Restart positions and segment deletion."""
+
+    def __init__(self, path: str, config: SpoolConfig, io: FileIO) -> None:
+        super().__init__(path, config, io)
+        self._marks_collector = MarksCollector(marks_dir(path))  # the workers' marks files (_collect_marks)
 
     def checkpoint_plan(self, *, durable_only: bool = False) -> CheckpointPlan:
         """Snapshot restart positions. Valid once everything appended so far is durable.
@@ -101,7 +109,17 @@ class Reclaim(SpoolCore):
             self._store_checkpoint(plan.checkpoint, frees=any(s < limit for s in ids))
         gone = self._delete_segments_before(limit, ids)
         self.reserve.ensure()
+        if self._checkpoint is not None:
+            self._collect_marks(self._checkpoint.working_start)
         return gone
+
+    def _collect_marks(self, working_start: int) -> None:
+        """Delete the delivery workers' closed marks files that only name attempts before ``working_start`` of
+        the durable checkpoint: recovery begins there, so it would never look for them."""
+        try:
+            self._marks_collector.collect(working_start)
+        except OSError as exc:  # the files stay, collected after a later checkpoint
+            log.warning("%s: marks files not collected: %s", self.path, exc)
 
     def _store_checkpoint(self, cp: ckpt.Checkpoint, *, frees: bool) -> None:
         """Store ``cp``; when it finds no room and would free segments, into the reserve's room.

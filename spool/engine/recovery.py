@@ -40,6 +40,9 @@ docs/design.md ("Recovery"). ``Spool.open`` takes the lock and calls
    FINISH is an attempt that was in flight, with the outcomes its DELIVERY
    records give; every START's envelope and every replaced envelope needs its
    garbage mark; envelopes say how far back their bodies reach.
+   Then the delivery workers' own marks (``read_marks``): each names an
+   attempt and recipients past their point of no return, as a ``sending``
+   does.
 6. **Garbage marks.** Marks are written without fsync and may have been lost:
    each is written again (a one-byte write in place).
 7. **Runners** start at the checkpoint's positions. Every sealed segment they
@@ -95,6 +98,7 @@ much deferred mail the queue holds. ``RecoveryStats`` counts what it read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -106,6 +110,7 @@ from spool.engine.runner import Runner
 from spool.errors import CheckpointFailed, CorruptRecord, DiskFull, FormatVersionError
 from spool.fileio import FileIO, write_all
 from spool.format import checkpoint as ckpt
+from spool.format.marks import TMP_SUFFIX, marks_dir
 from spool.format.record import (
     HELD_CLASS,
     Delivery,
@@ -133,6 +138,7 @@ from spool.format.segment import (
 from spool.read import lost
 from spool.read.anomaly import Anomaly, Kind
 from spool.read.lost import LogContext
+from spool.read.marks import read_marks_dir
 from spool.read.reader import LogReader, Reporter
 
 log = logging.getLogger("spool.engine.recovery")
@@ -177,6 +183,7 @@ class SuffixScan:
     replaced: dict[int, int] = attrs.field(factory=dict)  # old envelope -> replacement
     to_mark: list[int] = attrs.field(factory=list)
     body_span: int = 0  # envelopes written since the checkpoint: how far back their bodies reach
+    marks_damaged: bool = False  # a worker's marks file could not be read whole: every claim is doubt
 
 
 def refuse(anomaly: Anomaly) -> None:
@@ -248,6 +255,7 @@ class Recovery:
         self.log_open = True
         reader = self.reader(cp, ids)
         found = self.scan_suffix(reader, start, end)
+        self.read_marks(found)
         sp.bodies_reach(found.body_span)
         self.mark_garbage(found.to_mark)
         self.start_runners(cp, first, end)
@@ -257,7 +265,7 @@ class Recovery:
             seg = pos_segment(attempt.start_pos)
             if seg not in versions:
                 versions[seg] = self.segment_version(seg)
-            attempt.legacy = (versions[seg] or FORMAT_VERSION) < SENDING_VERSION
+            attempt.legacy = (versions[seg] or FORMAT_VERSION) < SENDING_VERSION or found.marks_damaged
             self.close_in_flight(attempt, found.replaced)
         self.commit()
         stats.seconds = sp._now() - t0
@@ -267,6 +275,29 @@ class Recovery:
                  if stats.held else "", extra={"event": "recovered"})
         self.first_checkpoint()
         return stats
+
+    # -- 5b. the delivery workers' marks ---------------------------------------------------------
+
+    def read_marks(self, found: SuffixScan) -> None:
+        """The delivery workers' own points of no return (``spool.format.marks``), as ``sending`` of the attempt
+        they name (a mark of an attempt not in flight here: it ended). A file that cannot be read whole hides
+        which dots went: quarantined, and every claim in flight is doubt (docs/design.md)."""
+        sp = self.sp
+        for read in read_marks_dir(marks_dir(sp.path)):
+            for mark in read.marks:
+                attempt = found.unfinished.get(mark.start_pos)
+                if attempt is not None:
+                    attempt.sending.update(mark.recipients)
+            if read.path.endswith(TMP_SUFFIX) and not read.marks:  # its creation cut short: no mark, no dot
+                with contextlib.suppress(OSError):
+                    os.unlink(read.path)
+                continue
+            if read.damage is not None:
+                found.marks_damaged = True
+                try:
+                    sp.damage.marks_damaged(read.path, read.damage, sp._now_ms())
+                except OSError:
+                    pass  # logged there; the file stays, read again (and held in doubt again) at the next start
 
     # -- damage -------------------------------------------------------------------------
 
