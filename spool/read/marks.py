@@ -194,3 +194,38 @@ class MarksCollector:
         closed = _Closed(inode, highest, read.damage is not None)
         self._closed[name] = closed
         return closed
+
+
+@attrs.frozen
+class MarksFileInfo:
+    """One marks file as ``spoolctl marks`` shows it (read without waiting for any lock)."""
+
+    name: str
+    size: int
+    marks: int
+    first: int | None  # the lowest and highest START positions its marks name
+    last: int | None
+    writing: bool  # a live writer holds its lock: a worker marks into it now
+    damage: str | None
+
+
+def describe_marks(directory: str) -> list[MarksFileInfo]:
+    """Every marks file, read as it is now: a file a worker is writing reads up to its last whole mark."""
+    out = []
+    for name in sorted(_listdir(directory)):
+        if not name.endswith((SUFFIX, TMP_SUFFIX)):
+            continue
+        path = os.path.join(directory, name)
+        fd = _open(path)
+        if fd is None:
+            continue
+        try:
+            writing = not _try_lock(fd)  # closing the descriptor releases a lock taken here
+            read = parse_marks(path, _read_fd(fd))
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        starts = [m.start_pos for m in read.marks]
+        out.append(MarksFileInfo(name, size, len(starts), min(starts, default=None), max(starts, default=None),
+                                 writing, read.damage))
+    return out

@@ -29,8 +29,10 @@ from rich.table import Table
 from spool.config.engine import SpoolConfig
 from spool.config.units import format_age, parse_size
 from spool.errors import CorruptRecord, SpoolError
+from spool.format.marks import marks_dir
 from spool.format.record import RecordType, format_pos, parse_pos
 from spool.read.anomaly import Anomaly
+from spool.read.marks import describe_marks
 from spool.tools import inspection
 from spool.tools import salvage as salvager
 from spool.tools import verify as verifier
@@ -193,6 +195,41 @@ def segments(directory: str, as_json: bool) -> int:
     console.print(table)
     if damaged:
         _say("damaged records found; run `spoolctl verify` for details")
+    return EXIT_PROBLEMS if damaged else 0
+
+
+# -- marks ---------------------------------------------------------------------------
+
+
+@cli.command()
+@_DIR
+@_json_option
+def marks(directory: str, as_json: bool) -> int:
+    """The delivery workers' marks files: marks, the START positions they name, whether a worker writes it now."""
+    _open(directory)  # not a spool: one line, as every command says it
+    rows = describe_marks(marks_dir(directory))
+    damaged = any(r.damage is not None for r in rows)
+    if as_json:
+        _print_json({"marks": [attrs.asdict(r) | {"first": None if r.first is None else format_pos(r.first),
+                                                 "last": None if r.last is None else format_pos(r.last)}
+                               for r in rows]})
+        return EXIT_PROBLEMS if damaged else 0
+    console = _console()
+    if not rows:
+        console.print(f"{directory}: no marks files (no delivery worker has marked a point of no return since "
+                      "the last collection)")
+        return 0
+    table = Table()
+    for col in ("file", "size", "marks", "first", "last", "writer", "damage"):
+        table.add_column(col, justify="right" if col in ("size", "marks") else "left")
+    for r in rows:
+        table.add_row(r.name, str(r.size), str(r.marks), "-" if r.first is None else format_pos(r.first),
+                      "-" if r.last is None else format_pos(r.last), "writing" if r.writing else "closed",
+                      r.damage or "")
+    console.print(f"marks files of {directory}")
+    console.print(table)
+    if damaged:
+        _say("a damaged marks file: the next start quarantines it and holds every attempt in flight in doubt")
     return EXIT_PROBLEMS if damaged else 0
 
 
