@@ -101,7 +101,18 @@ def mark_checksum(file_id: int, length: int, payload: bytes | memoryview) -> int
 
 
 def encode_mark(file_id: int, start_pos: int, recipients: Sequence[str]) -> bytes:
-    """One record, ready to be written at the file's write offset.
+    """One record, ready to be written at the file's write offset (``mark_payload`` framed for the file)."""
+    return frame_mark(file_id, mark_payload(start_pos, recipients))
+
+
+def frame_mark(file_id: int, payload: bytes) -> bytes:
+    """A payload from ``mark_payload`` with its head: only the checksum depends on the file."""
+    n = len(payload)
+    return RECORD_HEAD.pack(mark_checksum(file_id, n, payload), n) + payload
+
+
+def mark_payload(start_pos: int, recipients: Sequence[str]) -> bytes:
+    """A mark's CBOR payload.
 
     Raises ValueError for a position outside 0..2**64-1, no recipients, a recipient that is
     not text, or a payload over 64 KiB (a mark the reader would refuse is refused here).
@@ -115,7 +126,7 @@ def encode_mark(file_id: int, start_pos: int, recipients: Sequence[str]) -> byte
     n = len(payload)
     if n > MAX_MARK_PAYLOAD:
         raise ValueError(f"mark payload of {n} bytes exceeds {MAX_MARK_PAYLOAD}")
-    return RECORD_HEAD.pack(mark_checksum(file_id, n, payload), n) + payload
+    return payload
 
 
 def _zeros_from(data: bytes, offset: int) -> bool:

@@ -34,7 +34,8 @@ from spool.format.marks import (
     SUFFIX,
     TMP_SUFFIX,
     encode_header,
-    encode_mark,
+    frame_mark,
+    mark_payload,
 )
 
 DEFAULT_ROOM: Final = 4 << 20
@@ -83,7 +84,7 @@ class MarksWriter:
         self._path = ""
         self._file_id = 0
         self._end = HEADER_SIZE
-        self._pending: list[tuple[int, tuple[str, ...]]] = []
+        self._pending: list[bytes] = []  # payloads (mark_payload) not yet written
         self._closed = False
         if not os.path.isdir(directory):
             os.makedirs(directory, exist_ok=True)
@@ -97,8 +98,7 @@ class MarksWriter:
 
     def add(self, start_pos: int, recipients: Sequence[str]) -> None:
         """Remember a mark for the next ``sync``. Raises ValueError for a mark the format cannot hold."""
-        encode_mark(0, start_pos, recipients)  # refuse a bad mark here, not at sync in another thread
-        self._pending.append((start_pos, tuple(recipients)))
+        self._pending.append(mark_payload(start_pos, recipients))  # a bad mark is refused here, not at sync
 
     def sync(self) -> None:
         """Make every mark added so far durable; the dots they name may go once this returns."""
@@ -109,8 +109,8 @@ class MarksWriter:
             return
         if self._fd is None:
             self._open_next()
-        # A record's size does not depend on the file's salt: sized once, encoded for the file it goes to.
-        sizes = [len(encode_mark(0, pos, rcpts)) for pos, rcpts in pending]
+        # A record's size does not depend on the file's salt: encoded once, framed for the file it goes to.
+        sizes = [RECORD_HEAD_SIZE + len(payload) for payload in pending]
         if sum(sizes) > self._room - self._end:
             self._roll()
         done = 0
@@ -122,7 +122,7 @@ class MarksWriter:
             if take == done:  # a batch bigger than one file: it goes on in the next
                 self._roll()
                 continue
-            self._write(b"".join(encode_mark(self._file_id, pos, rcpts) for pos, rcpts in pending[done:take]))
+            self._write(b"".join(frame_mark(self._file_id, payload) for payload in pending[done:take]))
             done = take
 
     def close(self) -> None:
