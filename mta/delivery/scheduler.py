@@ -474,6 +474,7 @@ class Scheduler:
             if not set(recipients) <= set(job.recipients):
                 raise ValueError(f"before_dot for recipients not in job {i}: {sorted(set(recipients))}")
             await self.aspool.pass_point_of_no_return(tracker.attempt, recipients)
+            self.metrics.points.labels(by="relay").inc()
             passed[i] = tuple(dict.fromkeys(passed.get(i, ()) + tuple(recipients)))
 
         local_failure = False

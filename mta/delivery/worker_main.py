@@ -131,6 +131,7 @@ class Worker:
         # relay last said, and the writer (None until the first batch names the spool's marks directory; False
         # once it failed: every point of no return is then asked of the relay).
         self._starts: dict[int, list[int | None]] = {}
+        self._own: dict[int, int] = {}  # each batch's points marked here (told to the relay in its ``done``)
         self.durable = 0
         self.marks: WorkerMarks | bool | None = None
         self._marks_opening: trio.Event | None = None
@@ -197,6 +198,7 @@ class Worker:
                 self.marks = False
             else:
                 self.own_marks += 1
+                self._own[batch] = self._own.get(batch, 0) + 1
                 return
         self.relay_marks += 1
         key = (batch, index)
@@ -325,9 +327,10 @@ class Worker:
             return
         finally:
             self._starts.pop(batch, None)
+            own = self._own.pop(batch, 0)
         # A job's outcomes already sent as they came are not sent again (None in their place).
         self.send(["done", batch, [None if i in sent else encode_outcomes(r) for i, r in enumerate(results)],
-                   self.transport.cache.reused - before])
+                   self.transport.cache.reused - before, own])
 
 
 def gone(index: int, fmt: str) -> None:

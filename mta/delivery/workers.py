@@ -221,6 +221,8 @@ class DeliveryWorkers:
         # every restart, are new interpreters.
         self._forked = dict(enumerate(forked))
         self.observers: list[Callable[[str, str], None]] = []
+        # Told how many points of no return a worker marked itself, as each batch ends (the relay's metrics).
+        self.mark_observers: list[Callable[[int], None]] = []
         self.reused = 0
         self.deaths = 0
         self.served = 0  # body chunks read here for a worker (a body not given by position, or its fallback)
@@ -420,6 +422,9 @@ class DeliveryWorkers:
                                     "job's outcomes neither sent before nor now")
             batch.results = [r for r in results if r is not None]
             self.reused += int(message[3])
+            if message[4]:
+                for observe in self.mark_observers:
+                    observe(int(message[4]))
             del worker.batches[int(message[1])]
             batch.done.set()
         elif kind == "failed":

@@ -97,6 +97,9 @@ class Metrics:
                                        "(deferred, bounced, expired), by status and bounce class", ["status", "class"],
                                        registry=r)
         self.bounced_dsn = Counter("logspool_dsn_sent", "delivery status notifications generated", registry=r)
+        self.points = Counter("logspool_points_of_no_return", "final dots made safe to send, by who made their "
+                              "record durable (relay: a sending record in the log; worker: a delivery worker's mark)",
+                              ["by"], registry=r)
         self.latency = Histogram("logspool_delivery_latency_seconds", "arrival to final delivery",
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.batch = Histogram("logspool_commit_batch_messages", "messages covered by one acceptance commit",

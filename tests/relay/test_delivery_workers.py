@@ -349,3 +349,34 @@ async def test_a_failed_fsync_of_the_point_of_no_return_ends_the_relay_and_the_d
         assert not any(isinstance(exc, SyncFailed) for exc in contained), "it ended the workers, not one batch"
         assert hop.messages == []
         outer.cancel_scope.cancel()
+
+
+def _send_many(port: int, client: int, count: int) -> None:
+    with smtplib.SMTP("127.0.0.1", port, timeout=60) as s:
+        for i in range(count):
+            s.sendmail("a@example.org", [f"c{client}m{i}@far.example"], f"Subject: {client}/{i}\r\n\r\nbody\r\n")
+
+
+async def test_under_concurrency_the_worker_marks_its_own_points_of_no_return(tmp_path: Path) -> None:
+    """Twenty clients at once: the STARTs of most claims are durable by their dots, so the worker marks those
+    itself (its own file, no round trip); each message passes exactly one point, by the worker or the relay."""
+    clients, each = 20, 10
+    async with trio.open_nursery() as nursery:
+        hop = NextHop()
+        port = await hop.start(nursery)
+        relay = await start_relay(nursery, _with_processes(tmp_path, port, 1))
+        assert relay.workers is not None
+        (worker_pid,) = relay.workers.pids
+        watch = DeliveryWatch(relay)
+        async with trio.open_nursery() as senders:
+            for c in range(clients):
+                senders.start_soon(trio.to_thread.run_sync, _send_many, relay.ports[0], c, each)
+        await watch.wait_for(Status.DELIVERED, clients * each)
+        registry = relay.metrics.registry
+        by_worker = registry.get_sample_value("logspool_points_of_no_return_total", {"by": "worker"}) or 0.0
+        by_relay = registry.get_sample_value("logspool_points_of_no_return_total", {"by": "relay"}) or 0.0
+        assert by_worker + by_relay == clients * each
+        assert by_worker > 0, (by_worker, by_relay)
+        marks = list((tmp_path / "spool" / "marks").glob("*.marks"))
+        assert marks and all(m.name.startswith(f"w0-{worker_pid}-") for m in marks)
+        nursery.cancel_scope.cancel()
