@@ -251,6 +251,8 @@ CASES: dict[str, Callable[[Scrapes], bool]] = {
     "logspool_recipient_outcomes": lambda s: all(
         grew(f'logspool_recipient_outcomes_total{{status="{st}"}}')(s) for st in ("delivered", "bounced", "deferred")),
     "logspool_dsn_sent": grew("logspool_dsn_sent_total"),
+    # The relay delivers in its own process here: each point is its record (a worker's own: test_delivery_workers).
+    "logspool_points_of_no_return": grew('logspool_points_of_no_return_total{by="relay"}'),
     # The scenario's bounce and deferrals, each counted under its class (whichever the shipped rules give).
     "logspool_outcome_classes": lambda s: all(
         sum(v for k, v in s.end.samples.items() if k.startswith("logspool_outcome_classes_total") and st in k)
