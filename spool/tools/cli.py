@@ -318,12 +318,16 @@ def verify(directory: str, as_json: bool) -> int:
     exit 0 only when clean, 1 when there are problems."""
     files = _open(directory)
     report = verifier.verify(files)
-    code = 0 if report.clean else EXIT_PROBLEMS
+    bad_marks = [r for r in describe_marks(marks_dir(directory)) if r.damage is not None]
+    code = 0 if report.clean and not bad_marks else EXIT_PROBLEMS
     if as_json:
-        _print_json(report.as_dict())
+        _print_json(report.as_dict() | {"marks_damage": [{"file": r.name, "damage": r.damage} for r in bad_marks]})
         return code
     for p in report.problems:
         click.echo(p.describe())
+    for r in bad_marks:
+        click.echo(f"marks file {r.name}: {r.damage} (the next start quarantines it and holds every attempt in "
+                   "flight in doubt)")
     if report.problems_total > len(report.problems):
         click.echo(f"... and {report.problems_total - len(report.problems)} more problems")
     if report.torn_tail is not None:
@@ -335,8 +339,10 @@ def verify(directory: str, as_json: bool) -> int:
         click.echo("what the relay will do (on_damage = \"quarantine\", the default):")
         for action in report.plan:
             click.echo("  " + action.describe().replace("\n", "\n  "))
-    if report.clean:
+    if report.clean and not bad_marks:
         click.echo("clean")
+    elif report.clean:
+        click.echo(f"{len(bad_marks)} damaged marks files")
     else:
         click.echo(f"{report.problems_total} problems. The relay quarantines damage in {directory}/quarantine and "
                    f"starts; to copy every readable message into a fresh spool instead: spoolctl salvage "

@@ -54,6 +54,9 @@ def test_a_damaged_file_is_named_and_the_exit_code_says_so(tmp_path: Path,
     captured = capsys.readouterr()
     assert "record at offset 16" in captured.out
     assert "quarantines it" in captured.err and "Traceback" not in captured.err
+    assert main(["verify", str(tmp_path)]) == 1  # the log is whole; the marks file is not
+    out = capsys.readouterr().out
+    assert "marks file w0-10-1.marks: record at offset 16" in out and "clean" not in out.splitlines()
 
 
 def test_not_a_spool_is_one_line_and_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
