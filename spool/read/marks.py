@@ -67,18 +67,22 @@ def _open(path: str) -> int | None:
 
 
 def _read_locked(path: str, lock_wait: float) -> MarksRead | None:
-    fd = _open(path)
-    if fd is None:
-        return None
+    """The file read whole under its lock; one the system cannot read is damage (named), never an error."""
     try:
-        deadline = time.monotonic() + lock_wait
-        while not _try_lock(fd):
-            if time.monotonic() >= deadline:
-                return MarksRead(path, (), damage=HELD)
-            time.sleep(LOCK_POLL)
-        return parse_marks(path, _read_fd(fd))
-    finally:
-        os.close(fd)
+        fd = _open(path)
+        if fd is None:
+            return None
+        try:
+            deadline = time.monotonic() + lock_wait
+            while not _try_lock(fd):
+                if time.monotonic() >= deadline:
+                    return MarksRead(path, (), damage=HELD)
+                time.sleep(LOCK_POLL)
+            return parse_marks(path, _read_fd(fd))
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return MarksRead(path, (), damage=f"unreadable: {exc.strerror or exc}")
 
 
 def read_marks_dir(directory: str, *, lock_wait: float = 10.0) -> list[MarksRead]:
@@ -92,7 +96,11 @@ def read_marks_dir(directory: str, *, lock_wait: float = 10.0) -> list[MarksRead
     results: dict[str, MarksRead] = {}
     seen: set[str] = set()
     while True:
-        names = sorted(n for n in _listdir(directory) if n.endswith((SUFFIX, TMP_SUFFIX)) and n not in seen)
+        try:
+            listed = _listdir(directory)
+        except OSError as exc:  # not a directory, or not listable: no telling which marks it holds
+            return [MarksRead(directory, (), damage=f"cannot be listed: {exc.strerror or exc}")]
+        names = sorted(n for n in listed if n.endswith((SUFFIX, TMP_SUFFIX)) and n not in seen)
         if not names:
             break
         for name in names:
@@ -119,15 +127,22 @@ def marks_of(directory: str, prefix: str) -> list[Mark]:
     answer for the rest: whatever is missing is damage that recovery reports.
     """
     marks: list[Mark] = []
-    for name in _writer_files(directory, prefix):
+    try:
+        names = _writer_files(directory, prefix)
+    except OSError:
+        return marks
+    for name in names:
         path = os.path.join(directory, name)
-        fd = _open(path)
-        if fd is None:
-            continue
         try:
-            marks.extend(parse_marks(path, _read_fd(fd)).marks)
-        finally:
-            os.close(fd)
+            fd = _open(path)
+            if fd is None:
+                continue
+            try:
+                marks.extend(parse_marks(path, _read_fd(fd)).marks)
+            finally:
+                os.close(fd)
+        except OSError:
+            continue  # unreadable: as damage, what it held is for recovery to report
     return marks
 
 

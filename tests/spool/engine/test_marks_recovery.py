@@ -116,3 +116,29 @@ def test_a_file_a_live_writer_holds_is_kept_by_the_collector(tmp_path: Path) -> 
             assert os.path.exists(marks.path)  # its writer holds it: never deleted under it
     finally:
         sp.close()
+
+
+def test_a_marks_file_that_cannot_be_read_does_not_stop_the_start(tmp_path: Path) -> None:
+    """A name of a marks file that is a directory (the read fails with EISDIR): the start goes on, and since no one
+    can tell which dots went, every claim in flight is held in doubt."""
+    clock = Clock()
+    _first, second, _start = two_claims(tmp_path, clock)
+    os.makedirs(os.path.join(marks_dir(str(tmp_path)), "w0-1-1.marks"))
+    sp = Spool.open(str(tmp_path), config(clock))
+    try:
+        assert sp.recovery_stats.held == 2
+        assert live(sp)[second].envelope.in_doubt == ("c@y.example",)
+    finally:
+        sp.close()
+
+
+def test_a_marks_directory_that_cannot_be_listed_does_not_stop_the_start(tmp_path: Path) -> None:
+    clock = Clock()
+    first, _second, _start = two_claims(tmp_path, clock)
+    Path(marks_dir(str(tmp_path))).write_bytes(b"not a directory")
+    sp = Spool.open(str(tmp_path), config(clock))
+    try:
+        assert sp.recovery_stats.held == 2
+        assert live(sp)[first].envelope.in_doubt == ("a@x.example", "b@x.example")
+    finally:
+        sp.close()
