@@ -218,34 +218,32 @@ class DamagePolicy:
                 self.found["cut"] += 1
             return note
 
-    # -- the checkpoint ----------------------------------------------------------------------------
+    # -- whole files: the checkpoint, the workers' marks ------------------------------------------------
 
     def marks_damaged(self, path: str, reason: str, now_ms: int) -> None:
         """A delivery worker's marks file that fails its checks: refused, or moved to the quarantine. Either way
         the recovery that found it holds every recipient of every attempt in flight without an outcome in doubt
         (it cannot tell which final dots went). Raises the refusal in ``refuse`` mode, OSError when it cannot be
         moved."""
-        if self.mode == REFUSE:
-            raise refusal(None, self.spool_dir, f"{path}: {reason}")
-        with self._lock:
-            name = f"marks-{now_ms:013d}-{os.path.basename(path)}"
-            self.quarantine.move_in(path, name, {"kind": "damaged marks file", "file": os.path.basename(path),
-                                                 "reason": reason, "found_by": "recovery",
-                                                 "action": "moved here; every attempt in flight held in doubt"})
-            self.found["marks"] += 1
-            log.error("damaged marks file %s (%s): moved to %s.bin; every attempt in flight is held in doubt", path,
-                      reason, os.path.join(self.quarantine.path, name))
+        self._file_damaged(path, reason, f"marks-{now_ms:013d}-{os.path.basename(path)}", "marks",
+                           "damaged marks file", "every attempt in flight held in doubt",
+                           "every attempt in flight is held in doubt")
 
     def checkpoint_damaged(self, path: str, reason: str, now_ms: int) -> None:
         """A checkpoint that fails its checks: refused, or moved to the quarantine (the start scans the
         whole log). Raises the refusal in ``refuse`` mode, OSError when it cannot be moved."""
+        self._file_damaged(path, reason, f"checkpoint-{now_ms:013d}", "checkpoint", "damaged checkpoint",
+                           "the start scanned the whole log", "scanning the whole log")
+
+    def _file_damaged(self, path: str, reason: str, name: str, found: str, kind: str, action: str,
+                      then: str) -> None:
+        """A whole file that recovery cannot use: refused, or moved to the quarantine as ``name`` with its note
+        (``action``: what the start did), counted under ``found`` and said in one line (``then``)."""
         if self.mode == REFUSE:
             raise refusal(None, self.spool_dir, f"{path}: {reason}")
         with self._lock:
-            name = f"checkpoint-{now_ms:013d}"
-            self.quarantine.move_in(path, name, {"kind": "damaged checkpoint", "file": os.path.basename(path),
-                                                 "reason": reason, "found_by": "recovery",
-                                                 "action": "moved here; the start scanned the whole log"})
-            self.found["checkpoint"] += 1
-            log.error("damaged checkpoint %s (%s): moved to %s.bin; scanning the whole log", path, reason,
-                      os.path.join(self.quarantine.path, name))
+            self.quarantine.move_in(path, name, {"kind": kind, "file": os.path.basename(path), "reason": reason,
+                                                 "found_by": "recovery", "action": f"moved here; {action}"})
+            self.found[found] += 1
+            log.error("%s %s (%s): moved to %s.bin; %s", kind, path, reason, os.path.join(self.quarantine.path, name),
+                      then)
