@@ -135,8 +135,6 @@ class Worker:
         self.durable = 0
         self.marks: WorkerMarks | bool | None = None
         self._marks_opening: trio.Event | None = None
-        self.own_marks = 0  # points of no return marked here
-        self.relay_marks = 0  # ...asked of the relay
         self._token: trio.lowlevel.TrioToken | None = None
         self.format = "text"  # the relay's [log] format, for the one line written here
 
@@ -197,10 +195,8 @@ class Worker:
                           "relay from now on", self.index, exc)
                 self.marks = False
             else:
-                self.own_marks += 1
                 self._own[batch] = self._own.get(batch, 0) + 1
                 return
-        self.relay_marks += 1
         key = (batch, index)
         self._dots[key] = done = trio.Event()
         self.send(["dot", batch, index, list(recipients)])

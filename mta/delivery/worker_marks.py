@@ -52,7 +52,6 @@ class WorkerMarks:
         self._failed_upto = 0  # marks covered by the sync that failed (their callers get the error)
         self._seconds: deque[float] = deque([1.0], maxlen=SAMPLES)  # the last syncs' times; the first in a thread
         self.syncs = 0
-        self.inline_syncs = 0
 
     async def mark(self, start_pos: int, recipients: Sequence[str]) -> None:
         """Return once the mark is durable; raises OSError when it could not be made so (the dot must not go)."""
@@ -80,7 +79,6 @@ class WorkerMarks:
             self._waiting = []
             if statistics.median(self._seconds) < INLINE_SYNC_FAST:
                 self._seconds.append(self._timed_sync())
-                self.inline_syncs += 1
             else:
                 self._seconds.append(await trio.to_thread.run_sync(self._timed_sync))
             self._synced = upto

@@ -120,6 +120,7 @@ class _Batch:
     jobs: Sequence[Job]
     on_outcome: OnOutcome | None
     before_dot: BeforeDot | None = None
+    starts: list[int | None] = attrs.field(factory=list)  # each job's START (``_starts``): what a mark names
     done: trio.Event = attrs.field(factory=trio.Event)
     results: list[list[Outcome]] | None = None
     error: BaseException | None = None
@@ -238,7 +239,7 @@ class DeliveryWorkers:
         (``mta.delivery.worker_marks``) instead of asking for it here."""
         self.durable_end = end
         for worker in self.workers:
-            newly = sum(1 for batch in worker.batches.values() for start in _starts(batch.jobs)
+            newly = sum(1 for batch in worker.batches.values() for start in batch.starts
                         if start is not None and worker.told_durable <= start < end)
             if newly >= DURABLE_FRAME_JOBS:
                 worker.durable_changed.set()
@@ -332,7 +333,7 @@ class DeliveryWorkers:
                 if batch.error is None:
                     died = WorkerLost(f"delivery worker {worker.index} (pid {worker.pid}) died during the delivery "
                                       f"({_status(process.returncode)}); the message may have been delivered")
-                    died.marked = {i: marks[start] for i, start in enumerate(_starts(batch.jobs))
+                    died.marked = {i: marks[start] for i, start in enumerate(batch.starts)
                                    if start is not None and start in marks}
                     batch.error = died
                 batch.done.set()
@@ -536,12 +537,12 @@ class DeliveryWorkers:
         worker = await self._pick()
         self._next_batch += 1
         bid = self._next_batch
-        batch = _Batch(jobs, on_outcome, before_dot)
+        batch = _Batch(jobs, on_outcome, before_dot, _starts(jobs))
         worker.batches[bid] = batch
         try:
             marks = None
             if own_marks:
-                marks = [own_marks, _starts(jobs), self.durable_end]
+                marks = [own_marks, batch.starts, self.durable_end]
                 worker.told_durable = max(worker.told_durable, self.durable_end)
             frame = encode(["batch", bid, destination_item(destination), items, log_dir, marks])
             del items  # an inline body is not held here for the batch's whole delivery

@@ -63,11 +63,6 @@ class StoredBody:
         """The spool's directory (a delivery worker writes its marks under it: ``spool.format.marks``)."""
         return self._core.path
 
-    @property
-    def start_durable(self) -> bool:
-        """Is the attempt's START durable in the log (so that a worker's own mark may name it)?"""
-        return self.start_pos < self._core.writer.durable_end
-
     def _read(self, pos: int) -> bytes:
         try:
             return self._core.read_chunk(pos)
