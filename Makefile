@@ -15,18 +15,18 @@ SYSTEM_PACKAGES := swaks curl postfix strace default-jre-headless unbound ldnsut
 
 # The relay alone (trio, attrs, cbor2, click, crc32c, dnspython, prometheus-client, rich): no Spark,
 # whose pyspark alone is ~490 MB; `make report` adds it, `make test` adds it and the test tools.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py mta/dkim/_canon.c
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "make run: installing the relay into $(VENV) (the report's Spark is 'make report')"
 	@$(PIP) -e .
 	@touch $@
 
-$(REPORT_STAMP): pyproject.toml constraints.txt
+$(REPORT_STAMP): pyproject.toml constraints.txt setup.py mta/dkim/_canon.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) -e '.[spark]'
 	touch $@ $(STAMP)
 
-$(DEV_STAMP): pyproject.toml constraints.txt
+$(DEV_STAMP): pyproject.toml constraints.txt setup.py mta/dkim/_canon.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) -e '.[dev]'
 	touch $@ $(STAMP) $(REPORT_STAMP)

@@ -10,11 +10,16 @@ Config is ``[dkim]`` and ``[[dkim.key]]`` (``mta.config.dkim``); docs/security.m
 
 from __future__ import annotations
 
+import logging
+
 from mta.config import Config
+from mta.dkim import canon
 from mta.dkim.keys import load_keys
 from mta.dkim.signer import Signer
 
 __all__ = ["signer_for"]
+
+log = logging.getLogger("mta.dkim")
 
 
 def signer_for(config: Config) -> Signer | None:
@@ -24,4 +29,8 @@ def signer_for(config: Config) -> Signer | None:
     """
     if not config.dkim_keys:
         return None
+    if not canon.NATIVE:
+        log.warning("dkim: mta.dkim._canon was not built at install (no C compiler or Python headers); "
+                    "messages are canonicalised in Python, with the same signatures at several times the CPU "
+                    "for a large message (docs/security.md, \"DKIM signing\")")
     return Signer(load_keys(config.dkim_keys, config.source), config.dkim)
