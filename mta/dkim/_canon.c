@@ -24,6 +24,7 @@ bare_lf(PyObject *module, PyObject *arg)
     const unsigned char *p = (const unsigned char *)view.buf;
     Py_ssize_t n = view.len, i = 0;
     int found = n > 0 && p[0] == '\n';
+    Py_BEGIN_ALLOW_THREADS
     if (!found) {
         i = 1;
 #ifdef __SSE2__
@@ -41,6 +42,7 @@ bare_lf(PyObject *module, PyObject *arg)
         for (; !found && i < n; i++)
             found = p[i] == '\n' && p[i - 1] != '\r';
     }
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     return PyBool_FromLong(found);
 }
@@ -88,7 +90,10 @@ relaxed_wsp(PyObject *module, PyObject *arg)
         return NULL;
     const unsigned char *in = (const unsigned char *)view.buf;
     Py_ssize_t n = view.len;
-    Py_ssize_t i = next_change(in, 0, n);
+    Py_ssize_t i;
+    Py_BEGIN_ALLOW_THREADS  /* a large body in a signing thread: the event loop runs meanwhile */
+    i = next_change(in, 0, n);
+    Py_END_ALLOW_THREADS
     if (i == n && PyBytes_CheckExact(arg)) {
         PyBuffer_Release(&view);
         Py_INCREF(arg);
@@ -101,6 +106,7 @@ relaxed_wsp(PyObject *module, PyObject *arg)
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
     Py_ssize_t done = 0, o = 0;  /* in[done:i] is copied as it is; in[i] begins a run to change */
+    Py_BEGIN_ALLOW_THREADS
     while (1) {
         memcpy(out + o, in + done, (size_t)(i - done));
         o += i - done;
@@ -113,6 +119,7 @@ relaxed_wsp(PyObject *module, PyObject *arg)
         done = i;
         i = next_change(in, i, n);
     }
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (o != n && _PyBytes_Resize(&result, o) < 0)
         return NULL;

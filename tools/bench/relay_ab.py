@@ -4,6 +4,7 @@
     .venv/bin/python tools/bench/relay_ab.py base=/tmp/base new=/work/main --processes 2 --strace 300
     .venv/bin/python tools/bench/relay_ab.py w0=/tmp/new w1=/tmp/new --delivery-processes 0,1
     .venv/bin/python tools/bench/relay_ab.py main=/tmp/main auto=/tmp/new --delivery-processes 0,auto
+    .venv/bin/python tools/bench/relay_ab.py plain=/work/main signed=/work/main --dkim signed --size 102400
 
 Each VARIANT is ``name=DIR``: DIR holds the ``spool`` and ``mta`` packages to run (``git archive COMMIT
 spool mta | tar -x -C DIR`` makes one), put first on PYTHONPATH of that relay's ``mta serve``. Uses
@@ -25,6 +26,7 @@ import urllib.request
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dkim_vs_postfix import DOMAIN, SELECTOR, write_key
 from relay_vs_postfix import Logspool, Sink, free_port, log, measure, smtp_source, strace_counts
 
 
@@ -45,6 +47,9 @@ def main() -> int:
     ap.add_argument("--metrics", action="store_true",
                     help="give each relay a metrics endpoint and add its fsyncs per message to every timed run "
                          "(logspool_fsyncs before and after: no strace, so the timing is the run's own)")
+    ap.add_argument("--dkim", type=lambda v: v.split(","), default=[],
+                    help="variants (comma-separated names) that sign every message with one RSA-2048 key, as "
+                         "dkim_vs_postfix.py's relay does: plain=DIR signed=DIR --dkim signed is signing's cost")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="relay-ab-")
     os.chmod(work, 0o755)
@@ -58,6 +63,10 @@ def main() -> int:
             base = os.path.join(work, name)
             os.makedirs(base)
             relay = Logspool(base, free_port(), sink.port, args.sessions, args.processes, delivery_processes)
+            if name in args.dkim:
+                key_file, _record = write_key(base)
+                with open(relay.config, "a") as f:
+                    f.write(f'\n[[dkim.key]]\ndomain = "{DOMAIN}"\nselector = "{SELECTOR}"\nkey_file = "{key_file}"\n')
             if args.metrics:
                 metrics_port[name] = free_port()
                 with open(relay.config) as f:
