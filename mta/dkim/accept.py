@@ -15,7 +15,7 @@ it is written (``write_through``, no fsync). A message in memory of at most
 millisecond, most of it OpenSSL's signature (the body's passes are C and
 OpenSSL's SHA-256, ``mta.dkim.canon``), and handing it to a thread and back
 cost more than that: the thread holds the GIL through the signature, and at
-100 KB the relay signing in a thread did 0.83 of its rate signing on the
+100 KB the relay signing in a thread did 0.87 of its rate signing on the
 loop (benchmarks.md, "Signed mail"). Larger ones, and every one read back
 from the log (blocking reads), are signed in a worker thread, at most
 ``SIGNING_THREADS`` at once, so the event loop keeps serving while a large
