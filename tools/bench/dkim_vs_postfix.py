@@ -134,11 +134,16 @@ def write_key(where: str) -> tuple[str, str]:
     return path, signing_key(private, DOMAIN, SELECTOR).record_text()
 
 
+def add_key(config: str, key_file: str) -> None:
+    """The relay's config at ``config`` signs every message smtp-source sends with ``key_file``."""
+    with open(config, "a") as f:
+        f.write(f'\n[[dkim.key]]\ndomain = "{DOMAIN}"\nselector = "{SELECTOR}"\nkey_file = "{key_file}"\n')
+
+
 def relay(base: str, sink_port: int, key_file: str, sessions: int) -> Logspool:
     os.makedirs(base)
     ls = Logspool(base, free_port(), sink_port, sessions)
-    with open(ls.config, "a") as f:
-        f.write(f'\n[[dkim.key]]\ndomain = "{DOMAIN}"\nselector = "{SELECTOR}"\nkey_file = "{key_file}"\n')
+    add_key(ls.config, key_file)
     return ls
 
 

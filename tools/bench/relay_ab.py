@@ -26,7 +26,7 @@ import urllib.request
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dkim_vs_postfix import DOMAIN, SELECTOR, write_key
+from dkim_vs_postfix import add_key, write_key
 from relay_vs_postfix import Logspool, Sink, free_port, log, measure, smtp_source, strace_counts
 
 
@@ -64,9 +64,7 @@ def main() -> int:
             os.makedirs(base)
             relay = Logspool(base, free_port(), sink.port, args.sessions, args.processes, delivery_processes)
             if name in args.dkim:
-                key_file, _record = write_key(base)
-                with open(relay.config, "a") as f:
-                    f.write(f'\n[[dkim.key]]\ndomain = "{DOMAIN}"\nselector = "{SELECTOR}"\nkey_file = "{key_file}"\n')
+                add_key(relay.config, write_key(base)[0])
             if args.metrics:
                 metrics_port[name] = free_port()
                 with open(relay.config) as f:
