@@ -10,19 +10,25 @@ Each VARIANT is ``name=DIR``: DIR holds the ``spool`` and ``mta`` packages to ru
 spool mta | tar -x -C DIR`` makes one), put first on PYTHONPATH of that relay's ``mta serve``. Uses
 relay_vs_postfix.py's pieces (same config, smtp-source without -d, smtp-sink, strace -f -c over the
 process tree); no Postfix. Runs alternate in order A B, then B A, ...; the ratio line compares the
-first two variants pair by pair. Needs root only for smtp-sink's -u; strace for --strace.
+first two variants pair by pair. Needs root only for smtp-sink's -u; strace for --strace; perf and root
+for --perf.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +53,11 @@ def main() -> int:
     ap.add_argument("--metrics", action="store_true",
                     help="give each relay a metrics endpoint and add its fsyncs per message to every timed run "
                          "(logspool_fsyncs before and after: no strace, so the timing is the run's own)")
+    ap.add_argument("--perf", action="store_true",
+                    help="count every fsync and fdatasync on the machine during each timed run (perf stat -a on "
+                         "the syscall tracepoints): the relay's and its delivery workers' together, without "
+                         "strace's slowdown, so a count that depends on timing (marks gathered into one sync) is "
+                         "the run's own; needs a quiet machine, since any other process's syncs count too")
     ap.add_argument("--dkim", type=lambda v: v.split(","), default=[],
                     help="variants (comma-separated names) that sign every message with one RSA-2048 key, as "
                          "dkim_vs_postfix.py's relay does: plain=DIR signed=DIR --dkim signed is signing's cost")
@@ -82,7 +93,10 @@ def main() -> int:
         for rep in range(args.reps):
             for name, relay, sink in (relays if rep % 2 == 0 else relays[::-1]):
                 fsyncs0 = fsyncs(metrics_port[name]) if args.metrics else 0.0
-                r = measure(relay.pid, sink, relay.port, args.size, args.sessions, args.messages, 900)
+                with machine_syncs(work, args.perf) as counted:
+                    r = measure(relay.pid, sink, relay.port, args.size, args.sessions, args.messages, 900)
+                if args.perf:
+                    r["machine_fsyncs_per_msg"] = round(counted[0] / args.messages, 4)
                 if args.metrics:
                     r["fsyncs_per_msg"] = round((fsyncs(metrics_port[name]) - fsyncs0) / args.messages, 4)
                 r["loadavg"] = round(os.getloadavg()[0], 1)
@@ -103,7 +117,9 @@ def main() -> int:
                   f"CPU ms/msg all processes {cpu}, relay process {root}; peak PSS {pss} MB; "
                   f"fsyncs/msg {traced.get(name, {}).get('fsync_per_msg')} {traced.get(name, {}).get('strace_calls')}"
                   + (f"; untraced fsyncs/msg median {statistics.median(r['fsyncs_per_msg'] for r in rs)} "
-                     f"runs {[r['fsyncs_per_msg'] for r in rs]}" if args.metrics and rs else ""))
+                     f"runs {[r['fsyncs_per_msg'] for r in rs]}" if args.metrics and rs else "")
+                  + (f"; machine fsyncs/msg median {statistics.median(r['machine_fsyncs_per_msg'] for r in rs)} "
+                     f"runs {[r['machine_fsyncs_per_msg'] for r in rs]}" if args.perf and rs else ""))
         names = list(runs)
         if len(names) >= 2:
             pairs = [b["e2e_per_s"] / a["e2e_per_s"] for a, b in zip(runs[names[0]], runs[names[1]], strict=True)
@@ -116,6 +132,40 @@ def main() -> int:
             sink.stop()
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+@contextlib.contextmanager
+def machine_syncs(workdir: str, on: bool) -> Iterator[list[int]]:
+    """Count the machine's fsync and fdatasync calls while the block runs (``perf stat -a``, one line each
+    100 ms, so its first line says counting has begun); the total lands in the yielded list's one item."""
+    counted = [0]
+    if not on:
+        yield counted
+        return
+    out = os.path.join(workdir, "perf.csv")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(out)
+    proc = subprocess.Popen(["perf", "stat", "-a", "-x,", "-I", "100", "-o", out, "-e",
+                             "syscalls:sys_enter_fdatasync,syscalls:sys_enter_fsync"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None and not _perf_lines(out):
+            time.sleep(0.02)
+        if proc.poll() is not None or not _perf_lines(out):
+            raise RuntimeError("perf stat did not start counting (it needs root and the syscall tracepoints)")
+        yield counted
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    counted[0] = sum(int(float(fields[1])) for fields in _perf_lines(out) if fields[1].replace(".", "").isdigit())
+
+
+def _perf_lines(path: str) -> list[list[str]]:
+    """perf's interval lines (time,count,unit,event,...), without its comments."""
+    with contextlib.suppress(OSError), open(path) as f:
+        return [line.split(",") for line in f if line[:1].isdigit() or line.lstrip()[:1].isdigit()]
+    return []
 
 
 def fsyncs(port: int) -> float:
