@@ -132,6 +132,8 @@ class Worker:
         # once it failed: every point of no return is then asked of the relay).
         self._starts: dict[int, list[int | None]] = {}
         self._own: dict[int, int] = {}  # each batch's points marked here (told to the relay in its ``done``)
+        self._unmarked: dict[int, int] = {}  # each batch's jobs that may still be marked here
+        self._marking: set[int] = set()  # batches whose job waits for its mark now
         self.durable = 0
         self.marks: WorkerMarks | bool | None = None
         self._marks_opening: trio.Event | None = None
@@ -180,6 +182,10 @@ class Worker:
             raise BodyUnavailable(error)
         return data
 
+    def _coming(self) -> int:
+        """Batches whose next job may ask for a mark soon: one with jobs left to mark and none waiting for one."""
+        return sum(1 for batch, left in self._unmarked.items() if left > 0 and batch not in self._marking)
+
     async def before_dot(self, batch: int, index: int, recipients: Sequence[str]) -> None:
         """Make the point of no return of job ``index``'s ``recipients`` durable: in this worker's own marks
         when the job's START is durable, else asked of the relay (and wait until it says it is).
@@ -188,6 +194,8 @@ class Worker:
         starts = self._starts.get(batch)
         start = starts[index] if starts is not None and 0 <= index < len(starts) else None
         if start is not None and start < self.durable and isinstance(self.marks, WorkerMarks):
+            self._unmarked[batch] = self._unmarked.get(batch, 1) - 1
+            self._marking.add(batch)
             try:
                 await self.marks.mark(start, recipients)
             except OSError as exc:  # the relay's log still can: every later point goes there
@@ -197,6 +205,8 @@ class Worker:
             else:
                 self._own[batch] = self._own.get(batch, 0) + 1
                 return
+            finally:
+                self._marking.discard(batch)
         key = (batch, index)
         self._dots[key] = done = trio.Event()
         self.send(["dot", batch, index, list(recipients)])
@@ -277,7 +287,7 @@ class Worker:
                       "of the relay", self.index, directory, exc)
             self.marks = False
         else:
-            self.marks = WorkerMarks(writer)
+            self.marks = WorkerMarks(writer, self._coming)
         finally:
             self._marks_opening.set()
 
@@ -300,6 +310,7 @@ class Worker:
             directory, starts, durable = marks
             self.durable = max(self.durable, int(durable))
             self._starts[batch] = [None if s is None else int(s) for s in starts]
+            self._unmarked[batch] = sum(s is not None for s in starts)
             if self.marks is None:
                 await self._open_marks(str(directory))
         dest = decode_destination(dest_item)
@@ -323,6 +334,7 @@ class Worker:
             return
         finally:
             self._starts.pop(batch, None)
+            self._unmarked.pop(batch, None)
             own = self._own.pop(batch, 0)
         # A job's outcomes already sent as they came are not sent again (None in their place).
         self.send(["done", batch, [None if i in sent else encode_outcomes(r) for i, r in enumerate(results)],

@@ -7,9 +7,11 @@ commit, a ``dot_ok`` frame), every message waited for two frames through the
 relay's busy loop and for its commit window: a fifth of the throughput at
 100 sessions (docs/benchmarks.md, "The point of no return"). The worker's
 own file (``spool.write.marks``) needs neither: a mark is appended and
-fdatasynced here, and the marks that arrive during one fdatasync share the
-next. Recovery reads every worker's marks beside the log's ``sending``
-records, and the relay reads a dead worker's when it fails its batches.
+fdatasynced here; the marks that arrive during one fdatasync share the
+next, and a sync waits a moment (``GATHER_MAX``) for the worker's other
+batches on their way to a dot. Recovery reads every worker's marks beside
+the log's ``sending`` records, and the relay reads a dead worker's when it
+fails its batches.
 
 A mark names the attempt's START, so it is written only for an attempt whose
 START the relay has said is durable (``durable`` frames): then recovery finds
@@ -23,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -34,6 +36,12 @@ from spool import INLINE_SYNC_FAST, MarksWriter
 # 2-core machine that CPU is the relay's (docs/benchmarks.md, "The point of no return: its cost"). A slow disk
 # sends it to a thread, where the marks that arrive during one sync share the next.
 SAMPLES = 8
+# How long a sync may wait for the marks of the worker's other batches that are on their way to a dot (``coming``).
+# Under load the worker's dots come a fraction of a millisecond apart (median 0.2 ms at 20 sessions) while a fast
+# disk's fdatasync blocks the loop for 0.25 ms, so without a wait nearly every mark had an fdatasync of its own
+# (0.88 a message over the relay's tree; 0.41-0.52 with this wait, docs/benchmarks.md, "The point of no return:
+# its cost"). The bound is what one dot may be held back: small against a next hop's round trips.
+GATHER_MAX = 0.001
 
 
 class WorkerMarks:
@@ -41,8 +49,10 @@ class WorkerMarks:
     that came meanwhile in the next. Adds happen in the loop's thread only while no sync runs (a sync in a
     thread reads them there)."""
 
-    def __init__(self, writer: MarksWriter) -> None:
+    def __init__(self, writer: MarksWriter, coming: Callable[[], int] = lambda: 0) -> None:
         self.writer = writer
+        self.coming = coming  # batches that may ask for a mark soon (their next job is on its way to its dot)
+        self._added = trio.Event()  # set when a mark is asked for
         self._waiting: list[tuple[int, tuple[str, ...]]] = []  # marks not yet handed to the writer
         self._asked = 0  # marks asked for
         self._synced = 0  # of those, durable
@@ -57,6 +67,8 @@ class WorkerMarks:
         """Return once the mark is durable; raises OSError when it could not be made so (the dot must not go)."""
         self._waiting.append((start_pos, tuple(recipients)))
         self._asked += 1
+        added, self._added = self._added, trio.Event()
+        added.set()
         ticket = self._asked
         while self._synced < ticket:
             if self._failed_upto >= ticket and self._error is not None:
@@ -73,6 +85,10 @@ class WorkerMarks:
             # One pass of the loop first: the connections whose replies came in the same wake-up reach their
             # dots in it, and their marks join this sync instead of waiting for the next.
             await trio.lowlevel.checkpoint()
+            if self.coming() > 0:
+                with trio.move_on_after(GATHER_MAX):
+                    while self.coming() > 0:
+                        await self._added.wait()
             upto = self._asked
             for start_pos, recipients in self._waiting:
                 self.writer.add(start_pos, recipients)

@@ -11,7 +11,7 @@ from spool_support import spool_config
 
 from mta.config import parse_config
 from mta.delivery.transport import Job
-from mta.delivery.worker_marks import WorkerMarks
+from mta.delivery.worker_marks import GATHER_MAX, WorkerMarks
 from mta.delivery.workers import DeliveryWorkers, _Batch, _Worker
 from spool import StoredBody
 from spool.engine.spool import Spool
@@ -36,6 +36,42 @@ async def test_marks_that_arrive_during_one_sync_share_the_next_and_all_read_bac
     assert marks.syncs < 20  # shared: one for the first, the rest for those that came during it
     got = {m.start_pos: m.recipients for m in marks_of(str(tmp_path), "w0-7")}
     assert got == {1000 + i: (f"r{i}@x.example",) for i in range(20)}
+
+
+async def test_a_sync_waits_for_a_mark_on_its_way_and_one_fdatasync_covers_both(tmp_path: Path) -> None:
+    coming = [1]  # the second delivery is on its way to its dot when the first asks for its mark
+    marks = WorkerMarks(await trio.to_thread.run_sync(MarksWriter, str(tmp_path), "w0-8"), lambda: coming[0])
+    first_done = trio.Event()
+
+    async def first() -> None:
+        await marks.mark(1000, ["a@x.example"])
+        first_done.set()
+
+    async def second() -> None:
+        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint()  # after the sync has started waiting
+        assert not first_done.is_set()
+        coming[0] = 0
+        await marks.mark(2000, ["b@x.example"])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        nursery.start_soon(second)
+    marks.close()
+    assert marks.syncs == 1
+    assert {m.start_pos for m in marks_of(str(tmp_path), "w0-8")} == {1000, 2000}
+
+
+async def test_a_mark_that_nobody_joins_is_synced_after_the_gathering_bound(tmp_path: Path) -> None:
+    # A batch that said it was coming never asks (its job failed before its dot): the mark is not held past the
+    # bound. The bound is short (GATHER_MAX); the clock here is trio's real one.
+    marks = WorkerMarks(await trio.to_thread.run_sync(MarksWriter, str(tmp_path), "w0-9"), lambda: 1)
+    t0 = trio.current_time()
+    await marks.mark(1000, ["a@x.example"])
+    marks.close()
+    assert marks.syncs == 1
+    assert trio.current_time() - t0 >= GATHER_MAX
+    assert [m.start_pos for m in marks_of(str(tmp_path), "w0-9")] == [1000]
 
 
 async def test_a_dead_workers_marks_name_the_jobs_of_its_lost_batches_past_their_point(tmp_path: Path) -> None:
