@@ -210,10 +210,11 @@ class GroupCommit(InlineCommit):
     def _room_again(self) -> None:
         """A write that had found no room (here, or in recovery before the relay ran) went through."""
         since = "" if self._full_since is None else f" after {trio.current_time() - self._full_since:.1f} s"
-        log.warning("%s: room on disk again%s: the waiting records are written, mail is accepted", self.core.path,
-                    since)
+        mail = "mail is accepted" if self.core.reserve.held else \
+            "mail is accepted once the spool's reserve is allocated again"
+        log.warning("%s: room on disk again%s: the waiting records are written, %s", self.core.path, since, mail)
         self._full_since = None
-        self._space_changed()
+        self._space_changed()  # the reserve keeper, if it waits to try again, tries now
 
     async def _reserve_keeper(self) -> None:
         """Allocate the reserve again whenever it is not whole (after a checkpoint used it, or at a full start)."""
@@ -225,9 +226,13 @@ class GroupCommit(InlineCommit):
                 continue
             delay = SPACE_RETRY_MIN
             while not await trio.to_thread.run_sync(reserve.ensure):
-                await trio.sleep(delay)
+                # Again after a growing delay, or at once when room came back (a waiting write went through):
+                # mail waits for the reserve, so it should not wait out the delay too.
+                with trio.move_on_after(delay):
+                    await self._space.wait()
                 delay = min(delay * 2, SPACE_RETRY_MAX)
-            log.info("%s: the spool's reserve is allocated again", self.core.path)
+            mail = ", mail is accepted" if self.core.writer.full is None else ""
+            log.info("%s: the spool's reserve is allocated again%s", self.core.path, mail)
             self._space_changed()
 
     # -- durability -----------------------------------------------------------
