@@ -132,6 +132,7 @@ class Worker:
         # once it failed: every point of no return is then asked of the relay).
         self._starts: dict[int, list[int | None]] = {}
         self._own: dict[int, int] = {}  # each batch's points marked here (told to the relay in its ``done``)
+        self._told_syncs = 0  # the marks' fdatasyncs told to the relay so far (in ``done`` frames)
         self._unmarked: dict[int, int] = {}  # each batch's jobs that may still be marked here
         self._marking: set[int] = set()  # batches whose job waits for its mark now
         self.durable = 0
@@ -336,9 +337,11 @@ class Worker:
             self._starts.pop(batch, None)
             self._unmarked.pop(batch, None)
             own = self._own.pop(batch, 0)
+        syncs = self.marks.syncs - self._told_syncs if isinstance(self.marks, WorkerMarks) else 0
+        self._told_syncs += syncs
         # A job's outcomes already sent as they came are not sent again (None in their place).
         self.send(["done", batch, [None if i in sent else encode_outcomes(r) for i, r in enumerate(results)],
-                   self.transport.cache.reused - before, own])
+                   self.transport.cache.reused - before, own, syncs])
 
 
 def gone(index: int, fmt: str) -> None:

@@ -12,9 +12,10 @@ waits for the relay's ``dot_ok`` (the same, and None or why the point of no
 return could not be made durable): the relay answers once the job's
 ``sending`` DELIVERY record is durable (docs/design.md, "The point of no
 return"). The worker answers ``outcome`` as each job's next hop answers, then ``done``
-(every job's outcomes) or ``failed`` (the transport raised: the relay defers
-the batch as a local error); ``log`` and
-``tls_policy`` frames carry what the transport logs and counts, so the
+(every job's outcomes not sent yet, the connection cache's reuses, the points it
+marked itself and its marks file's fdatasyncs since its last ``done``) or
+``failed`` (the transport raised: the relay defers the batch as a local
+error); ``log`` and ``tls_policy`` frames carry what the transport logs and counts, so the
 relay's log and metrics see them as before.
 
 Why CBOR and not pickle for the traffic: the worker talks to the world (next

@@ -224,6 +224,8 @@ class DeliveryWorkers:
         self.observers: list[Callable[[str, str], None]] = []
         # Told how many points of no return a worker marked itself, as each batch ends (the relay's metrics).
         self.mark_observers: list[Callable[[int], None]] = []
+        # Told how many fdatasyncs of its marks file a worker made since it last said (the relay's metrics).
+        self.sync_observers: list[Callable[[int], None]] = []
         self.reused = 0
         self.deaths = 0
         self.served = 0  # body chunks read here for a worker (a body not given by position, or its fallback)
@@ -426,6 +428,9 @@ class DeliveryWorkers:
             if message[4]:
                 for observe in self.mark_observers:
                     observe(int(message[4]))
+            if message[5]:
+                for observe in self.sync_observers:
+                    observe(int(message[5]))
             del worker.batches[int(message[1])]
             batch.done.set()
         elif kind == "failed":

@@ -100,6 +100,9 @@ class Metrics:
         self.points = Counter("logspool_points_of_no_return", "final dots made safe to send, by who made their "
                               "record durable (relay: a sending record in the log; worker: a delivery worker's mark)",
                               ["by"], registry=r)
+        # The log's are logspool_fsyncs; these are the other half of what the disk is asked to sync.
+        self.worker_fsyncs = Counter("logspool_worker_fsyncs", "fdatasyncs of the delivery workers' marks files "
+                                     "(their points of no return)", registry=r)
         self.latency = Histogram("logspool_delivery_latency_seconds", "arrival to final delivery",
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.batch = Histogram("logspool_commit_batch_messages", "messages covered by one acceptance commit",

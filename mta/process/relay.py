@@ -174,6 +174,7 @@ class Relay:
                 self.workers = smtp
                 self.aspool.durable_observers.append(smtp.durable)  # a worker marks its own points of no return
                 smtp.mark_observers.append(self.metrics.points.labels(by="worker").inc)
+                smtp.sync_observers.append(self.metrics.worker_fsyncs.inc)
                 # The deliveries' CPU is in the workers: a lone client's fdatasync may run in the loop's thread
                 # (spool.aio.group_commit, "inline"; +6 % for a lone client: docs/benchmarks.md, "Inline commit ...").
                 self.aspool.inline_sync(INLINE_SYNC_FAST)

@@ -377,6 +377,9 @@ async def test_under_concurrency_the_worker_marks_its_own_points_of_no_return(tm
         by_relay = registry.get_sample_value("logspool_points_of_no_return_total", {"by": "relay"}) or 0.0
         assert by_worker + by_relay == clients * each
         assert by_worker > 0, (by_worker, by_relay)
+        # Every mark was made durable by one of the worker's fdatasyncs, and each covers one mark or more.
+        syncs = registry.get_sample_value("logspool_worker_fsyncs_total") or 0.0
+        assert 0 < syncs <= by_worker, (syncs, by_worker)
         marks = list((tmp_path / "spool" / "marks").glob("*.marks"))
         assert marks and all(m.name.startswith(f"w0-{worker_pid}-") for m in marks)
         nursery.cancel_scope.cancel()

@@ -265,6 +265,8 @@ CASES: dict[str, Callable[[Scrapes], bool]] = {
     "logspool_smtp_sessions_refused": grew('logspool_smtp_sessions_refused_total{limit="total"}'),
     "logspool_smtp_timeouts": grew('logspool_smtp_timeouts_total{phase="command"}'),
     "logspool_fsyncs": grew("logspool_fsyncs"),
+    # No delivery worker here, so no marks to sync (a worker's: test_delivery_workers).
+    "logspool_worker_fsyncs": lambda s: s.end.samples.get("logspool_worker_fsyncs_total") == 0,
     "logspool_commits": grew("logspool_commits"),
     "logspool_records_appended": grew("logspool_records_appended"),
     "logspool_bytes_appended": grew("logspool_bytes_appended"),
