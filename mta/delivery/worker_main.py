@@ -195,7 +195,7 @@ class Worker:
         starts = self._starts.get(batch)
         start = starts[index] if starts is not None and 0 <= index < len(starts) else None
         if start is not None and start < self.durable and isinstance(self.marks, WorkerMarks):
-            self._unmarked[batch] = self._unmarked.get(batch, 1) - 1
+            self._unmarked[batch] -= 1
             self._marking.add(batch)
             try:
                 await self.marks.mark(start, recipients)

@@ -164,7 +164,7 @@ def machine_syncs(workdir: str, on: bool) -> Iterator[list[int]]:
 def _perf_lines(path: str) -> list[list[str]]:
     """perf's interval lines (time,count,unit,event,...), without its comments."""
     with contextlib.suppress(OSError), open(path) as f:
-        return [line.split(",") for line in f if line[:1].isdigit() or line.lstrip()[:1].isdigit()]
+        return [line.split(",") for line in f if line.lstrip()[:1].isdigit()]
     return []
 
 
